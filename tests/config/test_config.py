@@ -1,0 +1,529 @@
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import (
+    HelpRequested,
+    JobConfig,
+    UserError,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+    validate,
+)
+from torchtitan.config.job_config import PLANNED_KEYS
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def load_recipe(path, *cli):
+    return load_config(["--job.config_file", str(path), *cli])
+
+
+def error_of(argv):
+    with pytest.raises(UserError) as info:
+        load_config(argv)
+    return str(info.value)
+
+
+# --- defaults, precedence, CLI forms -------------------------------------------------------
+
+
+def test_defaults():
+    cfg = load_config([])
+    assert cfg == JobConfig()
+    assert cfg.training.steps == 10000
+    assert cfg.optimizer.name == "AdamW"
+    assert cfg.job.config_file is None
+
+
+def test_recipe_overrides_defaults(tmp_path):
+    path = write(tmp_path / "r.toml", '[training]\nsteps = 7\n[optimizer]\nlr = 1\n')
+    cfg = load_recipe(path)
+    assert cfg.training.steps == 7
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # int widened
+    assert cfg.training.seq_len == 2048  # untouched keys keep their defaults
+    assert cfg.job.config_file == path
+
+
+def test_cli_overrides_recipe(tmp_path):
+    path = write(tmp_path / "r.toml", "[training]\nsteps = 7\nseq_len = 64\n")
+    cfg = load_recipe(path, "--training.steps", "9")
+    assert cfg.training.steps == 9
+    assert cfg.training.seq_len == 64
+
+
+def test_cli_space_and_equals_forms_and_dashes():
+    cfg = load_config(["--training.steps", "5", "--training.seq_len=32", "--training.local-batch-size", "4"])
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.training.local_batch_size) == (5, 32, 4)
+
+
+def test_cli_negative_int_value():
+    cfg = load_config(["--training.global_batch_size", "-1", "--training.local_batch_size", "2"])
+    assert cfg.training.global_batch_size == -1
+
+
+def test_cli_last_override_wins():
+    assert load_config(["--training.steps", "5", "--training.steps=6"]).training.steps == 6
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.deterministic"], True),
+        (["--training.deterministic", "true"], True),
+        (["--training.deterministic", "YES"], True),
+        (["--training.deterministic=1"], True),
+        (["--training.deterministic", "false"], False),
+        (["--training.deterministic=false"], False),
+        (["--training.deterministic", "No"], False),
+        (["--training.deterministic", "0"], False),
+        (["--training.deterministic", "--training.no-deterministic"], False),
+        (["--training.deterministic", "--training.no_deterministic"], False),
+    ],
+)
+def test_cli_bool_forms(argv, expected):
+    assert load_config(argv).training.deterministic is expected
+
+
+def test_cli_bare_bool_followed_by_another_option():
+    cfg = load_config(["--metrics.enable_tensorboard", "--training.steps", "3"])
+    assert cfg.metrics.enable_tensorboard is True
+    assert cfg.training.steps == 3
+
+
+def test_cli_bad_bool_word():
+    assert "expected a boolean" in error_of(["--training.deterministic=maybe"])
+
+
+def test_cli_negated_flag_takes_no_value():
+    assert "takes no value" in error_of(["--training.no-deterministic=true"])
+
+
+def test_planned_list_key_comma_parsing():
+    # The empty list is the inert value, so it loads; a non-empty one shows how it was parsed.
+    load_config(["--model.converters", ""])
+    load_config(["--model.converters="])
+    msg = error_of(["--model.converters", "float8, mx"])
+    assert 'model.converters = ["float8", "mx"]' in msg
+    assert "model converters" in msg
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None", "NULL"])
+def test_cli_optional_none(tmp_path, word):
+    path = write(tmp_path / "r.toml", "[lr_scheduler]\ndecay_ratio = 0.5\n")
+    assert load_recipe(path).lr_scheduler.decay_ratio == 0.5
+    assert load_recipe(path, "--lr_scheduler.decay_ratio", word).lr_scheduler.decay_ratio is None
+
+
+def test_cli_optional_value():
+    assert load_config(["--lr_scheduler.decay_ratio", "0.25"]).lr_scheduler.decay_ratio == 0.25
+
+
+def test_literal_choice_rejected_lists_choices(tmp_path):
+    msg = error_of(["--optimizer.name", "sgd"])
+    assert "optimizer.name" in msg and "'AdamW'" in msg and "'Adam'" in msg and "'sgd'" in msg
+    path = write(tmp_path / "r.toml", '[lr_scheduler]\ndecay_type = "step"\n')
+    with pytest.raises(UserError, match=r"'linear', 'sqrt', 'cosine'.*'step'"):
+        load_recipe(path)
+
+
+def test_literal_choice_accepted():
+    assert load_config(["--optimizer.implementation", "for-loop"]).optimizer.implementation == "for-loop"
+
+
+def test_cli_value_missing():
+    assert "needs a value" in error_of(["--training.steps"])
+
+
+@pytest.mark.parametrize("arg", ["steps", "-x", "--", "--training", "--a.b.c"])
+def test_cli_malformed_argument(arg):
+    with pytest.raises(UserError, match="--section.key"):
+        load_config([arg])
+
+
+# --- inheritance -----------------------------------------------------------------------------
+
+
+def test_inheritance_section_wise_merge(tmp_path):
+    write(tmp_path / "base.toml", "[training]\nsteps = 100\nseq_len = 128\n[optimizer]\nlr = 0.5\n")
+    child = write(tmp_path / "child.toml", '[job]\nbase_config = "base.toml"\n[training]\nsteps = 3\n')
+    cfg = load_recipe(child)
+    assert cfg.training.steps == 3  # child wins
+    assert cfg.training.seq_len == 128  # rest of the base's section kept
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.job.config_file == child
+    assert cfg.job.base_config == "base.toml"
+
+
+def test_inheritance_nested_relative_paths(tmp_path):
+    write(tmp_path / "a" / "b" / "root.toml", "[training]\nseq_len = 16\nsteps = 1\n")
+    write(tmp_path / "a" / "mid.toml", '[job]\nbase_config = "b/root.toml"\n[training]\nsteps = 2\n')
+    leaf = write(tmp_path / "c" / "leaf.toml", '[job]\nbase_config = "../a/mid.toml"\n')
+    cfg = load_recipe(leaf)
+    assert (cfg.training.seq_len, cfg.training.steps) == (16, 2)
+    assert cfg.job.base_config == "../a/mid.toml"
+
+
+def test_inheritance_cycle(tmp_path):
+    write(tmp_path / "a.toml", '[job]\nbase_config = "b.toml"\n')
+    write(tmp_path / "b.toml", '[job]\nbase_config = "a.toml"\n')
+    with pytest.raises(UserError, match="cycle"):
+        load_recipe(tmp_path / "a.toml")
+
+
+def test_inheritance_self_cycle(tmp_path):
+    write(tmp_path / "a.toml", '[job]\nbase_config = "a.toml"\n')
+    with pytest.raises(UserError, match="cycle"):
+        load_recipe(tmp_path / "a.toml")
+
+
+def test_inheritance_missing_base(tmp_path):
+    child = write(tmp_path / "child.toml", '[job]\nbase_config = "nope.toml"\n')
+    msg = str(pytest.raises(UserError, load_recipe, child).value)
+    assert "nope.toml" in msg and "not found" in msg and "child.toml" in msg
+
+
+def test_base_config_rejected_on_cli():
+    assert "inside a recipe" in error_of(["--job.base_config", "x.toml"])
+
+
+def test_config_file_rejected_inside_recipe(tmp_path):
+    path = write(tmp_path / "r.toml", '[job]\nconfig_file = "other.toml"\n')
+    with pytest.raises(UserError, match="--job.config_file"):
+        load_recipe(path)
+
+
+def test_error_names_base_file_for_its_keys(tmp_path):
+    write(tmp_path / "base.toml", '[training]\nsteps = "ten"\n')
+    child = write(tmp_path / "child.toml", '[job]\nbase_config = "base.toml"\n')
+    with pytest.raises(UserError, match="base.toml"):
+        load_recipe(child)
+
+
+# --- unknown names ---------------------------------------------------------------------------
+
+
+def test_unknown_key_in_toml(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[training]\nstpes = 3\n")
+    msg = str(pytest.raises(UserError, load_recipe, path).value)
+    assert "'training.stpes'" in msg and "recipe.toml" in msg and "did you mean 'training.steps'" in msg
+
+
+def test_unknown_key_in_wrong_section_points_to_home(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[training]\nlr = 3\n")
+    with pytest.raises(UserError, match=r"did you mean 'optimizer\.lr'"):
+        load_recipe(path)
+
+
+def test_unknown_section_in_toml(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[trainig]\nsteps = 3\n")
+    msg = str(pytest.raises(UserError, load_recipe, path).value)
+    assert "'[trainig]'" in msg and "recipe.toml" in msg and "did you mean '[training]'" in msg
+
+
+def test_key_outside_section_in_toml(tmp_path):
+    path = write(tmp_path / "recipe.toml", "steps = 3\n")
+    with pytest.raises(UserError, match=r"outside any \[section\].*training\.steps"):
+        load_recipe(path)
+
+
+def test_unknown_key_on_cli():
+    msg = error_of(["--training.stpes", "3"])
+    assert "training.stpes" in msg and "command line" in msg and "did you mean '--training.steps'" in msg
+
+
+def test_unknown_section_on_cli():
+    msg = error_of(["--trainig.steps", "3"])
+    assert "'trainig'" in msg and "did you mean '--training.steps'" in msg
+
+
+def test_unknown_planned_section_key_suggests_planned_key(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[checkpoint]\nenable_checkpointt = false\n")
+    with pytest.raises(UserError, match=r"did you mean 'checkpoint\.enable_checkpoint'"):
+        load_recipe(path)
+
+
+# --- types -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "toml, key, expected, shown",
+    [
+        ('steps = "ten"', "training.steps", "an integer", "'ten'"),
+        ("steps = true", "training.steps", "an integer", "true"),
+        ("steps = 1.5", "training.steps", "an integer", "1.5"),
+        ('max_norm = "1"', "training.max_norm", "a number", "'1'"),
+        ("max_norm = false", "training.max_norm", "a number", "false"),
+        ("deterministic = 1", "training.deterministic", "a boolean", "1"),
+        ("dataset_path = 3", "training.dataset_path", "a string", "3"),
+        ("compile = 0", "training.compile", "a boolean", "0"),
+    ],
+)
+def test_wrong_type_in_toml(tmp_path, toml, key, expected, shown):
+    path = write(tmp_path / "recipe.toml", f"[training]\n{toml}\n")
+    msg = str(pytest.raises(UserError, load_recipe, path).value)
+    assert msg.startswith(f"{key}: expected {expected}")
+    assert f"got {shown}" in msg and "recipe.toml" in msg
+
+
+def test_wrong_list_type_in_toml(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[model]\nconverters = [1]\n")
+    with pytest.raises(UserError, match="model.converters: expected a list of strings"):
+        load_recipe(path)
+
+
+def test_section_must_be_table(tmp_path):
+    path = write(tmp_path / "recipe.toml", "training = 3\n")
+    with pytest.raises(UserError, match=r"\[training\] table"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.steps", "ten"], "training.steps: expected an integer, got 'ten' (from the command line)"),
+        (["--training.steps", "1.5"], "training.steps: expected an integer, got '1.5'"),
+        (["--optimizer.lr", "fast"], "optimizer.lr: expected a number, got 'fast'"),
+        (["--lr_scheduler.decay_ratio", "x"], "lr_scheduler.decay_ratio: expected a number or none, got 'x'"),
+        (["--parallelism.tensor_parallel_degree", "two"], "parallelism.tensor_parallel_degree: expected an integer"),
+    ],
+)
+def test_wrong_type_on_cli(argv, expected):
+    assert expected in error_of(argv)
+
+
+# --- planned keys ----------------------------------------------------------------------------
+
+
+def test_planned_keys_inert_accepted(tmp_path):
+    path = write(
+        tmp_path / "recipe.toml",
+        """
+        [job]
+        print_args = true
+        [checkpoint]
+        enable_checkpoint = false
+        folder = "ckpt"
+        interval = 500
+        [parallelism]
+        tensor_parallel_degree = 1
+        pipeline_parallel_schedule = "1F1B"
+        [activation_checkpoint]
+        mode = "none"
+        [model]
+        converters = []
+        """,
+    )
+    cfg = load_recipe(path, "--training.compile", "false", "--checkpoint.folder", "x", "--job.print_args")
+    assert not hasattr(cfg, "checkpoint")  # planned values are validated, not stored
+    assert cfg == dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
+
+
+def test_planned_key_active_rejected_in_toml(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[checkpoint]\nenable_checkpoint = true\n")
+    msg = str(pytest.raises(UserError, load_recipe, path).value)
+    assert msg.startswith("checkpoint.enable_checkpoint = true")
+    assert "not supported yet: checkpointing is not implemented yet (issue 3)" in msg
+    assert "Remove it or set it to false." in msg
+
+
+def test_planned_key_specific_reason():
+    msg = error_of(["--parallelism.enable_compiled_autograd"])
+    assert "compiled autograd is not supported" in msg
+
+
+def test_planned_key_int_and_str_rejected():
+    assert "issue 4" in error_of(["--parallelism.tensor_parallel_degree", "2"])
+    msg = error_of(["--activation_checkpoint.mode", "full"])
+    assert 'activation_checkpoint.mode = "full"' in msg and 'set it to "none"' in msg
+
+
+def test_planned_key_cli_can_switch_off_recipe_value(tmp_path):
+    path = write(tmp_path / "recipe.toml", "[training]\ncompile = true\n")
+    with pytest.raises(UserError, match="training.compile"):
+        load_recipe(path)
+    load_recipe(path, "--training.no-compile")
+
+
+# --- value checks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--training.local_batch_size", "0"], "training.local_batch_size"),
+        (["--training.seq_len", "-3"], "training.seq_len"),
+        (["--training.steps", "0"], "training.steps"),
+        (["--metrics.log_freq", "0"], "metrics.log_freq"),
+        (["--training.gc_freq", "0"], "training.gc_freq"),
+        (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds"),
+        (["--training.global_batch_size", "0"], "training.global_batch_size"),
+        (["--training.global_batch_size", "-2"], "training.global_batch_size"),
+        (["--parallelism.data_parallel_replicate_degree", "0"], "parallelism.data_parallel_replicate_degree"),
+        (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree"),
+        (["--parallelism.data_parallel_shard_degree", "-2"], "parallelism.data_parallel_shard_degree"),
+        (["--optimizer.lr", "0"], "optimizer.lr"),
+        (["--optimizer.lr", "nan"], "optimizer.lr"),
+        (["--optimizer.eps", "0"], "optimizer.eps"),
+        (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay"),
+        (["--optimizer.beta1", "1"], "optimizer.beta1"),
+        (["--optimizer.beta1", "-0.1"], "optimizer.beta1"),
+        (["--optimizer.beta2", "1.5"], "optimizer.beta2"),
+        (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps"),
+        (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
+        (["--lr_scheduler.decay_ratio", "-0.1"], "lr_scheduler.decay_ratio"),
+        (["--lr_scheduler.min_lr_factor", "1.1"], "lr_scheduler.min_lr_factor"),
+        (["--lr_scheduler.min_lr_factor", "-0.1"], "lr_scheduler.min_lr_factor"),
+        (["--training.max_norm", "-1"], "training.max_norm"),
+        (["--metrics.device_peak_tflops", "-1"], "metrics.device_peak_tflops"),
+        (["--training.dataset", "local"], "training.dataset_path"),
+        (["--training.dataset", "huggingface"], "training.dataset_path"),
+        (["--training.dataset_path", "data.jsonl"], 'training.dataset = "local"'),
+    ],
+)
+def test_validate_rejects(argv, key):
+    msg = error_of(argv)
+    assert key in msg
+    bad = argv[-1]
+    assert bad in msg or str(float(bad)) in msg  # the bad value is shown
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.global_batch_size", "16"],
+        ["--parallelism.data_parallel_shard_degree", "2"],
+        ["--optimizer.beta1", "0", "--optimizer.weight_decay", "0", "--training.max_norm", "0"],
+        ["--lr_scheduler.decay_ratio", "0", "--lr_scheduler.min_lr_factor", "1", "--lr_scheduler.warmup_steps", "0"],
+        ["--lr_scheduler.decay_ratio", "1"],
+        ["--training.dataset", "local", "--training.dataset_path", "d"],
+        ["--training.dataset", "huggingface", "--training.dataset_path", "d"],
+    ],
+)
+def test_validate_accepts_boundaries(argv):
+    load_config(argv)
+
+
+def test_validate_direct_lists_every_problem():
+    cfg = JobConfig()
+    validate(cfg)
+    bad = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=0, seq_len=0))
+    msg = str(pytest.raises(UserError, validate, bad).value)
+    assert "training.steps" in msg and "training.seq_len" in msg
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def test_missing_recipe_file(tmp_path):
+    path = tmp_path / "absent.toml"
+    msg = str(pytest.raises(UserError, load_recipe, path).value)
+    assert str(path) in msg and "not found" in msg
+
+
+def test_recipe_is_a_folder(tmp_path):
+    with pytest.raises(UserError, match="is a folder"):
+        load_recipe(tmp_path)
+
+
+def test_malformed_toml(tmp_path):
+    path = write(tmp_path / "bad.toml", "[training]\nsteps = = 3\n")
+    msg = str(pytest.raises(UserError, load_recipe, path).value)
+    assert path in msg and "line 2" in msg
+
+
+def test_non_utf8_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'[job]\ndescription = "\xff"\n')
+    with pytest.raises(UserError, match="bad.toml"):
+        load_recipe(path)
+
+
+# --- help, output, schema --------------------------------------------------------------------
+
+
+def _shown(value):
+    return "unset" if value is None else json.dumps(value)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_field_with_default(flag):
+    with pytest.raises(HelpRequested) as info:
+        load_config(["--training.steps", "3", flag])
+    assert not isinstance(info.value, UserError)
+    lines = info.value.text.splitlines()
+    cfg = JobConfig()
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            line = next(x for x in lines if x.strip().startswith(f"--{section.name}.{f.name} "))
+            assert f"default: {_shown(getattr(obj, f.name))})" in line
+    planned = info.value.text.split("Planned keys")[1]
+    assert "inert value" in planned
+    for section, keys in PLANNED_KEYS.items():
+        for key in keys:
+            assert f"--{section}.{key} = " in planned
+
+
+def test_help_wins_over_bad_arguments():
+    with pytest.raises(HelpRequested):
+        load_config(["--nonsense.key", "--help"])
+
+
+def test_config_to_toml_round_trip(tmp_path):
+    write(tmp_path / "base.toml", "[training]\nseq_len = 64\n")
+    recipe = write(tmp_path / "r.toml", '[job]\nbase_config = "base.toml"\n')
+    cfg = load_recipe(
+        recipe,
+        "--job.description", 'quote " backslash \\ tab \t newline \n del \x7f unicode é',
+        "--optimizer.lr", "3e-05",
+        "--lr_scheduler.decay_ratio", "0.1",
+        "--training.dataset", "local",
+        "--training.dataset_path", "C:\\data\\x.jsonl",
+        "--training.deterministic",
+        "--metrics.device_peak_tflops", "989.5",
+    )
+    text = config_to_toml(cfg)
+    assert "# config_file = " in text and "# base_config = " in text
+    assert "# decay_ratio" not in text and "decay_ratio = 0.1" in text
+    out = tmp_path / "elsewhere" / "resolved.toml"
+    write(out, text)
+    again = load_recipe(out)
+    expected = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, config_file=str(out), base_config=None))
+    assert again == expected
+
+
+def test_config_to_toml_unset_values_are_comments():
+    text = config_to_toml(JobConfig())
+    assert "# decay_ratio = (unset)" in text and "# dataset_path = (unset)" in text
+    sections = [line for line in text.splitlines() if line.startswith("[")]
+    assert sections == [f"[{f.name}]" for f in dataclasses.fields(JobConfig)]
+
+
+def test_config_to_dict():
+    d = config_to_dict(JobConfig())
+    assert d["training"]["steps"] == 10000
+    assert d["job"]["config_file"] is None
+
+
+def test_dataclasses_are_frozen():
+    cfg = load_config([])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.steps = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training = None
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, torchtitan.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

@@ -1,0 +1,105 @@
+"""Training metrics: one console line per logged step, TensorBoard scalars, and
+{dump_folder}/metrics.jsonl with one JSON object per logged step.
+
+MFU divides achieved FLOP/s per device by the device's peak: a table of dense bf16 peaks for known
+GPUs, or, on CPU, a peak measured at start-up with a short matmul in the training dtype and with the
+threads this process uses (so it is the reachable peak of this process's share of the machine).
+"""
+
+import json
+import logging
+import os
+import resource
+import time
+
+import torch
+
+from torchtitan.config import Metrics
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks in TFLOP/s, matched by substring of torch.cuda.get_device_name().
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "MI300X": 1307.0,
+    "MI325X": 1307.0,
+}
+
+
+def measure_matmul_tflops(dtype: torch.dtype, seconds: float = 0.4, n: int = 1024) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool and kernel selection
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2 * n**3 * count / elapsed / 1e12
+
+
+def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
+    """(peak TFLOP/s of one device, where the figure comes from)."""
+    if configured > 0:
+        return configured, "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return peak, f"table ({name}, dense bf16)"
+        logger.warning(f"unknown GPU '{name}': set metrics.device_peak_tflops for MFU; assuming A100's 312")
+        return 312.0, f"assumed ({name})"
+    peak = measure_matmul_tflops(dtype)
+    return peak, f"measured ({dtype}, {torch.get_num_threads()} threads)"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Max allocated on CUDA; max resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+class MetricsLogger:
+    """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard and
+    metrics.jsonl. Values must already be global (reduced over ranks) where that matters."""
+
+    def __init__(self, cfg: Metrics, dump_folder: str, write: bool):
+        self.write = write
+        self.jsonl = None
+        self.tb = None
+        if write:
+            os.makedirs(dump_folder, exist_ok=True)
+            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "w")
+            if cfg.enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(dump_folder, cfg.save_tb_folder))
+
+    def log(self, values: dict):
+        step = values["step"]
+        logger.info(
+            f"step: {step:>5}  loss: {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
+            f"lr: {values['lr']:.2e}  memory: {values['memory_gib']:5.2f}GiB  tps: {values['tps']:,.0f}  "
+            f"tflops: {values['tflops']:.2f}  mfu: {values['mfu']:.2f}%"
+        )
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(values) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in values.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+
+    def close(self):
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

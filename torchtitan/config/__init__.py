@@ -1,0 +1,44 @@
+"""Job configuration: schema, loading (defaults < TOML recipe < command line) and validation.
+
+Importing this package must not import torch: it validates a job before launch.
+"""
+
+from torchtitan.config.errors import UserError
+from torchtitan.config.job_config import (
+    Comm,
+    Job,
+    JobConfig,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Training,
+)
+from torchtitan.config.manager import (
+    HelpRequested,
+    config_to_dict,
+    config_to_toml,
+    help_text,
+    load_config,
+    validate,
+)
+
+__all__ = [
+    "Comm",
+    "HelpRequested",
+    "Job",
+    "JobConfig",
+    "LRScheduler",
+    "Metrics",
+    "Model",
+    "Optimizer",
+    "Parallelism",
+    "Training",
+    "UserError",
+    "config_to_dict",
+    "config_to_toml",
+    "help_text",
+    "load_config",
+    "validate",
+]

@@ -1,0 +1,223 @@
+"""The configuration schema: one frozen dataclass per TOML section.
+
+Every field here is read by the code. Its default is defined here and nowhere else, and its
+`help` doubles as the `--help` text. Key names follow torchtitan's mid-2025 TOML schema.
+Keys of that schema that this version does not implement yet live in `PLANNED_KEYS` below:
+they load while they hold a value that asks for nothing, and are rejected with a clear
+message otherwise, so a recipe never silently loses an option.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def opt(default, help: str):
+    """A config field with its documentation."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Job:
+    config_file: str | None = opt(None, "Path of the TOML recipe to load.")
+    base_config: str | None = opt(
+        None,
+        "A recipe this one inherits from (path relative to this recipe's folder); "
+        "keys set here override the base's.",
+    )
+    dump_folder: str = opt("./outputs", "Folder for the resolved config, metrics.jsonl and TensorBoard logs.")
+    description: str = opt("", "Free text describing the job, printed at start.")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str = opt("llama3", "Model family, as registered in torchtitan/models/registry.py.")
+    flavor: str = opt("debugmodel", "Size of the model family (a key of its flavors table).")
+    tokenizer_path: str = opt(
+        "./assets/tokenizer/python_stdlib_4k.model",
+        "Path of the sentencepiece tokenizer model; the model's vocabulary size is taken from it.",
+    )
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer: AdamW (decoupled weight decay) or Adam.")
+    lr: float = opt(8e-4, "Peak learning rate.")
+    beta1: float = opt(0.9, "Adam beta1.")
+    beta2: float = opt(0.95, "Adam beta2.")
+    eps: float = opt(1e-8, "Adam epsilon.")
+    weight_decay: float = opt(0.1, "Weight decay.")
+    implementation: Literal["fused", "foreach", "for-loop"] = opt(
+        "fused", "Kernel implementation of the optimizer step."
+    )
+
+
+@dataclass(frozen=True)
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak learning rate.")
+    decay_ratio: float | None = opt(
+        None,
+        "Fraction of the steps (after warmup) spent decaying; the steps between warmup and decay "
+        "hold the peak (warmup-stable-decay). Unset: decay over all steps after warmup.",
+    )
+    decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "Shape of the decay.")
+    min_lr_factor: float = opt(0.0, "Final learning rate as a fraction of the peak.")
+
+
+@dataclass(frozen=True)
+class Training:
+    dataset: Literal["python_stdlib", "local", "huggingface"] = opt(
+        "python_stdlib",
+        "python_stdlib: the .py files of this interpreter's standard library (embedded, offline); "
+        "local: .jsonl ('text' field) / .txt files at dataset_path; huggingface: "
+        "datasets.load_dataset(dataset_path) ('text' column, needs the datasets package).",
+    )
+    dataset_path: str | None = opt(None, "File or folder (local) or dataset name/path (huggingface).")
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch.")
+    global_batch_size: int = opt(
+        -1,
+        "Sequences per optimizer step over all ranks; a multiple of local_batch_size x data-parallel "
+        "degree, the quotient being the gradient-accumulation steps. -1: local_batch_size x dp degree.",
+    )
+    seq_len: int = opt(2048, "Tokens per training sequence.")
+    max_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
+    steps: int = opt(10000, "Optimizer steps to train.")
+    mixed_precision_param: Literal["bfloat16", "float32"] = opt(
+        "bfloat16", "Dtype of parameters in forward/backward (FSDP mixed precision, or autocast without FSDP)."
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
+        "float32", "Dtype of the FSDP gradient reduction."
+    )
+    gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic GC is off).")
+    seed: int = opt(0, "Seed for weight init and every random number generator.")
+    deterministic: bool = opt(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(
+        1, "Replicas (DDP, or HSDP's replicate dimension when data_parallel_shard_degree > 1)."
+    )
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP shard degree; -1 fills the ranks left over by the other degrees."
+    )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default",
+        "Free gathered parameters after forward (always), keep them until backward (never), "
+        "or default (always, except for the root module whose parameters backward needs first).",
+    )
+
+
+@dataclass(frozen=True)
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every this many steps (and at the first and last step).")
+    enable_tensorboard: bool = opt(False, "Write TensorBoard scalars to {dump_folder}/{save_tb_folder}.")
+    save_tb_folder: str = opt("tb", "TensorBoard folder under dump_folder.")
+    device_peak_tflops: float = opt(
+        0.0,
+        "Peak TFLOP/s of one device for MFU. 0: from a table of known GPUs, or on CPU measured at "
+        "start with a short matmul in the training dtype.",
+    )
+
+
+@dataclass(frozen=True)
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout of process-group initialization and collectives.")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+
+
+# Keys of the reference schema that are not implemented yet. Each maps to the value that asks
+# for nothing (ANY: the key only matters once its feature is switched on, so any value loads).
+# A recipe may carry these keys; a value other than the inert one is rejected with `why`.
+ANY = object()
+
+PLANNED_KEYS: dict[str, dict[str, object]] = {
+    "job": {"print_args": ANY, "use_for_integration_test": ANY},
+    "model": {"converters": [], "print_after_conversion": ANY, "hf_assets_path": ANY},
+    "training": {"compile": False, "enable_cpu_offload": False, "gc_debug": False},
+    "parallelism": {
+        "tensor_parallel_degree": 1,
+        "disable_loss_parallel": ANY,
+        "enable_async_tensor_parallel": False,
+        "pipeline_parallel_degree": 1,
+        "pipeline_parallel_schedule": ANY,
+        "pipeline_parallel_schedule_csv": ANY,
+        "pipeline_parallel_microbatch_size": ANY,
+        "pipeline_parallel_layers_per_stage": ANY,
+        "pipeline_parallel_split_points": ANY,
+        "pipeline_parallel_first_stage_less_layers": ANY,
+        "pipeline_parallel_last_stage_less_layers": ANY,
+        "module_fqns_per_model_part": ANY,
+        "context_parallel_degree": 1,
+        "context_parallel_rotate_method": ANY,
+        "enable_compiled_autograd": False,
+    },
+    "metrics": {"enable_wandb": False, "save_for_all_ranks": False, "disable_color_printing": ANY},
+    "comm": {"train_timeout_seconds": ANY, "trace_buf_size": ANY},
+    "checkpoint": {
+        "enable_checkpoint": False,
+        "create_seed_checkpoint": False,
+        "folder": ANY,
+        "interval": ANY,
+        "keep_latest_k": ANY,
+        "async_mode": ANY,
+        "load_step": ANY,
+        "exclude_from_loading": ANY,
+        "initial_load_path": ANY,
+        "initial_load_model_only": ANY,
+        "initial_load_in_hf": ANY,
+        "last_save_model_only": ANY,
+        "last_save_in_hf": ANY,
+        "export_dtype": ANY,
+        "enable_first_step_checkpoint": ANY,
+    },
+    "activation_checkpoint": {"mode": "none", "selective_ac_option": ANY},
+    "float8": {
+        "recipe_name": ANY,
+        "enable_fsdp_float8_all_gather": ANY,
+        "precompute_float8_dynamic_scale_for_fsdp": ANY,
+        "filter_fqns": ANY,
+        "emulate": ANY,
+    },
+    "profiling": {
+        "enable_profiling": False,
+        "save_traces_folder": ANY,
+        "profile_freq": ANY,
+        "enable_memory_snapshot": False,
+        "save_memory_snapshot_folder": ANY,
+    },
+    "validation": {"enabled": False, "dataset": ANY, "dataset_path": ANY, "freq": ANY, "steps": ANY},
+    "memory_estimation": {"enabled": False, "disable_fake_mode": ANY},
+    "experimental": {"custom_import": "", "custom_args_module": ""},
+}
+
+# What a user reads when a planned key asks for something.
+PLANNED_WHY: dict[str, str] = {
+    "checkpoint": "checkpointing is not implemented yet (issue 3)",
+    "parallelism": "tensor, pipeline and context parallelism are not implemented yet (issue 4)",
+    "training": "torch.compile and CPU offload are not implemented yet (issue 5)",
+    "activation_checkpoint": "activation checkpointing is not implemented yet (issue 5)",
+    "float8": "float8 training is not implemented yet (issue 5)",
+    "model": "model converters (float8) are not implemented yet (issue 5)",
+    "profiling": "profiling is not implemented yet (issue 5)",
+    "metrics": "this metrics backend is not implemented",
+    "validation": "validation runs are not implemented",
+    "memory_estimation": "memory estimation is not implemented",
+    "experimental": "custom imports are not supported: register models in torchtitan/models/registry.py",
+    "comm": "this communication option is not implemented",
+    "job": "",
+}
+PLANNED_WHY["parallelism.enable_compiled_autograd"] = "compiled autograd is not supported (it broke FSDP2 parity)"
+PLANNED_WHY["training.gc_debug"] = "gc_debug is not implemented"

@@ -1,0 +1,34 @@
+"""Data parallelism: FSDP2 (fully_shard) per transformer block and at the root, HSDP on a 2D
+(replicate, shard) mesh, and DDP (composable replicate) when parameters are not sharded."""
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward_policy: str,
+):
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    reshard_blocks = reshard_after_forward_policy != "never"
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks)
+    # The root holds the embedding, final norm and output layer; backward needs the output layer first,
+    # so by default keep the root's parameters gathered instead of all-gathering them again at once.
+    reshard_root = reshard_after_forward_policy == "always"
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_root)
+    return model
+
+
+def apply_ddp(model: nn.Module, dp_mesh):
+    from torch.distributed._composable.replicate import replicate
+
+    # Buckets sized as DDP's default; gradients are averaged over dp_mesh after each backward.
+    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=25)
+    return model

@@ -1,0 +1,60 @@
+"""Process-group set-up and reductions that work for plain tensors and DTensors alike."""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def device_type() -> str:
+    """Chosen once per process: CUDA with NCCL when a GPU is visible, otherwise CPU with gloo."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
+    """Returns (device, rank, world_size); a process group exists whenever launched by torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    dev_type = device_type()
+    if dev_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if dev_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds))
+    return device, rank, world_size
+
+
+def destroy_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip gradients by their global 2-norm over all ranks; returns the norm before clipping.
+
+    Sharded (DTensor) gradients give a DTensor norm whose full value is the global one.
+    max_norm = 0 only measures the norm.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def dist_mean(x: torch.Tensor, mesh) -> float:
+    """Mean of a scalar over the ranks of `mesh` (the value itself without a mesh)."""
+    if mesh is None:
+        return x.item()
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return x.item() / mesh.size()

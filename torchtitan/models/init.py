@@ -1,0 +1,45 @@
+"""Weight initialization whose values do not depend on the parallel layout.
+
+Each parameter is drawn from its own generator, seeded by (training seed, parameter name). The full
+tensor is generated and every rank keeps the part it holds, so a parameter gets the same values
+whether it is whole, sharded by FSDP over any number of ranks, or placed on any pipeline stage, and
+whatever order the parameters are initialized in. This is what lets every layout be compared with
+the single-process run step by step without a seed checkpoint. The cost is one full parameter in
+memory at a time.
+"""
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def stable_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def seeded_init_(param: torch.Tensor, key: str, seed: int, fill: Callable[[torch.Tensor, torch.Generator], None]):
+    """Fill `param` with `fill(full_tensor, generator)`, keeping only this rank's part of it."""
+    if isinstance(param, DTensor):
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        fill(full, torch.Generator(device=full.device).manual_seed(stable_seed(seed, key)))
+        # src_data_rank=None: every rank already holds the identical full tensor, so no scatter is needed.
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        fill(param, torch.Generator(device=param.device).manual_seed(stable_seed(seed, key)))
+
+
+def trunc_normal(std: float, cutoff: float = 2.0):
+    return lambda t, g: torch.nn.init.trunc_normal_(t, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std, generator=g)
+
+
+def normal(std: float):
+    return lambda t, g: torch.nn.init.normal_(t, mean=0.0, std=std, generator=g)
+
+
+def ones():
+    return lambda t, g: torch.nn.init.ones_(t)

@@ -1,0 +1,136 @@
+"""Llama 3: a decoder-only transformer with RMSNorm, rotary embeddings (Meta's complex layout),
+grouped-query attention and a SwiGLU feed-forward.
+
+Parameter names are Meta's (tok_embeddings, layers.N.attention.wq, ..., norm, output), so public
+checkpoints map directly. The code knows nothing of parallelism: attention reshapes with -1 heads so
+that the same code runs on tensor-parallel shards, and the layers live in a ModuleDict keyed by layer
+id so that a pipeline stage can drop layers while names stay stable.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
+from torchtitan.models.llama3.args import ModelArgs
+
+
+def precompute_freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    t = torch.arange(end, dtype=torch.float32)
+    return torch.polar(torch.ones(end, head_dim // 2), torch.outer(t, freqs))  # complex64 [end, head_dim/2]
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    # Adjacent pairs of features are the real and imaginary parts (Meta's layout, not Hugging Face's halves).
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, -1)
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        repeats = q.shape[2] // k.shape[2]  # grouped-query attention: each KV head serves `repeats` query heads
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=2)
+            v = v.repeat_interleave(repeats, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_init_std = 0.02 / (2 * depth) ** 0.5  # residual-branch outputs start small, deeper ones smaller
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: recomputed by init_weights, never part of a checkpoint.
+        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
+
+    def _freqs_cis(self) -> torch.Tensor:
+        return precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Each part may be absent on a pipeline stage.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        """Initialize every parameter and buffer in place (after `to_empty`); values depend only on `seed`."""
+        self.freqs_cis = self._freqs_cis().to(self.freqs_cis.device)
+        for name, param in self.named_parameters():
+            seeded_init_(param, name, seed, self._init_for(name))
+
+    def _init_for(self, name: str):
+        parts = name.split(".")
+        if name.endswith("norm.weight"):
+            return ones()
+        if parts[0] == "tok_embeddings":
+            return normal(1.0)
+        if parts[0] == "output":
+            return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
+        block = self.layers[parts[1]]
+        if parts[-2] in ("wq", "wk", "wv", "w1"):
+            return trunc_normal(0.02)
+        return trunc_normal(block.out_init_std)  # wo, w2, w3
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and getattr(model, "tok_embeddings", None) is not None:
+        n -= model.tok_embeddings.weight.numel()
+    return n
+
+
+def flops_per_token(args: ModelArgs, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per non-embedding parameter (forward + backward matmuls), plus
+    attention scores and values: 6 x 2 x layers x dim x seq_len (causal masking is not discounted)."""
+    return 6 * num_params + 12 * args.n_layers * args.dim * seq_len

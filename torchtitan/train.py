@@ -1,0 +1,222 @@
+"""The training loop. The only module that sees the whole JobConfig: each builder gets its section.
+
+    torchrun --nproc_per_node 2 -m torchtitan.train --job.config_file train_configs/debug_model.toml
+
+Build sequence: config -> preflight checks (no collectives) -> process group and mesh -> model on the
+meta device -> parallelize -> materialize (to_empty + init_weights) -> tokenizer, data, optimizer,
+LR schedule, metrics -> loop. User mistakes end the run with one message and exit code 2 on every
+rank; nothing else is printed as a traceback unless it is a bug.
+"""
+
+import gc
+import logging
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan.components.data import build_dataloader
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.llama3.model import count_params, flops_per_token
+from torchtitan.models.registry import get_model_args, get_model_spec
+
+logger = logging.getLogger("torchtitan")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before any process group exists."""
+
+    parallel_dims: ParallelDims
+    global_batch_size: int
+    grad_accum_steps: int
+
+
+def preflight(cfg: JobConfig, world_size: int) -> Plan:
+    """Checks that need no collectives: degrees against the world size, batch arithmetic, the model
+    name and flavor, the tokenizer file. Raises UserError; run identically on every rank."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    t = cfg.training
+    per_step = t.local_batch_size * dims.dp_degree
+    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_step:
+        raise UserError(
+            f"training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
+            f"data-parallel degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}; use a multiple "
+            f"of {per_step} (the quotient is the number of gradient-accumulation steps)."
+        )
+    get_model_args(cfg.model.name, cfg.model.flavor)
+    if not os.path.isfile(cfg.model.tokenizer_path):
+        raise UserError(
+            f"tokenizer model not found at '{cfg.model.tokenizer_path}' (model.tokenizer_path); point it at a "
+            f"sentencepiece .model file, e.g. ./assets/tokenizer/python_stdlib_4k.model (made by "
+            f"scripts/train_tokenizer.py). Relative paths are relative to the working directory {os.getcwd()}."
+        )
+    return Plan(dims, global_batch, global_batch // per_step)
+
+
+def set_determinism(seed: int, deterministic: bool):
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def train(cfg: JobConfig) -> list[dict]:
+    """Runs the job; returns the logged metrics (every rank returns the same global values)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = preflight(cfg, world_size)
+    device, rank, _ = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
+    try:
+        return _train(cfg, plan, device, rank)
+    finally:
+        dist_utils.destroy_distributed()
+
+
+def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[dict]:
+    t = cfg.training
+    dims = plan.parallel_dims
+    set_determinism(t.seed, t.deterministic)
+    if rank == 0:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        resolved = config_to_toml(cfg)
+        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
+            f.write(resolved)
+        logger.info(f"resolved config ({cfg.job.config_file or 'defaults'}):\n{resolved}")
+    mesh = dims.build_mesh(device.type)
+
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+    dataloader = build_dataloader(t, tokenizer, dp_rank, dims.dp_degree, plan.global_batch_size)
+
+    # The model is built on the meta device, so even the largest flavor costs nothing until materialized.
+    spec = get_model_spec(cfg.model.name)
+    model_args = spec.flavors[cfg.model.flavor].with_vocab_and_seq(tokenizer.vocab_size, t.seq_len)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    n_params = count_params(model)
+    flops_tok = flops_per_token(model_args, count_params(model, exclude_embedding=True), t.seq_len)
+    model = spec.parallelize(model, dims, mesh, cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=t.seed)
+    model.train()
+
+    optimizer = build_optimizer(model, cfg.optimizer)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    # Without FSDP there is no mixed-precision policy: autocast gives bf16 compute instead.
+    use_autocast = not dims.fsdp_enabled and t.mixed_precision_param == "bfloat16"
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
+    compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+    peak_tflops, peak_source = device_peak_tflops(device, compute_dtype, cfg.metrics.device_peak_tflops)
+
+    tokens_per_step = plan.global_batch_size * t.seq_len
+    logger.info(
+        f"training {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {model_args.vocab_size}, "
+        f"{flops_tok / 1e6:.1f} MFLOPs/token | {dims.describe()} on {device.type} | global batch "
+        f"{plan.global_batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step "
+        f"(local batch {t.local_batch_size}, {plan.grad_accum_steps} accumulation step(s)) | "
+        f"params {t.mixed_precision_param} | peak {peak_tflops:.3f} TFLOP/s {peak_source} | {t.steps} steps"
+    )
+    if cfg.lr_scheduler.warmup_steps > t.steps:
+        logger.warning(
+            f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps ({t.steps}): "
+            f"the peak learning rate is reached on the last step"
+        )
+
+    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=rank == 0)
+    dp_mesh = mesh["dp"] if mesh is not None else None
+    history: list[dict] = []
+    data_iter = iter(dataloader)
+    gc.disable()
+    gc.collect()
+    start = last_log_time = time.perf_counter()
+    tokens_since_log = 0
+    try:
+        for step in range(1, t.steps + 1):
+            if step % t.gc_freq == 0:
+                gc.collect(1)
+            optimizer.zero_grad()
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(plan.grad_accum_steps):
+                inputs, labels = next(data_iter)
+                inputs, labels = inputs.to(device), labels.to(device)
+                with amp:
+                    logits = model(inputs)
+                # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / plan.grad_accum_steps
+                loss.backward()
+                loss_sum += loss.detach()
+                tokens_since_log += inputs.numel()
+            grad_norm = dist_utils.clip_grad_norm_(model.parameters(), t.max_norm)
+            lr = lr_scheduler.get_last_lr()[0]
+            optimizer.step()
+            lr_scheduler.step()
+
+            if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                loss_value = dist_utils.dist_mean(loss_sum, dp_mesh)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {step}")
+                now = time.perf_counter()
+                tps = tokens_since_log / (now - last_log_time)  # tokens per second on this device
+                tflops = flops_tok * tps / 1e12
+                record = {
+                    "step": step,
+                    "loss": loss_value,
+                    "grad_norm": grad_norm.item(),
+                    "lr": lr,
+                    "tps": tps,
+                    "tflops": tflops,
+                    "mfu": 100 * tflops / peak_tflops,
+                    "memory_gib": peak_memory_gib(device),
+                    "time": now - start,
+                    "tokens": step * tokens_per_step,
+                }
+                metrics.log(record)
+                history.append(record)
+                last_log_time, tokens_since_log = now, 0
+    finally:
+        gc.enable()
+        metrics.close()
+    logger.info(f"training done: {t.steps} steps in {time.perf_counter() - start:.1f}s")
+    return history
+
+
+def setup_logging():
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def main(argv: list[str]) -> int:
+    setup_logging()
+    try:
+        train(load_config(argv))
+    except HelpRequested as h:
+        if os.environ.get("RANK", "0") == "0":
+            print(h.text)
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
