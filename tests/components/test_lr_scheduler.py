@@ -65,3 +65,9 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([5e-4, 1e-3, 5e-4, 0.0])
+
+
+def test_step_past_the_end_and_no_decay_phase():
+    # LambdaLR evaluates the factor once more after the last step; it must not fail.
+    assert lr_factor(6, LRScheduler(warmup_steps=2, decay_ratio=0.0), 6) == 1.0
+    assert lr_factor(10, LRScheduler(warmup_steps=2), 10) == pytest.approx(0.0)

@@ -20,7 +20,7 @@ What is unusual here:
   order and cut into micro-batches of local_batch_size. The samples of a step are thus the same
   for every D and every gradient-accumulation split, so runs of different layouts compare step
   by step. Every rank tokenizes the whole stream and skips the windows it does not own: simple
-  and deterministic, and cheap at this scale (sentencepiece does ~1M tokens/s per rank). At
+  and deterministic, and cheap at this scale (sentencepiece encodes ~1.5M tokens/s per rank). At
   thousands of ranks a pre-tokenized, indexable source would be needed instead.
 
 - Resumable state, independent of the layout: the dataset's state names a position in the
@@ -29,7 +29,10 @@ What is unusual here:
   a rank's state_dict() first reads ahead to the step boundary, so at step boundaries every
   rank holds the same state, and it can be loaded under another data-parallel degree: each
   rank then skips to its own block of the next step. A state saved mid-step resumes exactly,
-  for the layout it was saved under.
+  for the layout it was saved under. seq_len and the global batch size define what a global
+  sample is, so a state only loads with the values it was saved with.
+
+- Empty documents are skipped (no BOS/EOS pair for them), but they keep their document index.
 """
 
 import functools
@@ -38,6 +41,7 @@ import json
 import logging
 import os
 import sysconfig
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -294,6 +298,8 @@ class _TokenStream:
                 "training.seq_len"
             )
         documents = self.doc_index
+        if documents == 0:  # a whole pass without a document: wrapping again would spin forever
+            raise UserError(f"dataset {self.source.name} is empty: it has no document")
         self._close_documents()
         self.epoch += 1
         self.doc_index = 0
@@ -367,7 +373,7 @@ class PackedDataset(IterableDataset):
         # Past the end of this rank's block: read ahead to the step boundary, so that the state is
         # the same on every rank and loads under any data-parallel layout.
         if stream.next_sample % self.global_batch_size >= self._block_end:
-            self._skip_to(self._next_owned(stream.next_sample) - self._block_start)
+            self._skip_to((stream.next_sample // self.global_batch_size + 1) * self.global_batch_size)
         return {
             "version": STATE_VERSION,
             "dataset": self.dataset_name,
@@ -424,6 +430,8 @@ def build_dataloader(
     """Batches (inputs, labels), each int64 [local_batch_size, seq_len], of this rank's samples.
 
     `global_batch_size` is resolved: a positive multiple of local_batch_size x dp_degree.
+    The loader never ends (the data loops). To resume, call loader.load_state_dict(state) and
+    then iter(loader): the state is applied when the next iterator is created.
     """
     if cfg.seq_len < 1 or cfg.local_batch_size < 1:
         raise UserError(
@@ -440,4 +448,7 @@ def build_dataloader(
         source, tokenizer, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
         dataset_name=cfg.dataset, dataset_path=cfg.dataset_path or "",
     )
-    return StatefulDataLoader(dataset, batch_size=cfg.local_batch_size, num_workers=0, collate_fn=_collate)
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, batch_size=cfg.local_batch_size, num_workers=0, collate_fn=_collate)

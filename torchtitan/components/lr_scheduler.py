@@ -20,7 +20,7 @@ def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     decay_start = total_steps - decay
     if step < warmup:
         return (step + 1) / warmup
-    if step < decay_start:
+    if step < decay_start or decay == 0:
         return 1.0
     progress = min((step - decay_start + 1) / decay, 1.0)
     if cfg.decay_type == "linear":
