@@ -79,11 +79,14 @@ def train(cfg: JobConfig) -> list[dict]:
     """Runs the job; returns the logged metrics (every rank returns the same global values)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plan = preflight(cfg, world_size)
+    # A caller that set up the process group (a test running several jobs in one launch) keeps it.
+    owns_process_group = not torch.distributed.is_initialized()
     device, rank, _ = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
     try:
         return _train(cfg, plan, device, rank)
     finally:
-        dist_utils.destroy_distributed()
+        if owns_process_group:
+            dist_utils.destroy_distributed()
 
 
 def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[dict]:

@@ -1,0 +1,43 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_JOBS = REPO / "tests" / "distributed" / "run_jobs.py"
+
+# A small, fast, deterministic job: the debug model at short sequences, fp32, one log line per step.
+TINY = [
+    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+    "--training.seq_len", "64",
+    "--training.steps", "6",
+    "--training.global_batch_size", "8",
+    "--training.mixed_precision_param", "float32",
+    "--training.deterministic",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.no-enable_tensorboard",
+    "--metrics.device_peak_tflops", "1",
+    "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+]
+
+
+def launch(jobs: dict[str, list[str]], nproc: int, tmp: Path, timeout: int = 600) -> dict[str, list[dict]]:
+    """Run named jobs (extra argv each) in one launch; returns each job's metrics.jsonl records."""
+    argvs = [TINY + ["--job.dump_folder", str(tmp / name)] + extra for name, extra in jobs.items()]
+    spec = tmp / f"jobs_{nproc}.json"
+    spec.write_text(json.dumps(argvs))
+    if nproc == 1:
+        cmd = [sys.executable, str(RUN_JOBS), str(spec)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", str(RUN_JOBS), str(spec)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return {name: read_metrics(tmp / name) for name in jobs}
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
