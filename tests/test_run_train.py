@@ -1,0 +1,98 @@
+"""run_train.sh as a user runs it: a short 2-process training run, recipe selection, overrides,
+--help, and every user mistake reported once, clearly, within seconds, with no traceback."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON_DIR = str(Path(sys.executable).parent)
+
+
+def run_train(*args, env=None, timeout=300):
+    full_env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], **(env or {}))
+    start = time.monotonic()
+    proc = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_two_process_run_with_inherited_recipe(tmp_path):
+    recipe = tmp_path / "short.toml"
+    recipe.write_text(
+        f'[job]\nbase_config = "{REPO / "train_configs" / "debug_model.toml"}"\n'
+        '[training]\nsteps = 8\nseq_len = 64\n[metrics]\nlog_freq = 4\n'
+    )
+    out = tmp_path / "out"
+    proc, _ = run_train("--job.dump_folder", str(out), "--training.local_batch_size=2",
+                        env={"NGPU": "2", "CONFIG_FILE": str(recipe), "LOG_RANK": "0,1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    # The first lines say what is trained, on which mesh, with which batch.
+    assert "training llama3 debugmodel: 7,212,288 parameters" in log
+    assert "FSDP: dp_replicate=1 x dp_shard=2 = 2 ranks" in log
+    assert "global batch 4 x seq 64 = 256 tokens/step" in log
+    assert "[rank1]" in log  # LOG_RANK=0,1 shows both ranks
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 4, 8]  # recipe's steps and log_freq, CLI's batch size
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    resolved = (out / "config.toml").read_text()
+    assert "steps = 8" in resolved and "local_batch_size = 2" in resolved and 'flavor = "debugmodel"' in resolved
+
+
+def test_help_lists_options():
+    proc, _ = run_train("--help")
+    assert proc.returncode == 0
+    for key in ("local_batch_size", "data_parallel_shard_degree", "warmup_steps", "device_peak_tflops"):
+        assert key in proc.stdout
+
+
+EMPTY = "empty.jsonl"
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--training.stpes", "5"], {}, "did you mean '--training.steps'"),
+        (["--training.steps", "ten"], {}, "training.steps: expected an integer, got 'ten'"),
+        (["--training.seq_len", "0"], {}, "training.seq_len must be a positive integer"),
+        (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+         {"NGPU": "3"}, "multiply to 4 .* but the job has 3 processes"),
+        (["--model.tokenizer_path", "/no/tok.model"], {}, "tokenizer model not found at '/no/tok.model'"),
+        (["--training.dataset", "local", "--training.dataset_path", "/no/data.jsonl"], {}, "does not exist"),
+        (["--training.dataset", "local", "--training.dataset_path", EMPTY], {}, "is empty"),
+        (["--checkpoint.enable_checkpoint"], {}, "not implemented yet \\(issue 3\\)"),
+        ([], {"CONFIG_FILE": "/no/recipe.toml"}, "not found: /no/recipe.toml"),
+    ],
+)
+def test_user_mistakes_fail_fast_and_clearly(tmp_path, args, env, message):
+    import re
+
+    (tmp_path / EMPTY).write_text("")
+    args = [str(tmp_path / a) if a == EMPTY else a for a in args]
+    proc, seconds = run_train(*args, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert re.search(message, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert seconds < 20  # checked before torchrun starts any process
+
+
+@pytest.mark.slow
+def test_every_rank_reports_an_error_under_plain_torchrun(tmp_path):
+    # Without run_train.sh's pre-launch check, each rank finds the problem itself and exits non-zero.
+    (tmp_path / EMPTY).write_text("")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train",
+           "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+           "--training.dataset", "local", "--training.dataset_path", str(tmp_path / EMPTY)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("error: dataset local at") == 2
+    assert time.monotonic() - start < 60

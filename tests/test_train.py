@@ -1,0 +1,65 @@
+"""The checks train.py makes before any process group exists, and the shipped recipes."""
+
+import glob
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.config import UserError, load_config
+from torchtitan.models.registry import get_model_spec
+from torchtitan.train import preflight
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+TOKENIZER = str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model")
+
+
+def cfg(*overrides):
+    return load_config(["--job.config_file", DEBUG, "--model.tokenizer_path", TOKENIZER, *overrides])
+
+
+def test_global_batch_and_accumulation():
+    plan = preflight(cfg("--training.local_batch_size", "2", "--training.global_batch_size", "16"), world_size=4)
+    assert (plan.global_batch_size, plan.grad_accum_steps) == (16, 2)
+    plan = preflight(cfg("--training.local_batch_size", "2"), world_size=4)
+    assert (plan.global_batch_size, plan.grad_accum_steps) == (8, 1)
+
+
+def test_global_batch_not_a_multiple():
+    with pytest.raises(UserError, match="global_batch_size = 10 is not a multiple of .* = 8"):
+        preflight(cfg("--training.local_batch_size", "2", "--training.global_batch_size", "10"), world_size=4)
+
+
+def test_missing_tokenizer():
+    with pytest.raises(UserError, match="tokenizer model not found at '/no/such.model'"):
+        preflight(cfg("--model.tokenizer_path", "/no/such.model"), world_size=1)
+
+
+def test_unknown_flavor():
+    with pytest.raises(UserError, match="unknown model.flavor '3B'"):
+        preflight(cfg("--model.flavor", "3B"), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "recipe, world",
+    [("debug_model.toml", 2), ("llama3_1b.toml", 1), ("llama3_8b.toml", 8), ("llama3_70b.toml", 64),
+     ("llama3_405b.toml", 256)],
+)
+def test_shipped_recipes_load_and_plan(recipe, world, monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name the tokenizer relative to the repository root
+    config = load_config(["--job.config_file", str(REPO / "train_configs" / recipe)])
+    plan = preflight(config, world_size=world)
+    assert plan.parallel_dims.world_size == world
+    spec = get_model_spec(config.model.name)
+    args = spec.flavors[config.model.flavor].with_vocab_and_seq(Tokenizer(config.model.tokenizer_path).vocab_size,
+                                                                 config.training.seq_len)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_every_recipe_is_covered():
+    shipped = {Path(p).name for p in glob.glob(str(REPO / "train_configs" / "*.toml"))}
+    assert shipped == {"debug_model.toml", "llama3_1b.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"}
