@@ -17,7 +17,7 @@ class ModelSpec:
     name: str
     model_cls: type[nn.Module]
     flavors: dict  # flavor name -> model args
-    parallelize: Callable  # (model, parallel_dims, job_config) -> model
+    parallelize: Callable  # (model, parallel_dims, mesh, parallelism section, training section) -> model
 
 
 def _llama3() -> ModelSpec:

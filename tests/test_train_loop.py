@@ -1,0 +1,58 @@
+"""The training loop in this process: a few steps of the debug model on one process."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.config import load_config
+from torchtitan.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def short_run(tmp_path, *overrides):
+    cfg = load_config([
+        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+        "--job.dump_folder", str(tmp_path),
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "4",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2", "--metrics.device_peak_tflops", "1",
+        *overrides,
+    ])
+    return train(cfg)
+
+
+def test_logs_first_every_log_freq_and_last_step(tmp_path):
+    history = short_run(tmp_path, "--training.steps", "5")
+    assert [r["step"] for r in history] == [1, 2, 4, 5]
+    on_disk = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert on_disk == history
+    assert (tmp_path / "config.toml").exists()
+    first = history[0]
+    assert first["loss"] == pytest.approx(8.7, abs=0.5)  # about ln(4096) at init
+    assert first["lr"] == pytest.approx(2e-3 / 2)  # first warmup step of lr 2e-3
+    assert first["tokens"] == 2 * 32
+    assert first["mfu"] == pytest.approx(100 * first["tflops"] / 1.0)
+
+
+@pytest.fixture
+def restore_determinism():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_seeded_runs_repeat_exactly_and_seeds_differ(tmp_path, restore_determinism):
+    a = short_run(tmp_path / "a", "--training.mixed_precision_param", "float32", "--training.deterministic")
+    b = short_run(tmp_path / "b", "--training.mixed_precision_param", "float32", "--training.deterministic")
+    c = short_run(tmp_path / "c", "--training.mixed_precision_param", "float32", "--training.seed", "1")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["loss"] for r in a] != [r["loss"] for r in c]
+
+
+def test_clipping_changes_the_trajectory(tmp_path):
+    clipped = short_run(tmp_path / "a", "--training.mixed_precision_param", "float32", "--training.max_norm", "0.01")
+    free = short_run(tmp_path / "b", "--training.mixed_precision_param", "float32", "--training.max_norm", "0")
+    assert clipped[0]["loss"] == free[0]["loss"]
+    assert clipped[-1]["loss"] != free[-1]["loss"]
