@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
@@ -63,6 +64,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"sentencepiece .model file, e.g. ./assets/tokenizer/python_stdlib_4k.model (made by "
             f"scripts/train_tokenizer.py). Relative paths are relative to the working directory {os.getcwd()}."
         )
+    check_writable(cfg.job.dump_folder, "the config and metrics")
+    preflight_checkpoint(cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type())
     return Plan(dims, global_batch, global_batch // per_step)
 
 
@@ -119,6 +122,14 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
 
     optimizer = build_optimizer(model, cfg.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    model_info = {"name": cfg.model.name, "flavor": cfg.model.flavor, "model_args": model_args}
+    checkpointer = CheckpointManager(
+        cfg.checkpoint, cfg.job.dump_folder, model, optimizer, lr_scheduler, dataloader, model_info, device
+    )
+    if cfg.checkpoint.create_seed_checkpoint:
+        checkpointer.save_seed()
+        return []
+    start_step, _ = checkpointer.load()
     # Without FSDP there is no mixed-precision policy: autocast gives bf16 compute instead.
     use_autocast = not dims.fsdp_enabled and t.mixed_precision_param == "bfloat16"
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
@@ -139,7 +150,8 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
             f"the peak learning rate is reached on the last step"
         )
 
-    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=rank == 0)
+    # A resumed run appends to the metrics of the run it continues.
+    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=rank == 0, append=start_step > 0)
     dp_mesh = mesh["dp"] if mesh is not None else None
     history: list[dict] = []
     data_iter = iter(dataloader)
@@ -148,7 +160,7 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
     start = last_log_time = time.perf_counter()
     tokens_since_log = 0
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(start_step + 1, t.steps + 1):
             if step % t.gc_freq == 0:
                 gc.collect(1)
             optimizer.zero_grad()
@@ -190,6 +202,13 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
                 metrics.log(record)
                 history.append(record)
                 last_log_time, tokens_since_log = now, 0
+
+            checkpointer.maybe_publish()
+            if checkpointer.should_save(step, t.steps):
+                checkpointer.save(step, step * tokens_per_step, last=step == t.steps)
+            if step == t.steps and cfg.checkpoint.last_save_in_hf:
+                checkpointer.export_hf(step, tokenizer.bos_id, tokenizer.eos_id)
+        checkpointer.close()
     finally:
         gc.enable()
         metrics.close()

@@ -311,10 +311,10 @@ def test_planned_keys_inert_accepted(tmp_path):
         """
         [job]
         print_args = true
-        [checkpoint]
-        enable_checkpoint = false
-        folder = "ckpt"
-        interval = 500
+        [profiling]
+        enable_profiling = false
+        save_traces_folder = "traces"
+        profile_freq = 10
         [parallelism]
         tensor_parallel_degree = 1
         pipeline_parallel_schedule = "1F1B"
@@ -324,16 +324,16 @@ def test_planned_keys_inert_accepted(tmp_path):
         converters = []
         """,
     )
-    cfg = load_recipe(path, "--training.compile", "false", "--checkpoint.folder", "x", "--job.print_args")
-    assert not hasattr(cfg, "checkpoint")  # planned values are validated, not stored
+    cfg = load_recipe(path, "--training.compile", "false", "--profiling.save_traces_folder", "x", "--job.print_args")
+    assert not hasattr(cfg, "profiling")  # planned values are validated, not stored
     assert cfg == dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
 
 
 def test_planned_key_active_rejected_in_toml(tmp_path):
-    path = write(tmp_path / "recipe.toml", "[checkpoint]\nenable_checkpoint = true\n")
+    path = write(tmp_path / "recipe.toml", "[profiling]\nenable_profiling = true\n")
     msg = str(pytest.raises(UserError, load_recipe, path).value)
-    assert msg.startswith("checkpoint.enable_checkpoint = true")
-    assert "not supported yet: checkpointing is not implemented yet (issue 3)" in msg
+    assert msg.startswith("profiling.enable_profiling = true")
+    assert "not supported yet: profiling is not implemented yet (issue 5)" in msg
     assert "Remove it or set it to false." in msg
 
 

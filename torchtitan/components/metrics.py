@@ -74,13 +74,13 @@ class MetricsLogger:
     """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard and
     metrics.jsonl. Values must already be global (reduced over ranks) where that matters."""
 
-    def __init__(self, cfg: Metrics, dump_folder: str, write: bool):
+    def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False):
         self.write = write
         self.jsonl = None
         self.tb = None
         if write:
             os.makedirs(dump_folder, exist_ok=True)
-            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "w")
+            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a" if append else "w")
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 

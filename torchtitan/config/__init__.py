@@ -5,6 +5,7 @@ Importing this package must not import torch: it validates a job before launch.
 
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import (
+    Checkpoint,
     Comm,
     Job,
     JobConfig,
@@ -25,6 +26,7 @@ from torchtitan.config.manager import (
 )
 
 __all__ = [
+    "Checkpoint",
     "Comm",
     "HelpRequested",
     "Job",

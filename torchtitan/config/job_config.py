@@ -127,6 +127,52 @@ class Comm:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    enable_checkpoint: bool = opt(
+        False,
+        "Save checkpoints to {dump_folder}/{folder}/step-N and, at start, resume from the newest complete one.",
+    )
+    folder: str = opt("checkpoint", "Checkpoint folder under dump_folder.")
+    interval: int = opt(500, "Save every this many steps (and at the last step).")
+    keep_latest_k: int = opt(
+        10, "Keep this many newest complete checkpoints, deleting older ones after a save (0: keep all)."
+    )
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
+        "disabled",
+        "disabled: training waits for each save; async: files are written in a background thread while "
+        "training goes on; async_with_pinned_mem: as async, staging through pinned host memory (CUDA only).",
+    )
+    load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1: newest).")
+    exclude_from_loading: list[str] = opt(
+        [], "Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."
+    )
+    initial_load_path: str | None = opt(
+        None,
+        "When the checkpoint folder holds no checkpoint: start from this checkpoint folder (a step-N folder, "
+        "or a Hugging Face folder with initial_load_in_hf).",
+    )
+    initial_load_model_only: bool = opt(True, "Load only the model weights from initial_load_path.")
+    initial_load_in_hf: bool = opt(
+        False, "initial_load_path is a Hugging Face folder (config.json + *.safetensors)."
+    )
+    last_save_model_only: bool = opt(
+        True, "The save at the last step holds the model weights only (in export_dtype), for inference."
+    )
+    last_save_in_hf: bool = opt(
+        False, "Also export the last step's weights as a Hugging Face folder {folder}/step-N-hf."
+    )
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "Dtype of model-only saves and Hugging Face exports."
+    )
+    enable_first_step_checkpoint: bool = opt(False, "Also save right after the first step.")
+    create_seed_checkpoint: bool = opt(
+        False,
+        "Write the initial weights to {folder}/step-0 and exit (one process). Later runs of any layout "
+        "start from these weights.",
+    )
+
+
+@dataclass(frozen=True)
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -136,6 +182,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
 # Keys of the reference schema that are not implemented yet. Each maps to the value that asks
@@ -166,23 +213,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     },
     "metrics": {"enable_wandb": False, "save_for_all_ranks": False, "disable_color_printing": ANY},
     "comm": {"train_timeout_seconds": ANY, "trace_buf_size": ANY},
-    "checkpoint": {
-        "enable_checkpoint": False,
-        "create_seed_checkpoint": False,
-        "folder": ANY,
-        "interval": ANY,
-        "keep_latest_k": ANY,
-        "async_mode": ANY,
-        "load_step": ANY,
-        "exclude_from_loading": ANY,
-        "initial_load_path": ANY,
-        "initial_load_model_only": ANY,
-        "initial_load_in_hf": ANY,
-        "last_save_model_only": ANY,
-        "last_save_in_hf": ANY,
-        "export_dtype": ANY,
-        "enable_first_step_checkpoint": ANY,
-    },
     "activation_checkpoint": {"mode": "none", "selective_ac_option": ANY},
     "float8": {
         "recipe_name": ANY,
@@ -205,7 +235,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 
 # What a user reads when a planned key asks for something.
 PLANNED_WHY: dict[str, str] = {
-    "checkpoint": "checkpointing is not implemented yet (issue 3)",
     "parallelism": "tensor, pipeline and context parallelism are not implemented yet (issue 4)",
     "training": "torch.compile and CPU offload are not implemented yet (issue 5)",
     "activation_checkpoint": "activation checkpointing is not implemented yet (issue 5)",

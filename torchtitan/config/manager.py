@@ -475,6 +475,25 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             'does not read it; set training.dataset = "local" (or "huggingface") to train on it, '
             "or remove dataset_path",
         )
+    c = cfg.checkpoint
+    need(c.interval > 0, f"checkpoint.interval must be a positive integer, got {c.interval}")
+    need(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {c.keep_latest_k}")
+    need(c.load_step >= -1, f"checkpoint.load_step must be -1 (newest) or a step number, got {c.load_step}")
+    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+    for part in c.exclude_from_loading:
+        need(part in parts, f"checkpoint.exclude_from_loading: unknown part {part!r}; choose from {', '.join(parts)}")
+    need(
+        not (c.initial_load_in_hf and not c.initial_load_path),
+        "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)",
+    )
+    need(
+        not (c.initial_load_in_hf and not c.initial_load_model_only),
+        "checkpoint.initial_load_in_hf loads weights only; set checkpoint.initial_load_model_only = true",
+    )
+    need(
+        not (c.create_seed_checkpoint and not c.enable_checkpoint),
+        "checkpoint.create_seed_checkpoint writes into the checkpoint folder; also set checkpoint.enable_checkpoint = true",
+    )
     return problems
 
 

@@ -1,0 +1,563 @@
+"""Checkpoints that never lose a run: exact resume, resharding to any layout, crash safety.
+
+A checkpoint is a folder `{dump_folder}/{folder}/step-N` holding:
+- torch.distributed.checkpoint (DCP) files for `{"model": ..., "optimizer": {"state": ...}}`, keyed
+  by parameter names (FQNs), never by rank or shard: any layout can load what any layout saved;
+- `train_state.json`: step, tokens, model name/flavor/args, LR-scheduler state, the optimizer's
+  current learning rates, the data loader's position in the global sample stream, the world size;
+- `rng/rank-R.safetensors`: each rank's RNG states (restored when the world size is unchanged).
+No Python object is pickled into a checkpoint (tensors go to DCP/safetensors, the rest to JSON), and
+DCP's own `.metadata` is read with an unpickler that accepts only DCP's metadata classes.
+
+Crash safety: every save is written to `.step-N.partial` and renamed to `step-N` only after every
+rank has finished writing (a rename within one folder is atomic). A folder named `step-N` is thus
+always complete; a process killed at any moment leaves at most a `.partial` folder, which is never
+loaded and is cleared by the next run. Old checkpoints are deleted only after a newer one is
+published (keep_latest_k), by renaming them out of the `step-N` namespace first. A run never writes
+over an existing checkpoint: it refuses to start if it would.
+
+Async saves (async_mode = "async"): the state is copied to host memory before training continues and
+the files are written by a background thread over a separate gloo group; every step the ranks agree
+(a one-element all-reduce) whether all writes are done, and only then publish. A new save first
+waits for the previous one, so saves never overlap.
+"""
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save_file as save_safetensors
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config import Checkpoint as CheckpointConfig
+from torchtitan.config import UserError
+
+logger = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FILE = "train_state.json"
+FORMAT_VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoint folders without trusting them
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes its .metadata with pickle; accept only the classes that file is made of."""
+
+    _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed.checkpoint")
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch", "float32"), ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float64"),
+        ("torch", "int64"), ("torch", "int32"), ("torch", "int8"), ("torch", "uint8"), ("torch", "bool"),
+        ("torch", "float8_e4m3fn"), ("torch", "float8_e5m2"),
+        ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
+        ("torch", "channels_last"), ("torch", "sparse_coo"),
+        ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+        ("builtins", "slice"), ("builtins", "tuple"), ("builtins", "dict"), ("builtins", "list"),
+        ("enum", "Enum"),
+        ("torch.serialization", "_get_layout"),  # maps a layout name to torch.strided etc.
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # the checkpoint id DCP records
+    }
+
+    def find_class(self, module: str, name: str):
+        if module.startswith(self._ALLOWED_MODULES) or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = os.path.join(self.path, ".metadata")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def complete_checkpoints(folder: str) -> list[int]:
+    """Steps of the published (hence complete) checkpoints in `folder`, oldest first."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(folder, name, STATE_FILE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def read_train_state(path: str) -> dict:
+    state_path = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(state_path):
+        raise UserError(f"{path} is not a complete checkpoint: {STATE_FILE} is missing")
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint {path} is corrupt: {STATE_FILE} cannot be read ({e})") from None
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has an unknown format (format_version {state.get('format_version')!r})")
+    return state
+
+
+def read_metadata(path: str):
+    """DCP metadata after checking that every data file it names exists and is long enough."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise UserError(f"{path} is not a complete checkpoint: its DCP .metadata file is missing")
+    try:
+        metadata = SafeFileSystemReader(path).read_metadata()
+    except Exception as e:  # truncated or foreign file
+        raise UserError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({e})") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise UserError(f"checkpoint {path} is corrupt: data file {name} is missing")
+        if os.path.getsize(file) < size:
+            raise UserError(
+                f"checkpoint {path} is corrupt: data file {name} has {os.path.getsize(file)} bytes, "
+                f"{size} expected (truncated)"
+            )
+    return metadata
+
+
+def check_model_matches(path: str, metadata, model_sd: dict, prefix: str = "model."):
+    """Name the first keys and shapes in which the checkpoint and the model differ."""
+    stored = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
+    missing = [k for k in wanted if k not in stored]
+    unexpected = [k for k in stored if k not in wanted]
+    shapes = [f"{k}: checkpoint {stored[k]} vs model {wanted[k]}" for k in wanted if k in stored and stored[k] != wanted[k]]
+    if missing or unexpected or shapes:
+        lines = []
+        if shapes:
+            lines.append("shape mismatches: " + "; ".join(shapes[:3]))
+        if missing:
+            lines.append(f"{len(missing)} model keys not in the checkpoint, e.g. " + ", ".join(missing[:3]))
+        if unexpected:
+            lines.append(f"{len(unexpected)} checkpoint keys not in the model, e.g. " + ", ".join(unexpected[:3]))
+        raise UserError(
+            f"checkpoint {path} does not fit this model (was it saved from another model or flavor?): "
+            + " | ".join(lines)
+        )
+
+
+def preflight_checkpoint(cfg: CheckpointConfig, dump_folder: str, world_size: int, device_type: str):
+    """File-level checks that need no process group, run before launch and on every rank."""
+    if cfg.create_seed_checkpoint and world_size != 1:
+        raise UserError(
+            f"checkpoint.create_seed_checkpoint runs on one process (the job has {world_size}); launch it with NGPU=1"
+        )
+    if cfg.async_mode == "async_with_pinned_mem" and device_type != "cuda":
+        raise UserError(
+            'checkpoint.async_mode = "async_with_pinned_mem" stages through pinned memory, which needs CUDA; '
+            'on CPU use async_mode = "async"'
+        )
+    if cfg.initial_load_path and not os.path.isdir(cfg.initial_load_path):
+        raise UserError(f"checkpoint.initial_load_path {cfg.initial_load_path} does not exist or is not a folder")
+    if not cfg.enable_checkpoint:
+        return
+    folder = os.path.join(dump_folder, cfg.folder)
+    if cfg.load_step != -1 and cfg.load_step not in complete_checkpoints(folder):
+        steps = complete_checkpoints(folder)
+        raise UserError(
+            f"checkpoint.load_step = {cfg.load_step}: no complete checkpoint step-{cfg.load_step} in {folder}; "
+            f"available steps: {', '.join(map(str, steps)) or 'none'}"
+        )
+    check_writable(folder, "checkpoints")
+
+
+def check_writable(folder: str, what: str):
+    """The nearest existing ancestor of `folder` must be a writable folder."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise UserError(
+            f"cannot write {what} to {folder}: {existing} is not a writable folder; choose another job.dump_folder"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        dump_folder: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        dataloader,
+        model_info: dict,
+        device: torch.device,
+    ):
+        self.cfg = cfg
+        self.folder = os.path.join(dump_folder, cfg.folder)
+        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        self.model_info = model_info
+        self.device = device
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.pending = None  # an async save not yet published: (future, step)
+        self.stager = None
+        self.pg = None
+        if cfg.enable_checkpoint:
+            self._prepare_folder()
+            if cfg.async_mode != "disabled" and self.distributed:
+                # Background writes use their own gloo group, so they never interleave with training collectives.
+                self.pg = dist.new_group(backend="gloo")
+            if cfg.async_mode == "async_with_pinned_mem":
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                self.stager = DefaultStager(StagingOptions(True, False, False, False))
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def _all_true(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def _prepare_folder(self):
+        """Check the folder is writable and clear what killed runs left half-written."""
+        probe = os.path.join(self.folder, f".write-test-{self.rank}")
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise UserError(
+                f"cannot write checkpoints to {self.folder} ({e.strerror}); choose a writable job.dump_folder "
+                f"or checkpoint.folder"
+            ) from None
+        self._barrier()
+        if self.rank == 0:
+            for name in os.listdir(self.folder):
+                if name.endswith(".partial") or name.startswith(".deleting-"):
+                    logger.warning(f"removing incomplete checkpoint {name} left by an interrupted run")
+                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        self._barrier()
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load(self) -> tuple[int, int]:
+        """Restore the run's state if there is one; returns (step, tokens) to continue from."""
+        if not self.cfg.enable_checkpoint:
+            if self.cfg.initial_load_path:
+                return self._load_initial()
+            return 0, 0
+        steps = complete_checkpoints(self.folder)
+        if self.cfg.load_step != -1:
+            if self.cfg.load_step not in steps:
+                raise UserError(
+                    f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint step-{self.cfg.load_step} "
+                    f"in {self.folder}; available steps: {', '.join(map(str, steps)) or 'none'}"
+                )
+            newer = [s for s in steps if s > self.cfg.load_step]
+            if newer:
+                raise UserError(
+                    f"resuming from step {self.cfg.load_step} would overwrite the newer checkpoints "
+                    f"{', '.join(f'step-{s}' for s in newer)} in {self.folder}; move them elsewhere or use "
+                    f"another job.dump_folder"
+                )
+            step = self.cfg.load_step
+        elif steps:
+            step = steps[-1]
+        else:
+            if self.cfg.initial_load_path:
+                return self._load_initial()
+            return 0, 0
+        return self._load_from(self._path(step), model_only=False, resuming=True)
+
+    def _load_initial(self) -> tuple[int, int]:
+        path = self.cfg.initial_load_path
+        if not os.path.isdir(path):
+            raise UserError(f"checkpoint.initial_load_path {path} does not exist or is not a folder")
+        if self.cfg.initial_load_in_hf:
+            from torchtitan.components.hf_checkpoint import load_hf
+
+            sd, _ = load_hf(path, self.model_info["model_args"])
+            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+            logger.info(f"loaded initial weights from the Hugging Face folder {path}")
+            return 0, 0
+        return self._load_from(path, model_only=self.cfg.initial_load_model_only, resuming=False)
+
+    def _load_from(self, path: str, model_only: bool, resuming: bool) -> tuple[int, int]:
+        start = time.perf_counter()
+        state = read_train_state(path)
+        metadata = read_metadata(path)
+        saved_model = state.get("model", {})
+        if saved_model.get("name") != self.model_info["name"]:
+            raise UserError(
+                f"checkpoint {path} holds model '{saved_model.get('name')}' ({saved_model.get('flavor')}), "
+                f"this job trains '{self.model_info['name']}' ({self.model_info['flavor']})"
+            )
+        model_sd = get_model_state_dict(self.model)
+        check_model_matches(path, metadata, model_sd)
+        excluded = set(self.cfg.exclude_from_loading) if resuming else set()
+        model_only = model_only or state.get("model_only", False)
+        if model_only and resuming and state["step"] > 0:
+            raise UserError(
+                f"the newest checkpoint {path} holds model weights only (checkpoint.last_save_model_only), so "
+                f"training cannot resume from it; pick a full checkpoint with --checkpoint.load_step, or start a "
+                f"new run from these weights with --checkpoint.initial_load_path {path} in another dump_folder"
+            )
+        to_load: dict[str, Any] = {}
+        if "model" not in excluded:
+            to_load["model"] = model_sd
+        load_optimizer = not model_only and "optimizer" not in excluded
+        if load_optimizer:
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+            to_load["optimizer"] = {"state": optim_sd["state"]}
+        try:
+            dcp.load(to_load, storage_reader=SafeFileSystemReader(path), no_dist=not self.distributed)
+        except Exception as e:
+            raise UserError(f"checkpoint {path} could not be read: {e}") from None
+        if "model" in to_load:
+            set_model_state_dict(self.model, model_sd)
+        if load_optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, optim_sd)
+            for group, lr in zip(self.optimizer.param_groups, state["optimizer_lrs"]):
+                group["lr"] = lr
+        if model_only:
+            logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s")
+            return 0, 0
+        if "lr_scheduler" not in excluded:
+            self.lr_scheduler.load_state_dict(dict(state["lr_scheduler"], lr_lambdas=[None]))
+        if "dataloader" not in excluded:
+            self.dataloader.load_state_dict(state["dataloader"])
+        self._load_rng(path, state)
+        step, tokens = (0, 0) if "train_state" in excluded else (state["step"], state["tokens"])
+        logger.info(f"resumed from {path} (step {state['step']}) in {time.perf_counter() - start:.1f}s")
+        return step, tokens
+
+    def _load_rng(self, path: str, state: dict):
+        if state.get("world_size") != self.world_size:
+            logger.info(
+                f"checkpoint saved by {state.get('world_size')} ranks, loading on {self.world_size}: "
+                f"random-number generators are not restored (the training step draws no random numbers)"
+            )
+            return
+        rng = load_safetensors(os.path.join(path, "rng", f"rank-{self.rank}.safetensors"))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        if not self.cfg.enable_checkpoint:
+            return False
+        return step % self.cfg.interval == 0 or step == last_step or (
+            step == 1 and self.cfg.enable_first_step_checkpoint
+        )
+
+    def save(self, step: int, tokens: int, last: bool = False):
+        self.wait()
+        if os.path.exists(self._path(step)):
+            raise UserError(f"checkpoint {self._path(step)} already exists; refusing to overwrite it")
+        model_only = last and self.cfg.last_save_model_only
+        start = time.perf_counter()
+        partial = os.path.join(self.folder, f".step-{step}.partial")
+        state = self._state_dict(model_only)
+        train_state = self._train_state(step, tokens, model_only)
+        if self.rank == 0:
+            os.makedirs(partial, exist_ok=True)
+        self._barrier()
+        use_async = self.cfg.async_mode != "disabled" and not last
+        try:
+            if use_async:
+                result = dcp.async_save(
+                    state, checkpoint_id=partial, process_group=self.pg, async_stager=self.stager, no_dist=not self.distributed
+                )
+                future = getattr(result, "upload_completion", result)
+                self._write_side_files(partial, train_state, model_only)
+                self.pending = (future, step)
+                logger.info(f"checkpoint step-{step}: state staged in {time.perf_counter() - start:.2f}s, writing in the background")
+                return
+            dcp.save(state, checkpoint_id=partial, no_dist=not self.distributed)
+            self._write_side_files(partial, train_state, model_only)
+        except OSError as e:
+            self._abandon(partial)
+            raise UserError(
+                f"saving checkpoint step-{step} to {self.folder} failed: {e}; earlier checkpoints are untouched"
+            ) from None
+        self._publish(step)
+        logger.info(
+            f"saved {'model-only ' if model_only else ''}checkpoint {self._path(step)} in {time.perf_counter() - start:.2f}s"
+        )
+
+    def _state_dict(self, model_only: bool) -> dict:
+        model_sd = get_model_state_dict(self.model)
+        if model_only:
+            dtype = _DTYPES[self.cfg.export_dtype]
+            model_sd = {k: v.to(dtype) for k, v in model_sd.items()}
+            return {"model": model_sd}
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+
+    def _train_state(self, step: int, tokens: int, model_only: bool) -> dict:
+        sched = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tokens": tokens,
+            "model_only": model_only,
+            "world_size": self.world_size,
+            "model": {
+                "name": self.model_info["name"],
+                "flavor": self.model_info["flavor"],
+                "args": asdict(self.model_info["model_args"]),
+            },
+            "dtype": self.cfg.export_dtype if model_only else "float32",
+            "optimizer_lrs": [g["lr"] for g in self.optimizer.param_groups],
+            "lr_scheduler": sched,
+            "dataloader": self.dataloader.state_dict(),
+        }
+
+    def _write_side_files(self, partial: str, train_state: dict, model_only: bool):
+        if not model_only:
+            os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+            rng = {"cpu": torch.get_rng_state()}
+            if self.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.device)
+            save_safetensors(rng, os.path.join(partial, "rng", f"rank-{self.rank}.safetensors"))
+        if self.rank == 0:
+            tmp = os.path.join(partial, STATE_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(train_state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(partial, STATE_FILE))
+
+    def _publish(self, step: int):
+        """All ranks have written: make the checkpoint visible in one rename, then trim old ones."""
+        self._barrier()
+        if self.rank == 0:
+            os.rename(os.path.join(self.folder, f".step-{step}.partial"), self._path(step))
+            fd = os.open(self.folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._purge()
+        self._barrier()
+
+    def _purge(self):
+        if self.cfg.keep_latest_k == 0:
+            return
+        steps = complete_checkpoints(self.folder)
+        for old in steps[: -self.cfg.keep_latest_k]:
+            # Leave the step-N namespace first, so a kill during rmtree never leaves a half-deleted "complete" one.
+            doomed = os.path.join(self.folder, f".deleting-step-{old}")
+            os.rename(self._path(old), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            logger.info(f"deleted checkpoint step-{old} (keep_latest_k = {self.cfg.keep_latest_k})")
+
+    def _abandon(self, partial: str):
+        self._barrier_quietly()
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def _barrier_quietly(self):
+        try:
+            self._barrier()
+        except Exception:  # a peer may already be gone; the partial folder is harmless anyway
+            pass
+
+    def maybe_publish(self):
+        """Called every step: publish a finished async save once every rank's writes are done."""
+        if self.pending is None:
+            return
+        future, _ = self.pending
+        if self._all_true(future.done()):
+            self._finish_pending()
+
+    def wait(self):
+        """Block until a pending async save is written and published."""
+        if self.pending is not None:
+            self._finish_pending()
+
+    def _finish_pending(self):
+        future, step = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except Exception as e:
+            self._abandon(os.path.join(self.folder, f".step-{step}.partial"))
+            raise UserError(f"saving checkpoint step-{step} failed: {e}; earlier checkpoints are untouched") from None
+        self._publish(step)
+        logger.info(f"published checkpoint {self._path(step)}")
+
+    def close(self):
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+
+    # -- exports --------------------------------------------------------------------------------
+
+    def export_hf(self, step: int, bos_id: int | None, eos_id: int | None):
+        """Write the current weights as a Hugging Face folder {folder}/step-N-hf (rank 0 writes)."""
+        from torchtitan.components.hf_checkpoint import save_hf
+
+        start = time.perf_counter()
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in full.items()}
+            out = os.path.join(self.folder, f"step-{step}-hf")
+            save_hf(out, full, self.model_info["model_args"], _DTYPES[self.cfg.export_dtype], bos_id=bos_id, eos_id=eos_id)
+            logger.info(f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s")
+        self._barrier()
+
+    def save_seed(self):
+        """Write the freshly initialized weights as the model-only step-0 checkpoint."""
+        partial = os.path.join(self.folder, ".step-0.partial")
+        if complete_checkpoints(self.folder):
+            raise UserError(
+                f"{self.folder} already holds checkpoints; a seed checkpoint goes into an empty checkpoint folder"
+            )
+        os.makedirs(partial, exist_ok=True)
+        dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=partial, no_dist=not self.distributed)
+        state = self._train_state(0, 0, model_only=True)
+        state["dtype"] = "float32"
+        self._write_side_files(partial, state, model_only=True)
+        self._publish(0)
+        logger.info(f"wrote seed checkpoint {self._path(0)}")
