@@ -23,9 +23,11 @@ TINY = [
 ]
 
 
-def launch(jobs: dict[str, list[str]], nproc: int, tmp: Path, timeout: int = 600) -> dict[str, list[dict]]:
-    """Run named jobs (extra argv each) in one launch; returns each job's metrics.jsonl records."""
-    argvs = [TINY + ["--job.dump_folder", str(tmp / name)] + extra for name, extra in jobs.items()]
+def launch(jobs: dict[str, list[str] | dict], nproc: int, tmp: Path, timeout: int = 600) -> dict[str, list[dict]]:
+    """Run named jobs (extra argv each, or a {"copy": [src, dst]} step) in one launch; returns each
+    training job's metrics.jsonl records."""
+    argvs = [extra if isinstance(extra, dict) else TINY + ["--job.dump_folder", str(tmp / name)] + extra
+             for name, extra in jobs.items()]
     spec = tmp / f"jobs_{nproc}.json"
     spec.write_text(json.dumps(argvs))
     if nproc == 1:
@@ -36,7 +38,7 @@ def launch(jobs: dict[str, list[str]], nproc: int, tmp: Path, timeout: int = 600
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return {name: read_metrics(tmp / name) for name in jobs}
+    return {name: read_metrics(tmp / name) for name, extra in jobs.items() if not isinstance(extra, dict)}
 
 
 def read_metrics(folder: Path) -> list[dict]:

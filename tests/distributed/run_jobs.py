@@ -4,11 +4,16 @@
     torchrun --nproc_per_node 4 tests/distributed/run_jobs.py jobs.json
     python tests/distributed/run_jobs.py jobs.json        # one process, no process group
 
-jobs.json holds a list of argument lists, each as given to `python -m torchtitan.train`.
+jobs.json holds a list of jobs: an argument list as given to `python -m torchtitan.train`, or
+{"copy": [src, dst]} to copy a folder (rank 0, then all ranks wait), e.g. to resume from a
+checkpoint of an earlier job in a fresh dump folder.
 """
 
 import json
+import shutil
 import sys
+
+import torch.distributed as dist
 
 from torchtitan.config import load_config
 from torchtitan.distributed.utils import destroy_distributed, init_distributed
@@ -21,8 +26,14 @@ def main(path: str):
     setup_logging()
     init_distributed(timeout_seconds=120)
     try:
-        for argv in jobs:
-            train(load_config(argv))
+        for job in jobs:
+            if isinstance(job, dict):
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    shutil.copytree(*job["copy"])
+                if dist.is_initialized():
+                    dist.barrier()
+            else:
+                train(load_config(job))
     finally:
         destroy_distributed()
 

@@ -1,0 +1,63 @@
+"""Convert model weights between our checkpoints (DCP step-N folders) and Hugging Face folders.
+
+    python scripts/convert_checkpoint.py to-hf outputs/checkpoint/step-1000 llama-hf [--dtype bfloat16]
+    python scripts/convert_checkpoint.py from-hf Llama-3.2-1B outputs/checkpoint/step-0 [--flavor-name 1B]
+
+One process, no process group: the whole model is held in CPU memory (8B in float32: 32 GB).
+to-hf reads only the model part of the checkpoint, never the optimizer. from-hf writes a model-only
+step-0 checkpoint, a starting point for training (checkpoint.initial_load_path). The output folder
+must not exist yet (or be empty). Mistakes are reported in one line on stderr with exit status 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
+
+import torch  # noqa: E402
+
+from torchtitan.components.hf_checkpoint import load_hf, read_dcp_model, save_hf, write_dcp_model  # noqa: E402
+from torchtitan.config.errors import UserError  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_hf(checkpoint: str, output: str, dtype: str):
+    sd, args, train_state = read_dcp_model(checkpoint)
+    save_hf(output, sd, args, DTYPES[dtype])
+    print(f"wrote {output}: step {train_state.get('step', '?')}, {len(sd)} tensors in {dtype}")
+
+
+def from_hf(hf_folder: str, output: str, flavor: str):
+    sd, args = load_hf(hf_folder)
+    write_dcp_model(output, sd, args, "llama3", flavor)
+    print(f"wrote {output}: model-only checkpoint, {len(sd)} tensors, flavor '{flavor}'")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("to-hf", help="step-N checkpoint folder -> Hugging Face LlamaForCausalLM folder")
+    p.add_argument("checkpoint_dir")
+    p.add_argument("output_dir")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the exported weights")
+    p = commands.add_parser("from-hf", help="Hugging Face LlamaForCausalLM folder -> model-only step checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("output_dir")
+    p.add_argument("--flavor-name", default="custom", help="flavor recorded in train_state.json")
+    opts = parser.parse_args(argv)
+    try:
+        if opts.command == "to-hf":
+            to_hf(opts.checkpoint_dir, opts.output_dir, opts.dtype)
+        else:
+            from_hf(opts.hf_dir, opts.output_dir, opts.flavor_name)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""scripts/convert_checkpoint.py on a hand-made step-N folder, both directions, as the user runs it."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.hf_checkpoint import load_hf, read_dcp_model
+from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.llama3.model import Transformer
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A step-5 folder as the trainer writes it: model and optimizer state, train_state.json."""
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=7)
+    sd = model.state_dict()
+    folder = tmp_path / "step-5"
+    optimizer = {"state": {k: {"exp_avg": torch.randn_like(v)} for k, v in sd.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": sd, "optimizer": optimizer}, checkpoint_id=folder, no_dist=True)
+    train_state = {"format_version": 1, "step": 5, "tokens": 640, "model_only": False,
+                   "model": {"name": "llama3", "flavor": "tiny", "args": asdict(ARGS)}}
+    (folder / "train_state.json").write_text(json.dumps(train_state))
+    return folder, sd
+
+
+def test_to_hf_and_back(tmp_path, checkpoint):
+    folder, sd = checkpoint
+    proc = run("to-hf", folder, tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 5" in proc.stdout
+    hf_sd, hf_args = load_hf(tmp_path / "hf", ARGS)
+    for k in sd:
+        assert torch.equal(hf_sd[k], sd[k]), k
+
+    proc = run("from-hf", tmp_path / "hf", tmp_path / "step-0", "--flavor-name", "tiny")
+    assert proc.returncode == 0, proc.stderr
+    back, back_args, train_state = read_dcp_model(tmp_path / "step-0")
+    assert train_state["model_only"] is True and train_state["model"]["flavor"] == "tiny"
+    assert back_args.ffn_hidden_dim == ARGS.ffn_hidden_dim and back_args.kv_heads == ARGS.kv_heads
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+
+
+def test_to_hf_bfloat16(tmp_path, checkpoint, script):
+    folder, sd = checkpoint
+    assert script.main(["to-hf", str(folder), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    hf_sd, _ = load_hf(tmp_path / "hf")
+    assert torch.equal(hf_sd["layers.1.feed_forward.w2.weight"], sd["layers.1.feed_forward.w2.weight"].bfloat16())
+
+
+def test_missing_folder_exits_2_without_traceback(tmp_path):
+    proc = run("to-hf", tmp_path / "nope", tmp_path / "hf")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: checkpoint folder") and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_user_errors(tmp_path, checkpoint, script, capsys):
+    folder, _ = checkpoint
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    assert script.main(["to-hf", str(folder), str(tmp_path / "out")]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+
+    (folder / "train_state.json").unlink()
+    assert script.main(["to-hf", str(folder), str(tmp_path / "hf")]) == 2
+    assert "train_state.json is missing" in capsys.readouterr().err
+
+    (folder / ".metadata").unlink()
+    assert script.main(["to-hf", str(folder), str(tmp_path / "hf")]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err
+
+    assert script.main(["from-hf", str(folder), str(tmp_path / "dcp")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "dcp").exists()

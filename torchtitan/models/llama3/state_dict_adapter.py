@@ -1,0 +1,202 @@
+"""Convert Llama 3 weights between our (Meta) names and Hugging Face `LlamaForCausalLM` names.
+
+Pure tensor functions, no I/O. Besides renaming, the query and key projections are permuted: our
+rotary embedding treats adjacent features (2i, 2i+1) of a head as one complex number, while Hugging
+Face's `rotate_half` pairs feature i with feature i + head_dim/2. Reordering the output rows of wq
+and wk within each head turns one layout into the other; attention scores are unchanged because q
+and k get the same order.
+
+HF configs have no `multiple_of` / `ffn_dim_multiplier`, only the resulting width, so an imported
+config gets a pair chosen to reproduce `intermediate_size` exactly (see `args_from_hf_config`).
+"""
+
+import re
+
+import torch
+
+from torchtitan.config.errors import UserError
+from torchtitan.models.llama3.args import ModelArgs
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Older HF checkpoints stored the rotary frequencies; they are recomputed from rope_theta.
+_IGNORED_HF_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _name_pairs(args: ModelArgs) -> dict[str, str]:
+    """Meta name -> HF name for every parameter of a model with `args`."""
+    pairs = dict(_TOP_LEVEL)
+    for i in range(args.n_layers):
+        for meta, hf in _PER_LAYER.items():
+            pairs[f"layers.{i}.{meta}"] = f"model.layers.{i}.{hf}"
+    return pairs
+
+
+def _check_keys(found, expected, what: str, n_layers: int):
+    unknown = [k for k in found if k not in expected]
+    missing = [k for k in expected if k not in found]
+    if unknown or missing:
+        parts = []
+        if unknown:
+            parts.append(f"unknown keys {_first(unknown)}")
+        if missing:
+            parts.append(f"missing keys {_first(missing)}")
+        raise UserError(
+            f"{what} does not match a Llama 3 model with {n_layers} layers: {'; '.join(parts)}. "
+            "Check that the weights and the model configuration belong together."
+        )
+
+
+def _first(keys: list[str], n: int = 5) -> str:
+    more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def _check_heads(w: torch.Tensor, n_heads: int, head_dim: int, name: str):
+    if w.dim() != 2 or w.shape[0] != n_heads * head_dim:
+        raise UserError(
+            f"{name} has shape {tuple(w.shape)}; expected {n_heads * head_dim} rows ({n_heads} heads x {head_dim}). "
+            "Check that the weights and the model configuration belong together."
+        )
+
+
+def _pairs_to_halves(w: torch.Tensor, n_heads: int, head_dim: int, name: str) -> torch.Tensor:
+    _check_heads(w, n_heads, head_dim, name)
+    return w.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _halves_to_pairs(w: torch.Tensor, n_heads: int, head_dim: int, name: str) -> torch.Tensor:
+    _check_heads(w, n_heads, head_dim, name)
+    return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our state dict (Meta names) -> Hugging Face LlamaForCausalLM state dict."""
+    names = _name_pairs(args)
+    _check_keys(sd, names, "the model state dict", args.n_layers)
+    out = {}
+    for meta, w in sd.items():
+        if meta.endswith("attention.wq.weight"):
+            w = _pairs_to_halves(w, args.n_heads, args.head_dim, meta)
+        elif meta.endswith("attention.wk.weight"):
+            w = _pairs_to_halves(w, args.kv_heads, args.head_dim, meta)
+        out[names[meta]] = w
+    return out
+
+
+def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Hugging Face LlamaForCausalLM state dict -> our state dict (Meta names); the inverse of to_hf."""
+    names = {hf: meta for meta, hf in _name_pairs(args).items()}
+    hf_sd = {k: v for k, v in hf_sd.items() if not _IGNORED_HF_KEY.fullmatch(k)}
+    _check_keys(hf_sd, names, "the Hugging Face state dict", args.n_layers)
+    out = {}
+    for hf, w in hf_sd.items():
+        meta = names[hf]
+        if hf.endswith("q_proj.weight"):
+            w = _halves_to_pairs(w, args.n_heads, args.head_dim, hf)
+        elif hf.endswith("k_proj.weight"):
+            w = _halves_to_pairs(w, args.kv_heads, args.head_dim, hf)
+        out[meta] = w
+    return out
+
+
+def hf_config(
+    args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
+) -> dict:
+    """A config.json for LlamaForCausalLM describing a model with `args`, stored in `dtype`."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,  # plain rope: no rope_scaling entry
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if bos_id is not None:
+        config["bos_token_id"] = bos_id
+    if eos_id is not None:
+        config["eos_token_id"] = eos_id
+    return config
+
+
+def _unsupported(field: str, value, why: str) -> UserError:
+    return UserError(f"Hugging Face config has {field} = {value!r}: {why}; only plain Llama models can be imported")
+
+
+def _rope_theta(config: dict) -> float:
+    # Transformers < 5 writes rope_theta (+ rope_scaling); >= 5 writes rope_parameters.
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = config.get(field)
+        if rope is None:
+            continue
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if kind != "default":
+            raise _unsupported(field, rope, "our model implements plain rotary embeddings without scaling")
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def args_from_hf_config(config: dict) -> ModelArgs:
+    """ModelArgs for the LlamaForCausalLM described by a config.json dict; UserError if we cannot represent it."""
+    required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+    absent = [f for f in required if f not in config]
+    if absent:
+        raise UserError(f"Hugging Face config lacks {', '.join(absent)}; is this a LlamaForCausalLM config.json?")
+    for field, wanted in [("model_type", "llama"), ("hidden_act", "silu")]:
+        if config.get(field, wanted) != wanted:
+            raise _unsupported(field, config[field], f"our model needs {wanted!r}")
+    for field in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if config.get(field):
+            raise _unsupported(field, config[field], "our model has no biases and an untied output layer")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or dim // n_heads
+    if dim % n_heads or head_dim != dim // n_heads:
+        raise _unsupported("head_dim", head_dim, f"our model needs hidden_size / num_attention_heads = {dim / n_heads}")
+    n_kv_heads = config.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv_heads:
+        raise _unsupported("num_key_value_heads", n_kv_heads, f"it must divide num_attention_heads = {n_heads}")
+
+    # ffn_hidden_dim rounds int(8 dim / 3), optionally scaled, up to a multiple of multiple_of. With
+    # multiple_of = intermediate_size the rounding lands on it from any start in [1, intermediate_size].
+    intermediate = config["intermediate_size"]
+    base = int(2 * (4 * dim) / 3)
+    args = ModelArgs(
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+        vocab_size=config["vocab_size"],
+        multiple_of=intermediate,
+        ffn_dim_multiplier=None if intermediate >= base else intermediate / base,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+    )
+    if intermediate < 1 or args.ffn_hidden_dim != intermediate:
+        raise _unsupported("intermediate_size", intermediate, "no feed-forward width setting reproduces it")
+    return args
