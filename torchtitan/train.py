@@ -115,7 +115,7 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
         model = spec.model_cls(model_args)
     n_params = count_params(model)
     flops_tok = flops_per_token(model_args, count_params(model, exclude_embedding=True), t.seq_len)
-    model = spec.parallelize(model, dims, mesh, cfg.parallelism, t)
+    model = spec.parallelize(model, dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint)
     model.to_empty(device=device)
     model.init_weights(seed=t.seed)
     model.train()

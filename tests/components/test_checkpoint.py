@@ -226,3 +226,28 @@ def test_exclude_dataloader_restarts_the_data(straight, tmp_path):
     resumed = resume_from(folder, tmp_path, 3, "--checkpoint.exclude_from_loading", "dataloader")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert losses(resumed) != losses(history)[3:]
+
+
+def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torchtitan.components.hf_checkpoint import read_dcp_model
+    from torchtitan.models.llama3.model import Transformer
+
+    run(tmp_path / "a", "--checkpoint.last_save_in_hf", steps=2)
+    hf_dir = tmp_path / "a" / "checkpoint" / "step-2-hf"
+    assert (hf_dir / "config.json").exists()
+    # transformers loads the export and computes our model's logits (weights from the DCP step-2 save).
+    sd, args, _ = read_dcp_model(str(tmp_path / "a" / "checkpoint" / "step-2"))
+    ours = Transformer(args)
+    ours.load_state_dict(sd)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff < 1e-4
+    # Starting from the export (Hugging Face import) or from the DCP save gives the same first step.
+    from_hf = run(tmp_path / "b", "--checkpoint.initial_load_path", str(hf_dir), "--checkpoint.initial_load_in_hf",
+                  steps=1)
+    from_dcp = run(tmp_path / "c", "--checkpoint.initial_load_path", str(tmp_path / "a" / "checkpoint" / "step-2"),
+                   steps=1)
+    assert from_hf[0]["loss"] == pytest.approx(from_dcp[0]["loss"], abs=1e-6)

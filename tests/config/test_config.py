@@ -344,15 +344,24 @@ def test_planned_key_specific_reason():
 
 def test_planned_key_int_and_str_rejected():
     assert "issue 4" in error_of(["--parallelism.tensor_parallel_degree", "2"])
-    msg = error_of(["--activation_checkpoint.mode", "full"])
-    assert 'activation_checkpoint.mode = "full"' in msg and 'set it to "none"' in msg
+    msg = error_of(["--experimental.custom_import", "my.module"])
+    assert 'experimental.custom_import = "my.module"' in msg and 'set it to ""' in msg
 
 
 def test_planned_key_cli_can_switch_off_recipe_value(tmp_path):
-    path = write(tmp_path / "recipe.toml", "[training]\ncompile = true\n")
-    with pytest.raises(UserError, match="training.compile"):
+    path = write(tmp_path / "recipe.toml", "[training]\nenable_cpu_offload = true\n")
+    with pytest.raises(UserError, match="training.enable_cpu_offload"):
         load_recipe(path)
-    load_recipe(path, "--training.no-compile")
+    load_recipe(path, "--training.no-enable_cpu_offload")
+
+
+@pytest.mark.parametrize("option, ok", [("op", True), ("3", True), ("0", False), ("-1", False), ("every", False)])
+def test_selective_ac_option(option, ok):
+    argv = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", option]
+    if ok:
+        assert load_config(argv).activation_checkpoint.selective_ac_option == option
+    else:
+        assert "selective_ac_option must be a positive integer" in error_of(argv)
 
 
 # --- value checks ----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Data-parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
-in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
+activation checkpointing and per-block torch.compile under FSDP, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
 
 All jobs use the same seed, data and global batch (8 sequences of 64 tokens). Weight init is
 layout-invariant (per-parameter seeded), so step 1 already compares identical weights.
@@ -28,6 +28,9 @@ TWO = {
     "ddp2": ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
              "--parallelism.data_parallel_shard_degree", "1"],
     "fsdp2_bf16": ["--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16"],
+    "fsdp2_ac_full": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"],
+    "fsdp2_ac_op_compile": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "op", "--training.compile"],
 }
 FOUR = {
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
@@ -58,7 +61,9 @@ def test_reference_learns(runs):
 
 
 @pytest.mark.parametrize(
-    "name", ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4"]
+    "name",
+    ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
+     "fsdp2_ac_full", "fsdp2_ac_op_compile"],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])

@@ -5,6 +5,7 @@ Importing this package must not import torch: it validates a job before launch.
 
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import (
+    ActivationCheckpoint,
     Checkpoint,
     Comm,
     Job,
@@ -26,6 +27,7 @@ from torchtitan.config.manager import (
 )
 
 __all__ = [
+    "ActivationCheckpoint",
     "Checkpoint",
     "Comm",
     "HelpRequested",

@@ -89,6 +89,9 @@ class Training:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
         "float32", "Dtype of the FSDP gradient reduction."
     )
+    compile: bool = opt(
+        False, "torch.compile each transformer block (after activation checkpointing, before FSDP)."
+    )
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic GC is off).")
     seed: int = opt(0, "Seed for weight init and every random number generator.")
     deterministic: bool = opt(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
@@ -124,6 +127,20 @@ class Metrics:
 @dataclass(frozen=True)
 class Comm:
     init_timeout_seconds: int = opt(300, "Timeout of process-group initialization and collectives.")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpoint:
+    mode: Literal["none", "selective", "full"] = opt(
+        "none",
+        "Recompute activations in backward instead of keeping them: none, full (every block), or "
+        "selective (see selective_ac_option).",
+    )
+    selective_ac_option: str = opt(
+        "2",
+        "With mode = selective: a positive integer N checkpoints every N-th block; 'op' keeps the outputs "
+        "of attention and of every other matmul in each block and recomputes the rest.",
+    )
 
 
 @dataclass(frozen=True)
@@ -183,6 +200,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
 
 
 # Keys of the reference schema that are not implemented yet. Each maps to the value that asks
@@ -193,7 +211,7 @@ ANY = object()
 PLANNED_KEYS: dict[str, dict[str, object]] = {
     "job": {"print_args": ANY, "use_for_integration_test": ANY},
     "model": {"converters": [], "print_after_conversion": ANY, "hf_assets_path": ANY},
-    "training": {"compile": False, "enable_cpu_offload": False, "gc_debug": False},
+    "training": {"enable_cpu_offload": False, "gc_debug": False},
     "parallelism": {
         "tensor_parallel_degree": 1,
         "disable_loss_parallel": ANY,
@@ -213,7 +231,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     },
     "metrics": {"enable_wandb": False, "save_for_all_ranks": False, "disable_color_printing": ANY},
     "comm": {"train_timeout_seconds": ANY, "trace_buf_size": ANY},
-    "activation_checkpoint": {"mode": "none", "selective_ac_option": ANY},
     "float8": {
         "recipe_name": ANY,
         "enable_fsdp_float8_all_gather": ANY,
@@ -236,8 +253,7 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 # What a user reads when a planned key asks for something.
 PLANNED_WHY: dict[str, str] = {
     "parallelism": "tensor, pipeline and context parallelism are not implemented yet (issue 4)",
-    "training": "torch.compile and CPU offload are not implemented yet (issue 5)",
-    "activation_checkpoint": "activation checkpointing is not implemented yet (issue 5)",
+    "training": "CPU offload is not implemented yet (issue 5)",
     "float8": "float8 training is not implemented yet (issue 5)",
     "model": "model converters (float8) are not implemented yet (issue 5)",
     "profiling": "profiling is not implemented yet (issue 5)",

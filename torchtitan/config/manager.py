@@ -475,6 +475,14 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             'does not read it; set training.dataset = "local" (or "huggingface") to train on it, '
             "or remove dataset_path",
         )
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective":
+        option = ac.selective_ac_option
+        need(
+            option == "op" or (option.isdigit() and int(option) > 0),
+            f"activation_checkpoint.selective_ac_option must be a positive integer (checkpoint every N-th block) "
+            f"or 'op' (operator-level policy), got {option!r}",
+        )
     c = cfg.checkpoint
     need(c.interval > 0, f"checkpoint.interval must be a positive integer, got {c.interval}")
     need(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {c.keep_latest_k}")

@@ -17,7 +17,7 @@ class ModelSpec:
     name: str
     model_cls: type[nn.Module]
     flavors: dict  # flavor name -> model args
-    parallelize: Callable  # (model, parallel_dims, mesh, parallelism section, training section) -> model
+    parallelize: Callable  # (model, parallel_dims, mesh, parallelism, training, activation_checkpoint sections) -> model
 
 
 def _llama3() -> ModelSpec:

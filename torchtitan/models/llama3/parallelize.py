@@ -1,19 +1,30 @@
 """Apply parallelism to a Llama 3 model from outside; the model code stays untouched.
 
-Order (more techniques join in later issues): tensor parallel -> activation checkpointing ->
-compile -> FSDP, since FSDP must wrap the final form of each block to shard its parameters.
+Order: (tensor parallel, later) -> activation checkpointing -> compile -> FSDP. Checkpointing
+goes inside compile so the compiled graph includes the recomputation; FSDP goes last because it
+must wrap the final form of each block to shard its parameters.
 """
 
 from torch import nn
 
-from torchtitan.config import Parallelism, Training
+from torchtitan.config import ActivationCheckpoint, Parallelism, Training
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 
 def parallelize_llama(
-    model: nn.Module, parallel_dims: ParallelDims, mesh, parallelism: Parallelism, training: Training
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    mesh,
+    parallelism: Parallelism,
+    training: Training,
+    activation_checkpoint: ActivationCheckpoint,
 ) -> nn.Module:
+    apply_ac(model, activation_checkpoint.mode, activation_checkpoint.selective_ac_option)
+    if training.compile:
+        apply_compile(model)
     if parallel_dims.fsdp_enabled:
         # HSDP when there is a replicate dimension: a 2D mesh; plain FSDP: the shard dimension alone.
         dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate > 1 else mesh["dp_shard"]
