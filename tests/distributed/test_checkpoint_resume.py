@@ -1,5 +1,5 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP), resharding to other
-layouts (FSDP 4 -> FSDP 2, FSDP 4 -> HSDP 2x2) and a SIGKILL in the middle of a save."""
+layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2) and a SIGKILL in the middle of a save."""
 
 import json
 import os
@@ -43,6 +43,9 @@ def runs(tmp_path_factory):
         "fsdp2_resumed": CKPT + FSDP2,
         "copy4": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2"),
         "fsdp4_to_fsdp2": CKPT + FSDP2,
+        "copy5": step10(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
+        "fsdp4_to_ddp2": CKPT + FSDP2 + ["--parallelism.data_parallel_replicate_degree", "2",
+                                         "--parallelism.data_parallel_shard_degree", "1"],
     }, 2, tmp))
     return tmp, results
 
@@ -64,19 +67,21 @@ def test_resume_is_bit_identical(runs, layout):
     assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight if x["step"] >= 11]
 
 
-@pytest.mark.parametrize("target", ["fsdp4_to_fsdp2", "fsdp4_to_hsdp"])
-def test_reshard_matches_uninterrupted_run(runs, target):
+# DDP all-reduces gradients in buckets where FSDP reduce-scatters them; Adam amplifies that rounding
+# difference step by step (measured: 7e-6 after one step, 2.2e-5 at most over 10), so DDP gets 5e-5.
+# The first resumed step is exact in every layout: weights and optimizer state load bit for bit.
+@pytest.mark.parametrize("target, tol", [("fsdp4_to_fsdp2", 1e-5), ("fsdp4_to_hsdp", 1e-5), ("fsdp4_to_ddp2", 5e-5)])
+def test_reshard_matches_uninterrupted_run(runs, target, tol):
     tmp, r = runs
     ref, got = losses(r["fsdp4_straight"], first_step=11), losses(r[target])
     assert len(got) == 10
-    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5
+    assert got[0] == ref[0]
+    assert max(abs(a - b) for a, b in zip(ref, got)) < tol
     # The data position carried over: the same global samples were consumed, none skipped or repeated.
     end_ref = train_state(tmp, "fsdp4_straight", 20)["dataloader"]["dataset_state"]
     end_got = train_state(tmp, target, 20)["dataloader"]["dataset_state"]
     assert end_got["next_sample"] == end_ref["next_sample"] == 20 * 8
     assert (end_got["doc_index"], end_got["token_offset"]) == (end_ref["doc_index"], end_ref["token_offset"])
-    assert train_state(tmp, target, 20)["world_size"] != train_state(tmp, "fsdp4_straight", 20)["world_size"] or \
-        target.endswith("hsdp")
 
 
 def test_sigkill_during_save_then_resume(tmp_path):
