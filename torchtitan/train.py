@@ -65,7 +65,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"scripts/train_tokenizer.py). Relative paths are relative to the working directory {os.getcwd()}."
         )
     check_writable(cfg.job.dump_folder, "the config and metrics")
-    preflight_checkpoint(cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type())
+    preflight_checkpoint(
+        cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
+    )
     return Plan(dims, global_batch, global_batch // per_step)
 
 

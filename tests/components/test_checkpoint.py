@@ -251,3 +251,11 @@ def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path):
     from_dcp = run(tmp_path / "c", "--checkpoint.initial_load_path", str(tmp_path / "a" / "checkpoint" / "step-2"),
                    steps=1)
     assert from_hf[0]["loss"] == pytest.approx(from_dcp[0]["loss"], abs=1e-6)
+
+
+def test_resume_with_another_global_batch_is_refused_before_training(straight, tmp_path):
+    copy_step(straight[0], tmp_path)
+    with pytest.raises(UserError, match="saved with training.global_batch_size = 2, but this job has 4"):
+        run(tmp_path, "--training.local_batch_size", "4")
+    with pytest.raises(UserError, match="saved with training.seq_len = 32, but this job has 64"):
+        run(tmp_path, "--training.seq_len", "64")

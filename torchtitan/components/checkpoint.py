@@ -166,7 +166,9 @@ def check_model_matches(path: str, metadata, model_sd: dict, prefix: str = "mode
         )
 
 
-def preflight_checkpoint(cfg: CheckpointConfig, dump_folder: str, world_size: int, device_type: str):
+def preflight_checkpoint(
+    cfg: CheckpointConfig, dump_folder: str, world_size: int, device_type: str, seq_len: int, global_batch_size: int
+):
     """File-level checks that need no process group, run before launch and on every rank."""
     if cfg.create_seed_checkpoint and world_size != 1:
         raise UserError(
@@ -189,6 +191,18 @@ def preflight_checkpoint(cfg: CheckpointConfig, dump_folder: str, world_size: in
             f"available steps: {', '.join(map(str, steps)) or 'none'}"
         )
     check_writable(folder, "checkpoints")
+    steps = complete_checkpoints(folder)
+    resume_step = cfg.load_step if cfg.load_step != -1 else (steps[-1] if steps else None)
+    if resume_step is not None:
+        data = read_train_state(os.path.join(folder, f"step-{resume_step}")).get("dataloader", {})
+        saved = data.get("dataset_state", {})
+        for key, now in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
+            if key in saved and saved[key] != now:
+                raise UserError(
+                    f"the run resumes from {folder}/step-{resume_step}, saved with training.{key} = {saved[key]}, "
+                    f"but this job has {now}; global sample positions depend on it, so keep {key} = {saved[key]} "
+                    f"(with a new data-parallel degree, adjust local_batch_size so the global batch stays the same)"
+                )
 
 
 def check_writable(folder: str, what: str):
