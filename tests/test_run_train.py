@@ -67,7 +67,7 @@ EMPTY = "empty.jsonl"
         (["--model.tokenizer_path", "/no/tok.model"], {}, "tokenizer model not found at '/no/tok.model'"),
         (["--training.dataset", "local", "--training.dataset_path", "/no/data.jsonl"], {}, "does not exist"),
         (["--training.dataset", "local", "--training.dataset_path", EMPTY], {}, "is empty"),
-        (["--profiling.enable_profiling"], {}, "not implemented yet \\(issue 5\\)"),
+        (["--parallelism.tensor_parallel_degree", "2"], {}, "not implemented yet \\(issue 4\\)"),
         ([], {"CONFIG_FILE": "/no/recipe.toml"}, "not found: /no/recipe.toml"),
     ],
 )

@@ -25,6 +25,7 @@ from torchtitan.components.data import build_dataloader
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
@@ -57,6 +58,17 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"data-parallel degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}; use a multiple "
             f"of {per_step} (the quotient is the number of gradient-accumulation steps)."
         )
+    if t.enable_cpu_offload:
+        if dist_utils.device_type() != "cuda":
+            raise UserError(
+                "training.enable_cpu_offload moves parameters, gradients and optimizer state from GPU memory to "
+                "host memory; this job runs on the CPU, where they already are: remove the option"
+            )
+        if not dims.fsdp_enabled:
+            raise UserError(
+                "training.enable_cpu_offload works through FSDP, but parallelism.data_parallel_shard_degree is "
+                f"{dims.dp_shard}; shard over 2 or more ranks, or turn offload off"
+            )
     get_model_args(cfg.model.name, cfg.model.flavor)
     if not os.path.isfile(cfg.model.tokenizer_path):
         raise UserError(
@@ -78,6 +90,26 @@ def set_determinism(seed: int, deterministic: bool):
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def train_step(model, optimizer, lr_scheduler, data_iter, grad_accum_steps: int, amp, max_norm: float, device):
+    """One optimizer step over `grad_accum_steps` micro-batches; returns (summed loss, grad norm, lr used)."""
+    optimizer.zero_grad()
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(grad_accum_steps):
+        inputs, labels = next(data_iter)
+        inputs, labels = inputs.to(device), labels.to(device)
+        with amp:
+            logits = model(inputs)
+        # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / grad_accum_steps
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = dist_utils.clip_grad_norm_(model.parameters(), max_norm)
+    lr = lr_scheduler.get_last_lr()[0]
+    optimizer.step()
+    lr_scheduler.step()
+    return loss_sum, grad_norm, lr
 
 
 def train(cfg: JobConfig) -> list[dict]:
@@ -118,8 +150,9 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
     n_params = count_params(model)
     flops_tok = flops_per_token(model_args, count_params(model, exclude_embedding=True), t.seq_len)
     model = spec.parallelize(model, dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint)
-    model.to_empty(device=device)
-    model.init_weights(seed=t.seed)
+    # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
+    model.to_empty(device="cpu" if t.enable_cpu_offload else device)
+    model.init_weights(seed=t.seed, buffer_device=device)
     model.train()
 
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -162,55 +195,45 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
     start = last_log_time = time.perf_counter()
     tokens_since_log = 0
     try:
-        for step in range(start_step + 1, t.steps + 1):
-            if step % t.gc_freq == 0:
-                gc.collect(1)
-            optimizer.zero_grad()
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(plan.grad_accum_steps):
-                inputs, labels = next(data_iter)
-                inputs, labels = inputs.to(device), labels.to(device)
-                with amp:
-                    logits = model(inputs)
-                # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / plan.grad_accum_steps
-                loss.backward()
-                loss_sum += loss.detach()
-                tokens_since_log += inputs.numel()
-            grad_norm = dist_utils.clip_grad_norm_(model.parameters(), t.max_norm)
-            lr = lr_scheduler.get_last_lr()[0]
-            optimizer.step()
-            lr_scheduler.step()
+        with maybe_profile(cfg.profiling, cfg.job.dump_folder, rank, device, start_step) as profiler:
+            for step in range(start_step + 1, t.steps + 1):
+                if step % t.gc_freq == 0:
+                    gc.collect(1)
+                loss_sum, grad_norm, lr = train_step(
+                    model, optimizer, lr_scheduler, data_iter, plan.grad_accum_steps, amp, t.max_norm, device
+                )
+                tokens_since_log += plan.grad_accum_steps * t.local_batch_size * t.seq_len
 
-            if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
-                loss_value = dist_utils.dist_mean(loss_sum, dp_mesh)
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss is {loss_value} at step {step}")
-                now = time.perf_counter()
-                tps = tokens_since_log / (now - last_log_time)  # tokens per second on this device
-                tflops = flops_tok * tps / 1e12
-                record = {
-                    "step": step,
-                    "loss": loss_value,
-                    "grad_norm": grad_norm.item(),
-                    "lr": lr,
-                    "tps": tps,
-                    "tflops": tflops,
-                    "mfu": 100 * tflops / peak_tflops,
-                    "memory_gib": peak_memory_gib(device),
-                    "time": now - start,
-                    "tokens": step * tokens_per_step,
-                }
-                metrics.log(record)
-                history.append(record)
-                last_log_time, tokens_since_log = now, 0
+                if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                    loss_value = dist_utils.dist_mean(loss_sum, dp_mesh)
+                    if not math.isfinite(loss_value):
+                        raise FloatingPointError(f"loss is {loss_value} at step {step}")
+                    now = time.perf_counter()
+                    tps = tokens_since_log / (now - last_log_time)  # tokens per second on this device
+                    tflops = flops_tok * tps / 1e12
+                    record = {
+                        "step": step,
+                        "loss": loss_value,
+                        "grad_norm": grad_norm.item(),
+                        "lr": lr,
+                        "tps": tps,
+                        "tflops": tflops,
+                        "mfu": 100 * tflops / peak_tflops,
+                        "memory_gib": peak_memory_gib(device),
+                        "time": now - start,
+                        "tokens": step * tokens_per_step,
+                    }
+                    metrics.log(record)
+                    history.append(record)
+                    last_log_time, tokens_since_log = now, 0
 
-            checkpointer.maybe_publish()
-            if checkpointer.should_save(step, t.steps):
-                checkpointer.save(step, step * tokens_per_step, last=step == t.steps)
-            if step == t.steps and cfg.checkpoint.last_save_in_hf:
-                checkpointer.export_hf(step, tokenizer.bos_id, tokenizer.eos_id)
-        checkpointer.close()
+                checkpointer.maybe_publish()
+                if checkpointer.should_save(step, t.steps):
+                    checkpointer.save(step, step * tokens_per_step, last=step == t.steps)
+                if step == t.steps and cfg.checkpoint.last_save_in_hf:
+                    checkpointer.export_hf(step, tokenizer.bos_id, tokenizer.eos_id)
+                profiler.step_done()
+            checkpointer.close()
     finally:
         gc.enable()
         metrics.close()

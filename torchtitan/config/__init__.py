@@ -8,6 +8,7 @@ from torchtitan.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
     Comm,
+    Float8,
     Job,
     JobConfig,
     LRScheduler,
@@ -15,6 +16,7 @@ from torchtitan.config.job_config import (
     Model,
     Optimizer,
     Parallelism,
+    Profiling,
     Training,
 )
 from torchtitan.config.manager import (
@@ -30,6 +32,7 @@ __all__ = [
     "ActivationCheckpoint",
     "Checkpoint",
     "Comm",
+    "Float8",
     "HelpRequested",
     "Job",
     "JobConfig",
@@ -38,6 +41,7 @@ __all__ = [
     "Model",
     "Optimizer",
     "Parallelism",
+    "Profiling",
     "Training",
     "UserError",
     "config_to_dict",

@@ -38,6 +38,9 @@ class Model:
         "./assets/tokenizer/python_stdlib_4k.model",
         "Path of the sentencepiece tokenizer model; the model's vocabulary size is taken from it.",
     )
+    converters: list[str] = opt(
+        [], "Model conversions applied before parallelizing: 'float8' (torchao float8 linear layers, see [float8])."
+    )
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,11 @@ class Training:
     compile: bool = opt(
         False, "torch.compile each transformer block (after activation checkpointing, before FSDP)."
     )
+    enable_cpu_offload: bool = opt(
+        False,
+        "Keep parameters, gradients and optimizer state in host memory between uses (FSDP2 offload; "
+        "CUDA only: on a CPU device everything already lives in host memory).",
+    )
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic GC is off).")
     seed: int = opt(0, "Seed for weight init and every random number generator.")
     deterministic: bool = opt(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
@@ -141,6 +149,35 @@ class ActivationCheckpoint:
         "With mode = selective: a positive integer N checkpoints every N-th block; 'op' keeps the outputs "
         "of attention and of every other matmul in each block and recomputes the rest.",
     )
+
+
+@dataclass(frozen=True)
+class Float8:
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = opt(
+        "tensorwise", "torchao float8 recipe: one scale per tensor, or per row (rowwise needs CUDA kernels for speed)."
+    )
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "All-gather FSDP parameters in float8 (tensorwise recipe only): half the bytes of bf16."
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "Compute all float8 weight scales in one fused step after the optimizer (with float8 all-gather)."
+    )
+    filter_fqns: list[str] = opt(
+        ["output"], "Linear layers whose name contains any of these stay in high precision."
+    )
+    emulate: bool = opt(False, "Emulate float8 matmuls in high precision (for testing on hardware without float8).")
+
+
+@dataclass(frozen=True)
+class Profiling:
+    enable_profiling: bool = opt(False, "Record torch profiler traces every profile_freq steps.")
+    save_traces_folder: str = opt("profile_traces", "Trace folder under dump_folder (one file per rank and step).")
+    profile_freq: int = opt(10, "Profile one step out of every this many.")
+    enable_memory_snapshot: bool = opt(
+        False,
+        "Record memory: CUDA allocator snapshots (and a dump on out-of-memory); on CPU a profiler memory timeline.",
+    )
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory snapshot folder under dump_folder.")
 
 
 @dataclass(frozen=True)
@@ -201,6 +238,8 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    profiling: Profiling = field(default_factory=Profiling)
 
 
 # Keys of the reference schema that are not implemented yet. Each maps to the value that asks
@@ -210,8 +249,8 @@ ANY = object()
 
 PLANNED_KEYS: dict[str, dict[str, object]] = {
     "job": {"print_args": ANY, "use_for_integration_test": ANY},
-    "model": {"converters": [], "print_after_conversion": ANY, "hf_assets_path": ANY},
-    "training": {"enable_cpu_offload": False, "gc_debug": False},
+    "model": {"print_after_conversion": ANY, "hf_assets_path": ANY},
+    "training": {"gc_debug": False},
     "parallelism": {
         "tensor_parallel_degree": 1,
         "disable_loss_parallel": ANY,
@@ -231,20 +270,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     },
     "metrics": {"enable_wandb": False, "save_for_all_ranks": False, "disable_color_printing": ANY},
     "comm": {"train_timeout_seconds": ANY, "trace_buf_size": ANY},
-    "float8": {
-        "recipe_name": ANY,
-        "enable_fsdp_float8_all_gather": ANY,
-        "precompute_float8_dynamic_scale_for_fsdp": ANY,
-        "filter_fqns": ANY,
-        "emulate": ANY,
-    },
-    "profiling": {
-        "enable_profiling": False,
-        "save_traces_folder": ANY,
-        "profile_freq": ANY,
-        "enable_memory_snapshot": False,
-        "save_memory_snapshot_folder": ANY,
-    },
     "validation": {"enabled": False, "dataset": ANY, "dataset_path": ANY, "freq": ANY, "steps": ANY},
     "memory_estimation": {"enabled": False, "disable_fake_mode": ANY},
     "experimental": {"custom_import": "", "custom_args_module": ""},
@@ -253,10 +278,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 # What a user reads when a planned key asks for something.
 PLANNED_WHY: dict[str, str] = {
     "parallelism": "tensor, pipeline and context parallelism are not implemented yet (issue 4)",
-    "training": "CPU offload is not implemented yet (issue 5)",
-    "float8": "float8 training is not implemented yet (issue 5)",
-    "model": "model converters (float8) are not implemented yet (issue 5)",
-    "profiling": "profiling is not implemented yet (issue 5)",
     "metrics": "this metrics backend is not implemented",
     "validation": "validation runs are not implemented",
     "memory_estimation": "memory estimation is not implemented",

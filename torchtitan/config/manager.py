@@ -475,6 +475,20 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             'does not read it; set training.dataset = "local" (or "huggingface") to train on it, '
             "or remove dataset_path",
         )
+    for converter in cfg.model.converters:
+        need(converter == "float8", f"model.converters: unknown converter {converter!r}; the only one is 'float8'")
+    f8 = cfg.float8
+    if "float8" in cfg.model.converters and f8.enable_fsdp_float8_all_gather:
+        need(
+            f8.recipe_name == "tensorwise",
+            f"float8.enable_fsdp_float8_all_gather works with float8.recipe_name = 'tensorwise' only, got "
+            f"{f8.recipe_name!r}; turn one of them off",
+        )
+    need(
+        not f8.precompute_float8_dynamic_scale_for_fsdp or f8.enable_fsdp_float8_all_gather,
+        "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true",
+    )
+    need(cfg.profiling.profile_freq > 0, f"profiling.profile_freq must be a positive integer, got {cfg.profiling.profile_freq}")
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":
         option = ac.selective_ac_option

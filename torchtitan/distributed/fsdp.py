@@ -3,7 +3,7 @@
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -14,15 +14,18 @@ def apply_fsdp(
     param_dtype: str,
     reduce_dtype: str,
     reshard_after_forward_policy: str,
+    cpu_offload: bool = False,
 ):
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    # Offload keeps sharded parameters, gradients and optimizer state in host memory (CUDA jobs).
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     reshard_blocks = reshard_after_forward_policy != "never"
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks, offload_policy=offload)
     # The root holds the embedding, final norm and output layer; backward needs the output layer first,
     # so by default keep the root's parameters gathered instead of all-gathering them again at once.
     reshard_root = reshard_after_forward_policy == "always"
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_root)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_root, offload_policy=offload)
     return model
 
 

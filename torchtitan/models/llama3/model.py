@@ -103,9 +103,10 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0):
-        """Initialize every parameter and buffer in place (after `to_empty`); values depend only on `seed`."""
-        self.freqs_cis = self._freqs_cis().to(self.freqs_cis.device)
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
+        """Initialize every parameter and buffer in place (after `to_empty`); values depend only on `seed`.
+        Buffers go to `buffer_device` (default: where they are), which differs when parameters are offloaded."""
+        self.freqs_cis = self._freqs_cis().to(buffer_device or self.freqs_cis.device)
         for name, param in self.named_parameters():
             seeded_init_(param, name, seed, self._init_for(name))
 

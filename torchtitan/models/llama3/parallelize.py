@@ -34,6 +34,7 @@ def parallelize_llama(
             param_dtype=training.mixed_precision_param,
             reduce_dtype=training.mixed_precision_reduce,
             reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+            cpu_offload=training.enable_cpu_offload,
         )
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
