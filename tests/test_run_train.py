@@ -67,7 +67,8 @@ EMPTY = "empty.jsonl"
         (["--model.tokenizer_path", "/no/tok.model"], {}, "tokenizer model not found at '/no/tok.model'"),
         (["--training.dataset", "local", "--training.dataset_path", "/no/data.jsonl"], {}, "does not exist"),
         (["--training.dataset", "local", "--training.dataset_path", EMPTY], {}, "is empty"),
-        (["--parallelism.tensor_parallel_degree", "2"], {}, "not implemented yet \\(issue 4\\)"),
+        (["--parallelism.context_parallel_degree", "2"], {}, "not implemented yet \\(issue 4\\)"),
+        (["--parallelism.tensor_parallel_degree", "3"], {"NGPU": "3"}, "tensor_parallel_degree = 3 does not divide"),
         ([], {"CONFIG_FILE": "/no/recipe.toml"}, "not found: /no/recipe.toml"),
     ],
 )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
@@ -30,6 +31,7 @@ from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
 from torchtitan.models.llama3.model import count_params, flops_per_token
 from torchtitan.models.registry import get_model_args, get_model_spec
 
@@ -69,13 +71,21 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 "training.enable_cpu_offload works through FSDP, but parallelism.data_parallel_shard_degree is "
                 f"{dims.dp_shard}; shard over 2 or more ranks, or turn offload off"
             )
-    get_model_args(cfg.model.name, cfg.model.flavor)
+    model_args = get_model_args(cfg.model.name, cfg.model.flavor)
     if not os.path.isfile(cfg.model.tokenizer_path):
         raise UserError(
             f"tokenizer model not found at '{cfg.model.tokenizer_path}' (model.tokenizer_path); point it at a "
             f"sentencepiece .model file, e.g. ./assets/tokenizer/python_stdlib_4k.model (made by "
             f"scripts/train_tokenizer.py). Relative paths are relative to the working directory {os.getcwd()}."
         )
+    if dims.tp_enabled:
+        if cfg.parallelism.enable_async_tensor_parallel and dist_utils.device_type() != "cuda":
+            raise UserError(
+                "parallelism.enable_async_tensor_parallel uses CUDA symmetric memory; this job runs on the CPU: "
+                "turn it off"
+            )
+        vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
+        check_tp_divisibility(model_args.with_vocab_and_seq(vocab, t.seq_len), dims.tp, t.seq_len)
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
@@ -92,19 +102,25 @@ def set_determinism(seed: int, deterministic: bool):
         torch.backends.cudnn.benchmark = False
 
 
-def train_step(model, optimizer, lr_scheduler, data_iter, grad_accum_steps: int, amp, max_norm: float, device):
+def train_step(
+    model, optimizer, lr_scheduler, data_iter, grad_accum_steps: int, amp, max_norm: float, device, loss_parallel
+):
     """One optimizer step over `grad_accum_steps` micro-batches; returns (summed loss, grad norm, lr used)."""
     optimizer.zero_grad()
     loss_sum = torch.zeros((), device=device)
     for _ in range(grad_accum_steps):
         inputs, labels = next(data_iter)
         inputs, labels = inputs.to(device), labels.to(device)
-        with amp:
-            logits = model(inputs)
-        # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / grad_accum_steps
-        loss.backward()
-        loss_sum += loss.detach()
+        # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
+        # must both run inside the context.
+        with loss_parallel_context(loss_parallel):
+            with amp:
+                logits = model(inputs)
+            # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / grad_accum_steps
+            loss.backward()
+        loss = loss.detach()
+        loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
     grad_norm = dist_utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = lr_scheduler.get_last_lr()[0]
     optimizer.step()
@@ -147,6 +163,10 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
     model_args = spec.flavors[cfg.model.flavor].with_vocab_and_seq(tokenizer.vocab_size, t.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
+    if "float8" in cfg.model.converters:
+        from torchtitan.components.float8 import convert_to_float8
+
+        convert_to_float8(model, cfg.float8)  # before parallelizing: FSDP then shards the float8 weights
     n_params = count_params(model)
     flops_tok = flops_per_token(model_args, count_params(model, exclude_embedding=True), t.seq_len)
     model = spec.parallelize(model, dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint)
@@ -194,15 +214,23 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
     gc.collect()
     start = last_log_time = time.perf_counter()
     tokens_since_log = 0
+    precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+    if precompute_float8:
+        from torchtitan.components.float8 import precompute_float8_scales
     try:
         with maybe_profile(cfg.profiling, cfg.job.dump_folder, rank, device, start_step) as profiler:
             for step in range(start_step + 1, t.steps + 1):
                 if step % t.gc_freq == 0:
                     gc.collect(1)
                 loss_sum, grad_norm, lr = train_step(
-                    model, optimizer, lr_scheduler, data_iter, plan.grad_accum_steps, amp, t.max_norm, device
+                    model, optimizer, lr_scheduler, data_iter, plan.grad_accum_steps, amp, t.max_norm, device,
+                    loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
                 )
-                tokens_since_log += plan.grad_accum_steps * t.local_batch_size * t.seq_len
+                if precompute_float8:
+                    # One fused amax/scale computation for all float8 weights, used by the next all-gather.
+                    precompute_float8_scales(model)
+                # Tensor-parallel peers share their data-parallel group's batch: count each token once per device.
+                tokens_since_log += plan.grad_accum_steps * t.local_batch_size * t.seq_len / dims.tp
 
                 if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
                     loss_value = dist_utils.dist_mean(loss_sum, dp_mesh)

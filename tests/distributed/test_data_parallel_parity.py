@@ -1,5 +1,6 @@
-"""Data-parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
-activation checkpointing and per-block torch.compile under FSDP, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
+"""Parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
+activation checkpointing and per-block torch.compile under FSDP, tensor + sequence parallel alone
+(with and without loss parallel) and with FSDP or DDP, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
 
 All jobs use the same seed, data and global batch (8 sequences of 64 tokens). Weight init is
 layout-invariant (per-parameter seeded), so step 1 already compares identical weights.
@@ -31,12 +32,18 @@ TWO = {
     "fsdp2_ac_full": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"],
     "fsdp2_ac_op_compile": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
                             "--activation_checkpoint.selective_ac_option", "op", "--training.compile"],
+    "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "tp2_no_loss_parallel": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                             "--parallelism.disable_loss_parallel"],
 }
 FOUR = {
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
     "fsdp4": ["--training.local_batch_size", "2"],
     "hsdp2x2_bf16": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
                      "--training.mixed_precision_param", "bfloat16"],
+    "fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "fsdp2_tp2_bf16": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                       "--training.mixed_precision_param", "bfloat16"],
 }
 
 
@@ -63,7 +70,7 @@ def test_reference_learns(runs):
 @pytest.mark.parametrize(
     "name",
     ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
-     "fsdp2_ac_full", "fsdp2_ac_op_compile"],
+     "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])
@@ -77,7 +84,7 @@ def test_fp32_layouts_match_single_process(runs, name):
     assert max(norms) < 1e-3, f"{name}: grad norm relative diffs {norms}"
 
 
-@pytest.mark.parametrize("name", ["single_bf16", "fsdp2_bf16", "hsdp2x2_bf16"])
+@pytest.mark.parametrize("name", ["single_bf16", "fsdp2_bf16", "hsdp2x2_bf16", "fsdp2_tp2_bf16"])
 def test_bf16_layouts_track_fp32(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])
     diffs = [abs(a - b) for a, b in zip(ref, got)]

@@ -118,6 +118,15 @@ class Parallelism:
         "Free gathered parameters after forward (always), keep them until backward (never), "
         "or default (always, except for the root module whose parameters backward needs first).",
     )
+    tensor_parallel_degree: int = opt(
+        1, "Tensor + sequence parallel degree (innermost mesh dimension; divides heads, KV heads and seq_len)."
+    )
+    disable_loss_parallel: bool = opt(
+        False, "With tensor parallel: gather the logits instead of computing the loss on vocabulary shards."
+    )
+    enable_async_tensor_parallel: bool = opt(
+        False, "Overlap tensor-parallel communication with matmuls (CUDA with training.compile only)."
+    )
 
 
 @dataclass(frozen=True)
@@ -252,9 +261,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     "model": {"print_after_conversion": ANY, "hf_assets_path": ANY},
     "training": {"gc_debug": False},
     "parallelism": {
-        "tensor_parallel_degree": 1,
-        "disable_loss_parallel": ANY,
-        "enable_async_tensor_parallel": False,
         "pipeline_parallel_degree": 1,
         "pipeline_parallel_schedule": ANY,
         "pipeline_parallel_schedule_csv": ANY,
@@ -277,7 +283,7 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 
 # What a user reads when a planned key asks for something.
 PLANNED_WHY: dict[str, str] = {
-    "parallelism": "tensor, pipeline and context parallelism are not implemented yet (issue 4)",
+    "parallelism": "pipeline and context parallelism are not implemented yet (issue 4)",
     "metrics": "this metrics backend is not implemented",
     "validation": "validation runs are not implemented",
     "memory_estimation": "memory estimation is not implemented",

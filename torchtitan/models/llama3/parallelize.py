@@ -1,6 +1,6 @@
 """Apply parallelism to a Llama 3 model from outside; the model code stays untouched.
 
-Order: (tensor parallel, later) -> activation checkpointing -> compile -> FSDP. Checkpointing
+Order: tensor parallel -> activation checkpointing -> compile -> FSDP. Checkpointing
 goes inside compile so the compiled graph includes the recomputation; FSDP goes last because it
 must wrap the final form of each block to shard its parameters.
 """
@@ -12,6 +12,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_tp
 
 
 def parallelize_llama(
@@ -22,6 +23,10 @@ def parallelize_llama(
     training: Training,
     activation_checkpoint: ActivationCheckpoint,
 ) -> nn.Module:
+    if parallel_dims.tp_enabled:
+        apply_tp(model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel)
+        if parallelism.enable_async_tensor_parallel:
+            _enable_async_tp(mesh["tp"])
     apply_ac(model, activation_checkpoint.mode, activation_checkpoint.selective_ac_option)
     if training.compile:
         apply_compile(model)
@@ -39,3 +44,12 @@ def parallelize_llama(
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
     return model
+
+
+def _enable_async_tp(tp_mesh):
+    """Let inductor fuse TP collectives with the matmuls around them (symmetric memory, CUDA only)."""
+    import torch
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
