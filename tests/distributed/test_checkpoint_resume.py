@@ -1,5 +1,5 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP), resharding to other
-layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2) and a SIGKILL in the middle of a save."""
+layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2) and a SIGKILL in the middle of a save."""
 
 import json
 import os
@@ -36,6 +36,8 @@ def runs(tmp_path_factory):
         "fsdp4_straight": CKPT + FSDP4,
         "copy2": step10(tmp, "fsdp4_straight", "fsdp4_to_hsdp"),
         "fsdp4_to_hsdp": CKPT + HSDP,
+        "copy6": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
+        "fsdp4_to_fsdp2_tp2": CKPT + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -70,7 +72,10 @@ def test_resume_is_bit_identical(runs, layout):
 # DDP all-reduces gradients in buckets where FSDP reduce-scatters them; Adam amplifies that rounding
 # difference step by step (measured: 7e-6 after one step, 2.2e-5 at most over 10), so DDP gets 5e-5.
 # The first resumed step is exact in every layout: weights and optimizer state load bit for bit.
-@pytest.mark.parametrize("target, tol", [("fsdp4_to_fsdp2", 1e-5), ("fsdp4_to_hsdp", 1e-5), ("fsdp4_to_ddp2", 5e-5)])
+@pytest.mark.parametrize(
+    "target, tol",
+    [("fsdp4_to_fsdp2", 1e-5), ("fsdp4_to_hsdp", 1e-5), ("fsdp4_to_ddp2", 5e-5), ("fsdp4_to_fsdp2_tp2", 1e-5)],
+)
 def test_reshard_matches_uninterrupted_run(runs, target, tol):
     tmp, r = runs
     ref, got = losses(r["fsdp4_straight"], first_step=11), losses(r[target])
