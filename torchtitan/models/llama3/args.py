@@ -38,9 +38,10 @@ class ModelArgs:
 
 
 # Published Llama 3 / 3.1 dimensions (8B, 70B, 405B); "1B" uses Llama 3.2 1B's dimensions with an
-# untied output layer; "debugmodel" trains in minutes on a CPU.
+# untied output layer; "debugmodel" trains in minutes on a CPU; "10M" is the size the CPU benchmark uses.
 flavors: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=4096, rope_theta=500000),
+    "10M": ModelArgs(dim=320, n_layers=6, n_heads=8, vocab_size=4096, rope_theta=500000),  # the CPU benchmark size
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
