@@ -1,0 +1,164 @@
+"""Fast checks of pipeline stage splitting, placement and config errors (no processes launched)."""
+
+import pytest
+import torch
+
+from torchtitan.config.errors import UserError
+from torchtitan.distributed.pipeline_parallel import (
+    build_pipeline_schedule,
+    build_stage_model,
+    last_stage_rank,
+    num_microbatches,
+    resolve_num_stages,
+    schedule_style,
+    split_module_names,
+    stage_ids_for_rank,
+)
+from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.llama3.model import Transformer
+
+ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
+
+
+def layers(parts):
+    return [[n for n in p if n.startswith("layers.")] for p in parts]
+
+
+def test_even_split():
+    parts = split_module_names(4, 2)
+    assert parts == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+
+
+def test_one_stage_holds_everything():
+    assert split_module_names(3, 1, first_less=1, last_less=1) == [
+        ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
+    ]
+
+
+def test_uneven_split_gives_leftovers_after_the_first_stage():
+    assert [len(p) for p in layers(split_module_names(6, 4))] == [1, 2, 2, 1]
+
+
+def test_first_and_last_less():
+    # 8 layers + 1 + 1 slots over 5 stages: 2 slots each, the first and last give one to embedding / output.
+    assert [len(p) for p in layers(split_module_names(8, 5, first_less=1, last_less=1))] == [1, 2, 2, 2, 1]
+    assert [len(p) for p in layers(split_module_names(8, 4, layers_per_stage=3, first_less=2, last_less=2))] == [
+        1, 3, 3, 1
+    ]
+
+
+def test_every_layer_once_in_order():
+    parts = split_module_names(13, 4, first_less=1)
+    flat = [n for p in layers(parts) for n in p]
+    assert flat == [f"layers.{i}" for i in range(13)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (
+            dict(n_layers=4, num_stages=3, layers_per_stage=2),
+            r"pipeline_parallel_layers_per_stage = 2 x 3 stages != model n_layers = 4",
+        ),
+        (dict(n_layers=2, num_stages=5), r"cannot split model n_layers = 2 into 5 pipeline stages"),
+        (dict(n_layers=1, num_stages=2, first_less=3), r"layers per stage would be \[-1, 2\]"),
+        (dict(n_layers=4, num_stages=2, last_less=-1), r"must be >= 0"),
+    ],
+)
+def test_split_errors(kwargs, pattern):
+    with pytest.raises(UserError, match=pattern):
+        split_module_names(**kwargs)
+
+
+def test_explicit_parts_override_and_are_checked():
+    parts = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
+    assert split_module_names(4, 2, module_fqns_per_model_part=parts) == parts
+    with pytest.raises(UserError, match=r"has 2 model parts but the pipeline has 4 stages"):
+        split_module_names(4, 4, module_fqns_per_model_part=parts)
+    with pytest.raises(UserError, match=r"missing \['layers.3'\]"):
+        split_module_names(4, 2, module_fqns_per_model_part=[parts[0], ["layers.1", "layers.2", "norm", "output"]])
+    with pytest.raises(UserError, match=r"unknown module names \['layers.9'\]"):
+        split_module_names(4, 2, module_fqns_per_model_part=[parts[0], parts[1] + ["layers.9"]])
+    with pytest.raises(UserError, match=r"model order"):
+        swapped = [["tok_embeddings", "layers.1"], ["layers.0"] + parts[1][1:]]
+        split_module_names(4, 2, module_fqns_per_model_part=swapped)
+
+
+def test_stage_model_keeps_full_model_names_and_values():
+    with torch.device("meta"):
+        meta = Transformer(ARGS)
+    full = Transformer(ARGS)
+    full.init_weights(seed=0)
+    ref = dict(full.named_parameters())
+    seen = []
+    for names in split_module_names(4, 4, first_less=0):
+        stage = build_stage_model(meta, names)
+        stage.to_empty(device="cpu")
+        stage.init_weights(seed=0)
+        for n, p in stage.named_parameters():
+            assert torch.equal(p, ref[n]), n
+            seen.append(n)
+    assert sorted(seen) == sorted(ref)
+    # The meta model itself is untouched (each stage is a copy).
+    assert len(meta.layers) == 4 and meta.output is not None
+
+
+def test_stage_forward_chains_to_full_forward():
+    full = Transformer(ARGS)
+    full.init_weights(seed=0)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 16))
+    h = tokens
+    for names in split_module_names(4, 3):
+        stage = build_stage_model(lambda: Transformer(ARGS), names)
+        stage.init_weights(seed=0)
+        h = stage(h)
+    torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
+
+
+def test_placement():
+    assert stage_ids_for_rank(1, 2, 4, "loop") == [1, 3]
+    assert stage_ids_for_rank(0, 2, 2, "loop") == [0]
+    assert stage_ids_for_rank(0, 2, 4, "v") == [0, 3]
+    assert stage_ids_for_rank(1, 2, 4, "v") == [1, 2]
+    assert schedule_style("ZBVZeroBubble") == "v" and schedule_style("dualpipev") == "v"
+    assert schedule_style("Interleaved1F1B") == "loop"
+    assert last_stage_rank(2, 4, "v") == 0 and last_stage_rank(4, 8, "loop") == 3
+    with pytest.raises(UserError, match=r"2 stages per rank"):
+        stage_ids_for_rank(0, 2, 6, "v")
+    with pytest.raises(UserError, match=r"cannot be spread evenly"):
+        stage_ids_for_rank(0, 2, 3, "loop")
+
+
+def test_num_stages():
+    assert resolve_num_stages(4, 2, "1F1B") == 2
+    assert resolve_num_stages(4, 2, "Interleaved1F1B") == 4
+    assert resolve_num_stages(8, 2, "Interleaved1F1B", layers_per_stage=2) == 4
+    assert resolve_num_stages(6, 2, "LoopedBFS", layers_per_stage=2, first_less=1, last_less=1) == 4
+    with pytest.raises(UserError, match=r"pipeline_parallel_layers_per_stage = 3 does not divide"):
+        resolve_num_stages(8, 2, "Interleaved1F1B", layers_per_stage=3)
+    with pytest.raises(UserError, match=r"gives 4 stages, which schedule '1F1B' cannot place"):
+        resolve_num_stages(8, 2, "1F1B", layers_per_stage=2)
+    with pytest.raises(UserError, match=r"pipeline_parallel_schedule = 'Bogus'"):
+        resolve_num_stages(4, 2, "Bogus")
+
+
+def test_microbatch_errors():
+    assert num_microbatches(8, 2) == 4
+    with pytest.raises(UserError, match=r"microbatch_size = 3 does not divide the local batch size 8"):
+        num_microbatches(8, 3)
+
+
+class _FakeStage:
+    """Enough of a PipelineStage for the checks that run before a schedule is built."""
+
+    def __init__(self, num_stages, group_size=2):
+        self.num_stages, self.group_size = num_stages, group_size
+
+
+def test_too_few_microbatches():
+    with pytest.raises(UserError, match=r"'1F1B' needs at least as many microbatches as stages: got 1 microbatches"):
+        build_pipeline_schedule([_FakeStage(2)], "1F1B", 1, loss_fn=None)
+    with pytest.raises(UserError, match=r"'DualPipeV' needs at least as many microbatches as stages"):
+        build_pipeline_schedule([_FakeStage(4), _FakeStage(4)], "DualPipeV", 3, loss_fn=None)
+    with pytest.raises(UserError, match=r"runs one stage per rank"):
+        build_pipeline_schedule([_FakeStage(4), _FakeStage(4)], "GPipe", 4, loss_fn=None)
