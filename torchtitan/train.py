@@ -23,14 +23,21 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import (
+    Pipeline,
+    attach_schedule,
+    broadcast_loss,
+    pipeline_step,
+    pp_clip_grad_norm_,
+    split_for_rank,
+)
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
 from torchtitan.models.llama3.model import count_params, flops_per_token
 from torchtitan.models.registry import get_model_args, get_model_spec
@@ -102,11 +109,15 @@ def set_determinism(seed: int, deterministic: bool):
         torch.backends.cudnn.benchmark = False
 
 
-def train_step(
-    model, optimizer, lr_scheduler, data_iter, grad_accum_steps: int, amp, max_norm: float, device, loss_parallel
-):
-    """One optimizer step over `grad_accum_steps` micro-batches; returns (summed loss, grad norm, lr used)."""
-    optimizer.zero_grad()
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def train_step(parts, optim: OptimizerGroup, data_iter, grad_accum_steps: int, amp, max_norm: float, device,
+               loss_parallel: bool, pipeline: Pipeline | None):
+    """One optimizer step over `grad_accum_steps` micro-batches; returns (summed loss, grad norm, lr
+    used). With a pipeline the loss exists on the last stage's rank only (zero elsewhere)."""
+    optim.zero_grad()
     loss_sum = torch.zeros((), device=device)
     for _ in range(grad_accum_steps):
         inputs, labels = next(data_iter)
@@ -114,17 +125,25 @@ def train_step(
         # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
         # must both run inside the context.
         with loss_parallel_context(loss_parallel):
-            with amp:
-                logits = model(inputs)
-            # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / grad_accum_steps
-            loss.backward()
+            if pipeline is not None:
+                with amp:
+                    loss = pipeline_step(pipeline.schedule, inputs, labels, pipeline.is_first, pipeline.is_last)
+                loss = loss / grad_accum_steps if loss is not None else torch.zeros((), device=device)
+            else:
+                with amp:
+                    logits = parts[0](inputs)
+                # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
+                loss = cross_entropy(logits, labels) / grad_accum_steps
+                loss.backward()
         loss = loss.detach()
         loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
-    grad_norm = dist_utils.clip_grad_norm_(model.parameters(), max_norm)
-    lr = lr_scheduler.get_last_lr()[0]
-    optimizer.step()
-    lr_scheduler.step()
+    params = [p for part in parts for p in part.parameters()]
+    if pipeline is not None:
+        grad_norm = pp_clip_grad_norm_(params, max_norm, pipeline.pp_mesh.get_group())
+    else:
+        grad_norm = dist_utils.clip_grad_norm_(params, max_norm)
+    lr = optim.lr
+    optim.step()
     return loss_sum, grad_norm, lr
 
 
@@ -169,17 +188,26 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
         convert_to_float8(model, cfg.float8)  # before parallelizing: FSDP then shards the float8 weights
     n_params = count_params(model)
     flops_tok = flops_per_token(model_args, count_params(model, exclude_embedding=True), t.seq_len)
-    model = spec.parallelize(model, dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint)
-    # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
-    model.to_empty(device="cpu" if t.enable_cpu_offload else device)
-    model.init_weights(seed=t.seed, buffer_device=device)
-    model.train()
+    pipeline = None
+    parts = [model]
+    if dims.pp_enabled:
+        parts, pipeline = split_for_rank(model, cfg.parallelism, mesh["pp"])
+    parts = [spec.parallelize(part, dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint) for part in parts]
+    for part in parts:
+        # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
+        part.to_empty(device="cpu" if t.enable_cpu_offload else device)
+        part.init_weights(seed=t.seed, buffer_device=device)
+        part.train()
+    if pipeline is not None:
+        def pipeline_loss(logits, labels):
+            return cross_entropy(logits, labels) / plan.grad_accum_steps
 
-    optimizer = build_optimizer(model, cfg.optimizer)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
-    model_info = {"name": cfg.model.name, "flavor": cfg.model.flavor, "model_args": model_args}
+        attach_schedule(pipeline, parts, cfg.parallelism, t.local_batch_size, device, pipeline_loss)
+
+    optim = OptimizerGroup(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
+    model_info = {"name": cfg.model.name, "flavor": cfg.model.flavor, "model_args": model_args, "pipelined": dims.pp_enabled}
     checkpointer = CheckpointManager(
-        cfg.checkpoint, cfg.job.dump_folder, model, optimizer, lr_scheduler, dataloader, model_info, device
+        cfg.checkpoint, cfg.job.dump_folder, parts, optim.optimizers, optim.schedulers, dataloader, model_info, device
     )
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
@@ -223,16 +251,21 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
                 if step % t.gc_freq == 0:
                     gc.collect(1)
                 loss_sum, grad_norm, lr = train_step(
-                    model, optimizer, lr_scheduler, data_iter, plan.grad_accum_steps, amp, t.max_norm, device,
+                    parts, optim, data_iter, plan.grad_accum_steps, amp, t.max_norm, device,
                     loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+                    pipeline=pipeline,
                 )
                 if precompute_float8:
                     # One fused amax/scale computation for all float8 weights, used by the next all-gather.
-                    precompute_float8_scales(model)
-                # Tensor-parallel peers share their data-parallel group's batch: count each token once per device.
-                tokens_since_log += plan.grad_accum_steps * t.local_batch_size * t.seq_len / dims.tp
+                    for part in parts:
+                        precompute_float8_scales(part)
+                # Tensor- and pipeline-parallel peers share their data-parallel group's batch: count each
+                # token once per device.
+                tokens_since_log += plan.grad_accum_steps * t.local_batch_size * t.seq_len / (dims.tp * dims.pp)
 
                 if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                    if pipeline is not None:
+                        loss_sum = broadcast_loss(loss_sum, pipeline.pp_mesh.get_group(), pipeline.loss_src)
                     loss_value = dist_utils.dist_mean(loss_sum, dp_mesh)
                     if not math.isfinite(loss_value):
                         raise FloatingPointError(f"loss is {loss_value} at step {step}")

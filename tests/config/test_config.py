@@ -339,7 +339,7 @@ def test_planned_key_specific_reason():
 
 
 def test_planned_key_int_and_str_rejected():
-    assert "issue 4" in error_of(["--parallelism.pipeline_parallel_degree", "2"])
+    assert "issue 4" in error_of(["--parallelism.context_parallel_degree", "2"])
     msg = error_of(["--experimental.custom_import", "my.module"])
     assert 'experimental.custom_import = "my.module"' in msg and 'set it to ""' in msg
 

@@ -1,6 +1,7 @@
 """Parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
 activation checkpointing and per-block torch.compile under FSDP, tensor + sequence parallel alone
-(with and without loss parallel) and with FSDP or DDP, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
+(with and without loss parallel) and with FSDP, pipeline parallel (1F1B, Interleaved1F1B,
+ZBVZeroBubble) alone and with FSDP and TP, up to PP 2 x FSDP 2 x TP 2 on 8 processes, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
 
 All jobs use the same seed, data and global batch (8 sequences of 64 tokens). Weight init is
 layout-invariant (per-parameter seeded), so step 1 already compares identical weights.
@@ -35,6 +36,11 @@ TWO = {
     "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
     "tp2_no_loss_parallel": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                              "--parallelism.disable_loss_parallel"],
+    "pp2_1f1b": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "pp2_interleaved": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+                        "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+    "pp2_zbv": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+                "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
 }
 FOUR = {
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
@@ -44,6 +50,15 @@ FOUR = {
     "fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
     "fsdp2_tp2_bf16": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                        "--training.mixed_precision_param", "bfloat16"],
+    "pp2_fsdp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "pp2_fsdp2_zbv": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+                      "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+    "pp2_tp2": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+                "--parallelism.tensor_parallel_degree", "2"],
+}
+EIGHT = {
+    "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+                      "--parallelism.tensor_parallel_degree", "2"],
 }
 
 
@@ -54,6 +69,7 @@ def runs(tmp_path_factory):
     results.update(launch(SINGLE, 1, tmp))
     results.update(launch(TWO, 2, tmp))
     results.update(launch(FOUR, 4, tmp))
+    results.update(launch(EIGHT, 8, tmp))
     return results
 
 
@@ -70,7 +86,8 @@ def test_reference_learns(runs):
 @pytest.mark.parametrize(
     "name",
     ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
-     "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2"],
+     "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
+     "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])

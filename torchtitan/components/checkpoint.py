@@ -145,12 +145,13 @@ def read_metadata(path: str):
     return metadata
 
 
-def check_model_matches(path: str, metadata, model_sd: dict, prefix: str = "model."):
-    """Name the first keys and shapes in which the checkpoint and the model differ."""
+def check_model_matches(path: str, metadata, model_sd: dict, prefix: str = "model.", partial: bool = False):
+    """Name the first keys and shapes in which the checkpoint and the model differ. A pipeline rank
+    holds part of the model (`partial`): the checkpoint may then hold keys this rank does not."""
     stored = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
     missing = [k for k in wanted if k not in stored]
-    unexpected = [k for k in stored if k not in wanted]
+    unexpected = [] if partial else [k for k in stored if k not in wanted]
     shapes = [f"{k}: checkpoint {stored[k]} vs model {wanted[k]}" for k in wanted if k in stored and stored[k] != wanted[k]]
     if missing or unexpected or shapes:
         lines = []
@@ -225,16 +226,18 @@ class CheckpointManager:
         self,
         cfg: CheckpointConfig,
         dump_folder: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        lr_scheduler,
+        model_parts: list[torch.nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        lr_schedulers: list,
         dataloader,
         model_info: dict,
         device: torch.device,
     ):
         self.cfg = cfg
         self.folder = os.path.join(dump_folder, cfg.folder)
-        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        # Several parts when a rank holds several pipeline stages; each keeps full-model parameter names.
+        self.parts, self.optimizers, self.lr_schedulers = model_parts, optimizers, lr_schedulers
+        self.dataloader = dataloader
         self.model_info = model_info
         self.device = device
         self.distributed = dist.is_initialized()
@@ -254,6 +257,12 @@ class CheckpointManager:
                 self.stager = DefaultStager(StagingOptions(True, False, False, False))
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _model_sds(self) -> list[dict]:
+        return [get_model_state_dict(part) for part in self.parts]
+
+    def _optim_sds(self) -> list[dict]:
+        return [get_optimizer_state_dict(part, opt) for part, opt in zip(self.parts, self.optimizers)]
 
     def _barrier(self):
         if self.distributed:
@@ -329,7 +338,9 @@ class CheckpointManager:
             from torchtitan.components.hf_checkpoint import load_hf
 
             sd, _ = load_hf(path, self.model_info["model_args"])
-            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+            for part in self.parts:  # a pipeline stage takes the tensors of the modules it holds
+                own = {k: v for k, v in sd.items() if k in part.state_dict()}
+                set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True, strict=True))
             logger.info(f"loaded initial weights from the Hugging Face folder {path}")
             return 0, 0
         return self._load_from(path, model_only=self.cfg.initial_load_model_only, resuming=False)
@@ -344,8 +355,9 @@ class CheckpointManager:
                 f"checkpoint {path} holds model '{saved_model.get('name')}' ({saved_model.get('flavor')}), "
                 f"this job trains '{self.model_info['name']}' ({self.model_info['flavor']})"
             )
-        model_sd = get_model_state_dict(self.model)
-        check_model_matches(path, metadata, model_sd)
+        model_sds = self._model_sds()
+        model_sd = {k: v for sd in model_sds for k, v in sd.items()}
+        check_model_matches(path, metadata, model_sd, partial=len(self.parts) > 1 or self.model_info.get("pipelined", False))
         excluded = set(self.cfg.exclude_from_loading) if resuming else set()
         model_only = model_only or state.get("model_only", False)
         if model_only and resuming and state["step"] > 0:
@@ -359,23 +371,26 @@ class CheckpointManager:
             to_load["model"] = model_sd
         load_optimizer = not model_only and "optimizer" not in excluded
         if load_optimizer:
-            optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
-            to_load["optimizer"] = {"state": optim_sd["state"]}
+            optim_sds = self._optim_sds()
+            to_load["optimizer"] = {"state": {k: v for sd in optim_sds for k, v in sd["state"].items()}}
         try:
             dcp.load(to_load, storage_reader=SafeFileSystemReader(path), no_dist=not self.distributed)
         except Exception as e:
             raise UserError(f"checkpoint {path} could not be read: {e}") from None
         if "model" in to_load:
-            set_model_state_dict(self.model, model_sd)
+            for part, sd in zip(self.parts, model_sds):
+                set_model_state_dict(part, sd)
         if load_optimizer:
-            set_optimizer_state_dict(self.model, self.optimizer, optim_sd)
-            for group, lr in zip(self.optimizer.param_groups, state["optimizer_lrs"]):
-                group["lr"] = lr
+            for part, opt, sd in zip(self.parts, self.optimizers, optim_sds):
+                set_optimizer_state_dict(part, opt, sd)
+                for group, lr in zip(opt.param_groups, state["optimizer_lrs"]):
+                    group["lr"] = lr
         if model_only:
             logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s")
             return 0, 0
         if "lr_scheduler" not in excluded:
-            self.lr_scheduler.load_state_dict(dict(state["lr_scheduler"], lr_lambdas=[None]))
+            for sched in self.lr_schedulers:
+                sched.load_state_dict(dict(state["lr_scheduler"], lr_lambdas=[None]))
         if "dataloader" not in excluded:
             self.dataloader.load_state_dict(state["dataloader"])
         self._load_rng(path, state)
@@ -440,16 +455,16 @@ class CheckpointManager:
         )
 
     def _state_dict(self, model_only: bool) -> dict:
-        model_sd = get_model_state_dict(self.model)
+        model_sd = {k: v for sd in self._model_sds() for k, v in sd.items()}
         if model_only:
             dtype = _DTYPES[self.cfg.export_dtype]
             model_sd = {k: v.to(dtype) for k, v in model_sd.items()}
             return {"model": model_sd}
-        optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+        optim_state = {k: v for sd in self._optim_sds() for k, v in sd["state"].items()}
+        return {"model": model_sd, "optimizer": {"state": optim_state}}
 
     def _train_state(self, step: int, tokens: int, model_only: bool) -> dict:
-        sched = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
+        sched = {k: v for k, v in self.lr_schedulers[0].state_dict().items() if k != "lr_lambdas"}
         return {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -462,7 +477,7 @@ class CheckpointManager:
                 "args": asdict(self.model_info["model_args"]),
             },
             "dtype": self.cfg.export_dtype if model_only else "float32",
-            "optimizer_lrs": [g["lr"] for g in self.optimizer.param_groups],
+            "optimizer_lrs": [g["lr"] for g in self.optimizers[0].param_groups],
             "lr_scheduler": sched,
             "dataloader": self.dataloader.state_dict(),
         }
@@ -553,7 +568,7 @@ class CheckpointManager:
         from torchtitan.components.hf_checkpoint import save_hf
 
         start = time.perf_counter()
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(self.parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in full.items()}
             out = os.path.join(self.folder, f"step-{step}-hf")
@@ -569,7 +584,7 @@ class CheckpointManager:
                 f"{self.folder} already holds checkpoints; a seed checkpoint goes into an empty checkpoint folder"
             )
         os.makedirs(partial, exist_ok=True)
-        dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=partial, no_dist=not self.distributed)
+        dcp.save({"model": get_model_state_dict(self.parts[0])}, checkpoint_id=partial, no_dist=not self.distributed)
         state = self._train_state(0, 0, model_only=True)
         state["dtype"] = "float32"
         self._write_side_files(partial, state, model_only=True)

@@ -127,6 +127,25 @@ class Parallelism:
     enable_async_tensor_parallel: bool = opt(
         False, "Overlap tensor-parallel communication with matmuls (CUDA with training.compile only)."
     )
+    pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (outermost mesh dimension).")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "GPipe, 1F1B (one stage per rank), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (several stages "
+        "per rank), ZBVZeroBubble, DualPipeV (two stages per rank in a V).",
+    )
+    pipeline_parallel_schedule_csv: str | None = opt(
+        None, "A custom schedule: a CSV file with one row of compute actions (e.g. 0F0,0B0) per pipeline rank."
+    )
+    pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch (divides local_batch_size).")
+    pipeline_parallel_layers_per_stage: int | None = opt(
+        None, "Transformer layers per stage (unset: one stage per rank, or two for multi-stage schedules)."
+    )
+    pipeline_parallel_first_stage_less_layers: int = opt(
+        1, "The first stage holds this many fewer layers (it also holds the embedding)."
+    )
+    pipeline_parallel_last_stage_less_layers: int = opt(
+        1, "The last stage holds this many fewer layers (it also holds the output layer and the loss)."
+    )
 
 
 @dataclass(frozen=True)
@@ -261,15 +280,8 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     "model": {"print_after_conversion": ANY, "hf_assets_path": ANY},
     "training": {"gc_debug": False},
     "parallelism": {
-        "pipeline_parallel_degree": 1,
-        "pipeline_parallel_schedule": ANY,
-        "pipeline_parallel_schedule_csv": ANY,
-        "pipeline_parallel_microbatch_size": ANY,
-        "pipeline_parallel_layers_per_stage": ANY,
-        "pipeline_parallel_split_points": ANY,
-        "pipeline_parallel_first_stage_less_layers": ANY,
-        "pipeline_parallel_last_stage_less_layers": ANY,
-        "module_fqns_per_model_part": ANY,
+        "pipeline_parallel_split_points": [],
+        "module_fqns_per_model_part": [],
         "context_parallel_degree": 1,
         "context_parallel_rotate_method": ANY,
         "enable_compiled_autograd": False,
@@ -283,7 +295,8 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 
 # What a user reads when a planned key asks for something.
 PLANNED_WHY: dict[str, str] = {
-    "parallelism": "pipeline and context parallelism are not implemented yet (issue 4)",
+    "parallelism": "this parallelism option is not implemented yet (issue 4); pipeline stages are split by "
+    "pipeline_parallel_layers_per_stage and the first/last_stage_less_layers keys",
     "metrics": "this metrics backend is not implemented",
     "validation": "validation runs are not implemented",
     "memory_estimation": "memory estimation is not implemented",
@@ -292,4 +305,5 @@ PLANNED_WHY: dict[str, str] = {
     "job": "",
 }
 PLANNED_WHY["parallelism.enable_compiled_autograd"] = "compiled autograd is not supported (it broke FSDP2 parity)"
+PLANNED_WHY["parallelism.context_parallel_degree"] = "context parallelism is not implemented yet (issue 4)"
 PLANNED_WHY["training.gc_debug"] = "gc_debug is not implemented"

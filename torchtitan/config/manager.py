@@ -439,6 +439,35 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         p.data_parallel_replicate_degree >= 1,
         f"parallelism.data_parallel_replicate_degree must be 1 or more, got {p.data_parallel_replicate_degree}",
     )
+    need(p.pipeline_parallel_degree >= 1, f"parallelism.pipeline_parallel_degree must be 1 or more, got {p.pipeline_parallel_degree}")
+    need(
+        p.pipeline_parallel_microbatch_size >= 1,
+        f"parallelism.pipeline_parallel_microbatch_size must be 1 or more, got {p.pipeline_parallel_microbatch_size}",
+    )
+    for name in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
+        need(getattr(p, name) >= 0, f"parallelism.{name} must be 0 or more, got {getattr(p, name)}")
+    if p.pipeline_parallel_degree > 1:
+        need(
+            t.local_batch_size % p.pipeline_parallel_microbatch_size == 0,
+            f"training.local_batch_size = {t.local_batch_size} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}",
+        )
+        zero_bubble = p.pipeline_parallel_schedule.lower() in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
+        need(
+            not (zero_bubble and p.fsdp_reshard_after_forward == "always"),
+            f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with pipeline_parallel_schedule = "
+            f"{p.pipeline_parallel_schedule!r}: its split weight-gradient step needs the gathered block weights "
+            "(resharding silently drops their gradients); use 'default'",
+        )
+        need(
+            not p.pipeline_parallel_schedule_csv or os.path.isfile(p.pipeline_parallel_schedule_csv),
+            f"parallelism.pipeline_parallel_schedule_csv: {p.pipeline_parallel_schedule_csv} does not exist",
+        )
+        need(
+            not cfg.checkpoint.last_save_in_hf,
+            "checkpoint.last_save_in_hf with pipeline_parallel_degree > 1 is not supported (each rank holds only its "
+            "stages); convert the last checkpoint with scripts/convert_checkpoint.py to-hf instead",
+        )
     need(p.tensor_parallel_degree >= 1, f"parallelism.tensor_parallel_degree must be 1 or more, got {p.tensor_parallel_degree}")
     if p.enable_async_tensor_parallel:
         need(

@@ -12,33 +12,36 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
 
     @staticmethod
     def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
         replicate, shard = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree
-        tp = cfg.tensor_parallel_degree
+        tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
         if shard == -1:
-            if world_size % (replicate * tp):
+            if world_size % (pp * replicate * tp):
                 raise UserError(
-                    f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp} = {replicate * tp} "
-                    f"does not divide the world size {world_size}; choose degrees whose product divides {world_size}."
+                    f"pipeline_parallel_degree {pp} x data_parallel_replicate_degree {replicate} x "
+                    f"tensor_parallel_degree {tp} = {pp * replicate * tp} does not divide the world size "
+                    f"{world_size}; choose degrees whose product divides {world_size}."
                 )
-            shard = world_size // (replicate * tp)
-        if replicate * shard * tp != world_size:
+            shard = world_size // (pp * replicate * tp)
+        if pp * replicate * shard * tp != world_size:
             raise UserError(
-                f"parallel degrees multiply to {replicate * shard * tp} (data_parallel_replicate_degree {replicate} "
-                f"x data_parallel_shard_degree {shard} x tensor_parallel_degree {tp}) but the job has {world_size} "
+                f"parallel degrees multiply to {pp * replicate * shard * tp} (pipeline_parallel_degree {pp} x "
+                f"data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} x "
+                f"tensor_parallel_degree {tp}) but the job has {world_size} "
                 f"processes; make the product equal the number of processes (NGPU / --nproc_per_node), or set "
                 f"data_parallel_shard_degree = -1 to fill the remaining ranks."
             )
-        if replicate > 1 and shard == 1 and tp > 1:
+        if replicate > 1 and shard == 1 and (tp > 1 or pp > 1):
             # Composable DDP all-reduces plain gradients; with TP the gradients are DTensors and come out wrong.
             raise UserError(
                 f"DDP (data_parallel_replicate_degree {replicate} with data_parallel_shard_degree 1) cannot be "
-                f"combined with tensor_parallel_degree {tp}; shard instead: set data_parallel_shard_degree = "
-                f"{replicate} and data_parallel_replicate_degree = 1 (FSDP x TP)"
+                f"combined with tensor_parallel_degree {tp} or pipeline_parallel_degree {pp}; shard instead: set "
+                f"data_parallel_shard_degree = {replicate} and data_parallel_replicate_degree = 1"
             )
-        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size)
+        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp)
 
     @property
     def dp_degree(self) -> int:
@@ -56,6 +59,10 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def describe(self) -> str:
         if self.fsdp_enabled and self.dp_replicate > 1:
             kind = "HSDP"
@@ -63,26 +70,26 @@ class ParallelDims:
             kind = "FSDP"
         elif self.ddp_enabled:
             kind = "DDP"
-        elif self.tp_enabled:
-            kind = "TP"
         else:
-            kind = "single process"
-        if self.tp_enabled and kind != "TP":
-            kind += " x TP"
+            kind = ""
+        parts = (["PP"] if self.pp_enabled else []) + ([kind] if kind else []) + (["TP"] if self.tp_enabled else [])
         return (
-            f"{kind}: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} = "
-            f"{self.world_size} ranks"
+            f"{' x '.join(parts) or 'single process'}: pp={self.pp} x dp_replicate={self.dp_replicate} x "
+            f"dp_shard={self.dp_shard} x tp={self.tp} = {self.world_size} ranks"
         )
 
     def build_mesh(self, device_type: str):
-        """A mesh with dims (dp_replicate, dp_shard, tp), tp innermost so tensor-parallel peers are
-        neighbours (same node), and 'dp' flattening the data-parallel dims; None for one process."""
+        """A mesh with dims (pp, dp_replicate, dp_shard, tp): tp innermost so tensor-parallel peers are
+        neighbours (same node), pp outermost (point-to-point traffic crosses nodes best); 'dp' flattens
+        the data-parallel dims. None for one process."""
         if self.world_size == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh

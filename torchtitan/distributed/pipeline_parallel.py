@@ -19,6 +19,7 @@ What is unusual here:
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -366,3 +367,51 @@ def apply_fsdp_to_stage(
         policy = "never"
     return apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, policy, cpu_offload)
 
+
+
+# ---- The trainer's view: this rank's stages and their schedule ----
+
+
+@dataclass
+class Pipeline:
+    """This rank's share of a pipelined model; `schedule` is set once the stages are materialized."""
+
+    stage_ids: list[int]
+    num_stages: int
+    style: str
+    pp_mesh: object
+    schedule: object = None
+
+    @property
+    def is_first(self) -> bool:  # holds stage 0: feeds the inputs
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:  # holds the last stage: computes the loss
+        return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def loss_src(self) -> int:  # pp-group rank of the last stage
+        return last_stage_rank(self.pp_mesh.size(), self.num_stages, self.style)
+
+
+def split_for_rank(whole: nn.Module, parallelism, pp_mesh) -> tuple[list[nn.Module], Pipeline]:
+    """This rank's stage models (still on the meta device, full-model FQNs) and their placement."""
+    p = parallelism
+    n_layers = len(whole.layers)
+    less = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+    num_stages = resolve_num_stages(
+        n_layers, pp_mesh.size(), p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage, *less
+    )
+    parts = split_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage, *less)
+    style = schedule_style(p.pipeline_parallel_schedule)
+    stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)
+    return [build_stage_model(whole, parts[i]) for i in stage_ids], Pipeline(stage_ids, num_stages, style, pp_mesh)
+
+
+def attach_schedule(pipeline: Pipeline, model_parts, parallelism, local_batch_size: int, device, loss_fn):
+    stages = build_stages(model_parts, pipeline.stage_ids, pipeline.num_stages, device, pipeline.pp_mesh.get_group())
+    n_micro = num_microbatches(local_batch_size, parallelism.pipeline_parallel_microbatch_size)
+    pipeline.schedule = build_pipeline_schedule(
+        stages, parallelism.pipeline_parallel_schedule, n_micro, loss_fn, parallelism.pipeline_parallel_schedule_csv
+    )

@@ -12,6 +12,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
 from torchtitan.distributed.tensor_parallel import apply_tp
 
 
@@ -33,6 +34,18 @@ def parallelize_llama(
     if parallel_dims.fsdp_enabled:
         # HSDP when there is a replicate dimension: a 2D mesh; plain FSDP: the shard dimension alone.
         dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate > 1 else mesh["dp_shard"]
+        if parallel_dims.pp_enabled:  # a pipeline stage: the schedule decides when blocks may reshard
+            apply_fsdp_to_stage(
+                model,
+                dp_mesh,
+                parallelism.pipeline_parallel_schedule,
+                training.mixed_precision_param,
+                training.mixed_precision_reduce,
+                parallelism.fsdp_reshard_after_forward,
+                training.enable_cpu_offload,
+                parallelism.pipeline_parallel_schedule_csv,
+            )
+            return model
         apply_fsdp(
             model,
             dp_mesh,
