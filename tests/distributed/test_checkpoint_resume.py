@@ -1,5 +1,5 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP), resharding to other
-layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2) and a SIGKILL in the middle of a save."""
+layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2) and a SIGKILL in the middle of a save."""
 
 import json
 import os
@@ -38,6 +38,9 @@ def runs(tmp_path_factory):
         "fsdp4_to_hsdp": CKPT + HSDP,
         "copy6": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
         "fsdp4_to_fsdp2_tp2": CKPT + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+        "copy7": step10(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
+        "fsdp4_to_pp2_fsdp2": CKPT + FSDP2 + ["--parallelism.pipeline_parallel_degree", "2",
+                                              "--parallelism.pipeline_parallel_microbatch_size", "2"],
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -74,7 +77,8 @@ def test_resume_is_bit_identical(runs, layout):
 # The first resumed step is exact in every layout: weights and optimizer state load bit for bit.
 @pytest.mark.parametrize(
     "target, tol",
-    [("fsdp4_to_fsdp2", 1e-5), ("fsdp4_to_hsdp", 1e-5), ("fsdp4_to_ddp2", 5e-5), ("fsdp4_to_fsdp2_tp2", 1e-5)],
+    [("fsdp4_to_fsdp2", 1e-5), ("fsdp4_to_hsdp", 1e-5), ("fsdp4_to_ddp2", 5e-5), ("fsdp4_to_fsdp2_tp2", 1e-5),
+     ("fsdp4_to_pp2_fsdp2", 1e-5)],
 )
 def test_reshard_matches_uninterrupted_run(runs, target, tol):
     tmp, r = runs
