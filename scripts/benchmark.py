@@ -1,0 +1,385 @@
+"""Throughput of the trainer against a minimal hand-written PyTorch loop training the same model.
+
+    python scripts/benchmark.py [--nproc N] [--steps S] [--warmup W] [--threads T] [--repeat R] \\
+        --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
+
+Two measurements, each in its own process (or torchrun launch when N > 1), so that the peak
+resident memory of one does not hide that of the other (RSS maxima only grow):
+
+- framework: `torchtitan.train.train(cfg)` with the recipe and overrides, forced to log every step
+  (`--metrics.log_freq 1`), to run S steps, to save no checkpoint, and to dump into a temporary
+  folder. Its per-step records give tokens/s, TFLOP/s, MFU and peak memory.
+- bare: the same model class, flavor, vocabulary, sequence length and seeded init, trained by a
+  loop written here with plain PyTorch: forward, cross-entropy, backward, gradient clipping,
+  optimizer step, zero_grad; nothing else. It shares the trainer's dtype handling (FSDP
+  MixedPrecisionPolicy when N > 1, torch.autocast(bfloat16) when N == 1), optimizer settings,
+  micro-batching, activation checkpointing (full or every N-th block) and per-block compile. It
+  trains on the very batches the trainer's data loader gives this rank, read before timing starts:
+  the difference in throughput therefore includes the cost of the trainer's data loader, and the
+  step-1 losses of the two must agree (printed as a check that the same model is trained). The
+  bare loop keeps the peak learning rate (no schedule), so later losses differ.
+
+On a shared machine the load of others drifts over a run: --repeat R runs the pair R times, in
+alternating order (framework first, then bare first, ...), and pools the steps of all repeats.
+
+Reported: the median over the steps after the first W of each run of tokens/s, TFLOP/s and MFU per
+device (rank 0's under torchrun), and peak memory (max RSS on CPU, max allocated on CUDA). The MFU denominator is
+what the trainer uses: on CPU a matmul peak measured in each process in the training dtype with its
+threads, on CUDA the table of GPU peaks. The last line printed is `ratio framework/bare: X.XX`, the
+ratio of tokens/s.
+
+Threads: a single process uses torch's default (all cores) unless --threads is given; torchrun sets
+OMP_NUM_THREADS=1 per process unless --threads (or OMP_NUM_THREADS) says otherwise. Both
+measurements always run with the same setting.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
+
+# Options of this script; everything else is a trainer override.
+OWN_OPTIONS = {"--nproc": int, "--steps": int, "--warmup": int, "--threads": int, "--repeat": int, "--worker": str,
+               "--result": str}
+DEFAULTS = {"nproc": 1, "steps": 30, "warmup": 10, "threads": None, "repeat": 1, "worker": None, "result": None}
+PARTS = ("framework", "bare")
+
+
+def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
+    """(this script's options, trainer overrides in their original order). Done by hand because
+    argparse would regroup the unknown `--section.key VALUE` pairs it is asked to pass through."""
+    opts, rest = dict(DEFAULTS), []
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if name not in OWN_OPTIONS:
+            rest.append(argv[i])
+            i += 1
+            continue
+        if eq:
+            text, i = inline, i + 1
+        elif i + 1 < len(argv):
+            text, i = argv[i + 1], i + 2
+        else:
+            raise ValueError(f"{name} needs a value")
+        try:
+            opts[name[2:]] = OWN_OPTIONS[name](text)
+        except ValueError:
+            raise ValueError(f"{name}: expected {OWN_OPTIONS[name].__name__}, got {text!r}") from None
+    return opts, rest
+
+
+def framework_argv(overrides: list[str], steps: int, dump_folder: str) -> list[str]:
+    # Appended last: the trainer's command line lets the last occurrence of a key win.
+    return overrides + [
+        "--metrics.log_freq", "1",
+        "--training.steps", str(steps),
+        "--checkpoint.no-enable_checkpoint",
+        "--job.dump_folder", dump_folder,
+    ]
+
+
+def check_supported(cfg) -> None:
+    """Options the bare loop does not reproduce: refuse rather than compare unlike things."""
+    from torchtitan.config import UserError
+
+    if cfg.parallelism.data_parallel_replicate_degree != 1:
+        raise UserError("the bare loop shards over all processes (FSDP on a 1D mesh): set "
+                        "parallelism.data_parallel_replicate_degree = 1")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and not str(ac.selective_ac_option).strip().isdigit():
+        raise UserError("the bare loop checkpoints whole blocks only: use activation_checkpoint.mode full, "
+                        "or selective with an integer selective_ac_option")
+    if cfg.model.converters:
+        raise UserError("the bare loop applies no model converters (model.converters must be empty)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers: run in their own process, write one JSON result (rank 0).
+
+
+def run_framework(cfg) -> dict:
+    import torch
+
+    from torchtitan.train import setup_logging, train
+
+    setup_logging()
+    records = train(cfg)
+    return {
+        "steps": [{k: r[k] for k in ("step", "tps", "tflops", "mfu", "memory_gib")} for r in records],
+        # The trainer logs MFU against its peak; recover the peak to show it beside the bare loop's.
+        "peak_tflops": records[-1]["tflops"] * 100 / records[-1]["mfu"],
+        "threads": torch.get_num_threads(),
+        "first_loss": records[0]["loss"],
+    }
+
+
+def checkpoint_every(ac) -> int:
+    """Checkpoint blocks 0, N, 2N, ... (N returned; 0: none), as the trainer's block-level modes do."""
+    if ac.mode == "selective":
+        return int(str(ac.selective_ac_option))
+    return {"none": 0, "full": 1}[ac.mode]
+
+
+def apply_block_options(model, every: int, compile: bool) -> int:
+    """Hand-written activation checkpointing and per-block compile; returns the blocks checkpointed."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(forward):
+        # A Python function rather than functools.partial: compile traces into it, not past it.
+        # No dropout in the model, so there is no RNG state worth saving for the recompute.
+        def run(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+        return run
+
+    count = 0
+    for position, block in enumerate(model.layers.values()):
+        if every and position % every == 0:
+            block.forward = checkpointed(block.forward)
+            count += 1
+        if compile:
+            block.compile(fullgraph=True)
+    return count
+
+
+def preload_batches(cfg, tokenizer, rank: int, world: int, global_batch: int, count: int) -> list:
+    """The trainer's first `count` micro-batches of this rank, read before timing starts: the bare
+    loop trains on the same tokens without paying for reading them."""
+    from torchtitan.components.data import build_dataloader
+
+    loader = iter(build_dataloader(cfg.training, tokenizer, rank, world, global_batch))
+    return [next(loader) for _ in range(count)]
+
+
+def run_bare(cfg, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from torchtitan.components.metrics import device_peak_tflops, peak_memory_gib
+    from torchtitan.components.tokenizer import Tokenizer
+    from torchtitan.models.llama3.model import count_params, flops_per_token
+    from torchtitan.models.registry import get_model_spec
+
+    t, o = cfg.training, cfg.optimizer
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        mesh = init_device_mesh(device.type, (world,))
+    torch.manual_seed(t.seed)
+
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    global_batch = t.local_batch_size * world if t.global_batch_size == -1 else t.global_batch_size
+    accum = global_batch // (t.local_batch_size * world)
+    batches = preload_batches(cfg, tokenizer, rank, world, global_batch, steps * accum)
+
+    spec = get_model_spec(cfg.model.name)
+    args = spec.flavors[cfg.model.flavor].with_vocab_and_seq(tokenizer.vocab_size, t.seq_len)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    n_params = count_params(model)
+    flops_tok = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
+    apply_block_options(model, checkpoint_every(cfg.activation_checkpoint), t.compile)
+    compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+    if mesh is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        reduce_dtype = torch.bfloat16 if t.mixed_precision_reduce == "bfloat16" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    model.init_weights(seed=t.seed)
+    model.train()
+
+    optim_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
+    optimizer = optim_cls(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                          weight_decay=o.weight_decay, fused=o.implementation == "fused",
+                          foreach=o.implementation == "foreach")
+    # As the trainer: bf16 without FSDP is autocast; with FSDP the policy above casts the parameters.
+    use_autocast = mesh is None and compute_dtype == torch.bfloat16
+    peak_tflops, _ = device_peak_tflops(device, compute_dtype, cfg.metrics.device_peak_tflops)
+
+    records = []
+    first_loss = torch.zeros((), device=device)
+    last = time.perf_counter()
+    for step in range(steps):
+        for micro in range(accum):
+            inputs, labels = batches[step * accum + micro]
+            inputs, labels = inputs.to(device), labels.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
+            loss.backward()
+            if step == 0:
+                first_loss += loss.detach()  # to check against the trainer's first loss
+        if t.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # per-step times need the step's kernels finished
+        now = time.perf_counter()
+        tps = accum * t.local_batch_size * t.seq_len / (now - last)
+        tflops = flops_tok * tps / 1e12
+        records.append({"step": step + 1, "tps": tps, "tflops": tflops, "mfu": 100 * tflops / peak_tflops,
+                        "memory_gib": peak_memory_gib(device)})
+        print(f"bare step {step + 1}: {tps:,.0f} tokens/s", flush=True)
+        last = time.perf_counter()  # the bookkeeping above is not part of the loop being measured
+    if mesh is not None:
+        dist.all_reduce(first_loss)
+        first_loss /= world
+        dist.barrier()  # no rank tears down gloo while another still talks to it
+        dist.destroy_process_group()
+    return {"steps": records, "peak_tflops": peak_tflops, "threads": torch.get_num_threads(),
+            "n_params": n_params, "first_loss": first_loss.item()}
+
+
+def worker(opts: dict, overrides: list[str]) -> int:
+    from torchtitan.config import load_config
+
+    part, result = opts["worker"], opts["result"]
+    if part == "framework":
+        dump = str(Path(result).parent / "framework_dump")
+        out = run_framework(load_config(framework_argv(overrides, opts["steps"], dump)))
+    else:
+        out = run_bare(load_config(overrides), opts["steps"])
+    if os.environ.get("RANK", "0") == "0":
+        # Written whole or not at all: the launcher may read it after a rank died at exit.
+        partial = Path(result + ".partial")
+        partial.write_text(json.dumps(out))
+        os.replace(partial, result)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher: checks the config, runs both workers one after the other, prints the table.
+
+
+def worker_command(part: str, opts: dict, overrides: list[str], result: Path) -> list[str]:
+    script = [str(Path(__file__).resolve()), "--worker", part, "--result", str(result),
+              "--steps", str(opts["steps"]), *overrides]
+    if opts["nproc"] == 1:
+        return [sys.executable, *script]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={opts['nproc']}",
+            "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", *script]
+
+
+def summarize(results: list[dict], warmup: int) -> dict:
+    """Medians over the steps after warm-up of every run; memory is the peak over all steps."""
+    after = [r for result in results for r in result["steps"] if r["step"] > warmup]
+    if not after:
+        raise ValueError(f"no step after the {warmup} warm-up steps")
+    summary = {k: statistics.median(r[k] for r in after) for k in ("tps", "tflops", "mfu")}
+    summary["memory_gib"] = max(r["memory_gib"] for result in results for r in result["steps"])
+    summary["peak_tflops"] = statistics.median(result["peak_tflops"] for result in results)
+    summary["threads"] = results[0]["threads"]
+    summary["steps_measured"] = len(after)
+    return summary
+
+
+def format_table(fw: dict, bare: dict) -> list[str]:
+    rows = [  # (label, key, format, whether a framework/bare ratio means anything)
+        ("tokens/s per device", "tps", "{:,.0f}", True),
+        ("TFLOP/s per device", "tflops", "{:.4f}", True),
+        ("MFU %", "mfu", "{:.1f}", True),
+        ("peak memory GiB", "memory_gib", "{:.3f}", True),
+        ("MFU denominator TFLOP/s", "peak_tflops", "{:.4f}", False),
+        ("threads per process", "threads", "{}", False),
+    ]
+    lines = [f"{'':<26}{'framework':>12}{'bare':>12}{'ratio':>8}"]
+    for label, key, fmt, show_ratio in rows:
+        ratio = f"{fw[key] / bare[key]:.3f}" if show_ratio and bare[key] else ""
+        lines.append(f"{label:<26}{fmt.format(fw[key]):>12}{fmt.format(bare[key]):>12}{ratio:>8}")
+    return lines
+
+
+def launch(opts: dict, overrides: list[str]) -> int:
+    from torchtitan.config import HelpRequested, UserError, load_config
+
+    try:
+        cfg = load_config(overrides)
+        check_supported(cfg)
+    except HelpRequested:
+        print(__doc__)
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if opts["nproc"] < 1 or opts["repeat"] < 1 or opts["warmup"] < 0 or opts["steps"] <= opts["warmup"]:
+        print("error: need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    if opts["threads"] is not None:
+        env["OMP_NUM_THREADS"] = str(opts["threads"])
+
+    t = cfg.training
+    global_batch = t.local_batch_size * opts["nproc"] if t.global_batch_size == -1 else t.global_batch_size
+    print(f"{cfg.model.name} {cfg.model.flavor}, seq {t.seq_len}, global batch {global_batch} "
+          f"(local {t.local_batch_size}), params {t.mixed_precision_param}, {opts['nproc']} process(es), "
+          f"compile {t.compile}, activation checkpointing {cfg.activation_checkpoint.mode}, "
+          f"{opts['steps']} steps, median after {opts['warmup']}, {opts['repeat']} repeat(s)", flush=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="benchmark_"))
+    runs = {part: [] for part in PARTS}
+    for repeat in range(opts["repeat"]):
+        # Alternating the order spreads a drift in background load evenly over the two.
+        for part in PARTS if repeat % 2 == 0 else PARTS[::-1]:
+            result, log = tmp / f"{part}_{repeat}.json", tmp / f"{part}_{repeat}.log"
+            start = time.perf_counter()
+            with open(log, "w") as f:
+                proc = subprocess.run(worker_command(part, opts, overrides, result), env=env, stdout=f,
+                                      stderr=subprocess.STDOUT)
+            if not result.exists():
+                tail = log.read_text()[-6000:]
+                print(f"error: the {part} run failed (exit {proc.returncode}); log {log}:\n{tail}", file=sys.stderr)
+                return 1
+            if proc.returncode != 0:
+                # gloo on CPU now and then aborts a rank at interpreter exit ("terminate called
+                # without an active exception") after all work is done; the measurement stands.
+                print(f"warning: the {part} run exited with status {proc.returncode} after writing its "
+                      f"results; see {log}", flush=True)
+            data = json.loads(result.read_text())
+            runs[part].append(data)
+            print(f"{part}: {summarize([data], opts['warmup'])['tps']:,.0f} tokens/s, step-1 loss "
+                  f"{data['first_loss']:.4f}, {time.perf_counter() - start:.0f}s, log {log}", flush=True)
+    print(f"model: {runs['bare'][0]['n_params']:,} parameters", flush=True)
+    losses = {part: runs[part][0]["first_loss"] for part in PARTS}
+    fw, bare = summarize(runs["framework"], opts["warmup"]), summarize(runs["bare"], opts["warmup"])
+    if abs(losses["framework"] - losses["bare"]) > 1e-2:
+        print(f"warning: the step-1 losses differ ({losses['framework']:.4f} vs {losses['bare']:.4f}): "
+              "the two loops do not train the same model on the same data", flush=True)
+    print("\n".join(format_table(fw, bare)))
+    print(f"ratio framework/bare: {fw['tps'] / bare['tps']:.2f}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts, overrides = split_argv(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if opts["worker"] is not None:
+        return worker(opts, overrides)
+    return launch(opts, overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
