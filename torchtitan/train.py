@@ -155,10 +155,14 @@ def train(cfg: JobConfig) -> list[dict]:
     owns_process_group = not torch.distributed.is_initialized()
     device, rank, _ = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
     try:
-        return _train(cfg, plan, device, rank)
-    finally:
+        history = _train(cfg, plan, device, rank)
+    except BaseException:
         if owns_process_group:
-            dist_utils.destroy_distributed()
+            dist_utils.destroy_distributed(wait_for_peers=False)
+        raise
+    if owns_process_group:
+        dist_utils.destroy_distributed()
+    return history
 
 
 def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[dict]:
@@ -327,4 +331,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    dist_utils.exit_process(main(sys.argv[1:]))

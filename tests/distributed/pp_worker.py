@@ -34,7 +34,7 @@ from torchtitan.distributed.pipeline_parallel import (
     split_module_names,
     stage_ids_for_rank,
 )
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.utils import clip_grad_norm_, exit_process
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.llama3.model import Transformer
 
@@ -211,3 +211,4 @@ def main(mode: str, out_path: str):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_process(0)  # skip interpreter finalization, which can abort under gloo

@@ -16,7 +16,7 @@ import sys
 import torch.distributed as dist
 
 from torchtitan.config import load_config
-from torchtitan.distributed.utils import destroy_distributed, init_distributed
+from torchtitan.distributed.utils import destroy_distributed, exit_process, init_distributed
 from torchtitan.train import setup_logging, train
 
 
@@ -34,9 +34,12 @@ def main(path: str):
                     dist.barrier()
             else:
                 train(load_config(job))
-    finally:
-        destroy_distributed()
+    except BaseException:
+        destroy_distributed(wait_for_peers=False)
+        raise
+    destroy_distributed()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.tensor_parallel import apply_tp, loss_parallel_context
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.utils import clip_grad_norm_, exit_process
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.llama3.model import Transformer
 
@@ -122,3 +122,4 @@ def main(out_path: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # skip interpreter finalization, which can abort under gloo

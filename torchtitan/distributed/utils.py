@@ -1,6 +1,8 @@
 """Process-group set-up and reductions that work for plain tensors and DTensors alike."""
 
+import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -30,9 +32,27 @@ def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
     return device, rank, world_size
 
 
-def destroy_distributed():
+def destroy_distributed(wait_for_peers: bool = True):
+    """Tear down every process group. After a successful job, first wait for all ranks, so that no rank
+    closes its connections while a peer still talks to it; after an error, do not wait (the peers may be
+    stuck in a collective that will never complete, and torchrun stops them)."""
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int):
+    """End the process with `code` without interpreter finalization. Call after destroy_distributed.
+
+    With gloo, finalization sometimes aborts a process whose work is done ("terminate called without an
+    active exception", SIGABRT: C++ threads and tensors of the communication library destroyed in the
+    wrong order), which turns a finished run into a failed one. Everything the job writes is closed
+    before this point, so only the output streams need flushing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @torch.no_grad()
