@@ -28,6 +28,9 @@ what the trainer uses: on CPU a matmul peak measured in each process in the trai
 threads, on CUDA the table of GPU peaks. The last line printed is `ratio framework/bare: X.XX`, the
 ratio of tokens/s.
 
+Allocator: on CPU both processes apply the trainer's glibc settings (tune_host_allocator in
+torchtitan/distributed/utils.py), so the ratio compares the loops, not malloc configurations.
+
 Threads: a single process uses torch's default (all cores) unless --threads is given; torchrun sets
 OMP_NUM_THREADS=1 per process unless --threads (or OMP_NUM_THREADS) says otherwise. Both
 measurements always run with the same setting.
@@ -169,7 +172,11 @@ def run_bare(cfg, steps: int) -> dict:
     from torchtitan.models.llama3.model import count_params, flops_per_token
     from torchtitan.models.registry import get_model_spec
 
+    from torchtitan.distributed.utils import tune_host_allocator
+
     t, o = cfg.training, cfg.optimizer
+    if not torch.cuda.is_available():
+        tune_host_allocator()  # as the trainer does on CPU: the comparison is of the loops, not of malloc
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")

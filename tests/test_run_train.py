@@ -36,7 +36,7 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     log = proc.stdout + proc.stderr
     # The first lines say what is trained, on which mesh, with which batch.
     assert "training llama3 debugmodel: 7,212,288 parameters" in log
-    assert "FSDP: pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 = 2 ranks" in log
+    assert "FSDP: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 = 2 ranks" in log
     assert "global batch 4 x seq 64 = 256 tokens/step" in log
     assert "[rank1]" in log  # LOG_RANK=0,1 shows both ranks
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

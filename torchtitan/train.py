@@ -29,6 +29,7 @@ from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel import local_positions, shard_sequence
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
@@ -114,13 +115,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(parts, optim: OptimizerGroup, data_iter, grad_accum_steps: int, amp, max_norm: float, device,
-               loss_parallel: bool, pipeline: Pipeline | None):
+               loss_parallel: bool, pipeline: Pipeline | None, cp_positions: torch.Tensor | None = None):
     """One optimizer step over `grad_accum_steps` micro-batches; returns (summed loss, grad norm, lr
-    used). With a pipeline the loss exists on the last stage's rank only (zero elsewhere)."""
+    used). With a pipeline the loss exists on the last stage's rank only (zero elsewhere). With
+    context parallel, this rank trains on the tokens at `cp_positions` of each sequence."""
     optim.zero_grad()
     loss_sum = torch.zeros((), device=device)
     for _ in range(grad_accum_steps):
         inputs, labels = next(data_iter)
+        inputs, labels = shard_sequence(inputs, cp_positions), shard_sequence(labels, cp_positions)
         inputs, labels = inputs.to(device), labels.to(device)
         # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
         # must both run inside the context.
@@ -239,7 +242,12 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
 
     # A resumed run appends to the metrics of the run it continues.
     metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=rank == 0, append=start_step > 0)
-    dp_mesh = mesh["dp"] if mesh is not None else None
+    # Every data- and context-parallel rank holds an equal share of the tokens: the mean of their
+    # losses is the loss of the global batch.
+    loss_mesh = mesh["dp_cp"] if mesh is not None else None
+    cp_positions = None
+    if dims.cp_enabled:
+        cp_positions = local_positions(t.seq_len, dims.cp, mesh["cp"].get_local_rank())
     history: list[dict] = []
     data_iter = iter(dataloader)
     gc.disable()
@@ -257,7 +265,7 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
                 loss_sum, grad_norm, lr = train_step(
                     parts, optim, data_iter, plan.grad_accum_steps, amp, t.max_norm, device,
                     loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                    pipeline=pipeline,
+                    pipeline=pipeline, cp_positions=cp_positions,
                 )
                 if precompute_float8:
                     # One fused amax/scale computation for all float8 weights, used by the next all-gather.
@@ -270,7 +278,7 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
                 if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
                     if pipeline is not None:
                         loss_sum = broadcast_loss(loss_sum, pipeline.pp_mesh.get_group(), pipeline.loss_src)
-                    loss_value = dist_utils.dist_mean(loss_sum, dp_mesh)
+                    loss_value = dist_utils.dist_mean(loss_sum, loss_mesh)
                     if not math.isfinite(loss_value):
                         raise FloatingPointError(f"loss is {loss_value} at step {step}")
                     now = time.perf_counter()

@@ -1,5 +1,6 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP), resharding to other
-layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2) and a SIGKILL in the middle of a save."""
+layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 x CP 2, CP 2) and a
+SIGKILL in the middle of a save."""
 
 import json
 import os
@@ -41,6 +42,8 @@ def runs(tmp_path_factory):
         "copy7": step10(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
         "fsdp4_to_pp2_fsdp2": CKPT + FSDP2 + ["--parallelism.pipeline_parallel_degree", "2",
                                               "--parallelism.pipeline_parallel_microbatch_size", "2"],
+        "copy8": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_cp2"),
+        "fsdp4_to_fsdp2_cp2": CKPT + FSDP2 + ["--parallelism.context_parallel_degree", "2"],
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -51,6 +54,9 @@ def runs(tmp_path_factory):
         "copy5": step10(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
         "fsdp4_to_ddp2": CKPT + FSDP2 + ["--parallelism.data_parallel_replicate_degree", "2",
                                          "--parallelism.data_parallel_shard_degree", "1"],
+        "copy9": step10(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
+        "fsdp4_to_cp2": CKPT + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                                "--parallelism.context_parallel_rotate_method", "alltoall"],
     }, 2, tmp))
     return tmp, results
 
@@ -74,17 +80,19 @@ def test_resume_is_bit_identical(runs, layout):
 
 # DDP all-reduces gradients in buckets where FSDP reduce-scatters them; Adam amplifies that rounding
 # difference step by step (measured: 7e-6 after one step, 2.2e-5 at most over 10), so DDP gets 5e-5.
-# The first resumed step is exact in every layout: weights and optimizer state load bit for bit.
+# The first resumed step is exact wherever the forward computes the same way: weights and optimizer
+# state load bit for bit. Ring attention (alltoall) merges partial softmaxes, a different rounding.
 @pytest.mark.parametrize(
-    "target, tol",
-    [("fsdp4_to_fsdp2", 1e-5), ("fsdp4_to_hsdp", 1e-5), ("fsdp4_to_ddp2", 5e-5), ("fsdp4_to_fsdp2_tp2", 1e-5),
-     ("fsdp4_to_pp2_fsdp2", 1e-5)],
+    "target, tol, exact_first",
+    [("fsdp4_to_fsdp2", 1e-5, True), ("fsdp4_to_hsdp", 1e-5, True), ("fsdp4_to_ddp2", 5e-5, True),
+     ("fsdp4_to_fsdp2_tp2", 1e-5, True), ("fsdp4_to_pp2_fsdp2", 1e-5, True), ("fsdp4_to_fsdp2_cp2", 1e-5, True),
+     ("fsdp4_to_cp2", 1e-5, False)],
 )
-def test_reshard_matches_uninterrupted_run(runs, target, tol):
+def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
     tmp, r = runs
     ref, got = losses(r["fsdp4_straight"], first_step=11), losses(r[target])
     assert len(got) == 10
-    assert got[0] == ref[0]
+    assert got[0] == ref[0] if exact_first else abs(got[0] - ref[0]) < 1e-6
     assert max(abs(a - b) for a, b in zip(ref, got)) < tol
     # The data position carried over: the same global samples were consumed, none skipped or repeated.
     end_ref = train_state(tmp, "fsdp4_straight", 20)["dataloader"]["dataset_state"]

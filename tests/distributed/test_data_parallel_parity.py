@@ -1,7 +1,10 @@
 """Parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
 activation checkpointing and per-block torch.compile under FSDP, tensor + sequence parallel alone
 (with and without loss parallel) and with FSDP, pipeline parallel (1F1B, Interleaved1F1B,
-ZBVZeroBubble) alone and with FSDP and TP, up to PP 2 x FSDP 2 x TP 2 on 8 processes, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32 single-process run).
+ZBVZeroBubble) alone and with FSDP and TP, context parallel (allgather and alltoall rotation) alone
+and with FSDP, HSDP, TP, PP and compile, up to PP 2 x FSDP 2 x TP 2 and FSDP 2 x CP 2 x TP 2 on 8
+processes, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32
+single-process run).
 
 All jobs use the same seed, data and global batch (8 sequences of 64 tokens). Weight init is
 layout-invariant (per-parameter seeded), so step 1 already compares identical weights.
@@ -41,6 +44,12 @@ TWO = {
                         "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
     "pp2_zbv": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+    "cp2_allgather": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+    "cp2_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                     "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp2_alltoall_ac_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                                "--parallelism.context_parallel_rotate_method", "alltoall",
+                                "--activation_checkpoint.mode", "full", "--training.compile"],
 }
 FOUR = {
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
@@ -55,10 +64,23 @@ FOUR = {
                       "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "pp2_tp2": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
                 "--parallelism.tensor_parallel_degree", "2"],
+    "fsdp2_cp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2"],
+    "hsdp2_cp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                  "--parallelism.data_parallel_replicate_degree", "2"],
+    "cp4_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "4",
+                     "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp2_tp2": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                "--parallelism.tensor_parallel_degree", "2"],
+    "pp2_cp2": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "fsdp2_cp2_bf16": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                       "--training.mixed_precision_param", "bfloat16"],
 }
 EIGHT = {
     "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
                       "--parallelism.tensor_parallel_degree", "2"],
+    "fsdp2_cp2_tp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                      "--parallelism.context_parallel_rotate_method", "alltoall", "--parallelism.tensor_parallel_degree", "2"],
 }
 
 
@@ -87,7 +109,9 @@ def test_reference_learns(runs):
     "name",
     ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
      "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
-     "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2"],
+     "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
+     "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
+     "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])
@@ -101,7 +125,7 @@ def test_fp32_layouts_match_single_process(runs, name):
     assert max(norms) < 1e-3, f"{name}: grad norm relative diffs {norms}"
 
 
-@pytest.mark.parametrize("name", ["single_bf16", "fsdp2_bf16", "hsdp2x2_bf16", "fsdp2_tp2_bf16"])
+@pytest.mark.parametrize("name", ["single_bf16", "fsdp2_bf16", "hsdp2x2_bf16", "fsdp2_tp2_bf16", "fsdp2_cp2_bf16"])
 def test_bf16_layouts_track_fp32(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])
     diffs = [abs(a - b) for a, b in zip(ref, got)]

@@ -127,6 +127,16 @@ class Parallelism:
     enable_async_tensor_parallel: bool = opt(
         False, "Overlap tensor-parallel communication with matmuls (CUDA with training.compile only)."
     )
+    context_parallel_degree: int = opt(
+        1,
+        "Context parallel degree: each sequence is split over this many ranks (load-balanced chunks, ring "
+        "attention); seq_len must be divisible by 2 x context_parallel_degree x tensor_parallel_degree.",
+    )
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
+        "allgather",
+        "How context-parallel attention sees the other ranks' keys and values: allgather (gather them all at "
+        "once) or alltoall (pass them around the ring one block per step, merging partial softmaxes).",
+    )
     pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (outermost mesh dimension).")
     pipeline_parallel_schedule: str = opt(
         "1F1B",
@@ -282,8 +292,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     "parallelism": {
         "pipeline_parallel_split_points": [],
         "module_fqns_per_model_part": [],
-        "context_parallel_degree": 1,
-        "context_parallel_rotate_method": ANY,
         "enable_compiled_autograd": False,
     },
     "metrics": {"enable_wandb": False, "save_for_all_ranks": False, "disable_color_printing": ANY},
@@ -305,5 +313,4 @@ PLANNED_WHY: dict[str, str] = {
     "job": "",
 }
 PLANNED_WHY["parallelism.enable_compiled_autograd"] = "compiled autograd is not supported (it broke FSDP2 parity)"
-PLANNED_WHY["parallelism.context_parallel_degree"] = "context parallelism is not implemented yet (issue 4)"
 PLANNED_WHY["training.gc_debug"] = "gc_debug is not implemented"

@@ -469,6 +469,15 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             "stages); convert the last checkpoint with scripts/convert_checkpoint.py to-hf instead",
         )
     need(p.tensor_parallel_degree >= 1, f"parallelism.tensor_parallel_degree must be 1 or more, got {p.tensor_parallel_degree}")
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    need(cp >= 1, f"parallelism.context_parallel_degree must be 1 or more, got {cp}")
+    if cp > 1:
+        need(
+            t.seq_len % (2 * cp * max(tp, 1)) == 0,
+            f"training.seq_len = {t.seq_len} must be divisible by 2 x context_parallel_degree x "
+            f"tensor_parallel_degree = 2 x {cp} x {tp} = {2 * cp * max(tp, 1)} (each context-parallel rank "
+            f"holds two sequence chunks, each split over the tensor-parallel ranks); choose a multiple",
+        )
     if p.enable_async_tensor_parallel:
         need(
             t.compile and p.tensor_parallel_degree > 1,

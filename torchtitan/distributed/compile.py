@@ -17,8 +17,9 @@ from torch import nn
 _RECOMPILE_LIMIT = 64
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile every block of `model.layers` in place; apply after activation checkpointing."""
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
+    """Compile every block of `model.layers` in place; apply after activation checkpointing.
+    fullgraph=False where a block deliberately runs a part eagerly (context-parallel attention)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=fullgraph)

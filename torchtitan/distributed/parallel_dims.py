@@ -13,35 +13,37 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    cp: int = 1
 
     @staticmethod
     def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
         replicate, shard = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree
-        tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
+        tp, pp, cp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree, cfg.context_parallel_degree
         if shard == -1:
-            if world_size % (pp * replicate * tp):
+            if world_size % (pp * replicate * cp * tp):
                 raise UserError(
                     f"pipeline_parallel_degree {pp} x data_parallel_replicate_degree {replicate} x "
-                    f"tensor_parallel_degree {tp} = {pp * replicate * tp} does not divide the world size "
-                    f"{world_size}; choose degrees whose product divides {world_size}."
+                    f"context_parallel_degree {cp} x tensor_parallel_degree {tp} = {pp * replicate * cp * tp} "
+                    f"does not divide the world size {world_size}; choose degrees whose product divides "
+                    f"{world_size}."
                 )
-            shard = world_size // (pp * replicate * tp)
-        if pp * replicate * shard * tp != world_size:
+            shard = world_size // (pp * replicate * cp * tp)
+        if pp * replicate * shard * cp * tp != world_size:
             raise UserError(
-                f"parallel degrees multiply to {pp * replicate * shard * tp} (pipeline_parallel_degree {pp} x "
+                f"parallel degrees multiply to {pp * replicate * shard * cp * tp} (pipeline_parallel_degree {pp} x "
                 f"data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} x "
-                f"tensor_parallel_degree {tp}) but the job has {world_size} "
+                f"context_parallel_degree {cp} x tensor_parallel_degree {tp}) but the job has {world_size} "
                 f"processes; make the product equal the number of processes (NGPU / --nproc_per_node), or set "
                 f"data_parallel_shard_degree = -1 to fill the remaining ranks."
             )
-        if replicate > 1 and shard == 1 and (tp > 1 or pp > 1):
+        if replicate > 1 and shard == 1 and cp == 1 and (tp > 1 or pp > 1):
             # Composable DDP all-reduces plain gradients; with TP the gradients are DTensors and come out wrong.
             raise UserError(
                 f"DDP (data_parallel_replicate_degree {replicate} with data_parallel_shard_degree 1) cannot be "
                 f"combined with tensor_parallel_degree {tp} or pipeline_parallel_degree {pp}; shard instead: set "
                 f"data_parallel_shard_degree = {replicate} and data_parallel_replicate_degree = 1"
             )
-        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp)
+        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp)
 
     @property
     def dp_degree(self) -> int:
@@ -49,11 +51,17 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        # Context-parallel ranks hold the same parameters and see different tokens of the same
+        # sequences: FSDP shards over them as over data-parallel ranks, and reduces their gradients.
+        return self.dp_shard * self.cp > 1
 
     @property
     def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard == 1
+        return self.dp_replicate > 1 and not self.fsdp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -72,24 +80,30 @@ class ParallelDims:
             kind = "DDP"
         else:
             kind = ""
-        parts = (["PP"] if self.pp_enabled else []) + ([kind] if kind else []) + (["TP"] if self.tp_enabled else [])
+        parts = (
+            (["PP"] if self.pp_enabled else []) + ([kind] if kind else []) + (["CP"] if self.cp_enabled else [])
+            + (["TP"] if self.tp_enabled else [])
+        )
         return (
             f"{' x '.join(parts) or 'single process'}: pp={self.pp} x dp_replicate={self.dp_replicate} x "
-            f"dp_shard={self.dp_shard} x tp={self.tp} = {self.world_size} ranks"
+            f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks"
         )
 
     def build_mesh(self, device_type: str):
-        """A mesh with dims (pp, dp_replicate, dp_shard, tp): tp innermost so tensor-parallel peers are
-        neighbours (same node), pp outermost (point-to-point traffic crosses nodes best); 'dp' flattens
-        the data-parallel dims. None for one process."""
+        """A mesh with dims (pp, dp_replicate, dp_shard, cp, tp): tp innermost so tensor-parallel peers are
+        neighbours (same node), pp outermost (point-to-point traffic crosses nodes best). Flattened:
+        'dp' (data loading: ranks that read different batches), 'dp_shard_cp' (FSDP's shard dimension) and
+        'dp_cp' (ranks whose losses are averaged). None for one process."""
         if self.world_size == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh

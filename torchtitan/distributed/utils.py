@@ -1,5 +1,6 @@
 """Process-group set-up and reductions that work for plain tensors and DTensors alike."""
 
+import ctypes
 import logging
 import os
 import sys
@@ -15,6 +16,25 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def tune_host_allocator():
+    """On CPU, keep freed activation memory in the process instead of returning it to the OS.
+
+    glibc serves allocations of 128 KiB and more with mmap and unmaps them on free, so every step pays
+    page faults for every large activation again. Disabling mmap alone makes it trim the heap top just
+    as often (1.7x slower, measured); together with a high trim threshold the memory is reused. Values
+    set through MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ in the environment win. No-op off glibc."""
+    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    mallopt(m_trim_threshold, 2**31 - 1)
+    mallopt(m_mmap_max, 0)
+
+
 def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
     """Returns (device, rank, world_size); a process group exists whenever launched by torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -26,6 +46,7 @@ def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        tune_host_allocator()
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if dev_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds))

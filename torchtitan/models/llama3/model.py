@@ -31,6 +31,15 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [batch, heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]."""
+    repeats = q.shape[1] // k.shape[1]  # grouped-query attention: each KV head serves `repeats` query heads
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=1)
+        v = v.repeat_interleave(repeats, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -39,6 +48,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # A plain function, replaceable from outside: context parallelism puts its ring attention here.
+        self.attention_fn = causal_attention
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
@@ -46,11 +57,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, k, freqs_cis)
-        repeats = q.shape[2] // k.shape[2]  # grouped-query attention: each KV head serves `repeats` query heads
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=2)
-            v = v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -88,11 +95,21 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Global positions of the tokens this rank holds when sequences are split over ranks (context
+        # parallel); None: positions 0, 1, 2, ...
+        self.token_positions: torch.Tensor | None = None
         # Not persistent: recomputed by init_weights, never part of a checkpoint.
         self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
 
     def _freqs_cis(self) -> torch.Tensor:
-        return precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        freqs = precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        return freqs if self.token_positions is None else freqs[self.token_positions]
+
+    def set_token_positions(self, positions: torch.Tensor | None):
+        """Rotary embeddings for tokens at these global positions (in this order) from now on."""
+        self.token_positions = positions
+        if not self.freqs_cis.is_meta:
+            self.freqs_cis = self._freqs_cis().to(self.freqs_cis.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # Each part may be absent on a pipeline stage.

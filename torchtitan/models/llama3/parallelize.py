@@ -1,6 +1,6 @@
 """Apply parallelism to a Llama 3 model from outside; the model code stays untouched.
 
-Order: tensor parallel -> activation checkpointing -> compile -> FSDP. Checkpointing
+Order: tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP. Checkpointing
 goes inside compile so the compiled graph includes the recomputation; FSDP goes last because it
 must wrap the final form of each block to shard its parameters.
 """
@@ -10,6 +10,7 @@ from torch import nn
 from torchtitan.config import ActivationCheckpoint, Parallelism, Training
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
@@ -28,12 +29,16 @@ def parallelize_llama(
         apply_tp(model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel)
         if parallelism.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
+    if parallel_dims.cp_enabled:
+        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method)
     apply_ac(model, activation_checkpoint.mode, activation_checkpoint.selective_ac_option)
     if training.compile:
-        apply_compile(model)
+        # Context-parallel attention communicates, so it runs eagerly between two compiled graphs.
+        apply_compile(model, fullgraph=not parallel_dims.cp_enabled)
     if parallel_dims.fsdp_enabled:
         # HSDP when there is a replicate dimension: a 2D mesh; plain FSDP: the shard dimension alone.
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate > 1 else mesh["dp_shard"]
+        # Context-parallel ranks join the shard dimension (mesh "dp_shard_cp").
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.dp_replicate > 1 else mesh["dp_shard_cp"]
         if parallel_dims.pp_enabled:  # a pipeline stage: the schedule decides when blocks may reshard
             apply_fsdp_to_stage(
                 model,

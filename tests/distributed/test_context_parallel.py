@@ -1,0 +1,78 @@
+"""Context parallel: the load-balanced split of the sequence, and the ring attention against plain
+causal attention (forward and backward, both rotate methods, 2 and 4 ranks) in one 4-process launch
+of cp_worker.py. Training parity of every CP layout is in test_data_parallel_parity.py."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.config import UserError, load_config
+from torchtitan.distributed.context_parallel import chunk_ids, local_positions, shard_sequence
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+WORKER = Path(__file__).resolve().parent / "cp_worker.py"
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_ranks_cover_the_sequence_once(cp):
+    seq = 2 * cp * 5
+    held = torch.cat([local_positions(seq, cp, r) for r in range(cp)])
+    assert sorted(held.tolist()) == list(range(seq))
+    for r in range(cp):
+        assert local_positions(seq, cp, r).tolist() == sorted(local_positions(seq, cp, r).tolist())
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_causal_work_is_balanced(cp):
+    # Chunk pairs (query chunk, key chunk) that a causal mask leaves visible, per rank.
+    work = [sum(k <= q for q in chunk_ids(r, cp) for k in range(2 * cp)) for r in range(cp)]
+    assert len(set(work)) == 1, work
+    # A naive contiguous split would give the last rank cp times the work of the first.
+    naive = [sum(k <= q for q in (2 * r, 2 * r + 1) for k in range(2 * cp)) for r in range(cp)]
+    assert len(set(naive)) > 1
+
+
+def test_shard_sequence_takes_positions_along_dim_1():
+    x = torch.arange(2 * 8).view(2, 8)
+    pos = local_positions(8, 2, 1)
+    assert shard_sequence(x, pos).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert shard_sequence(x, None) is x
+
+
+def test_cp_joins_the_fsdp_shard_dimension():
+    cfg = load_config(["--parallelism.context_parallel_degree", "2"])
+    dims = ParallelDims.from_config(cfg.parallelism, 8)
+    assert (dims.dp_shard, dims.cp) == (4, 2) and dims.fsdp_enabled and dims.describe().startswith("FSDP x CP")
+    alone = ParallelDims.from_config(cfg.parallelism, 2)
+    assert (alone.dp_shard, alone.cp) == (1, 2) and alone.fsdp_enabled and not alone.ddp_enabled
+
+
+def test_seq_len_must_split_into_cp_and_tp_chunks():
+    with pytest.raises(UserError, match=r"seq_len = 100 must be divisible by 2 x context_parallel_degree x "
+                                        r"tensor_parallel_degree = 2 x 2 x 2 = 8"):
+        load_config(["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                     "--training.seq_len", "100"])
+
+
+def test_unknown_rotate_method_is_refused():
+    with pytest.raises(UserError, match="context_parallel_rotate_method"):
+        load_config(["--parallelism.context_parallel_rotate_method", "ring"])
+
+
+@pytest.mark.slow
+def test_ring_attention_matches_causal_attention(tmp_path):
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    results = json.loads(out.read_text())
+    assert set(results) == {"cp4_allgather", "cp2_allgather", "cp4_alltoall", "cp2_alltoall"}
+    for case, diff in results.items():
+        assert diff < 1e-5, f"{case}: output/gradient differs by {diff}"
