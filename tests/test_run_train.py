@@ -2,6 +2,7 @@
 --help, and every user mistake reported once, clearly, within seconds, with no traceback."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -67,7 +68,9 @@ EMPTY = "empty.jsonl"
         (["--model.tokenizer_path", "/no/tok.model"], {}, "tokenizer model not found at '/no/tok.model'"),
         (["--training.dataset", "local", "--training.dataset_path", "/no/data.jsonl"], {}, "does not exist"),
         (["--training.dataset", "local", "--training.dataset_path", EMPTY], {}, "is empty"),
-        (["--parallelism.context_parallel_degree", "2"], {}, "not implemented yet \\(issue 4\\)"),
+        (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "102"], {},
+         "seq_len = 102 must be divisible by 2 x context_parallel_degree"),
+        (["--parallelism.context_parallel_degree", "4"], {}, "context_parallel_degree 4 x tensor_parallel_degree 1 = 4 does not divide the world size 2"),
         (["--parallelism.tensor_parallel_degree", "3"], {"NGPU": "3"}, "tensor_parallel_degree = 3 does not divide"),
         ([], {"CONFIG_FILE": "/no/recipe.toml"}, "not found: /no/recipe.toml"),
     ],
@@ -97,3 +100,29 @@ def test_every_rank_reports_an_error_under_plain_torchrun(tmp_path):
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("error: dataset local at") == 2
     assert time.monotonic() - start < 60
+
+
+def readme_layout_commands() -> list[str]:
+    """The commands of the README's layout table (the list scripts/check_layouts.sh runs)."""
+    text = (REPO / "README.md").read_text()
+    return re.findall(r"^\| [^|]* \| `(NGPU=[^`]*)`", text, flags=re.M)
+
+
+def test_readme_lists_every_layout_and_each_passes_preflight(tmp_path):
+    from torchtitan.config import load_config
+    from torchtitan.train import preflight
+
+    commands = readme_layout_commands()
+    described = set()
+    for command in commands:
+        words = command.split()
+        ngpu = int(words[0].removeprefix("NGPU="))
+        assert words[1] == "./run_train.sh", command
+        cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+                           "--job.dump_folder", str(tmp_path), *words[2:]])
+        dims = preflight(cfg, ngpu).parallel_dims
+        described.add(dims.describe().split(":")[0])
+    # Every composition the parallelism issue names has a command.
+    for layout in ["FSDP", "HSDP", "DDP", "TP", "FSDP x TP", "HSDP x TP", "PP", "PP x FSDP", "PP x TP",
+                   "PP x FSDP x TP", "FSDP x CP", "FSDP x CP x TP", "PP x FSDP x CP"]:
+        assert layout in described, f"no README command for {layout}: {sorted(described)}"

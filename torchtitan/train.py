@@ -36,6 +36,7 @@ from torchtitan.distributed.pipeline_parallel import (
     attach_schedule,
     broadcast_loss,
     pipeline_step,
+    plan_split,
     pp_clip_grad_norm_,
     split_for_rank,
 )
@@ -94,6 +95,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             )
         vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
         check_tp_divisibility(model_args.with_vocab_and_seq(vocab, t.seq_len), dims.tp, t.seq_len)
+    if dims.pp_enabled:
+        plan_split(model_args.n_layers, dims.pp, cfg.parallelism)
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch

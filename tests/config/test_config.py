@@ -338,8 +338,23 @@ def test_planned_key_specific_reason():
     assert "compiled autograd is not supported" in msg
 
 
-def test_planned_key_int_and_str_rejected():
-    assert "issue 4" in error_of(["--parallelism.context_parallel_degree", "2"])
+def test_nested_list_from_recipe_and_command_line(tmp_path):
+    parts = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    path = write(tmp_path / "recipe.toml",
+                 f"[parallelism]\npipeline_parallel_degree = 2\nmodule_fqns_per_model_part = {parts!r}\n")
+    assert load_recipe(path).parallelism.module_fqns_per_model_part == parts
+    cli = load_config(["--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.module_fqns_per_model_part", "tok_embeddings, layers.0; layers.1,norm,output"])
+    assert cli.parallelism.module_fqns_per_model_part == parts
+    assert "module_fqns_per_model_part = [['tok_embeddings', 'layers.0'], ['layers.1', 'norm', 'output']]" in (
+        config_to_toml(cli).replace('"', "'")
+    )
+    bad = write(tmp_path / "bad.toml", '[parallelism]\nmodule_fqns_per_model_part = ["layers.0"]\n')
+    with pytest.raises(UserError, match="module_fqns_per_model_part: expected a list of lists of strings"):
+        load_recipe(bad)
+
+
+def test_planned_key_str_rejected():
     msg = error_of(["--experimental.custom_import", "my.module"])
     assert 'experimental.custom_import = "my.module"' in msg and 'set it to ""' in msg
 

@@ -1,7 +1,7 @@
 """Parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
 activation checkpointing and per-block torch.compile under FSDP, tensor + sequence parallel alone
 (with and without loss parallel) and with FSDP, pipeline parallel (1F1B, Interleaved1F1B,
-ZBVZeroBubble) alone and with FSDP and TP, context parallel (allgather and alltoall rotation) alone
+ZBVZeroBubble, explicit splits by split points and module lists) alone and with FSDP and TP, context parallel (allgather and alltoall rotation) alone
 and with FSDP, HSDP, TP, PP and compile, up to PP 2 x FSDP 2 x TP 2 and FSDP 2 x CP 2 x TP 2 on 8
 processes, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32
 single-process run).
@@ -44,6 +44,14 @@ TWO = {
                         "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
     "pp2_zbv": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+    "pp2_split_points": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+                         "--parallelism.pipeline_parallel_microbatch_size", "2",
+                         "--parallelism.pipeline_parallel_split_points", "layers.2"],
+    "pp2_module_fqns_interleaved": [
+        "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_microbatch_size", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+        "--parallelism.module_fqns_per_model_part",
+        "tok_embeddings;layers.0,layers.1,layers.2;layers.3,layers.4;layers.5,norm,output"],
     "cp2_allgather": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
     "cp2_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                      "--parallelism.context_parallel_rotate_method", "alltoall"],
@@ -110,7 +118,7 @@ def test_reference_learns(runs):
     ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
      "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
      "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
-     "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
+     "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
      "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):

@@ -3,12 +3,15 @@
 import pytest
 import torch
 
+from torchtitan.config import load_config
 from torchtitan.config.errors import UserError
 from torchtitan.distributed.pipeline_parallel import (
     build_pipeline_schedule,
     build_stage_model,
     last_stage_rank,
     num_microbatches,
+    parts_from_split_points,
+    plan_split,
     resolve_num_stages,
     schedule_style,
     split_module_names,
@@ -162,3 +165,36 @@ def test_too_few_microbatches():
         build_pipeline_schedule([_FakeStage(4), _FakeStage(4)], "DualPipeV", 3, loss_fn=None)
     with pytest.raises(UserError, match=r"runs one stage per rank"):
         build_pipeline_schedule([_FakeStage(4), _FakeStage(4)], "GPipe", 4, loss_fn=None)
+
+
+def test_split_points_become_model_parts():
+    assert parts_from_split_points(4, ["layers.2"]) == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+    assert [p[0] for p in parts_from_split_points(4, ["layers.1", "layers.3"])] == ["tok_embeddings", "layers.1", "layers.3"]
+    with pytest.raises(UserError, match=r"unknown module names \['layer.2'\]"):
+        parts_from_split_points(4, ["layer.2"])
+    with pytest.raises(UserError, match=r"in model order"):
+        parts_from_split_points(4, ["layers.3", "layers.1"])
+    with pytest.raises(UserError, match=r"not the first module"):
+        parts_from_split_points(4, ["tok_embeddings"])
+
+
+def test_plan_split_from_config():
+    def plan(*argv):
+        cfg = load_config(["--parallelism.pipeline_parallel_degree", "2", *argv])
+        return plan_split(6, 2, cfg.parallelism)
+
+    explicit = plan("--parallelism.module_fqns_per_model_part",
+                    "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output")
+    assert [len(p) for p in explicit] == [2, 7]
+    assert plan("--parallelism.pipeline_parallel_split_points", "layers.4")[1] == ["layers.4", "layers.5", "norm", "output"]
+    # Four parts for a schedule with two stages per rank; two parts for 1F1B.
+    assert len(plan("--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5",
+                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")) == 4
+    with pytest.raises(UserError, match=r"pipeline_parallel_split_points gives 3 stages, which schedule '1F1B'"):
+        plan("--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
+    # The default: layers spread over one stage per rank.
+    assert [len(p) for p in plan()] == [4, 5]
+    with pytest.raises(UserError, match=r"both split the pipeline"):
+        load_config(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points",
+                     "layers.2", "--parallelism.pipeline_parallel_layers_per_stage", "2"])

@@ -150,6 +150,15 @@ class Parallelism:
     pipeline_parallel_layers_per_stage: int | None = opt(
         None, "Transformer layers per stage (unset: one stage per rank, or two for multi-stage schedules)."
     )
+    module_fqns_per_model_part: list[list[str]] = opt(
+        [],
+        "An explicit pipeline split: the module names of each stage in model order, e.g. [['tok_embeddings', "
+        "'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]; replaces the split by layers.",
+    )
+    pipeline_parallel_split_points: list[str] = opt(
+        [],
+        "The older form of an explicit split: the modules at which a new stage begins, e.g. ['layers.2'].",
+    )
     pipeline_parallel_first_stage_less_layers: int = opt(
         1, "The first stage holds this many fewer layers (it also holds the embedding)."
     )
@@ -290,8 +299,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     "model": {"print_after_conversion": ANY, "hf_assets_path": ANY},
     "training": {"gc_debug": False},
     "parallelism": {
-        "pipeline_parallel_split_points": [],
-        "module_fqns_per_model_part": [],
         "enable_compiled_autograd": False,
     },
     "metrics": {"enable_wandb": False, "save_for_all_ranks": False, "disable_color_printing": ANY},
@@ -303,8 +310,7 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 
 # What a user reads when a planned key asks for something.
 PLANNED_WHY: dict[str, str] = {
-    "parallelism": "this parallelism option is not implemented yet (issue 4); pipeline stages are split by "
-    "pipeline_parallel_layers_per_stage and the first/last_stage_less_layers keys",
+    "parallelism": "this parallelism option is not implemented",
     "metrics": "this metrics backend is not implemented",
     "validation": "validation runs are not implemented",
     "memory_estimation": "memory estimation is not implemented",

@@ -125,8 +125,8 @@ def _type_name(tp: object) -> str:
     inner, optional = _unwrap_optional(tp)
     if typing.get_origin(inner) is Literal:
         name = "|".join(str(c) for c in typing.get_args(inner))
-    elif inner is list[str]:
-        name = "list[str]"
+    elif inner in (list[str], list[list[str]]):
+        name = "list[str]" if inner == list[str] else "list[list[str]]"
     else:
         name = inner.__name__
     return name + "|none" if optional else name
@@ -143,7 +143,9 @@ def _expected(tp: object, origin: str | None) -> str:
             int: "an integer",
             float: "a number",
             str: "a string",
-        }.get(inner, "a list of strings" if inner == list[str] else str(inner))
+            list[str]: "a list of strings",
+            list[list[str]]: "a list of lists of strings (on the command line: 'a,b;c,d')",
+        }.get(inner, str(inner))
     # Only the command line can spell "unset"; TOML has no null, a recipe just leaves the key out.
     if optional and origin is _CLI:
         text += " or none"
@@ -207,6 +209,8 @@ def _check_toml_value(section: str, key: str, value: object, tp: object, origin:
         ok = isinstance(value, str)
     elif inner == list[str]:
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    elif inner == list[list[str]]:
+        ok = isinstance(value, list) and all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value)
     if not ok:
         raise UserError(
             f"{section}.{key}: expected {_expected(tp, origin)}, got {_show(value)} ({_from(origin)})"
@@ -298,6 +302,8 @@ def _parse_cli_value(section: str, key: str, text: str, tp: object) -> object:
             ok = False
     elif inner == list[str]:
         value = [item.strip() for item in text.split(",") if item.strip()]
+    elif inner == list[list[str]]:  # groups separated by ';', items by ','
+        value = [[item.strip() for item in group.split(",") if item.strip()] for group in text.split(";") if group.strip()]
     elif typing.get_origin(inner) is Literal:
         ok = text in typing.get_args(inner)
     if not ok:
@@ -446,6 +452,12 @@ def _check_rules(cfg: JobConfig) -> list[str]:
     )
     for name in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
         need(getattr(p, name) >= 0, f"parallelism.{name} must be 0 or more, got {getattr(p, name)}")
+    for name in ("module_fqns_per_model_part", "pipeline_parallel_split_points"):
+        need(
+            not getattr(p, name) or p.pipeline_parallel_degree > 1,
+            f"parallelism.{name} splits the model into pipeline stages, but pipeline_parallel_degree is "
+            f"{p.pipeline_parallel_degree}; set pipeline_parallel_degree > 1 or remove it",
+        )
     if p.pipeline_parallel_degree > 1:
         need(
             t.local_batch_size % p.pipeline_parallel_microbatch_size == 0,
@@ -458,6 +470,17 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with pipeline_parallel_schedule = "
             f"{p.pipeline_parallel_schedule!r}: its split weight-gradient step needs the gathered block weights "
             "(resharding silently drops their gradients); use 'default'",
+        )
+        explicit = [k for k in ("module_fqns_per_model_part", "pipeline_parallel_split_points") if getattr(p, k)]
+        need(
+            len(explicit) < 2,
+            "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split the "
+            "pipeline; set one of them",
+        )
+        need(
+            not (explicit and p.pipeline_parallel_layers_per_stage is not None),
+            f"parallelism.{explicit[0] if explicit else ''} and parallelism.pipeline_parallel_layers_per_stage both "
+            "split the pipeline; set one of them",
         )
         need(
             not p.pipeline_parallel_schedule_csv or os.path.isfile(p.pipeline_parallel_schedule_csv),

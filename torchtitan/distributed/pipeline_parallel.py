@@ -82,7 +82,13 @@ def resolve_num_stages(
             f"pipeline_parallel_last_stage_less_layers = {last_less} = {effective}"
         )
     num_stages = effective // layers_per_stage
-    if single:
+    check_placement(num_stages, pp_degree, schedule_name, f"pipeline_parallel_layers_per_stage = {layers_per_stage}")
+    return num_stages
+
+
+def check_placement(num_stages: int, pp_degree: int, schedule_name: str, source: str) -> None:
+    """Raise UserError unless the schedule can place `num_stages` stages on `pp_degree` ranks."""
+    if is_single_stage_schedule(schedule_name):
         needed, fits = "1 stage per rank", num_stages == pp_degree
     elif schedule_style(schedule_name) == "v":
         needed, fits = "2 stages per rank", num_stages == 2 * pp_degree
@@ -90,10 +96,47 @@ def resolve_num_stages(
         needed, fits = "the same number of stages on every rank", num_stages % pp_degree == 0
     if not fits:
         raise UserError(
-            f"parallelism.pipeline_parallel_layers_per_stage = {layers_per_stage} gives {num_stages} stages, which "
-            f"schedule {schedule_name!r} cannot place on pipeline_parallel_degree = {pp_degree} ranks ({needed})"
+            f"parallelism.{source} gives {num_stages} stages, which schedule {schedule_name!r} cannot place on "
+            f"pipeline_parallel_degree = {pp_degree} ranks ({needed})"
         )
-    return num_stages
+
+
+def parts_from_split_points(n_layers: int, split_points: list[str]) -> list[list[str]]:
+    """Module names per stage when each name in `split_points` begins a new stage."""
+    rank_of = _module_order(n_layers)
+    order = sorted(rank_of, key=rank_of.get)
+    unknown = [name for name in split_points if name not in order]
+    if unknown:
+        raise UserError(
+            f"parallelism.pipeline_parallel_split_points: unknown module names {unknown} (model n_layers = {n_layers}; "
+            f"use names like 'layers.2')"
+        )
+    cuts = [order.index(name) for name in split_points]
+    if cuts != sorted(set(cuts)) or cuts[0] == 0:
+        raise UserError(
+            f"parallelism.pipeline_parallel_split_points = {split_points} must be distinct, in model order, and "
+            f"not the first module"
+        )
+    bounds = [0, *cuts, len(order)]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def plan_split(n_layers: int, pp_degree: int, parallelism) -> list[list[str]]:
+    """The module names of every stage (all ranks), from the config; raises UserError when the
+    split does not fit the model or the schedule. Runs in preflight, before any process starts."""
+    p = parallelism
+    explicit = p.module_fqns_per_model_part
+    if p.pipeline_parallel_split_points:
+        explicit = parts_from_split_points(n_layers, p.pipeline_parallel_split_points)
+    if explicit:
+        source = "module_fqns_per_model_part" if p.module_fqns_per_model_part else "pipeline_parallel_split_points"
+        check_placement(len(explicit), pp_degree, p.pipeline_parallel_schedule, source)
+        return split_module_names(n_layers, len(explicit), module_fqns_per_model_part=explicit)
+    less = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+    num_stages = resolve_num_stages(
+        n_layers, pp_degree, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage, *less
+    )
+    return split_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage, *less)
 
 
 def split_module_names(
@@ -397,14 +440,9 @@ class Pipeline:
 
 def split_for_rank(whole: nn.Module, parallelism, pp_mesh) -> tuple[list[nn.Module], Pipeline]:
     """This rank's stage models (still on the meta device, full-model FQNs) and their placement."""
-    p = parallelism
-    n_layers = len(whole.layers)
-    less = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
-    num_stages = resolve_num_stages(
-        n_layers, pp_mesh.size(), p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage, *less
-    )
-    parts = split_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage, *less)
-    style = schedule_style(p.pipeline_parallel_schedule)
+    parts = plan_split(len(whole.layers), pp_mesh.size(), parallelism)
+    num_stages = len(parts)
+    style = schedule_style(parallelism.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)
     return [build_stage_model(whole, parts[i]) for i in stage_ids], Pipeline(stage_ids, num_stages, style, pp_mesh)
 
