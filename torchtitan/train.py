@@ -274,9 +274,9 @@ def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[
                     # One fused amax/scale computation for all float8 weights, used by the next all-gather.
                     for part in parts:
                         precompute_float8_scales(part)
-                # Tensor- and pipeline-parallel peers share their data-parallel group's batch: count each
-                # token once per device.
-                tokens_since_log += plan.grad_accum_steps * t.local_batch_size * t.seq_len / (dims.tp * dims.pp)
+                # Tensor-, context- and pipeline-parallel peers share their data-parallel group's batch:
+                # count each token once, spread over all devices.
+                tokens_since_log += tokens_per_step / dims.world_size
 
                 if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
                     if pipeline is not None:
