@@ -124,5 +124,5 @@ def test_readme_lists_every_layout_and_each_passes_preflight(tmp_path):
         described.add(dims.describe().split(":")[0])
     # Every composition the parallelism issue names has a command.
     for layout in ["FSDP", "HSDP", "DDP", "TP", "FSDP x TP", "HSDP x TP", "PP", "PP x FSDP", "PP x TP",
-                   "PP x FSDP x TP", "FSDP x CP", "FSDP x CP x TP", "PP x FSDP x CP"]:
+                   "PP x FSDP x TP", "FSDP x CP", "FSDP x CP x TP", "PP x FSDP x CP", "PP x FSDP x CP x TP"]:
         assert layout in described, f"no README command for {layout}: {sorted(described)}"

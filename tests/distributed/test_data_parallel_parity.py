@@ -1,10 +1,13 @@
-"""Parallel layouts give the single-process losses: FSDP, HSDP, DDP, gradient accumulation,
-activation checkpointing and per-block torch.compile under FSDP, tensor + sequence parallel alone
-(with and without loss parallel) and with FSDP, pipeline parallel (1F1B, Interleaved1F1B,
-ZBVZeroBubble, explicit splits by split points and module lists) alone and with FSDP and TP, context parallel (allgather and alltoall rotation) alone
-and with FSDP, HSDP, TP, PP and compile, up to PP 2 x FSDP 2 x TP 2 and FSDP 2 x CP 2 x TP 2 on 8
-processes, in fp32 (within 1e-5) and bf16 mixed precision (within BF16_TOL of the fp32
-single-process run).
+"""Parallel layouts give the single-process losses, in fp32 within 1e-5 and in bf16 mixed precision
+within BF16_TOL of the fp32 single-process run:
+- data parallel: FSDP, HSDP, DDP, gradient accumulation; activation checkpointing and per-block
+  torch.compile under FSDP;
+- tensor + sequence parallel (with and without loss parallel), alone and with FSDP;
+- pipeline parallel (1F1B, Interleaved1F1B, ZBVZeroBubble, explicit splits by split points and by
+  module lists), alone and with FSDP and TP;
+- context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP and compile;
+- up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
+  PP 2 x FSDP 2 x CP 2 x TP 2 on 16.
 
 All jobs use the same seed, data and global batch (8 sequences of 64 tokens). Weight init is
 layout-invariant (per-parameter seeded), so step 1 already compares identical weights.
@@ -89,6 +92,15 @@ EIGHT = {
                       "--parallelism.tensor_parallel_degree", "2"],
     "fsdp2_cp2_tp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
                       "--parallelism.context_parallel_rotate_method", "alltoall", "--parallelism.tensor_parallel_degree", "2"],
+    "pp2_cp2_tp2": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_microbatch_size", "2"],
+}
+# Every dimension of the mesh at once: 16 processes (about 50 s for the launch on 2 cores).
+SIXTEEN = {
+    "pp2_fsdp2_cp2_tp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                          "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                          "--parallelism.pipeline_parallel_microbatch_size", "2"],
 }
 
 
@@ -100,6 +112,7 @@ def runs(tmp_path_factory):
     results.update(launch(TWO, 2, tmp))
     results.update(launch(FOUR, 4, tmp))
     results.update(launch(EIGHT, 8, tmp))
+    results.update(launch(SIXTEEN, 16, tmp))
     return results
 
 
@@ -119,7 +132,7 @@ def test_reference_learns(runs):
      "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
      "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
      "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
-     "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2"],
+     "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     ref, got = losses(runs["single_fp32"]), losses(runs[name])
