@@ -1,6 +1,6 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP), resharding to other
-layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 x CP 2, CP 2) and a
-SIGKILL in the middle of a save."""
+layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 x CP 2, CP 2; and
+CP 2 x TP 2 -> FSDP 4, PP 2 x FSDP 2 -> FSDP 4) and a SIGKILL in the middle of a save."""
 
 import json
 import os
@@ -21,6 +21,9 @@ CKPT = ["--training.steps", "20", "--checkpoint.enable_checkpoint", "--checkpoin
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"]
 FSDP4 = ["--training.local_batch_size", "2"]
 FSDP2 = ["--training.local_batch_size", "4"]
+CP2_TP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+           "--parallelism.tensor_parallel_degree", "2"]
+PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
 def step10(tmp, src, dst):
@@ -40,10 +43,16 @@ def runs(tmp_path_factory):
         "copy6": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
         "fsdp4_to_fsdp2_tp2": CKPT + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
         "copy7": step10(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
-        "fsdp4_to_pp2_fsdp2": CKPT + FSDP2 + ["--parallelism.pipeline_parallel_degree", "2",
-                                              "--parallelism.pipeline_parallel_microbatch_size", "2"],
+        "fsdp4_to_pp2_fsdp2": CKPT + PP2_FSDP2,
         "copy8": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_cp2"),
         "fsdp4_to_fsdp2_cp2": CKPT + FSDP2 + ["--parallelism.context_parallel_degree", "2"],
+        # The other direction: saved under model-parallel layouts, resumed as plain FSDP 4.
+        "cp2_tp2_straight": CKPT + CP2_TP2,
+        "copy10": step10(tmp, "cp2_tp2_straight", "cp2_tp2_to_fsdp4"),
+        "cp2_tp2_to_fsdp4": CKPT + FSDP4,
+        "pp2_fsdp2_straight": CKPT + PP2_FSDP2,
+        "copy11": step10(tmp, "pp2_fsdp2_straight", "pp2_fsdp2_to_fsdp4"),
+        "pp2_fsdp2_to_fsdp4": CKPT + FSDP4,
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -99,6 +108,17 @@ def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
     end_got = train_state(tmp, target, 20)["dataloader"]["dataset_state"]
     assert end_got["next_sample"] == end_ref["next_sample"] == 20 * 8
     assert (end_got["doc_index"], end_got["token_offset"]) == (end_ref["doc_index"], end_ref["token_offset"])
+
+
+@pytest.mark.parametrize("source", ["cp2_tp2", "pp2_fsdp2"])
+def test_model_parallel_checkpoint_resumes_as_fsdp(runs, source):
+    # Saved at step 10 by a CP x TP or PP x FSDP run, continued as FSDP 4: the losses follow the
+    # source layout's own uninterrupted run (same model, data and optimizer state).
+    tmp, r = runs
+    ref, got = losses(r[f"{source}_straight"], first_step=11), losses(r[f"{source}_to_fsdp4"])
+    assert len(got) == 10
+    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    assert train_state(tmp, f"{source}_to_fsdp4", 20)["dataloader"]["dataset_state"]["next_sample"] == 20 * 8
 
 
 def test_sigkill_during_save_then_resume(tmp_path):
