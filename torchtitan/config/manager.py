@@ -507,12 +507,6 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1 and "
             "training.compile = true (the overlap is done by the compiler); turn it off or enable both",
         )
-    if "float8" in cfg.model.converters:
-        need(
-            p.tensor_parallel_degree == 1,
-            "model.converters = ['float8'] with parallelism.tensor_parallel_degree > 1 is not supported yet "
-            "(float8 needs its own tensor-parallel plan); use one of them",
-        )
     need(
         p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
         f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
