@@ -1,4 +1,4 @@
-"""Checkpoints across real process groups: bit-identical resume (FSDP, HSDP), resharding to other
+"""Checkpoints across real process groups: bit-identical resume (FSDP, HSDP, CP), resharding to other
 layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 x CP 2, CP 2; and
 CP 2 x TP 2 -> FSDP 4, PP 2 x FSDP 2 -> FSDP 4) and a SIGKILL in the middle of a save."""
 
@@ -23,6 +23,8 @@ FSDP4 = ["--training.local_batch_size", "2"]
 FSDP2 = ["--training.local_batch_size", "4"]
 CP2_TP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
            "--parallelism.tensor_parallel_degree", "2"]
+CP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+       "--parallelism.context_parallel_rotate_method", "alltoall"]
 PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
@@ -63,9 +65,11 @@ def runs(tmp_path_factory):
         "copy5": step10(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
         "fsdp4_to_ddp2": CKPT + FSDP2 + ["--parallelism.data_parallel_replicate_degree", "2",
                                          "--parallelism.data_parallel_shard_degree", "1"],
+        "cp2_straight": CKPT + CP2,
+        "copy12": step10(tmp, "cp2_straight", "cp2_resumed"),
+        "cp2_resumed": CKPT + CP2,
         "copy9": step10(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
-        "fsdp4_to_cp2": CKPT + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                                "--parallelism.context_parallel_rotate_method", "alltoall"],
+        "fsdp4_to_cp2": CKPT + CP2,
     }, 2, tmp))
     return tmp, results
 
@@ -78,7 +82,7 @@ def train_state(tmp, name, step):
     return json.loads((tmp / name / "checkpoint" / f"step-{step}" / "train_state.json").read_text())
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "cp2"])
 def test_resume_is_bit_identical(runs, layout):
     tmp, r = runs
     straight, resumed = r[f"{layout}_straight"], r[f"{layout}_resumed"]
