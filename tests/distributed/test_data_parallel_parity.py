@@ -5,7 +5,8 @@ within BF16_TOL of the fp32 single-process run:
 - tensor + sequence parallel (with and without loss parallel), alone and with FSDP;
 - pipeline parallel (1F1B, Interleaved1F1B, ZBVZeroBubble, explicit splits by split points and by
   module lists), alone and with FSDP and TP;
-- context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP and compile;
+- context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP, op-level
+  activation checkpointing, and full activation checkpointing plus compile;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
   PP 2 x FSDP 2 x CP 2 x TP 2 on 16.
 
@@ -58,6 +59,9 @@ TWO = {
     "cp2_allgather": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
     "cp2_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                      "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp2_alltoall_ac_op": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                           "--parallelism.context_parallel_rotate_method", "alltoall", "--activation_checkpoint.mode",
+                           "selective", "--activation_checkpoint.selective_ac_option", "op"],
     "cp2_alltoall_ac_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                                 "--parallelism.context_parallel_rotate_method", "alltoall",
                                 "--activation_checkpoint.mode", "full", "--training.compile"],
@@ -131,7 +135,7 @@ def test_reference_learns(runs):
     ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
      "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
      "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
-     "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
+     "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
      "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):

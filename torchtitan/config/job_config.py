@@ -153,7 +153,8 @@ class Parallelism:
     module_fqns_per_model_part: list[list[str]] = opt(
         [],
         "An explicit pipeline split: the module names of each stage in model order, e.g. [['tok_embeddings', "
-        "'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]; replaces the split by layers.",
+        "'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']] (on the command line: "
+        "'tok_embeddings,layers.0,layers.1;layers.2,layers.3,norm,output'); replaces the split by layers.",
     )
     pipeline_parallel_split_points: list[str] = opt(
         [],
