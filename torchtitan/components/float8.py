@@ -12,6 +12,10 @@ converted layers and `to_empty` + `init_weights` materialize them like any other
   weights.
 - Under CPU autocast Float8Linear does not cast its input (it only checks CUDA autocast), but the
   matmul still runs in float8 and autocast only relabels the float8 operands, giving a bf16 output.
+- Under tensor parallel the converted layers take the ordinary colwise/rowwise styles: their
+  weights are DTensors, so a tensorwise scale's amax is reduced over all shards and every rank
+  scales alike. torchao's float8 TP styles (float8 all-gather of TP inputs) are not used: their
+  collectives carry float8 tensors, which gloo cannot, so they could not be tested on CPU.
 - torchao is imported lazily: a job without the float8 converter must not need it.
 """
 
