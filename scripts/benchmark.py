@@ -93,9 +93,15 @@ def check_supported(cfg) -> None:
     """Options the bare loop does not reproduce: refuse rather than compare unlike things."""
     from torchtitan.config import UserError
 
-    if cfg.parallelism.data_parallel_replicate_degree != 1:
-        raise UserError("the bare loop shards over all processes (FSDP on a 1D mesh): set "
-                        "parallelism.data_parallel_replicate_degree = 1")
+    p = cfg.parallelism
+    others = {"data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+              "tensor_parallel_degree": p.tensor_parallel_degree,
+              "pipeline_parallel_degree": p.pipeline_parallel_degree,
+              "context_parallel_degree": p.context_parallel_degree}
+    for key, degree in others.items():
+        if degree != 1:
+            raise UserError(f"the bare loop shards over all processes with FSDP on a 1D mesh and nothing else: "
+                            f"set parallelism.{key} = 1 (it is {degree})")
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and not str(ac.selective_ac_option).strip().isdigit():
         raise UserError("the bare loop checkpoints whole blocks only: use activation_checkpoint.mode full, "
@@ -165,14 +171,12 @@ def preload_batches(cfg, tokenizer, rank: int, world: int, global_batch: int, co
 def run_bare(cfg, steps: int) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from torchtitan.components.metrics import device_peak_tflops, peak_memory_gib
     from torchtitan.components.tokenizer import Tokenizer
-    from torchtitan.models.llama3.model import count_params, flops_per_token
-    from torchtitan.models.registry import get_model_spec
-
-    from torchtitan.distributed.utils import tune_host_allocator
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.utils import DTYPES, tune_host_allocator
+    from torchtitan.models.registry import get_model_spec, import_custom_module
 
     t, o = cfg.training, cfg.optimizer
     if not torch.cuda.is_available():
@@ -191,23 +195,23 @@ def run_bare(cfg, steps: int) -> dict:
     torch.manual_seed(t.seed)
 
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    global_batch = t.local_batch_size * world if t.global_batch_size == -1 else t.global_batch_size
-    accum = global_batch // (t.local_batch_size * world)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    global_batch, accum = dims.batch(t.local_batch_size, t.global_batch_size)
     batches = preload_batches(cfg, tokenizer, rank, world, global_batch, steps * accum)
 
+    import_custom_module(cfg.experimental.custom_import)
     spec = get_model_spec(cfg.model.name)
-    args = spec.flavors[cfg.model.flavor].with_vocab_and_seq(tokenizer.vocab_size, t.seq_len)
+    args = spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, t.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    n_params = count_params(model)
-    flops_tok = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
+    n_params = spec.size(args).total
+    flops_tok = spec.flops_per_token(args, t.seq_len)
     apply_block_options(model, checkpoint_every(cfg.activation_checkpoint), t.compile)
-    compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+    compute_dtype = DTYPES[t.mixed_precision_param]
     if mesh is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        reduce_dtype = torch.bfloat16 if t.mixed_precision_reduce == "bfloat16" else torch.float32
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[t.mixed_precision_reduce])
         for block in model.layers.values():
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -232,7 +236,7 @@ def run_bare(cfg, steps: int) -> dict:
             inputs, labels = inputs.to(device), labels.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
                 logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
+            loss = spec.loss_fn(logits, labels) / accum
             loss.backward()
             if step == 0:
                 first_loss += loss.detach()  # to check against the trainer's first loss
@@ -319,25 +323,27 @@ def format_table(fw: dict, bare: dict) -> list[str]:
 
 def launch(opts: dict, overrides: list[str]) -> int:
     from torchtitan.config import HelpRequested, UserError, load_config
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
+    if opts["nproc"] < 1 or opts["repeat"] < 1 or opts["warmup"] < 0 or opts["steps"] <= opts["warmup"]:
+        print("error: need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(overrides)
         check_supported(cfg)
+        t = cfg.training
+        dims = ParallelDims.from_config(cfg.parallelism, opts["nproc"])
+        global_batch, _ = dims.batch(t.local_batch_size, t.global_batch_size)
     except HelpRequested:
         print(__doc__)
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if opts["nproc"] < 1 or opts["repeat"] < 1 or opts["warmup"] < 0 or opts["steps"] <= opts["warmup"]:
-        print("error: need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0", file=sys.stderr)
-        return 2
     env = dict(os.environ)
     if opts["threads"] is not None:
         env["OMP_NUM_THREADS"] = str(opts["threads"])
 
-    t = cfg.training
-    global_batch = t.local_batch_size * opts["nproc"] if t.global_batch_size == -1 else t.global_batch_size
     print(f"{cfg.model.name} {cfg.model.flavor}, seq {t.seq_len}, global batch {global_batch} "
           f"(local {t.local_batch_size}), params {t.mixed_precision_param}, {opts['nproc']} process(es), "
           f"compile {t.compile}, activation checkpointing {cfg.activation_checkpoint.mode}, "

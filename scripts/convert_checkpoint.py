@@ -1,7 +1,11 @@
 """Convert model weights between our checkpoints (DCP step-N folders) and Hugging Face folders.
 
-    python scripts/convert_checkpoint.py to-hf outputs/checkpoint/step-1000 llama-hf [--dtype bfloat16]
+    python scripts/convert_checkpoint.py to-hf outputs/checkpoint/step-1000 hf-out [--dtype bfloat16]
     python scripts/convert_checkpoint.py from-hf Llama-3.2-1B outputs/checkpoint/step-0 [--flavor-name 1B]
+
+Any registered model family with a Hugging Face adapter: to-hf finds the family in the checkpoint's
+train_state.json, from-hf by the `model_type` of the folder's config.json (a family registered
+outside torchtitan is found after `--custom-import MODULE`, as experimental.custom_import).
 
 One process, no process group: the whole model is held in CPU memory (8B in float32: 32 GB).
 to-hf reads only the model part of the checkpoint, never the optimizer. from-hf writes a model-only
@@ -16,39 +20,51 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
-import torch  # noqa: E402
-
-from torchtitan.components.hf_checkpoint import load_hf, read_dcp_model, save_hf, write_dcp_model  # noqa: E402
+from torchtitan.components.hf_checkpoint import (  # noqa: E402
+    dcp_model_name,
+    load_hf,
+    read_dcp_model,
+    read_hf_config,
+    save_hf,
+    write_dcp_model,
+)
 from torchtitan.config.errors import UserError  # noqa: E402
+from torchtitan.distributed.utils import DTYPES  # noqa: E402
+from torchtitan.models.registry import get_model_spec, import_custom_module, spec_for_hf_config  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def to_hf(checkpoint: str, output: str, dtype: str):
-    sd, args, train_state = read_dcp_model(checkpoint)
-    save_hf(output, sd, args, DTYPES[dtype])
-    print(f"wrote {output}: step {train_state.get('step', '?')}, {len(sd)} tensors in {dtype}")
+def to_hf(checkpoint_dir: str, output: str, dtype: str):
+    name = dcp_model_name(checkpoint_dir)
+    spec = get_model_spec(name)
+    if spec.hf is None:
+        raise UserError(f"model '{name}' has no Hugging Face adapter in its spec; it cannot be exported")
+    sd, args, train_state = read_dcp_model(checkpoint_dir, spec)
+    save_hf(output, sd, spec.hf, args, DTYPES[dtype])
+    print(f"wrote {output}: {spec.hf.architecture}, step {train_state.get('step', '?')}, {len(sd)} tensors in {dtype}")
 
 
 def from_hf(hf_folder: str, output: str, flavor: str):
-    sd, args = load_hf(hf_folder)
-    write_dcp_model(output, sd, args, "llama3", flavor)
-    print(f"wrote {output}: model-only checkpoint, {len(sd)} tensors, flavor '{flavor}'")
+    spec = spec_for_hf_config(read_hf_config(hf_folder))
+    sd, args = load_hf(hf_folder, spec.hf)
+    write_dcp_model(output, sd, spec, args, flavor)
+    print(f"wrote {output}: model-only {spec.name} checkpoint, {len(sd)} tensors, flavor '{flavor}'")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--custom-import", default="", help="module registering a model family (as experimental.custom_import)")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("to-hf", help="step-N checkpoint folder -> Hugging Face LlamaForCausalLM folder")
+    p = commands.add_parser("to-hf", help="step-N checkpoint folder -> Hugging Face folder")
     p.add_argument("checkpoint_dir")
     p.add_argument("output_dir")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the exported weights")
-    p = commands.add_parser("from-hf", help="Hugging Face LlamaForCausalLM folder -> model-only step checkpoint")
+    p = commands.add_parser("from-hf", help="Hugging Face folder -> model-only step checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("output_dir")
     p.add_argument("--flavor-name", default="custom", help="flavor recorded in train_state.json")
     opts = parser.parse_args(argv)
     try:
+        import_custom_module(opts.custom_import)
         if opts.command == "to-hf":
             to_hf(opts.checkpoint_dir, opts.output_dir, opts.dtype)
         else:

@@ -53,8 +53,8 @@ def test_shipped_recipes_load_and_plan(recipe, world, monkeypatch):
     plan = preflight(config, world_size=world)
     assert plan.parallel_dims.world_size == world
     spec = get_model_spec(config.model.name)
-    args = spec.flavors[config.model.flavor].with_vocab_and_seq(Tokenizer(config.model.tokenizer_path).vocab_size,
-                                                                 config.training.seq_len)
+    args = spec.args_for_training(config.model.flavor, Tokenizer(config.model.tokenizer_path).vocab_size,
+                                  config.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
     assert sum(p.numel() for p in model.parameters()) > 0
@@ -63,3 +63,37 @@ def test_shipped_recipes_load_and_plan(recipe, world, monkeypatch):
 def test_every_recipe_is_covered():
     shipped = {Path(p).name for p in glob.glob(str(REPO / "train_configs" / "*.toml"))}
     assert shipped == {"debug_model.toml", "llama3_1b.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"}
+
+
+def test_tied_embeddings_cannot_be_split_over_pipeline_stages():
+    with pytest.raises(UserError, match="shares one weight between tok_embeddings.weight and output.weight"):
+        preflight(cfg("--model.name", "qwen3", "--model.flavor", "debugmodel_tied",
+                      "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"),
+                  world_size=2)
+    # Untied, the same layout plans.
+    preflight(cfg("--model.name", "qwen3", "--model.flavor", "debugmodel",
+                  "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"), world_size=2)
+
+
+def test_custom_import_errors_name_the_module(tmp_path):
+    with pytest.raises(UserError, match="cannot import module 'no_such_module_here'"):
+        preflight(cfg("--experimental.custom_import", "no_such_module_here"), world_size=1)
+    with pytest.raises(UserError, match="file .*missing.py not found"):
+        preflight(cfg("--experimental.custom_import", str(tmp_path / "missing.py")), world_size=1)
+    with pytest.raises(UserError, match="unknown model.name 'gpt9'; registered models: llama3, qwen3"):
+        preflight(cfg("--model.name", "gpt9"), world_size=1)
+
+
+def test_a_custom_module_file_registers_a_model(tmp_path):
+    module = tmp_path / "my_family.py"
+    module.write_text(
+        "import dataclasses\n"
+        "from torchtitan.models.registry import get_model_spec, register_model\n"
+        "register_model(dataclasses.replace(get_model_spec('llama3'), name='llama3_fork', cp_attention=None))\n"
+    )
+    plan = preflight(cfg("--experimental.custom_import", str(module), "--model.name", "llama3_fork"), world_size=1)
+    assert plan.spec.name == "llama3_fork"
+    # The spec says the fork has no context parallel: refused before launch.
+    with pytest.raises(UserError, match="model 'llama3_fork' does not support context parallel"):
+        preflight(cfg("--experimental.custom_import", str(module), "--model.name", "llama3_fork",
+                      "--parallelism.context_parallel_degree", "2", "--training.seq_len", "64"), world_size=2)

@@ -56,3 +56,50 @@ def test_clipping_changes_the_trajectory(tmp_path):
     free = short_run(tmp_path / "b", "--training.mixed_precision_param", "float32", "--training.max_norm", "0")
     assert clipped[0]["loss"] == free[0]["loss"]
     assert clipped[-1]["loss"] != free[-1]["loss"]
+
+
+def test_a_fork_replaces_one_step_by_subclassing(tmp_path):
+    from torchtitan.train import Trainer
+
+    calls = []
+
+    class FrozenTrainer(Trainer):
+        """Skips the optimizer: the model never changes, so every step sees the initial weights."""
+
+        def optimizer_step(self):
+            calls.append(self.plan.grad_accum_steps)
+            return torch.zeros(()), self.optim.lr
+
+    cfg = load_config([
+        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+        "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
+        "--training.mixed_precision_param", "float32",
+    ])
+    frozen = train(cfg, FrozenTrainer)
+    normal = short_run(tmp_path / "b", "--training.steps", "3", "--metrics.log_freq", "1",
+                       "--training.mixed_precision_param", "float32")
+    assert len(calls) == 3 and [r["grad_norm"] for r in frozen] == [0.0, 0.0, 0.0]
+    assert frozen[0]["loss"] == normal[0]["loss"]  # the same first step
+    assert frozen[2]["loss"] != normal[2]["loss"]  # but no learning afterwards
+
+
+def test_the_specs_loss_function_is_the_one_trained(tmp_path):
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from torchtitan.models.registry import get_model_spec, register_model
+
+    def smoothed(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=0.5)
+
+    register_model(dataclasses.replace(get_model_spec("llama3"), name="llama3_smoothed_loss", loss_fn=smoothed))
+    plain = short_run(tmp_path / "a", "--training.mixed_precision_param", "float32")
+    custom = short_run(tmp_path / "b", "--training.mixed_precision_param", "float32",
+                       "--model.name", "llama3_smoothed_loss")
+    # Same weights and batch at step 1: only the loss function differs. Label smoothing against a
+    # near-uniform prediction changes the first loss by well under a nat, but it must change it.
+    assert custom[0]["loss"] != plain[0]["loss"]
+    assert abs(custom[0]["loss"] - plain[0]["loss"]) < 1.0

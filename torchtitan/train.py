@@ -6,6 +6,11 @@ Build sequence: config -> preflight checks (no collectives) -> process group and
 meta device -> parallelize -> materialize (to_empty + init_weights) -> tokenizer, data, optimizer,
 LR schedule, metrics -> loop. User mistakes end the run with one message and exit code 2 on every
 rank; nothing else is printed as a traceback unless it is a bug.
+
+The model is reached only through its spec (torchtitan.models.spec.ModelSpec, from the registry).
+`Trainer` runs one job; its loop calls named steps (build_model, build_optimizer, forward_backward,
+optimizer_step, log, checkpoint) that a fork can override one at a time in a subclass and run with
+`main(argv, trainer_cls=MyTrainer)`.
 """
 
 import gc
@@ -15,10 +20,10 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
@@ -35,14 +40,14 @@ from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
     attach_schedule,
     broadcast_loss,
+    check_no_shared_weights_across_stages,
     pipeline_step,
     plan_split,
-    pp_clip_grad_norm_,
     split_for_rank,
 )
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
-from torchtitan.models.llama3.model import count_params, flops_per_token
-from torchtitan.models.registry import get_model_args, get_model_spec
+from torchtitan.models.registry import get_model_args, get_model_spec, import_custom_module
+from torchtitan.models.spec import ModelSpec, ParallelizeInputs
 
 logger = logging.getLogger("torchtitan")
 
@@ -54,21 +59,17 @@ class Plan:
     parallel_dims: ParallelDims
     global_batch_size: int
     grad_accum_steps: int
+    spec: ModelSpec
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """Checks that need no collectives: degrees against the world size, batch arithmetic, the model
-    name and flavor, the tokenizer file. Raises UserError; run identically on every rank."""
+    name and flavor against the parallelisms, the tokenizer file, the dump and checkpoint folders.
+    Raises UserError; run identically on every rank (and once by run_train.sh before launch)."""
+    import_custom_module(cfg.experimental.custom_import)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     t = cfg.training
-    per_step = t.local_batch_size * dims.dp_degree
-    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_step:
-        raise UserError(
-            f"training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
-            f"data-parallel degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}; use a multiple "
-            f"of {per_step} (the quotient is the number of gradient-accumulation steps)."
-        )
+    global_batch, accum = dims.batch(t.local_batch_size, t.global_batch_size)
     if t.enable_cpu_offload:
         if dist_utils.device_type() != "cuda":
             raise UserError(
@@ -80,6 +81,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 "training.enable_cpu_offload works through FSDP, but parallelism.data_parallel_shard_degree is "
                 f"{dims.dp_shard}; shard over 2 or more ranks, or turn offload off"
             )
+    spec = get_model_spec(cfg.model.name)
     model_args = get_model_args(cfg.model.name, cfg.model.flavor)
     if not os.path.isfile(cfg.model.tokenizer_path):
         raise UserError(
@@ -88,20 +90,39 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"scripts/train_tokenizer.py). Relative paths are relative to the working directory {os.getcwd()}."
         )
     if dims.tp_enabled:
+        if spec.tp_plan is None:
+            raise UserError(
+                f"model '{spec.name}' has no tensor-parallel plan in its spec; set parallelism.tensor_parallel_degree = 1"
+            )
         if cfg.parallelism.enable_async_tensor_parallel and dist_utils.device_type() != "cuda":
             raise UserError(
                 "parallelism.enable_async_tensor_parallel uses CUDA symmetric memory; this job runs on the CPU: "
                 "turn it off"
             )
         vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
-        check_tp_divisibility(model_args.with_vocab_and_seq(vocab, t.seq_len), dims.tp, t.seq_len)
+        sizes = spec.tp_sizes(spec.args_for_training(cfg.model.flavor, vocab, t.seq_len))
+        check_tp_divisibility(sizes, dims.tp, t.seq_len)
+    if dims.cp_enabled and spec.cp_attention is None:
+        raise UserError(
+            f"model '{spec.name}' does not support context parallel (its spec names no attention to replace); "
+            f"set parallelism.context_parallel_degree = 1"
+        )
     if dims.pp_enabled:
-        plan_split(model_args.n_layers, dims.pp, cfg.parallelism)
+        parts = plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
+        with torch.device("meta"):
+            check_no_shared_weights_across_stages(spec.model_cls(model_args), parts)
+    if spec.hf is None and (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_in_hf):
+        raise UserError(
+            f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "
+            "checkpoint.initial_load_in_hf cannot be used; turn them off"
+        )
+    if spec.validate is not None:
+        spec.validate(model_args, dims)
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
     )
-    return Plan(dims, global_batch, global_batch // per_step)
+    return Plan(dims, global_batch, accum, spec)
 
 
 def set_determinism(seed: int, deterministic: bool):
@@ -113,47 +134,7 @@ def set_determinism(seed: int, deterministic: bool):
         torch.backends.cudnn.benchmark = False
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def train_step(parts, optim: OptimizerGroup, data_iter, grad_accum_steps: int, amp, max_norm: float, device,
-               loss_parallel: bool, pipeline: Pipeline | None, cp_positions: torch.Tensor | None = None):
-    """One optimizer step over `grad_accum_steps` micro-batches; returns (summed loss, grad norm, lr
-    used). With a pipeline the loss exists on the last stage's rank only (zero elsewhere). With
-    context parallel, this rank trains on the tokens at `cp_positions` of each sequence."""
-    optim.zero_grad()
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(grad_accum_steps):
-        inputs, labels = next(data_iter)
-        inputs, labels = shard_sequence(inputs, cp_positions), shard_sequence(labels, cp_positions)
-        inputs, labels = inputs.to(device), labels.to(device)
-        # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
-        # must both run inside the context.
-        with loss_parallel_context(loss_parallel):
-            if pipeline is not None:
-                with amp:
-                    loss = pipeline_step(pipeline.schedule, inputs, labels, pipeline.is_first, pipeline.is_last)
-                loss = loss / grad_accum_steps if loss is not None else torch.zeros((), device=device)
-            else:
-                with amp:
-                    logits = parts[0](inputs)
-                # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
-                loss = cross_entropy(logits, labels) / grad_accum_steps
-                loss.backward()
-        loss = loss.detach()
-        loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
-    params = [p for part in parts for p in part.parameters()]
-    if pipeline is not None:
-        grad_norm = pp_clip_grad_norm_(params, max_norm, pipeline.pp_mesh.get_group())
-    else:
-        grad_norm = dist_utils.clip_grad_norm_(params, max_norm)
-    lr = optim.lr
-    optim.step()
-    return loss_sum, grad_norm, lr
-
-
-def train(cfg: JobConfig) -> list[dict]:
+def train(cfg: JobConfig, trainer_cls: type["Trainer"] | None = None) -> list[dict]:
     """Runs the job; returns the logged metrics (every rank returns the same global values)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plan = preflight(cfg, world_size)
@@ -161,7 +142,7 @@ def train(cfg: JobConfig) -> list[dict]:
     owns_process_group = not torch.distributed.is_initialized()
     device, rank, _ = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
     try:
-        history = _train(cfg, plan, device, rank)
+        history = (trainer_cls or Trainer)(cfg, plan, device, rank).run()
     except BaseException:
         if owns_process_group:
             dist_utils.destroy_distributed(wait_for_peers=False)
@@ -171,150 +152,257 @@ def train(cfg: JobConfig) -> list[dict]:
     return history
 
 
-def _train(cfg: JobConfig, plan: Plan, device: torch.device, rank: int) -> list[dict]:
-    t = cfg.training
-    dims = plan.parallel_dims
-    set_determinism(t.seed, t.deterministic)
-    if rank == 0:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        resolved = config_to_toml(cfg)
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-            f.write(resolved)
-        logger.info(f"resolved config ({cfg.job.config_file or 'defaults'}):\n{resolved}")
-    mesh = dims.build_mesh(device.type)
+class Trainer:
+    """One training job, read top to bottom in `run`. Each step is a method a subclass may replace."""
 
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-    dataloader = build_dataloader(t, tokenizer, dp_rank, dims.dp_degree, plan.global_batch_size)
+    def __init__(self, cfg: JobConfig, plan: Plan, device: torch.device, rank: int):
+        self.cfg, self.plan, self.device, self.rank = cfg, plan, device, rank
+        self.spec = plan.spec
+        self.dims = plan.parallel_dims
+        self.history: list[dict] = []
 
-    # The model is built on the meta device, so even the largest flavor costs nothing until materialized.
-    spec = get_model_spec(cfg.model.name)
-    model_args = spec.flavors[cfg.model.flavor].with_vocab_and_seq(tokenizer.vocab_size, t.seq_len)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    if "float8" in cfg.model.converters:
-        from torchtitan.components.float8 import convert_to_float8
+    # ---- the job, top to bottom -------------------------------------------------------------
 
-        convert_to_float8(model, cfg.float8)  # before parallelizing: FSDP then shards the float8 weights
-    n_params = count_params(model)
-    flops_tok = flops_per_token(model_args, count_params(model, exclude_embedding=True), t.seq_len)
-    pipeline = None
-    parts = [model]
-    if dims.pp_enabled:
-        parts, pipeline = split_for_rank(model, cfg.parallelism, mesh["pp"])
-    parts = [spec.parallelize(part, dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint) for part in parts]
-    for part in parts:
-        # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
-        part.to_empty(device="cpu" if t.enable_cpu_offload else device)
-        part.init_weights(seed=t.seed, buffer_device=device)
-        part.train()
-    if pipeline is not None:
-        def pipeline_loss(logits, labels):
-            return cross_entropy(logits, labels) / plan.grad_accum_steps
+    def run(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.training
+        set_determinism(t.seed, t.deterministic)
+        self.write_config()
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.dataloader = self.build_dataloader()
+        self.parts, self.pipeline = self.build_model()
+        self.optim = self.build_optimizer()
+        self.checkpointer = self.build_checkpointer()
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            return []
+        start_step, _ = self.checkpointer.load()
+        self.prepare_step_state()
+        self.log_start()
+        # A resumed run appends to the metrics of the run it continues.
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=self.rank == 0, append=start_step > 0)
+        data_iter = iter(self.dataloader)
+        gc.disable()
+        gc.collect()
+        self.start_time = self.last_log_time = time.perf_counter()
+        self.tokens_since_log = 0.0
+        try:
+            with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, start_step) as profiler:
+                for step in range(start_step + 1, t.steps + 1):
+                    if step % t.gc_freq == 0:
+                        gc.collect(1)
+                    loss_sum, grad_norm, lr = self.train_step(data_iter)
+                    # Tensor-, context- and pipeline-parallel peers share their data-parallel group's
+                    # batch: count each token once, spread over all devices.
+                    self.tokens_since_log += self.tokens_per_step / self.dims.world_size
+                    if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                        self.log(step, loss_sum, grad_norm, lr)
+                    self.checkpoint(step)
+                    profiler.step_done()
+                self.checkpointer.close()
+        finally:
+            gc.enable()
+            self.metrics.close()
+        logger.info(f"training done: {t.steps} steps in {time.perf_counter() - self.start_time:.1f}s")
+        return self.history
 
-        attach_schedule(pipeline, parts, cfg.parallelism, t.local_batch_size, device, pipeline_loss)
+    # ---- building ---------------------------------------------------------------------------
 
-    optim = OptimizerGroup(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
-    model_info = {"name": cfg.model.name, "flavor": cfg.model.flavor, "model_args": model_args, "pipelined": dims.pp_enabled}
-    checkpointer = CheckpointManager(
-        cfg.checkpoint, cfg.job.dump_folder, parts, optim.optimizers, optim.schedulers, dataloader, model_info, device
-    )
-    if cfg.checkpoint.create_seed_checkpoint:
-        checkpointer.save_seed()
-        return []
-    start_step, _ = checkpointer.load()
-    # Without FSDP there is no mixed-precision policy: autocast gives bf16 compute instead.
-    use_autocast = not dims.fsdp_enabled and t.mixed_precision_param == "bfloat16"
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
-    compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
-    peak_tflops, peak_source = device_peak_tflops(device, compute_dtype, cfg.metrics.device_peak_tflops)
+    def write_config(self):
+        if self.rank == 0:
+            os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
+            resolved = config_to_toml(self.cfg)
+            with open(os.path.join(self.cfg.job.dump_folder, "config.toml"), "w") as f:
+                f.write(resolved)
+            logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'}):\n{resolved}")
 
-    tokens_per_step = plan.global_batch_size * t.seq_len
-    logger.info(
-        f"training {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {model_args.vocab_size}, "
-        f"{flops_tok / 1e6:.1f} MFLOPs/token | {dims.describe()} on {device.type} | global batch "
-        f"{plan.global_batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step "
-        f"(local batch {t.local_batch_size}, {plan.grad_accum_steps} accumulation step(s)) | "
-        f"params {t.mixed_precision_param} | peak {peak_tflops:.3f} TFLOP/s {peak_source} | {t.steps} steps"
-    )
-    if cfg.lr_scheduler.warmup_steps > t.steps:
-        logger.warning(
-            f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps ({t.steps}): "
-            f"the peak learning rate is reached on the last step"
+    def build_dataloader(self):
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        return build_dataloader(self.cfg.training, self.tokenizer, dp_rank, self.dims.dp_degree, self.plan.global_batch_size)
+
+    def build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
+        """This rank's model parts (one, or its pipeline stages), parallelized and initialized."""
+        cfg, t = self.cfg, self.cfg.training
+        self.model_args = self.spec.args_for_training(cfg.model.flavor, self.tokenizer.vocab_size, t.seq_len)
+        # Built on the meta device, so even the largest flavor costs nothing until materialized.
+        with torch.device("meta"):
+            model = self.spec.model_cls(self.model_args)
+        if "float8" in cfg.model.converters:
+            from torchtitan.components.float8 import convert_to_float8
+
+            convert_to_float8(model, cfg.float8)  # before parallelizing: FSDP then shards the float8 weights
+        self.model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        pipeline, parts = None, [model]
+        if self.dims.pp_enabled:
+            parts, pipeline = split_for_rank(model, self.spec.pipeline, cfg.parallelism, self.mesh["pp"])
+        inputs = ParallelizeInputs(self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint)
+        parts = [self.spec.parallelize(part, inputs) for part in parts]
+        for part in parts:
+            # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
+            part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
+            part.init_weights(seed=t.seed, buffer_device=self.device)
+            part.train()
+        if pipeline is not None:
+            accum = self.plan.grad_accum_steps
+
+            def pipeline_loss(logits, labels):
+                return self.spec.loss_fn(logits, labels) / accum
+
+            attach_schedule(pipeline, parts, cfg.parallelism, t.local_batch_size, self.device, pipeline_loss)
+        return parts, pipeline
+
+    def build_optimizer(self) -> OptimizerGroup:
+        optim = OptimizerGroup(self.parts, self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
+        if self.spec.post_optimizer_build is not None:
+            self.spec.post_optimizer_build(self.parts, optim.optimizers)
+        return optim
+
+    def build_checkpointer(self) -> CheckpointManager:
+        cfg = self.cfg
+        model_record = {
+            "name": cfg.model.name,
+            "flavor": cfg.model.flavor,
+            "args": asdict(self.model_args),
+            "pipelined": self.dims.pp_enabled,
+            "shapes": self.model_shapes,
+            "hf_adapter": self.spec.hf,
+            "hf_args": self.model_args,
+        }
+        return CheckpointManager(
+            cfg.checkpoint, cfg.job.dump_folder, self.parts, self.optim.optimizers, self.optim.schedulers,
+            self.dataloader, model_record, self.device,
         )
 
-    # A resumed run appends to the metrics of the run it continues.
-    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=rank == 0, append=start_step > 0)
-    # Every data- and context-parallel rank holds an equal share of the tokens: the mean of their
-    # losses is the loss of the global batch.
-    loss_mesh = mesh["dp_cp"] if mesh is not None else None
-    cp_positions = None
-    if dims.cp_enabled:
-        cp_positions = local_positions(t.seq_len, dims.cp, mesh["cp"].get_local_rank())
-    history: list[dict] = []
-    data_iter = iter(dataloader)
-    gc.disable()
-    gc.collect()
-    start = last_log_time = time.perf_counter()
-    tokens_since_log = 0
-    precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
-    if precompute_float8:
-        from torchtitan.components.float8 import precompute_float8_scales
-    try:
-        with maybe_profile(cfg.profiling, cfg.job.dump_folder, rank, device, start_step) as profiler:
-            for step in range(start_step + 1, t.steps + 1):
-                if step % t.gc_freq == 0:
-                    gc.collect(1)
-                loss_sum, grad_norm, lr = train_step(
-                    parts, optim, data_iter, plan.grad_accum_steps, amp, t.max_norm, device,
-                    loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                    pipeline=pipeline, cp_positions=cp_positions,
-                )
-                if precompute_float8:
-                    # One fused amax/scale computation for all float8 weights, used by the next all-gather.
-                    for part in parts:
-                        precompute_float8_scales(part)
-                # Tensor-, context- and pipeline-parallel peers share their data-parallel group's batch:
-                # count each token once, spread over all devices.
-                tokens_since_log += tokens_per_step / dims.world_size
+    def prepare_step_state(self):
+        """What every step needs: mixed precision, loss reduction, context-parallel positions, metrics."""
+        t = self.cfg.training
+        # Without FSDP there is no mixed-precision policy: autocast gives bf16 compute instead.
+        use_autocast = not self.dims.fsdp_enabled and t.mixed_precision_param == "bfloat16"
+        self.amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
+        self.loss_parallel = self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel
+        # Every data- and context-parallel rank holds an equal share of the tokens: the mean of their
+        # losses is the loss of the global batch.
+        self.loss_mesh = self.mesh["dp_cp"] if self.mesh is not None else None
+        self.cp_positions = None
+        if self.dims.cp_enabled:
+            self.cp_positions = local_positions(t.seq_len, self.dims.cp, self.mesh["cp"].get_local_rank())
+        self.pp_group = self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None
+        self.precompute_float8 = (
+            "float8" in self.cfg.model.converters and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+        )
+        self.tokens_per_step = self.plan.global_batch_size * t.seq_len
+        self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
+        self.peak_tflops, self.peak_source = device_peak_tflops(
+            self.device, dist_utils.DTYPES[t.mixed_precision_param], self.cfg.metrics.device_peak_tflops
+        )
 
-                if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
-                    if pipeline is not None:
-                        loss_sum = broadcast_loss(loss_sum, pipeline.pp_mesh.get_group(), pipeline.loss_src)
-                    loss_value = dist_utils.dist_mean(loss_sum, loss_mesh)
-                    if not math.isfinite(loss_value):
-                        raise FloatingPointError(f"loss is {loss_value} at step {step}")
-                    now = time.perf_counter()
-                    tps = tokens_since_log / (now - last_log_time)  # tokens per second on this device
-                    tflops = flops_tok * tps / 1e12
-                    record = {
-                        "step": step,
-                        "loss": loss_value,
-                        "grad_norm": grad_norm.item(),
-                        "lr": lr,
-                        "tps": tps,
-                        "tflops": tflops,
-                        "mfu": 100 * tflops / peak_tflops,
-                        "memory_gib": peak_memory_gib(device),
-                        "time": now - start,
-                        "tokens": step * tokens_per_step,
-                    }
-                    metrics.log(record)
-                    history.append(record)
-                    last_log_time, tokens_since_log = now, 0
+    def log_start(self):
+        cfg, t = self.cfg, self.cfg.training
+        logger.info(
+            f"training {cfg.model.name} {cfg.model.flavor}: {self.spec.size(self.model_args).total:,} parameters, "
+            f"vocab {self.model_args.vocab_size}, {self.flops_per_token / 1e6:.1f} MFLOPs/token | "
+            f"{self.dims.describe()} on {self.device.type} | global batch {self.plan.global_batch_size} x seq "
+            f"{t.seq_len} = {self.tokens_per_step:,} tokens/step (local batch {t.local_batch_size}, "
+            f"{self.plan.grad_accum_steps} accumulation step(s)) | params {t.mixed_precision_param} | peak "
+            f"{self.peak_tflops:.3f} TFLOP/s {self.peak_source} | {t.steps} steps"
+        )
+        if cfg.lr_scheduler.warmup_steps > t.steps:
+            logger.warning(
+                f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps ({t.steps}): "
+                f"the peak learning rate is reached on the last step"
+            )
 
-                checkpointer.maybe_publish()
-                if checkpointer.should_save(step, t.steps):
-                    checkpointer.save(step, step * tokens_per_step, last=step == t.steps)
-                if step == t.steps and cfg.checkpoint.last_save_in_hf:
-                    checkpointer.export_hf(step, tokenizer.bos_id, tokenizer.eos_id)
-                profiler.step_done()
-            checkpointer.close()
-    finally:
-        gc.enable()
-        metrics.close()
-    logger.info(f"training done: {t.steps} steps in {time.perf_counter() - start:.1f}s")
-    return history
+    # ---- one step -----------------------------------------------------------------------------
+
+    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over the gradient-accumulation micro-batches; returns (this rank's summed
+        loss, global grad norm, learning rate used). With a pipeline the loss exists on the last
+        stage's rank only (zero elsewhere)."""
+        self.optim.zero_grad()
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.plan.grad_accum_steps):
+            inputs, labels = next(data_iter)
+            # With context parallel, this rank trains on the tokens at cp_positions of each sequence.
+            inputs, labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
+            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device))
+        grad_norm, lr = self.optimizer_step()
+        return loss_sum, grad_norm, lr
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its loss / accumulation steps (detached)."""
+        accum = self.plan.grad_accum_steps
+        # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
+        # must both run inside the context.
+        with loss_parallel_context(self.loss_parallel):
+            if self.pipeline is not None:
+                is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
+                with self.amp:
+                    # The pipeline's loss function already divides by the accumulation steps.
+                    loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last)
+                if loss is None:
+                    loss = torch.zeros((), device=self.device)
+            else:
+                with self.amp:
+                    logits = self.parts[0](inputs)
+                # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
+                loss = self.spec.loss_fn(logits, labels) / accum
+                loss.backward()
+        loss = loss.detach()
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def optimizer_step(self) -> tuple[torch.Tensor, float]:
+        """Clip the global gradient norm, step the optimizers and LR schedules; (grad norm, lr used)."""
+        params = [p for part in self.parts for p in part.parameters()]
+        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group)
+        lr = self.optim.lr
+        self.optim.step()
+        if self.precompute_float8:
+            from torchtitan.components.float8 import precompute_float8_scales
+
+            # One fused amax/scale computation for all float8 weights, used by the next all-gather.
+            for part in self.parts:
+                precompute_float8_scales(part)
+        if self.spec.post_optimizer_step is not None:
+            self.spec.post_optimizer_step(self.parts)
+        return grad_norm, lr
+
+    # ---- after a step -------------------------------------------------------------------------
+
+    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
+        """Reduce the step's loss over ranks and write one metrics record."""
+        if self.pipeline is not None:
+            loss_sum = broadcast_loss(loss_sum, self.pp_group, self.pipeline.loss_src)
+        loss_value = dist_utils.dist_mean(loss_sum, self.loss_mesh)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {step}")
+        now = time.perf_counter()
+        tps = self.tokens_since_log / (now - self.last_log_time)  # tokens per second on this device
+        tflops = self.flops_per_token * tps / 1e12
+        record = {
+            "step": step,
+            "loss": loss_value,
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": 100 * tflops / self.peak_tflops,
+            "memory_gib": peak_memory_gib(self.device),
+            "time": now - self.start_time,
+            "tokens": step * self.tokens_per_step,
+        }
+        self.metrics.log(record)
+        self.history.append(record)
+        self.last_log_time, self.tokens_since_log = now, 0.0
+        return record
+
+    def checkpoint(self, step: int):
+        """Publish a finished background save; save when due; export to Hugging Face at the end."""
+        t = self.cfg.training
+        self.checkpointer.maybe_publish()
+        if self.checkpointer.should_save(step, t.steps):
+            self.checkpointer.save(step, step * self.tokens_per_step, last=step == t.steps)
+        if step == t.steps and self.cfg.checkpoint.last_save_in_hf:
+            self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id)
 
 
 def setup_logging():
@@ -327,10 +415,10 @@ def setup_logging():
     )
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], trainer_cls: type[Trainer] | None = None) -> int:
     setup_logging()
     try:
-        train(load_config(argv))
+        train(load_config(argv), trainer_cls)
     except HelpRequested as h:
         if os.environ.get("RANK", "0") == "0":
             print(h.text)

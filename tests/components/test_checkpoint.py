@@ -231,14 +231,15 @@ def test_exclude_dataloader_restarts_the_data(straight, tmp_path):
 def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
     from torchtitan.components.hf_checkpoint import read_dcp_model
-    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.registry import get_model_spec
 
     run(tmp_path / "a", "--checkpoint.last_save_in_hf", steps=2)
     hf_dir = tmp_path / "a" / "checkpoint" / "step-2-hf"
     assert (hf_dir / "config.json").exists()
     # transformers loads the export and computes our model's logits (weights from the DCP step-2 save).
-    sd, args, _ = read_dcp_model(str(tmp_path / "a" / "checkpoint" / "step-2"))
-    ours = Transformer(args)
+    spec = get_model_spec("llama3")
+    sd, args, _ = read_dcp_model(str(tmp_path / "a" / "checkpoint" / "step-2"), spec)
+    ours = spec.model_cls(args)
     ours.load_state_dict(sd)
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
     tokens = torch.randint(0, args.vocab_size, (2, 16))

@@ -11,8 +11,10 @@ from torch import nn
 
 from torchtitan.components.float8 import convert_to_float8, precompute_float8_scales
 from torchtitan.config import Float8, UserError
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.registry import get_model_spec
+
+SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
+ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
 
 pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -8,10 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torchtitan.components.hf_checkpoint import load_hf, read_dcp_model, save_hf, write_dcp_model
+from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, read_dcp_model, save_hf, write_dcp_model
 from torchtitan.config import UserError
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.registry import get_model_spec
+
+# The components are model-agnostic; llama3 is the family they are exercised with here (Qwen3's
+# export is tested in tests/models/test_qwen3.py and through the trainer).
+SPEC = get_model_spec("llama3")
+ModelArgs = SPEC.args_cls
 
 
 def small_args(**kw) -> ModelArgs:
@@ -20,9 +24,9 @@ def small_args(**kw) -> ModelArgs:
     return ModelArgs(**base)
 
 
-def materialized(args: ModelArgs, seed: int = 0) -> Transformer:
+def materialized(args: ModelArgs, seed: int = 0):
     with torch.device("meta"):
-        model = Transformer(args)
+        model = SPEC.model_cls(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model
@@ -37,7 +41,7 @@ def test_export_matches_transformers_logits(tmp_path, n_kv_heads):
     transformers = pytest.importorskip("transformers")
     args = small_args(n_kv_heads=n_kv_heads, rope_theta=10000.0)
     model = materialized(args, seed=1)
-    save_hf(tmp_path / "hf", model.state_dict(), args, torch.float32)
+    save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32)
     hf = transformers.LlamaForCausalLM.from_pretrained(
         tmp_path / "hf", torch_dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -62,7 +66,7 @@ def test_import_from_transformers_matches_logits(tmp_path):
                 p.uniform_(0.5, 1.5)
     hf.save_pretrained(tmp_path / "hf")
 
-    sd, args = load_hf(tmp_path / "hf")
+    sd, args = load_hf(tmp_path / "hf", SPEC.hf)
     assert (args.ffn_hidden_dim, args.kv_heads, args.rope_theta, args.norm_eps) == (160, 2, 5e5, 1e-5)
     model = materialized(args)
     model.load_state_dict(sd)
@@ -75,7 +79,7 @@ def test_import_from_transformers_matches_logits(tmp_path):
 def test_sharded_save_writes_index_and_loads_back_exactly(tmp_path):
     args = small_args()
     sd = materialized(args).state_dict()
-    save_hf(tmp_path / "hf", sd, args, torch.float32, max_shard_bytes=40_000)
+    save_hf(tmp_path / "hf", sd, SPEC.hf, args, torch.float32, max_shard_bytes=40_000)
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -88,7 +92,7 @@ def test_sharded_save_writes_index_and_loads_back_exactly(tmp_path):
         stored = load_file(tmp_path / "hf" / shard)
         assert len(stored) == 1 or sum(t.numel() * 4 for t in stored.values()) <= 40_000
 
-    back, back_args = load_hf(tmp_path / "hf", args)
+    back, back_args = load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, args))
     assert back.keys() == sd.keys() and back_args.ffn_hidden_dim == args.ffn_hidden_dim
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
@@ -97,12 +101,12 @@ def test_sharded_save_writes_index_and_loads_back_exactly(tmp_path):
 def test_bfloat16_export(tmp_path):
     args = small_args()
     sd = materialized(args).state_dict()
-    save_hf(tmp_path / "hf", sd, args, torch.bfloat16, bos_id=1, eos_id=2)
+    save_hf(tmp_path / "hf", sd, SPEC.hf, args, torch.bfloat16, bos_id=1, eos_id=2)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["torch_dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
     stored = load_file(tmp_path / "hf" / "model.safetensors")
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
-    back, _ = load_hf(tmp_path / "hf")
+    back, _ = load_hf(tmp_path / "hf", SPEC.hf)
     for k in sd:
         assert torch.equal(back[k], sd[k].to(torch.bfloat16)), k
 
@@ -111,52 +115,52 @@ def test_refuses_to_overwrite_and_leaves_nothing_behind_on_failure(tmp_path):
     args = small_args()
     sd = materialized(args).state_dict()
     (tmp_path / "empty").mkdir()
-    save_hf(tmp_path / "empty", sd, args, torch.float32)  # an empty folder may be filled
+    save_hf(tmp_path / "empty", sd, SPEC.hf, args, torch.float32)  # an empty folder may be filled
     with pytest.raises(UserError, match="already exists and is not empty"):
-        save_hf(tmp_path / "empty", sd, args, torch.float32)
+        save_hf(tmp_path / "empty", sd, SPEC.hf, args, torch.float32)
     del sd["norm.weight"]
     with pytest.raises(UserError, match="missing keys norm.weight"):
-        save_hf(tmp_path / "broken", sd, args, torch.float32)
+        save_hf(tmp_path / "broken", sd, SPEC.hf, args, torch.float32)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
 def test_shape_mismatch_names_keys_and_shapes(tmp_path):
     args = small_args()
-    save_hf(tmp_path / "hf", materialized(args).state_dict(), args, torch.float32)
+    save_hf(tmp_path / "hf", materialized(args).state_dict(), SPEC.hf, args, torch.float32)
     with pytest.raises(UserError, match=r"tok_embeddings\.weight: expected \(256, 64\), found \(128, 64\)"):
-        load_hf(tmp_path / "hf", small_args(vocab_size=256))
+        load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, small_args(vocab_size=256)))
     with pytest.raises(UserError, match=r"layers\.2\.attention\.wq\.weight: missing"):
-        load_hf(tmp_path / "hf", small_args(n_layers=3))
+        load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, small_args(n_layers=3)))
 
 
 def test_unreadable_folders_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        load_hf(tmp_path / "nope")
+        load_hf(tmp_path / "nope", SPEC.hf)
     (tmp_path / "hf").mkdir()
     with pytest.raises(UserError, match="config.json not found"):
-        load_hf(tmp_path / "hf")
+        load_hf(tmp_path / "hf", SPEC.hf)
     args = small_args()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"hidden_size": 64, "mlp_bias": True}))
     with pytest.raises(UserError, match="lacks intermediate_size"):
-        load_hf(tmp_path / "hf")
-    save_hf(tmp_path / "pickled", materialized(args).state_dict(), args, torch.float32)
+        load_hf(tmp_path / "hf", SPEC.hf)
+    save_hf(tmp_path / "pickled", materialized(args).state_dict(), SPEC.hf, args, torch.float32)
     (tmp_path / "pickled" / "model.safetensors").rename(tmp_path / "pickled" / "pytorch_model.bin")
     with pytest.raises(UserError, match="never loaded"):
-        load_hf(tmp_path / "pickled")
+        load_hf(tmp_path / "pickled", SPEC.hf)
 
 
 def test_dcp_model_round_trip_and_errors(tmp_path):
     args = small_args()
     sd = materialized(args).state_dict()
-    write_dcp_model(tmp_path / "step-0", sd, args, flavor="tiny")
+    write_dcp_model(tmp_path / "step-0", sd, SPEC, args, flavor="tiny")
     state = json.loads((tmp_path / "step-0" / "train_state.json").read_text())
     assert (state["format_version"], state["step"], state["model_only"], state["dtype"]) == (1, 0, True, "float32")
     assert state["model"] == {"name": "llama3", "flavor": "tiny", "args": asdict(args)}
-    back, back_args, _ = read_dcp_model(tmp_path / "step-0")
+    back, back_args, _ = read_dcp_model(tmp_path / "step-0", SPEC)
     assert back_args == args
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
 
     (tmp_path / "step-0" / ".metadata").unlink()
     with pytest.raises(UserError, match="not a complete checkpoint"):
-        read_dcp_model(tmp_path / "step-0")
+        read_dcp_model(tmp_path / "step-0", SPEC)

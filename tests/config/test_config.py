@@ -355,8 +355,8 @@ def test_nested_list_from_recipe_and_command_line(tmp_path):
 
 
 def test_planned_key_str_rejected():
-    msg = error_of(["--experimental.custom_import", "my.module"])
-    assert 'experimental.custom_import = "my.module"' in msg and 'set it to ""' in msg
+    msg = error_of(["--experimental.custom_args_module", "my.module"])
+    assert 'experimental.custom_args_module = "my.module"' in msg and 'set it to ""' in msg
 
 
 def test_planned_key_cli_can_switch_off_recipe_value(tmp_path):

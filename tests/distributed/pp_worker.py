@@ -28,15 +28,16 @@ from torchtitan.distributed.pipeline_parallel import (
     last_stage_rank,
     num_microbatches,
     pipeline_step,
-    pp_clip_grad_norm_,
     resolve_num_stages,
     schedule_style,
     split_module_names,
     stage_ids_for_rank,
 )
 from torchtitan.distributed.utils import clip_grad_norm_, exit_process
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.registry import get_model_spec
+
+SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
+ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
 
 ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
 BATCH, SEQ, STEPS = 8, 32, 5
@@ -99,12 +100,12 @@ def train_pp(batches, schedule, pp_mesh, dp_mesh=None, csv_path=None, fsdp_polic
     pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
     style = "loop" if csv_path else schedule_style(schedule)
     num_stages = pp * stages_per_rank if stages_per_rank else resolve_num_stages(ARGS.n_layers, pp, schedule)
-    parts = split_module_names(ARGS.n_layers, num_stages)
+    parts = split_module_names(SPEC.pipeline, ARGS.n_layers, num_stages)
     ids = stage_ids_for_rank(pp_rank, pp, num_stages, style)
     meta = meta_model()
     models = []
     for i in ids:
-        m = build_stage_model(meta, parts[i])
+        m = build_stage_model(meta, SPEC.pipeline, parts[i])
         if dp_mesh is not None:
             if fsdp_policy == "root_only":
                 from torch.distributed.fsdp import fully_shard
@@ -132,7 +133,7 @@ def train_pp(batches, schedule, pp_mesh, dp_mesh=None, csv_path=None, fsdp_polic
         if dp_mesh is not None:
             tokens = tokens.chunk(dp_mesh.size())[dp_mesh.get_local_rank()]
         loss = pipeline_step(sched, tokens[:, :-1], tokens[:, 1:], is_first, is_last)
-        norms.append(pp_clip_grad_norm_(params, MAX_NORM, pp_group).item())
+        norms.append(clip_grad_norm_(params, MAX_NORM, pp_group).item())
         opt.step()
         opt.zero_grad()
         loss = broadcast_loss(loss, pp_group, last_stage_rank(pp, num_stages, style))

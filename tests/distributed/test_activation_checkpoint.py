@@ -13,8 +13,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from torchtitan.config import UserError
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer, TransformerBlock
+from torchtitan.models.registry import get_model_spec
+
+SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
+ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
 
 ARGS = ModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=128)
 TOKENS = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
@@ -77,7 +79,8 @@ def test_names_and_state_dict_unchanged(config):
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in plain.named_parameters()]
     # The block keeps its slot and stays a TransformerBlock; a plain model's checkpoint loads strictly.
-    assert all(isinstance(block, TransformerBlock) for block in checkpointed.layers.values())
+    block_cls = type(Transformer(ARGS).layers["0"])
+    assert all(isinstance(block, block_cls) for block in checkpointed.layers.values())
     checkpointed.load_state_dict(plain.state_dict(), strict=True)
 
 
@@ -143,7 +146,7 @@ def untouched():
     """One model for the error cases: a rejected config must leave it as it was."""
     model = build()
     yield model
-    assert all(type(block) is TransformerBlock for block in model.layers.values())
+    assert all(type(block) is type(Transformer(ARGS).layers["0"]) for block in model.layers.values())
 
 
 @pytest.mark.parametrize("mode", ["partial", "Full", "", "selective_op"])

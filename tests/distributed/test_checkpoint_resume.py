@@ -1,6 +1,7 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP, CP), resharding to other
 layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 x CP 2, CP 2; and
-CP 2 x TP 2 -> FSDP 4, PP 2 x FSDP 2 -> FSDP 4) and a SIGKILL in the middle of a save."""
+CP 2 x TP 2 -> FSDP 4, PP 2 x FSDP 2 -> FSDP 4; Qwen3 with tied embeddings FSDP 4 -> FSDP 2 x TP 2 and
+TP 2) and a SIGKILL in the middle of a save."""
 
 import json
 import os
@@ -25,6 +26,8 @@ CP2_TP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_d
            "--parallelism.tensor_parallel_degree", "2"]
 CP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
        "--parallelism.context_parallel_rotate_method", "alltoall"]
+QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+TP2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
 PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
@@ -55,6 +58,10 @@ def runs(tmp_path_factory):
         "pp2_fsdp2_straight": CKPT + PP2_FSDP2,
         "copy11": step10(tmp, "pp2_fsdp2_straight", "pp2_fsdp2_to_fsdp4"),
         "pp2_fsdp2_to_fsdp4": CKPT + FSDP4,
+        # Qwen3 with tied embeddings: one weight under two names, saved sharded and resharded.
+        "qwen3_tied_fsdp4_straight": CKPT + QWEN_TIED + FSDP4,
+        "copy13": step10(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_fsdp2_tp2"),
+        "qwen3_tied_fsdp4_to_fsdp2_tp2": CKPT + QWEN_TIED + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -70,6 +77,8 @@ def runs(tmp_path_factory):
         "cp2_resumed": CKPT + CP2,
         "copy9": step10(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
         "fsdp4_to_cp2": CKPT + CP2,
+        "copy14": step10(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_tp2"),
+        "qwen3_tied_fsdp4_to_tp2": CKPT + QWEN_TIED + TP2,
     }, 2, tmp))
     return tmp, results
 
@@ -112,6 +121,19 @@ def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
     end_got = train_state(tmp, target, 20)["dataloader"]["dataset_state"]
     assert end_got["next_sample"] == end_ref["next_sample"] == 20 * 8
     assert (end_got["doc_index"], end_got["token_offset"]) == (end_ref["doc_index"], end_ref["token_offset"])
+
+
+@pytest.mark.parametrize("source", ["cp2_tp2", "pp2_fsdp2"])
+@pytest.mark.parametrize("target", ["qwen3_tied_fsdp4_to_fsdp2_tp2", "qwen3_tied_fsdp4_to_tp2"])
+def test_tied_embeddings_reshard(runs, target):
+    # Saved by FSDP 4 with the embedding and output sharing one weight; resumed under TP (alone and
+    # with FSDP), where the shared weight is one vocabulary-sharded DTensor.
+    tmp, r = runs
+    ref, got = losses(r["qwen3_tied_fsdp4_straight"], first_step=11), losses(r[target])
+    assert len(got) == 10
+    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    state = train_state(tmp, target, 20)
+    assert state["model"]["name"] == "qwen3" and state["model"]["args"]["tie_word_embeddings"] is True
 
 
 @pytest.mark.parametrize("source", ["cp2_tp2", "pp2_fsdp2"])

@@ -7,6 +7,8 @@ within BF16_TOL of the fp32 single-process run:
   module lists), alone and with FSDP and TP;
 - context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP, op-level
   activation checkpointing, and full activation checkpointing plus compile;
+- Qwen3's debug flavor under FSDP 2, TP 2, PP 2, CP 2 (both rotate methods) and FSDP 2 x TP 2, and its
+  tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
   PP 2 x FSDP 2 x CP 2 x TP 2 on 16.
 
@@ -25,10 +27,18 @@ FP32_TOL = 1e-5
 # over 6 steps (2.4e-3 at most, FSDP2 and HSDP); the tolerance leaves headroom while still catching a wrong gradient or a lost shard.
 BF16_TOL = 1e-2
 
+# Qwen3's debug flavors (per-head q/k norms, head_dim independent of dim / n_heads, rotate-half rotary;
+# the tied flavor shares the embedding with the output layer). Compared with their own single run.
+QWEN = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
+QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+
 SINGLE = {
     "single_fp32": ["--training.local_batch_size", "8"],
     "single_fp32_accum4": ["--training.local_batch_size", "2"],
     "single_bf16": ["--training.local_batch_size", "8", "--training.mixed_precision_param", "bfloat16"],
+    "qwen3_single": QWEN + ["--training.local_batch_size", "8"],
+    "qwen3_tied_single": QWEN_TIED + ["--training.local_batch_size", "8"],
 }
 TWO = {
     "fsdp2": ["--training.local_batch_size", "4"],
@@ -65,6 +75,16 @@ TWO = {
     "cp2_alltoall_ac_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                                 "--parallelism.context_parallel_rotate_method", "alltoall",
                                 "--activation_checkpoint.mode", "full", "--training.compile"],
+    # Pipeline with gradient accumulation (2 micro-batches of 4 per step, each split into 2 microbatches).
+    "pp2_accum2": ["--training.local_batch_size", "4"] + PP2,
+    "qwen3_fsdp2": QWEN + ["--training.local_batch_size", "4"],
+    "qwen3_tp2": QWEN + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "qwen3_pp2": QWEN + ["--training.local_batch_size", "8"] + PP2,
+    "qwen3_cp2": QWEN + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+    "qwen3_cp2_alltoall": QWEN + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                                  "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "qwen3_tied_fsdp2": QWEN_TIED + ["--training.local_batch_size", "4"],
+    "qwen3_tied_tp2": QWEN_TIED + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
 }
 FOUR = {
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
@@ -90,6 +110,8 @@ FOUR = {
                 "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
     "fsdp2_cp2_bf16": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
                        "--training.mixed_precision_param", "bfloat16"],
+    "qwen3_fsdp2_tp2": QWEN + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "qwen3_tied_fsdp2_tp2": QWEN_TIED + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
 }
 EIGHT = {
     "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
@@ -124,10 +146,18 @@ def losses(records):
     return [r["loss"] for r in records]
 
 
-def test_reference_learns(runs):
-    ref = losses(runs["single_fp32"])
+@pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single"])
+def test_reference_learns(runs, name):
+    ref = losses(runs[name])
     assert len(ref) == 6
     assert ref[-1] < ref[0] - 0.5
+
+
+def test_qwen3_is_another_model(runs):
+    # Same data and seed: a different architecture gives different losses from step 1 on, and tying
+    # the embeddings changes the model again.
+    assert losses(runs["qwen3_single"])[0] != losses(runs["single_fp32"])[0]
+    assert losses(runs["qwen3_tied_single"])[0] != losses(runs["qwen3_single"])[0]
 
 
 @pytest.mark.parametrize(
@@ -136,17 +166,20 @@ def test_reference_learns(runs):
      "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
      "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
      "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
-     "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2"],
+     "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2", "pp2_accum2",
+     "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2", "qwen3_cp2_alltoall", "qwen3_fsdp2_tp2",
+     "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2"],
 )
 def test_fp32_layouts_match_single_process(runs, name):
-    ref, got = losses(runs["single_fp32"]), losses(runs[name])
+    reference = "qwen3_tied_single" if "qwen3_tied" in name else "qwen3_single" if "qwen3" in name else "single_fp32"
+    ref, got = losses(runs[reference]), losses(runs[name])
     assert len(got) == len(ref) == 6
     diffs = [abs(a - b) for a, b in zip(ref, got)]
     assert max(diffs) < FP32_TOL, f"{name}: per-step |loss diff| {diffs}"
     # The global grad norm is the same quantity in every layout too. Its tolerance is relative 1e-3:
     # torch's fp32 norm kernel on CPU loses ~1e-4 relative over a 500k-element shard (measured
     # against float64), so different shardings round differently.
-    norms = [abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(runs["single_fp32"], runs[name])]
+    norms = [abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(runs[reference], runs[name])]
     assert max(norms) < 1e-3, f"{name}: grad norm relative diffs {norms}"
 
 

@@ -17,10 +17,13 @@ from torchtitan.distributed.pipeline_parallel import (
     split_module_names,
     stage_ids_for_rank,
 )
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.registry import get_model_spec
+from torchtitan.models.spec import PipelineLayout
 
-ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
+SPEC = get_model_spec("llama3")
+Transformer = SPEC.model_cls
+ARGS = SPEC.args_cls(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
+LAYOUT = SPEC.pipeline
 
 
 def layers(parts):
@@ -28,30 +31,30 @@ def layers(parts):
 
 
 def test_even_split():
-    parts = split_module_names(4, 2)
+    parts = split_module_names(LAYOUT, 4, 2)
     assert parts == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
 
 
 def test_one_stage_holds_everything():
-    assert split_module_names(3, 1, first_less=1, last_less=1) == [
+    assert split_module_names(LAYOUT, 3, 1, first_less=1, last_less=1) == [
         ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
     ]
 
 
 def test_uneven_split_gives_leftovers_after_the_first_stage():
-    assert [len(p) for p in layers(split_module_names(6, 4))] == [1, 2, 2, 1]
+    assert [len(p) for p in layers(split_module_names(LAYOUT, 6, 4))] == [1, 2, 2, 1]
 
 
 def test_first_and_last_less():
     # 8 layers + 1 + 1 slots over 5 stages: 2 slots each, the first and last give one to embedding / output.
-    assert [len(p) for p in layers(split_module_names(8, 5, first_less=1, last_less=1))] == [1, 2, 2, 2, 1]
-    assert [len(p) for p in layers(split_module_names(8, 4, layers_per_stage=3, first_less=2, last_less=2))] == [
+    assert [len(p) for p in layers(split_module_names(LAYOUT, 8, 5, first_less=1, last_less=1))] == [1, 2, 2, 2, 1]
+    assert [len(p) for p in layers(split_module_names(LAYOUT, 8, 4, layers_per_stage=3, first_less=2, last_less=2))] == [
         1, 3, 3, 1
     ]
 
 
 def test_every_layer_once_in_order():
-    parts = split_module_names(13, 4, first_less=1)
+    parts = split_module_names(LAYOUT, 13, 4, first_less=1)
     flat = [n for p in layers(parts) for n in p]
     assert flat == [f"layers.{i}" for i in range(13)]
 
@@ -70,21 +73,21 @@ def test_every_layer_once_in_order():
 )
 def test_split_errors(kwargs, pattern):
     with pytest.raises(UserError, match=pattern):
-        split_module_names(**kwargs)
+        split_module_names(LAYOUT, **kwargs)
 
 
 def test_explicit_parts_override_and_are_checked():
     parts = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
-    assert split_module_names(4, 2, module_fqns_per_model_part=parts) == parts
+    assert split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=parts) == parts
     with pytest.raises(UserError, match=r"has 2 model parts but the pipeline has 4 stages"):
-        split_module_names(4, 4, module_fqns_per_model_part=parts)
+        split_module_names(LAYOUT, 4, 4, module_fqns_per_model_part=parts)
     with pytest.raises(UserError, match=r"missing \['layers.3'\]"):
-        split_module_names(4, 2, module_fqns_per_model_part=[parts[0], ["layers.1", "layers.2", "norm", "output"]])
+        split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=[parts[0], ["layers.1", "layers.2", "norm", "output"]])
     with pytest.raises(UserError, match=r"unknown module names \['layers.9'\]"):
-        split_module_names(4, 2, module_fqns_per_model_part=[parts[0], parts[1] + ["layers.9"]])
+        split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=[parts[0], parts[1] + ["layers.9"]])
     with pytest.raises(UserError, match=r"model order"):
         swapped = [["tok_embeddings", "layers.1"], ["layers.0"] + parts[1][1:]]
-        split_module_names(4, 2, module_fqns_per_model_part=swapped)
+        split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=swapped)
 
 
 def test_stage_model_keeps_full_model_names_and_values():
@@ -94,8 +97,8 @@ def test_stage_model_keeps_full_model_names_and_values():
     full.init_weights(seed=0)
     ref = dict(full.named_parameters())
     seen = []
-    for names in split_module_names(4, 4, first_less=0):
-        stage = build_stage_model(meta, names)
+    for names in split_module_names(LAYOUT, 4, 4, first_less=0):
+        stage = build_stage_model(meta, LAYOUT, names)
         stage.to_empty(device="cpu")
         stage.init_weights(seed=0)
         for n, p in stage.named_parameters():
@@ -111,8 +114,8 @@ def test_stage_forward_chains_to_full_forward():
     full.init_weights(seed=0)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16))
     h = tokens
-    for names in split_module_names(4, 3):
-        stage = build_stage_model(lambda: Transformer(ARGS), names)
+    for names in split_module_names(LAYOUT, 4, 3):
+        stage = build_stage_model(lambda: Transformer(ARGS), LAYOUT, names)
         stage.init_weights(seed=0)
         h = stage(h)
     torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
@@ -168,21 +171,21 @@ def test_too_few_microbatches():
 
 
 def test_split_points_become_model_parts():
-    assert parts_from_split_points(4, ["layers.2"]) == [
+    assert parts_from_split_points(LAYOUT, 4, ["layers.2"]) == [
         ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
-    assert [p[0] for p in parts_from_split_points(4, ["layers.1", "layers.3"])] == ["tok_embeddings", "layers.1", "layers.3"]
+    assert [p[0] for p in parts_from_split_points(LAYOUT, 4, ["layers.1", "layers.3"])] == ["tok_embeddings", "layers.1", "layers.3"]
     with pytest.raises(UserError, match=r"unknown module names \['layer.2'\]"):
-        parts_from_split_points(4, ["layer.2"])
+        parts_from_split_points(LAYOUT, 4, ["layer.2"])
     with pytest.raises(UserError, match=r"in model order"):
-        parts_from_split_points(4, ["layers.3", "layers.1"])
+        parts_from_split_points(LAYOUT, 4, ["layers.3", "layers.1"])
     with pytest.raises(UserError, match=r"not the first module"):
-        parts_from_split_points(4, ["tok_embeddings"])
+        parts_from_split_points(LAYOUT, 4, ["tok_embeddings"])
 
 
 def test_plan_split_from_config():
     def plan(*argv):
         cfg = load_config(["--parallelism.pipeline_parallel_degree", "2", *argv])
-        return plan_split(6, 2, cfg.parallelism)
+        return plan_split(LAYOUT, 6, 2, cfg.parallelism)
 
     explicit = plan("--parallelism.module_fqns_per_model_part",
                     "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output")

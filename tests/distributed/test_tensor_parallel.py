@@ -16,7 +16,10 @@ import pytest
 
 from torchtitan.config.errors import UserError
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility
-from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.registry import get_model_spec
+
+SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
+ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
 
 pytestmark = pytest.mark.slow
 
@@ -83,10 +86,10 @@ SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multip
 )
 def test_divisibility_errors(overrides, tp, seq_len, pattern):
     with pytest.raises(UserError, match=pattern):
-        check_tp_divisibility(ModelArgs(**{**SMALL, **overrides}), tp, seq_len)
+        check_tp_divisibility(SPEC.tp_sizes(ModelArgs(**{**SMALL, **overrides})), tp, seq_len)
 
 
 def test_divisible_sizes_pass():
-    check_tp_divisibility(ModelArgs(**SMALL), 2, 32)
+    check_tp_divisibility(SPEC.tp_sizes(ModelArgs(**SMALL)), 2, 32)
     # tp = 1 disables the check: nothing is sharded.
-    check_tp_divisibility(ModelArgs(**{**SMALL, "vocab_size": 127}), 1, 33)
+    check_tp_divisibility(SPEC.tp_sizes(ModelArgs(**{**SMALL, "vocab_size": 127})), 1, 33)

@@ -21,8 +21,10 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.tensor_parallel import apply_tp, loss_parallel_context
 from torchtitan.distributed.utils import clip_grad_norm_, exit_process
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.registry import get_model_spec
+
+SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
+ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
 BATCH, SEQ, STEPS = 4, 32, 5
@@ -101,7 +103,7 @@ def main(out_path: str):
         for name, (lp, fsdp) in layouts.items():
 
             def parallelize(m, lp=lp, fsdp=fsdp):
-                apply_tp(m, mesh["tp"], loss_parallel=lp)
+                apply_tp(m, mesh["tp"], SPEC.tp_plan, loss_parallel=lp)
                 if fsdp:
                     apply_fsdp(m, mesh["dp_shard"], "float32", "float32", "default")
 

@@ -3,7 +3,7 @@ import torch
 
 from torchtitan.config import UserError
 from torchtitan.models.llama3.args import ModelArgs, flavors
-from torchtitan.models.llama3.model import Transformer, count_params, flops_per_token
+from torchtitan.models.llama3.model import Transformer, flops_per_token, model_size
 from torchtitan.models.registry import get_model_args, get_model_spec
 
 
@@ -19,7 +19,8 @@ def meta_model(args: ModelArgs) -> Transformer:
 )
 def test_published_parameter_counts(flavor, published):
     model = meta_model(flavors[flavor])
-    assert count_params(model) == published
+    assert sum(p.numel() for p in model.parameters()) == published
+    assert model_size(flavors[flavor]).total == model_size(flavors[flavor]).active == published
     assert all(p.is_meta for p in model.parameters())  # nothing was allocated
 
 
@@ -37,11 +38,12 @@ def test_8b_layer_shapes_match_meta_checkpoint_names():
 
 def test_flops_per_token_8b():
     args = flavors["8B"]
-    model = meta_model(args)
-    non_embedding = count_params(model, exclude_embedding=True)
+    size = model_size(args)
+    non_embedding = size.total - size.embedding
+    assert size.embedding == 128256 * 4096
     assert non_embedding == 8_030_261_248 - 128256 * 4096
     # 6N plus the attention term 12 * layers * dim * seq
-    assert flops_per_token(args, non_embedding, 8192) == 6 * non_embedding + 12 * 32 * 4096 * 8192
+    assert flops_per_token(args, 8192) == 6 * non_embedding + 12 * 32 * 4096 * 8192
 
 
 def small_args(**kw) -> ModelArgs:
@@ -111,7 +113,7 @@ def test_grouped_query_attention_matches_repeated_heads():
 
 
 def test_registry_errors_name_the_choices():
-    with pytest.raises(UserError, match="registered models: llama3"):
+    with pytest.raises(UserError, match="registered models: llama3, qwen3"):
         get_model_spec("gpt2")
     with pytest.raises(UserError, match="available flavors: debugmodel, 10M, 1B, 8B, 70B, 405B"):
         get_model_args("llama3", "7B")

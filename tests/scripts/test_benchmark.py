@@ -77,8 +77,9 @@ def test_bare_loop_checkpoints_the_blocks_the_trainer_does(bench, mode, option, 
     import torch
 
     from torchtitan.config import ActivationCheckpoint
-    from torchtitan.models.llama3.args import ModelArgs
-    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.registry import get_model_spec
+
+    ModelArgs, Transformer = get_model_spec("llama3").args_cls, get_model_spec("llama3").model_cls
 
     args = ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=8)
     plain, model = Transformer(args), Transformer(args)

@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.hf_checkpoint import load_hf, read_dcp_model
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, read_dcp_model
+from torchtitan.models.registry import get_model_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
+SPEC = get_model_spec("llama3")
+Transformer = SPEC.model_cls
+ARGS = SPEC.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:
@@ -57,13 +58,13 @@ def test_to_hf_and_back(tmp_path, checkpoint):
     proc = run("to-hf", folder, tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     assert "step 5" in proc.stdout
-    hf_sd, hf_args = load_hf(tmp_path / "hf", ARGS)
+    hf_sd, hf_args = load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, ARGS))
     for k in sd:
         assert torch.equal(hf_sd[k], sd[k]), k
 
     proc = run("from-hf", tmp_path / "hf", tmp_path / "step-0", "--flavor-name", "tiny")
     assert proc.returncode == 0, proc.stderr
-    back, back_args, train_state = read_dcp_model(tmp_path / "step-0")
+    back, back_args, train_state = read_dcp_model(tmp_path / "step-0", SPEC)
     assert train_state["model_only"] is True and train_state["model"]["flavor"] == "tiny"
     assert back_args.ffn_hidden_dim == ARGS.ffn_hidden_dim and back_args.kv_heads == ARGS.kv_heads
     for k in sd:
@@ -73,7 +74,7 @@ def test_to_hf_and_back(tmp_path, checkpoint):
 def test_to_hf_bfloat16(tmp_path, checkpoint, script):
     folder, sd = checkpoint
     assert script.main(["to-hf", str(folder), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
-    hf_sd, _ = load_hf(tmp_path / "hf")
+    hf_sd, _ = load_hf(tmp_path / "hf", SPEC.hf)
     assert torch.equal(hf_sd["layers.1.feed_forward.w2.weight"], sd["layers.1.feed_forward.w2.weight"].bfloat16())
 
 

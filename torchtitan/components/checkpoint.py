@@ -29,7 +29,6 @@ import pickle
 import re
 import shutil
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -49,13 +48,13 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import Checkpoint as CheckpointConfig
 from torchtitan.config import UserError
+from torchtitan.distributed.utils import DTYPES
 
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "train_state.json"
 FORMAT_VERSION = 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +105,34 @@ def complete_checkpoints(folder: str) -> list[int]:
         if match and os.path.isfile(os.path.join(folder, name, STATE_FILE)):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def train_state_record(
+    step: int,
+    tokens: int,
+    model_only: bool,
+    world_size: int,
+    model: dict,
+    dtype: str,
+    optimizer_lrs: list[float] | None = None,
+    lr_scheduler: dict | None = None,
+    dataloader: dict | None = None,
+) -> dict:
+    """The train_state.json object (the one schema, for the trainer's saves and converted weights).
+    `model` is {"name", "flavor", "args": dataclasses.asdict(args)}; the last three are absent from
+    model-only checkpoints."""
+    record = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "tokens": tokens,
+        "model_only": model_only,
+        "world_size": world_size,
+        "model": model,
+        "dtype": dtype,
+    }
+    if optimizer_lrs is not None:
+        record.update(optimizer_lrs=optimizer_lrs, lr_scheduler=lr_scheduler, dataloader=dataloader)
+    return record
 
 
 def read_train_state(path: str) -> dict:
@@ -337,7 +364,7 @@ class CheckpointManager:
         if self.cfg.initial_load_in_hf:
             from torchtitan.components.hf_checkpoint import load_hf
 
-            sd, _ = load_hf(path, self.model_info["model_args"])
+            sd, _ = load_hf(path, self.model_info["hf_adapter"], self.model_info["shapes"])
             for part in self.parts:  # a pipeline stage takes the tensors of the modules it holds
                 own = {k: v for k, v in sd.items() if k in part.state_dict()}
                 set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -457,7 +484,7 @@ class CheckpointManager:
     def _state_dict(self, model_only: bool) -> dict:
         model_sd = {k: v for sd in self._model_sds() for k, v in sd.items()}
         if model_only:
-            dtype = _DTYPES[self.cfg.export_dtype]
+            dtype = DTYPES[self.cfg.export_dtype]
             model_sd = {k: v.to(dtype) for k, v in model_sd.items()}
             return {"model": model_sd}
         optim_state = {k: v for sd in self._optim_sds() for k, v in sd["state"].items()}
@@ -465,22 +492,17 @@ class CheckpointManager:
 
     def _train_state(self, step: int, tokens: int, model_only: bool) -> dict:
         sched = {k: v for k, v in self.lr_schedulers[0].state_dict().items() if k != "lr_lambdas"}
-        return {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "tokens": tokens,
-            "model_only": model_only,
-            "world_size": self.world_size,
-            "model": {
-                "name": self.model_info["name"],
-                "flavor": self.model_info["flavor"],
-                "args": asdict(self.model_info["model_args"]),
-            },
-            "dtype": self.cfg.export_dtype if model_only else "float32",
-            "optimizer_lrs": [g["lr"] for g in self.optimizers[0].param_groups],
-            "lr_scheduler": sched,
-            "dataloader": self.dataloader.state_dict(),
-        }
+        return train_state_record(
+            step=step,
+            tokens=tokens,
+            model_only=model_only,
+            world_size=self.world_size,
+            model={k: self.model_info[k] for k in ("name", "flavor", "args")},
+            dtype=self.cfg.export_dtype if model_only else "float32",
+            optimizer_lrs=[g["lr"] for g in self.optimizers[0].param_groups],
+            lr_scheduler=sched,
+            dataloader=self.dataloader.state_dict(),
+        )
 
     def _write_side_files(self, partial: str, train_state: dict, model_only: bool):
         if not model_only:
@@ -572,7 +594,8 @@ class CheckpointManager:
         if self.rank == 0:
             full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in full.items()}
             out = os.path.join(self.folder, f"step-{step}-hf")
-            save_hf(out, full, self.model_info["model_args"], _DTYPES[self.cfg.export_dtype], bos_id=bos_id, eos_id=eos_id)
+            save_hf(out, full, self.model_info["hf_adapter"], self.model_info["hf_args"], DTYPES[self.cfg.export_dtype],
+                    bos_id=bos_id, eos_id=eos_id)
             logger.info(f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s")
         self._barrier()
 

@@ -1,5 +1,6 @@
 """Model weights on disk outside the training loop: Hugging Face folders (config.json + safetensors)
 and model-only reads/writes of our distributed checkpoints (DCP step-N folders + train_state.json).
+Model-agnostic: a family's names, layouts and config.json come from its spec's HFAdapter.
 
 Everything here runs in one process on full (unsharded) CPU tensors; DCP is called with
 no_dist=True, so no process group is needed. Step-N folders are read with the trainer's own checks
@@ -15,7 +16,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,9 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.components import checkpoint
 from torchtitan.config.errors import UserError
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
+from torchtitan.models.spec import HFAdapter, ModelSpec
 
 HF_CONFIG = "config.json"
 HF_SINGLE_FILE = "model.safetensors"
@@ -41,18 +40,19 @@ TRAIN_STATE = checkpoint.STATE_FILE
 
 def save_hf(
     folder: str | os.PathLike,
-    meta_sd: dict[str, torch.Tensor],
-    args: ModelArgs,
+    sd: dict[str, torch.Tensor],
+    adapter: HFAdapter,
+    args,
     dtype: torch.dtype,
     max_shard_bytes: int = 5 * 2**30,
     bos_id: int | None = None,
     eos_id: int | None = None,
 ) -> Path:
-    """Write `meta_sd` (our names) as a LlamaForCausalLM folder loadable by `from_pretrained`."""
-    hf_sd = to_hf(meta_sd, args)
+    """Write `sd` (our names) as a folder that `transformers` loads as `adapter.architecture`."""
+    hf_sd = adapter.to_hf(sd, args)
     shards = _plan_shards(hf_sd, dtype, max_shard_bytes)
     with _staging(folder) as tmp:
-        _write_json(tmp / HF_CONFIG, hf_config(args, dtype, bos_id, eos_id))
+        _write_json(tmp / HF_CONFIG, adapter.config(args, dtype, bos_id, eos_id))
         files = [HF_SINGLE_FILE] if len(shards) == 1 else [
             f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
         ]
@@ -80,15 +80,26 @@ def _plan_shards(hf_sd: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_b
     return shards
 
 
-def load_hf(folder: str | os.PathLike, args: ModelArgs | None = None) -> tuple[dict[str, torch.Tensor], ModelArgs]:
-    """Read a LlamaForCausalLM folder into our names, in the stored dtype, with the ModelArgs of its
-    config.json. With `args`, every tensor's shape must fit a model built with `args`."""
+def read_hf_config(folder: str | os.PathLike) -> dict:
     folder = _existing_folder(folder, "Hugging Face model folder")
-    config = _read_json(folder / HF_CONFIG, "is this a Hugging Face model folder (config.json + *.safetensors)?")
-    hf_args = args_from_hf_config(config)
-    sd = from_hf(_read_safetensors(folder), hf_args)
-    if args is not None:
-        check_shapes({k: tuple(v.shape) for k, v in sd.items()}, args, str(folder))
+    return _read_json(folder / HF_CONFIG, "is this a Hugging Face model folder (config.json + *.safetensors)?")
+
+
+def load_hf(
+    folder: str | os.PathLike, adapter: HFAdapter, expected_shapes: dict[str, tuple] | None = None
+) -> tuple[dict[str, torch.Tensor], object]:
+    """Read a Hugging Face folder into our names, in the stored dtype, with the args of its
+    config.json. With `expected_shapes` (our name -> shape), every tensor must fit them."""
+    config = read_hf_config(folder)
+    if config.get("model_type", adapter.model_type) != adapter.model_type:
+        raise UserError(
+            f"{Path(folder) / HF_CONFIG} describes model_type {config.get('model_type')!r}, but this model reads "
+            f"{adapter.model_type!r} ({adapter.architecture}); choose the matching model.name"
+        )
+    hf_args = adapter.args_from_config(config)
+    sd = adapter.from_hf(_read_safetensors(Path(folder)), hf_args)
+    if expected_shapes is not None:
+        check_shapes({k: tuple(v.shape) for k, v in sd.items()}, expected_shapes, str(folder))
     return sd, hf_args
 
 
@@ -127,20 +138,35 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 # ---- our distributed checkpoints, model part only ----
 
 
-def read_dcp_model(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelArgs, dict]:
-    """Load the model part of a step-N checkpoint into full CPU tensors (stored dtypes); also return
-    the ModelArgs recorded in its train_state.json and that whole JSON object."""
+def meta_shapes(spec: ModelSpec, args) -> dict[str, tuple]:
+    """Our name -> shape of every tensor in the state dict of a model built with `args`."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+
+
+def dcp_model_name(folder: str | os.PathLike) -> str:
+    """The model family recorded in a step-N checkpoint's train_state.json."""
+    folder = str(_existing_folder(folder, "checkpoint folder"))
+    name = checkpoint.read_train_state(folder).get("model", {}).get("name")
+    if not isinstance(name, str):
+        raise UserError(f"{folder}/{TRAIN_STATE} names no model; was it written by torchtitan's trainer?")
+    return name
+
+
+def read_dcp_model(folder: str | os.PathLike, spec: ModelSpec) -> tuple[dict[str, torch.Tensor], object, dict]:
+    """Load the model part of a step-N checkpoint of `spec`'s family into full CPU tensors (stored
+    dtypes); also return the args recorded in its train_state.json and that whole JSON object."""
     folder = str(_existing_folder(folder, "checkpoint folder"))
     # The trainer's readers check completeness and format, and unpickle .metadata with an allow-list.
     metadata = checkpoint.read_metadata(folder).state_dict_metadata
     train_state = checkpoint.read_train_state(folder)
-    args = model_args_from_train_state(train_state, os.path.join(folder, TRAIN_STATE))
+    args = model_args_from_train_state(train_state, spec, os.path.join(folder, TRAIN_STATE))
     stored = {
         key.removeprefix("model."): md
         for key, md in metadata.items()
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    check_shapes({k: tuple(md.size) for k, md in stored.items()}, args, folder,
+    check_shapes({k: tuple(md.size) for k, md in stored.items()}, meta_shapes(spec, args), folder,
                  f"its {TRAIN_STATE} describes another model; the checkpoint is damaged")
     sd = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in stored.items()}
     with _single_process_dcp():  # reads only the model's tensors, never the optimizer's
@@ -148,60 +174,43 @@ def read_dcp_model(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     return sd, args, train_state
 
 
-def write_dcp_model(
-    folder: str | os.PathLike,
-    sd: dict[str, torch.Tensor],
-    args: ModelArgs,
-    name: str = "llama3",
-    flavor: str = "custom",
-) -> Path:
+def write_dcp_model(folder: str | os.PathLike, sd: dict[str, torch.Tensor], spec: ModelSpec, args, flavor: str = "custom") -> Path:
     """Write a model-only step-0 checkpoint (DCP files + train_state.json) that the trainer can start from."""
     with _staging(folder) as tmp:
         with _single_process_dcp():
             dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=True)
-        train_state = {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "step": 0,
-            "tokens": 0,
-            "model_only": True,
-            "model": {"name": name, "flavor": flavor, "args": asdict(args)},
-            "dtype": str(next(iter(sd.values())).dtype).removeprefix("torch."),
-        }
+        train_state = checkpoint.train_state_record(
+            step=0, tokens=0, model_only=True, world_size=1,
+            model={"name": spec.name, "flavor": flavor, "args": asdict(args)},
+            dtype=str(next(iter(sd.values())).dtype).removeprefix("torch."),
+        )
         _write_json(tmp / TRAIN_STATE, train_state)
     return Path(folder)
 
 
-def model_args_from_train_state(train_state: dict, where) -> ModelArgs:
+def model_args_from_train_state(train_state: dict, spec: ModelSpec, where):
     model = train_state.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
         raise UserError(f"{where} has no 'model.args' object; was it written by torchtitan's trainer?")
-    if model.get("name", "llama3") != "llama3":
-        raise UserError(f"{where} is for model '{model['name']}'; only llama3 checkpoints can be converted")
-    known = {f.name for f in fields(ModelArgs)}
-    unknown = sorted(set(model["args"]) - known)
-    if unknown:
-        raise UserError(
-            f"{where}: unknown model args {', '.join(unknown)}; it was written by another torchtitan version"
-        )
-    return ModelArgs(**model["args"])
+    if model.get("name") != spec.name:
+        raise UserError(f"{where} is for model '{model.get('name')}', not '{spec.name}'")
+    try:
+        return spec.args_from_dict(model["args"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{where}: model args do not fit model '{spec.name}' ({e}); it was written by another "
+                        "torchtitan version") from None
 
 
 def check_shapes(
-    found: dict[str, tuple], args: ModelArgs, where: str, fix: str = "choose the model flavor they were made for"
+    found: dict[str, tuple], expected: dict[str, tuple], where: str, fix: str = "choose the model flavor they were made for"
 ):
-    """UserError naming the first keys whose presence or shape differs from a model built with `args`."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    """UserError naming the first keys whose presence or shape differs from `expected`."""
     problems = [f"{k}: missing" if k not in found else f"{k}: expected {shape}, found {found[k]}"
                 for k, shape in expected.items() if found.get(k) != shape]
     problems += [f"{k}: not in the model" for k in found if k not in expected]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise UserError(
-            f"the weights in {where} do not fit the model (dim={args.dim}, n_layers={args.n_layers}, "
-            f"n_heads={args.n_heads}, n_kv_heads={args.kv_heads}, vocab_size={args.vocab_size}): "
-            f"{'; '.join(problems[:5])}{more}; {fix}"
-        )
+        raise UserError(f"the weights in {where} do not fit the model: {'; '.join(problems[:5])}{more}; {fix}")
 
 
 # ---- helpers ----

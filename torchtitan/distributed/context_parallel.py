@@ -163,10 +163,11 @@ class ContextParallelAttention:
         return torch.cat([_merge(p) for p in parts], dim=-2).to(q.dtype)
 
 
-def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str) -> None:
-    """Make `model` (a Llama-style transformer or a pipeline stage of one) run on this rank's share of
-    each sequence: its attention becomes context-parallel and its rotary positions the local ones."""
+def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str) -> None:
+    """Make `model` (a decoder or a pipeline stage of one) run on this rank's share of each sequence:
+    the attention of every block (`block.<attention_path>.attention_fn`) becomes context-parallel
+    and the model's rotary positions the global positions of the local tokens."""
     attention = ContextParallelAttention(cp_mesh, rotate_method)
     for block in model.layers.values():
-        block.attention.attention_fn = attention
+        block.get_submodule(attention_path).attention_fn = attention
     model.set_token_positions(local_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank()))

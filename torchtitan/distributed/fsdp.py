@@ -1,11 +1,10 @@
 """Data parallelism: FSDP2 (fully_shard) per transformer block and at the root, HSDP on a 2D
 (replicate, shard) mesh, and DDP (composable replicate) when parameters are not sharded."""
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from torchtitan.distributed.utils import DTYPES
 
 
 def apply_fsdp(
@@ -16,7 +15,7 @@ def apply_fsdp(
     reshard_after_forward_policy: str,
     cpu_offload: bool = False,
 ):
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     # Offload keeps sharded parameters, gradients and optimizer state in host memory (CUDA jobs).
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     reshard_blocks = reshard_after_forward_policy != "never"

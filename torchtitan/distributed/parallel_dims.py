@@ -49,6 +49,19 @@ class ParallelDims:
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def batch(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
+        """(global batch, gradient-accumulation steps) for training.local_batch_size and
+        training.global_batch_size (-1: one micro-batch per data-parallel rank)."""
+        per_step = local_batch_size * self.dp_degree
+        global_batch = per_step if global_batch_size == -1 else global_batch_size
+        if global_batch % per_step:
+            raise UserError(
+                f"training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
+                f"data-parallel degree = {local_batch_size} x {self.dp_degree} = {per_step}; use a multiple "
+                f"of {per_step} (the quotient is the number of gradient-accumulation steps)."
+            )
+        return global_batch, global_batch // per_step
+
     @property
     def fsdp_enabled(self) -> bool:
         # Context-parallel ranks hold the same parameters and see different tokens of the same

@@ -1,9 +1,10 @@
-"""Pipeline parallelism: split the llama into model parts by module name, place the parts ("stages")
+"""Pipeline parallelism: split a decoder into model parts by module name, place the parts ("stages")
 on the ranks of the "pp" mesh dimension, and run them with torch.distributed.pipelining schedules.
 
 What is unusual here:
 - No tracing. A stage is a deep copy of the meta model with the modules it does not own deleted
-  (tok_embeddings / norm / output set to None, entries of the `layers` ModuleDict removed), so every
+  (the top-level modules of the spec's PipelineLayout set to None, entries of the `layers`
+  ModuleDict removed), so every
   remaining parameter keeps the FQN it has in the full model: `init_weights(seed)` gives each stage
   exactly the values of the full model, and checkpoints use the full model's names.
 - Loss scaling: each microbatch loss is a mean over its tokens and the schedule backpropagates each
@@ -12,8 +13,10 @@ What is unusual here:
   once after the last backward (`perform_reduce_grad`, after any FSDP reduction). Microbatches are
   equal in size, so the result is the gradient of the mean over the whole local batch, and
   `pipeline_step` reports the mean of the microbatch losses, which is that same mean.
-- Gradient clipping must see every stage: `pp_clip_grad_norm_` all-reduces the sum of squares over
-  the pp group (FSDP shards are already combined by DTensor).
+- Gradient clipping must see every stage: `distributed.utils.clip_grad_norm_` with the pp group
+  all-reduces the sum of squares over it (FSDP shards are already combined by DTensor).
+- Weights shared by modules on different stages (tied embeddings) cannot stay shared: such a split
+  is refused before launch (`check_no_shared_weights_across_stages`).
 - FSDP under the zero-bubble schedules: see `apply_fsdp_to_stage`.
 """
 
@@ -33,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import UserError
+from torchtitan.models.spec import PipelineLayout
 
 # Schedules that place two stages per rank in a "V": rank r holds stages r and 2*pp-1-r.
 V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
@@ -101,9 +105,9 @@ def check_placement(num_stages: int, pp_degree: int, schedule_name: str, source:
         )
 
 
-def parts_from_split_points(n_layers: int, split_points: list[str]) -> list[list[str]]:
+def parts_from_split_points(layout: PipelineLayout, n_layers: int, split_points: list[str]) -> list[list[str]]:
     """Module names per stage when each name in `split_points` begins a new stage."""
-    rank_of = _module_order(n_layers)
+    rank_of = _module_order(layout, n_layers)
     order = sorted(rank_of, key=rank_of.get)
     unknown = [name for name in split_points if name not in order]
     if unknown:
@@ -121,25 +125,26 @@ def parts_from_split_points(n_layers: int, split_points: list[str]) -> list[list
     return [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def plan_split(n_layers: int, pp_degree: int, parallelism) -> list[list[str]]:
+def plan_split(layout: PipelineLayout, n_layers: int, pp_degree: int, parallelism) -> list[list[str]]:
     """The module names of every stage (all ranks), from the config; raises UserError when the
     split does not fit the model or the schedule. Runs in preflight, before any process starts."""
     p = parallelism
     explicit = p.module_fqns_per_model_part
     if p.pipeline_parallel_split_points:
-        explicit = parts_from_split_points(n_layers, p.pipeline_parallel_split_points)
+        explicit = parts_from_split_points(layout, n_layers, p.pipeline_parallel_split_points)
     if explicit:
         source = "module_fqns_per_model_part" if p.module_fqns_per_model_part else "pipeline_parallel_split_points"
         check_placement(len(explicit), pp_degree, p.pipeline_parallel_schedule, source)
-        return split_module_names(n_layers, len(explicit), module_fqns_per_model_part=explicit)
+        return split_module_names(layout, n_layers, len(explicit), module_fqns_per_model_part=explicit)
     less = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
     num_stages = resolve_num_stages(
         n_layers, pp_degree, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage, *less
     )
-    return split_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage, *less)
+    return split_module_names(layout, n_layers, num_stages, p.pipeline_parallel_layers_per_stage, *less)
 
 
 def split_module_names(
+    layout: PipelineLayout,
     n_layers: int,
     num_stages: int,
     layers_per_stage: int | None = None,
@@ -150,11 +155,12 @@ def split_module_names(
     """Module FQNs of each model part, in model order.
 
     Each stage counts as `layers_per_stage` layer slots (default: spread evenly); the first stage gives
-    `first_less` slots to the embedding and the last gives `last_less` to norm + output. An explicit
+    `first_less` slots to the modules before the layers (the embedding) and the last gives `last_less`
+    to those after them (norm + output). An explicit
     `module_fqns_per_model_part` replaces the computed split after checking it covers the model once, in order.
     """
     if module_fqns_per_model_part:
-        return _check_explicit_split(n_layers, num_stages, module_fqns_per_model_part)
+        return _check_explicit_split(layout, n_layers, num_stages, module_fqns_per_model_part)
     if num_stages < 1 or n_layers < 1:
         raise UserError(f"cannot split model n_layers = {n_layers} into {num_stages} pipeline stages")
     if first_less < 0 or last_less < 0:
@@ -195,24 +201,22 @@ def split_module_names(
         names = [f"layers.{j}" for j in range(start, start + count)]
         start += count
         if i == 0:
-            names.insert(0, "tok_embeddings")
+            names = [*layout.before, *names]
         if i == num_stages - 1:
-            names += ["norm", "output"]
+            names += layout.after
         parts.append(names)
     return parts
 
 
-def _module_order(n_layers: int) -> dict[str, int]:
-    order = {"tok_embeddings": -1, "norm": n_layers, "output": n_layers + 1}
-    order.update({f"layers.{i}": i for i in range(n_layers)})
-    return order
+def _module_order(layout: PipelineLayout, n_layers: int) -> dict[str, int]:
+    return {name: i for i, name in enumerate(layout.module_names(n_layers))}
 
 
-def _check_explicit_split(n_layers: int, num_stages: int, parts: list[list[str]]) -> list[list[str]]:
+def _check_explicit_split(layout: PipelineLayout, n_layers: int, num_stages: int, parts: list[list[str]]) -> list[list[str]]:
     key = "parallelism.module_fqns_per_model_part"
     if len(parts) != num_stages:
         raise UserError(f"{key} has {len(parts)} model parts but the pipeline has {num_stages} stages")
-    order = _module_order(n_layers)
+    order = _module_order(layout, n_layers)
     flat = [name for part in parts for name in part]
     unknown = [n for n in flat if n not in order]
     if unknown:
@@ -223,13 +227,37 @@ def _check_explicit_split(n_layers: int, num_stages: int, parts: list[list[str]]
         raise UserError(f"{key} must name every module exactly once: missing {missing}, repeated {dup}")
     # Stages run one after another, so the parts must follow the model's forward order.
     if any(order[a] > order[b] for a, b in zip(flat, flat[1:])):
-        raise UserError(f"{key} must list modules in model order (tok_embeddings, layers.0, ..., norm, output)")
+        raise UserError(f"{key} must list modules in model order ({', '.join(_first_and_last(list(order)))})")
     if any(not part for part in parts):
         raise UserError(f"{key}: every model part needs at least one module")
     return [list(p) for p in parts]
 
 
-def build_stage_model(model_or_factory: nn.Module | Callable[[], nn.Module], module_names: list[str]) -> nn.Module:
+def check_no_shared_weights_across_stages(model: nn.Module, parts: list[list[str]]) -> None:
+    """UserError when one parameter object is used by modules of two stages (e.g. an input embedding
+    tied to the output layer): each stage would train its own copy and they would drift apart."""
+    stage_of = {name: i for i, part in enumerate(parts) for name in part}
+    users: dict[int, dict[int, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module = name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
+        users.setdefault(id(param), {}).setdefault(stage_of[module], name)
+    for stages in users.values():
+        if len(stages) > 1:
+            names = list(stages.values())
+            raise UserError(
+                f"the model shares one weight between {names[0]} and {names[1]}, which the pipeline split puts on "
+                f"stages {' and '.join(map(str, stages))}; pipeline parallelism cannot keep a weight tied across "
+                f"stages. Use a flavor without tied embeddings, or train without pipeline_parallel_degree"
+            )
+
+
+def _first_and_last(names: list[str]) -> list[str]:
+    return names if len(names) <= 6 else [*names[:3], "...", *names[-3:]]
+
+
+def build_stage_model(
+    model_or_factory: nn.Module | Callable[[], nn.Module], layout: PipelineLayout, module_names: list[str]
+) -> nn.Module:
     """A copy of the (meta) model that keeps only `module_names`; parameter FQNs are unchanged."""
     # Copying a meta model allocates nothing; a factory's fresh model needs no copy.
     if isinstance(model_or_factory, nn.Module):
@@ -237,10 +265,10 @@ def build_stage_model(model_or_factory: nn.Module | Callable[[], nn.Module], mod
     else:
         model = model_or_factory()
     keep = set(module_names)
-    known = {"tok_embeddings", "norm", "output"} | {f"layers.{k}" for k in model.layers}
+    known = {*layout.before, *layout.after} | {f"layers.{k}" for k in model.layers}
     if keep - known:
         raise UserError(f"model part names unknown modules {sorted(keep - known)}")
-    for name in ("tok_embeddings", "norm", "output"):
+    for name in (*layout.before, *layout.after):
         if name not in keep:
             setattr(model, name, None)
     for k in list(model.layers):
@@ -356,27 +384,6 @@ def broadcast_loss(loss: torch.Tensor | None, pp_group, src_group_rank: int) -> 
     return buf
 
 
-@torch.no_grad()
-def pp_clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip by the 2-norm over ALL stages: each rank's sum of squares (over its stages, with FSDP/TP
-    shards combined by DTensor) is summed over the pp group. Returns the norm before clipping."""
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(local, DTensor):
-            local = local.full_tensor()
-        sq = local.float() ** 2
-    else:
-        sq = torch.zeros((), dtype=torch.float32)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
-    total = sq.sqrt()
-    if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
 def apply_fsdp_to_stage(
     model: nn.Module,
     dp_mesh,
@@ -438,13 +445,16 @@ class Pipeline:
         return last_stage_rank(self.pp_mesh.size(), self.num_stages, self.style)
 
 
-def split_for_rank(whole: nn.Module, parallelism, pp_mesh) -> tuple[list[nn.Module], Pipeline]:
+def split_for_rank(
+    whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh
+) -> tuple[list[nn.Module], Pipeline]:
     """This rank's stage models (still on the meta device, full-model FQNs) and their placement."""
-    parts = plan_split(len(whole.layers), pp_mesh.size(), parallelism)
+    parts = plan_split(layout, len(whole.layers), pp_mesh.size(), parallelism)
     num_stages = len(parts)
     style = schedule_style(parallelism.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)
-    return [build_stage_model(whole, parts[i]) for i in stage_ids], Pipeline(stage_ids, num_stages, style, pp_mesh)
+    stages = [build_stage_model(whole, layout, parts[i]) for i in stage_ids]
+    return stages, Pipeline(stage_ids, num_stages, style, pp_mesh)
 
 
 def attach_schedule(pipeline: Pipeline, model_parts, parallelism, local_batch_size: int, device, loss_fn):

@@ -1,4 +1,5 @@
-"""Tensor parallelism with sequence parallelism for Llama 3, applied from outside the model.
+"""Tensor parallelism with sequence parallelism for decoders, applied from outside the model by a
+plan that each model family gives as data (`TensorParallelPlan`).
 
 Between blocks the residual stream is a plain local tensor holding this rank's slice of the sequence
 (dim 1). Norms run on that slice (SequenceParallel); each attention / feed-forward input is
@@ -14,7 +15,9 @@ tensor (that raises). Every parameter becomes a DTensor on the tp mesh (2D once 
 top), so gradient clipping combines one kind of gradient into one global norm.
 """
 
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -31,21 +34,15 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.config.errors import UserError
 
 
-def check_tp_divisibility(model_args, tp: int, seq_len: int) -> None:
+def check_tp_divisibility(sizes: dict[str, tuple[int, str]], tp: int, seq_len: int) -> None:
     """Raise UserError before any collective when a sharded size is not a multiple of `tp`.
 
-    DTensor would accept uneven shards in places, but the attention reshape needs whole heads per
-    rank and sequence parallelism needs equal sequence slices, so uneven sizes are refused here.
+    `sizes` ({name: (size, why it is split)}) comes from the model spec. DTensor would accept uneven
+    shards in places, but the attention reshape needs whole heads per rank and sequence parallelism
+    needs equal sequence slices, so uneven sizes are refused here.
     """
     if tp <= 1:
         return
-    sizes = {
-        "n_heads": (model_args.n_heads, "query heads are split across ranks"),
-        "n_kv_heads": (model_args.kv_heads, "key/value heads are split across ranks"),
-        "ffn hidden dim": (model_args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
-        "dim": (model_args.dim, "model width"),
-        "vocab_size": (model_args.vocab_size, "embedding rows and output logits are split across ranks"),
-    }
     for name, (size, why) in sizes.items():
         if size % tp:
             raise UserError(
@@ -60,14 +57,17 @@ def check_tp_divisibility(model_args, tp: int, seq_len: int) -> None:
         )
 
 
-def _top_level_plan(loss_parallel_enabled: bool) -> dict:
+def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
+    """The plan of a decoder's top-level modules (tok_embeddings, norm, output)."""
     return {
         # Row-wise on the embedding splits the vocabulary; the partial sums are reduce-scattered
         # straight into sequence slices, so the first norm already runs sequence-parallel.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Loss parallel keeps logits split on the vocabulary (a DTensor for the loss); otherwise the
-        # full logits are gathered to a plain tensor so the ordinary cross entropy works.
+        # full logits are gathered to a plain tensor so the ordinary cross entropy works. Both this
+        # and the embedding shard their weight on dim 0 (vocabulary rows), so a tied weight stays
+        # one DTensor.
         "output": ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel_enabled else Replicate(),
@@ -76,45 +76,59 @@ def _top_level_plan(loss_parallel_enabled: bool) -> dict:
     }
 
 
-def _block_plan() -> dict:
-    return {
-        "attention_norm": SequenceParallel(),
-        # freqs_cis (second positional argument) is a plain buffer, passed through untouched; the
-        # attention code gets local tensors so its reshapes see this rank's heads only.
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None),
-            desired_input_layouts=(Replicate(), None),
-            use_local_output=True,
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_output=True,
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
+def gather_sequence_input(n_inputs: int = 1) -> PrepareModuleInput:
+    """A module whose first input is the sequence-sharded residual stream and whose other inputs (e.g.
+    a rotary table) are plain tensors: gather the sequence and hand local tensors to the module, so
+    its reshapes with -1 heads see this rank's heads only."""
+    rest = (None,) * (n_inputs - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
 
 
-def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    """Shard `model` (a llama3 Transformer, on meta or materialized) in place over the 1D `tp_mesh`.
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A family's TP plan as data: styles keyed by module name, for the top-level modules (given
+    whether loss parallel is on) and for one block (names relative to the block)."""
+
+    top: Callable[[bool], dict] = decoder_top_plan
+    block: Callable[[], dict] = dict
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel: bool) -> None:
+    """Shard `model` (on meta or materialized) in place over the 1D `tp_mesh` following `plan`.
 
     Apply before activation checkpointing, compile and FSDP: those wrap the blocks, and the plan is
-    keyed by the blocks' original submodule names.
+    keyed by the blocks' original submodule names. Weights shared between modules (tied embeddings)
+    are shared again afterwards: parallelize_module replaces each module's parameter separately.
     """
+    shared = _shared_parameter_names(model)
     # Modules absent on a pipeline stage are None and simply skipped.
-    plan = _top_level_plan(loss_parallel)
-    top = {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
+    top = {name: style for name, style in plan.top(loss_parallel).items() if getattr(model, name, None) is not None}
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan())
+        parallelize_module(block, tp_mesh, plan.block())
+    for names in shared:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            param = model.get_parameter(name)
+            if getattr(param, "placements", None) != getattr(first, "placements", None):
+                raise ValueError(
+                    f"tied parameters {names[0]} and {name} got different tensor-parallel placements "
+                    f"({getattr(first, 'placements', None)} vs {getattr(param, 'placements', None)}); "
+                    "the TP plan must shard them alike"
+                )
+            setattr(model.get_submodule(owner), attr, first)
+
+
+def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names that refer to one parameter object (more than one name each)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
 
 
 def loss_parallel_context(enabled: bool):

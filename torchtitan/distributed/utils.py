@@ -11,6 +11,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+# Dtype names as the config spells them.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def device_type() -> str:
     """Chosen once per process: CUDA with NCCL when a GPU is visible, otherwise CPU with gloo."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,17 +81,25 @@ def exit_process(code: int):
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip gradients by their global 2-norm over all ranks; returns the norm before clipping.
 
-    Sharded (DTensor) gradients give a DTensor norm whose full value is the global one.
-    max_norm = 0 only measures the norm.
+    Sharded (DTensor) gradients give a DTensor norm whose full value is the norm over every FSDP/TP
+    shard. With pipeline stages, each rank holds other parameters: the squares of the stage norms
+    are summed over `pp_group`. max_norm = 0 only measures the norm.
     """
     params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
+    if params:
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+    else:
+        total = torch.zeros((), dtype=torch.float32)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        squares = total.float() ** 2
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_group)
+        total = squares.sqrt()
+    if max_norm > 0 and params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 

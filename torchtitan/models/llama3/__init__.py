@@ -1,0 +1,21 @@
+"""Llama 3 / 3.1: the family's spec, built from its args, model, parallelize plan and HF adapter."""
+
+from torchtitan.models.spec import ModelSpec
+
+
+def build_spec() -> ModelSpec:
+    from torchtitan.models.llama3 import args, model, parallelize, state_dict_adapter
+
+    return ModelSpec(
+        name="llama3",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        model_cls=model.Transformer,
+        parallelize=parallelize.parallelize_llama,
+        size=model.model_size,
+        flops_per_token=model.flops_per_token,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        cp_attention=parallelize.CP_ATTENTION,
+        hf=state_dict_adapter.ADAPTER,
+    )

@@ -1,6 +1,6 @@
 """Llama 3 hyper-parameters and the table of sizes (flavors)."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,6 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-    def with_vocab_and_seq(self, vocab_size: int, seq_len: int) -> "ModelArgs":
-        return replace(self, vocab_size=vocab_size, max_seq_len=max(seq_len, 1))
 
 
 # Published Llama 3 / 3.1 dimensions (8B, 70B, 405B); "1B" uses Llama 3.2 1B's dimensions with an

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.attention import causal_attention
 from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
 
 
 def precompute_freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
@@ -29,15 +31,6 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [batch, heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]."""
-    repeats = q.shape[1] // k.shape[1]  # grouped-query attention: each KV head serves `repeats` query heads
-    if repeats > 1:
-        k = k.repeat_interleave(repeats, dim=1)
-        v = v.repeat_interleave(repeats, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -141,14 +134,12 @@ class Transformer(nn.Module):
         return trunc_normal(block.out_init_std)  # wo, w2, w3
 
 
-def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and getattr(model, "tok_embeddings", None) is not None:
-        n -= model.tok_embeddings.weight.numel()
-    return n
+def model_size(args: ModelArgs) -> ModelSize:
+    total, embedding = count_parameters(Transformer, args)
+    return ModelSize(total=total, active=total, embedding=embedding)
 
 
-def flops_per_token(args: ModelArgs, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per non-embedding parameter (forward + backward matmuls), plus
-    attention scores and values: 6 x 2 x layers x dim x seq_len (causal masking is not discounted)."""
-    return 6 * num_params + 12 * args.n_layers * args.dim * seq_len
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    # The output layer is a matmul; the input embedding is a lookup.
+    size = model_size(args)
+    return transformer_flops_per_token(size.total - size.embedding, args.n_layers, args.n_heads * args.head_dim, seq_len)

@@ -1,73 +1,46 @@
-"""Apply parallelism to a Llama 3 model from outside; the model code stays untouched.
-
-Order: tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP. Checkpointing
-goes inside compile so the compiled graph includes the recomputation; FSDP goes last because it
-must wrap the final form of each block to shard its parameters.
-"""
+"""Llama 3's tensor-parallel plan (as data) and its parallelize function; the order of techniques is
+the shared one of torchtitan.distributed.parallelize."""
 
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from torchtitan.config import ActivationCheckpoint, Parallelism, Training
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.context_parallel import apply_cp
-from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
-from torchtitan.distributed.tensor_parallel import apply_tp
+from torchtitan.distributed.parallelize import parallelize_decoder
+from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_top_plan, gather_sequence_input
 
-
-def parallelize_llama(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    mesh,
-    parallelism: Parallelism,
-    training: Training,
-    activation_checkpoint: ActivationCheckpoint,
-) -> nn.Module:
-    if parallel_dims.tp_enabled:
-        apply_tp(model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel)
-        if parallelism.enable_async_tensor_parallel:
-            _enable_async_tp(mesh["tp"])
-    if parallel_dims.cp_enabled:
-        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method)
-    apply_ac(model, activation_checkpoint.mode, activation_checkpoint.selective_ac_option)
-    if training.compile:
-        # Context-parallel attention communicates, so it runs eagerly between two compiled graphs.
-        apply_compile(model, fullgraph=not parallel_dims.cp_enabled)
-    if parallel_dims.fsdp_enabled:
-        # HSDP when there is a replicate dimension: a 2D mesh; plain FSDP: the shard dimension alone.
-        # Context-parallel ranks join the shard dimension (mesh "dp_shard_cp").
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-        if parallel_dims.pp_enabled:  # a pipeline stage: the schedule decides when blocks may reshard
-            apply_fsdp_to_stage(
-                model,
-                dp_mesh,
-                parallelism.pipeline_parallel_schedule,
-                training.mixed_precision_param,
-                training.mixed_precision_reduce,
-                parallelism.fsdp_reshard_after_forward,
-                training.enable_cpu_offload,
-                parallelism.pipeline_parallel_schedule_csv,
-            )
-            return model
-        apply_fsdp(
-            model,
-            dp_mesh,
-            param_dtype=training.mixed_precision_param,
-            reduce_dtype=training.mixed_precision_reduce,
-            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
-            cpu_offload=training.enable_cpu_offload,
-        )
-    elif parallel_dims.ddp_enabled:
-        apply_ddp(model, mesh["dp_replicate"])
-    return model
+# Where each block calls attention: context parallel replaces `attention.attention_fn`.
+CP_ATTENTION = "attention"
 
 
-def _enable_async_tp(tp_mesh):
-    """Let inductor fuse TP collectives with the matmuls around them (symmetric memory, CUDA only)."""
-    import torch
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+def block_plan() -> dict:
+    return {
+        "attention_norm": SequenceParallel(),
+        # (x, freqs_cis): the rotary table is a plain buffer, passed through untouched.
+        "attention": gather_sequence_input(n_inputs=2),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gather_sequence_input(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
 
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+
+
+def tp_sizes(args) -> dict[str, tuple[int, str]]:
+    return {
+        "n_heads": (args.n_heads, "query heads are split across ranks"),
+        "n_kv_heads": (args.kv_heads, "key/value heads are split across ranks"),
+        "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
+        "dim": (args.dim, "model width"),
+        "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
+    }
+
+
+def parallelize_llama(model: nn.Module, inputs) -> nn.Module:
+    return parallelize_decoder(model, inputs, TP_PLAN, CP_ATTENTION)

@@ -16,6 +16,7 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.spec import HFAdapter
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -200,3 +201,13 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     if intermediate < 1 or args.ffn_hidden_dim != intermediate:
         raise _unsupported("intermediate_size", intermediate, "no feed-forward width setting reproduces it")
     return args
+
+
+ADAPTER = HFAdapter(
+    architecture="LlamaForCausalLM",
+    model_type="llama",
+    to_hf=to_hf,
+    from_hf=from_hf,
+    config=hf_config,
+    args_from_config=args_from_hf_config,
+)

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 RUN_JOBS = REPO / "tests" / "distributed" / "run_jobs.py"
 
 # A small, fast, deterministic job: the debug model at short sequences, fp32, one log line per step.

@@ -1,0 +1,21 @@
+"""Qwen3 (dense): the family's spec, built from its args, model, parallelize plan and HF adapter."""
+
+from torchtitan.models.spec import ModelSpec
+
+
+def build_spec() -> ModelSpec:
+    from torchtitan.models.qwen3 import args, model, parallelize, state_dict_adapter
+
+    return ModelSpec(
+        name="qwen3",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        model_cls=model.Transformer,
+        parallelize=parallelize.parallelize_qwen3,
+        size=model.model_size,
+        flops_per_token=model.flops_per_token,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        cp_attention=parallelize.CP_ATTENTION,
+        hf=state_dict_adapter.ADAPTER,
+    )

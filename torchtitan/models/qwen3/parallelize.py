@@ -1,0 +1,60 @@
+"""Qwen3's tensor-parallel plan (as data) and its parallelize function; the order of techniques is
+the shared one of torchtitan.distributed.parallelize.
+
+The plan is Llama 3's (same module names) plus the per-head q/k norms. Those run inside attention on
+this rank's heads: the input [batch, seq, local heads, head_dim] is declared sharded on the heads
+(dim 2), each head is normalized over its own features, and the norm weight becomes a replicated
+DTensor whose gradient (partial on each rank, from its heads) is summed over the TP ranks. Declaring
+it so, rather than leaving the norms alone, also makes every parameter a DTensor on the tp mesh, as
+gradient clipping and FSDP on top expect.
+"""
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_top_plan, gather_sequence_input
+
+# Where each block calls attention: context parallel replaces `attention.attention_fn`.
+CP_ATTENTION = "attention"
+
+
+def block_plan() -> dict:
+    return {
+        "attention_norm": SequenceParallel(),
+        # (x, rope_cache): the rotary table is a plain buffer, passed through untouched.
+        "attention": gather_sequence_input(n_inputs=2),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        # Sharded on the heads (dim 2), not the sequence: SequenceParallel only marks the input's
+        # sharded dim and replicates the weight, which is what a norm over head_dim needs.
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gather_sequence_input(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+
+
+def tp_sizes(args) -> dict[str, tuple[int, str]]:
+    return {
+        "n_heads": (args.n_heads, "query heads are split across ranks"),
+        "n_kv_heads": (args.kv_heads, "key/value heads are split across ranks"),
+        "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
+        "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
+    }
+
+
+def parallelize_qwen3(model: nn.Module, inputs) -> nn.Module:
+    # Imported here: it pulls in every parallelism (FSDP, compile, pipeline...), which building the
+    # spec, counting parameters or converting weights do not need.
+    from torchtitan.distributed.parallelize import parallelize_decoder
+
+    return parallelize_decoder(model, inputs, TP_PLAN, CP_ATTENTION)

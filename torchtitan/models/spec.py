@@ -1,0 +1,155 @@
+"""What the rest of torchtitan may ask of a model family: one `ModelSpec`, documented here.
+
+The trainer, the components, the parallelisms and the scripts never import a family; they get its
+`ModelSpec` from the registry (`torchtitan.models.registry.get_model_spec(name)`) and use only
+what is listed below. A family is a folder `torchtitan/models/<family>/` that builds one spec.
+
+The model built by `spec.model_cls(args)` (on the meta device) must have:
+- `layers`: an `nn.ModuleDict` of the repeated blocks, keyed by layer id ("0", "1", ...).
+  Activation checkpointing, compile and FSDP wrap these blocks; a pipeline stage drops entries
+  while the names of the others stay those of the full model.
+- the top-level modules named in `spec.pipeline` (before and after `layers`), each of which may be
+  set to None on a pipeline stage that does not hold it; `forward` must skip a None module (the
+  embedding passes its input through, the output returns its input);
+- `init_weights(seed, buffer_device=None)`: fill every parameter and buffer after `to_empty`, with
+  values that depend only on `seed` and the parameter's name (see `torchtitan.models.init`), so
+  that every parallel layout starts from the same weights;
+- for context parallel (`spec.cp_attention` set): in each block, the submodule at that path has an
+  `attention_fn(q, k, v)` attribute ([batch, heads, seq, head_dim], causal) that context parallel
+  replaces, and the model has `set_token_positions(positions)` for rotary embeddings at global
+  positions.
+
+The hyper-parameters (`args`) are a frozen dataclass with at least `n_layers`, `vocab_size` and
+`max_seq_len`; `dataclasses.asdict(args)` is what a checkpoint records and `args_from_dict`
+rebuilds it.
+"""
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over all positions, computed in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of one flavor. `active` is what one token uses (all of it for a dense model);
+    `embedding` is the input embedding, a lookup that costs no matmul FLOPs."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The top-level modules in forward order around `layers`: what pipeline splitting cuts."""
+
+    before: tuple[str, ...] = ("tok_embeddings",)
+    after: tuple[str, ...] = ("norm", "output")
+
+    def module_names(self, n_layers: int) -> list[str]:
+        return [*self.before, *(f"layers.{i}" for i in range(n_layers)), *self.after]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """Conversion to and from a Hugging Face `transformers` model: names, layouts, config.json."""
+
+    architecture: str  # e.g. "LlamaForCausalLM": written into config.json
+    model_type: str  # config.json "model_type" this adapter reads
+    to_hf: Callable[[dict, Any], dict]  # (our state dict, args) -> HF state dict
+    from_hf: Callable[[dict, Any], dict]  # (HF state dict, args) -> our state dict
+    config: Callable[..., dict]  # (args, dtype, bos_id, eos_id) -> config.json dict
+    args_from_config: Callable[[dict], Any]  # config.json dict -> args (UserError if not representable)
+
+
+@dataclass(frozen=True)
+class ParallelizeInputs:
+    """What a family's `parallelize` gets besides the model: the degrees, the mesh and the config
+    sections that decide how to apply each technique (handed over by the trainer)."""
+
+    parallel_dims: Any  # torchtitan.distributed.parallel_dims.ParallelDims
+    mesh: Any  # DeviceMesh with dims (pp, dp_replicate, dp_shard, cp, tp), or None for one process
+    parallelism: Any  # config section [parallelism]
+    training: Any  # config section [training]
+    activation_checkpoint: Any  # config section [activation_checkpoint]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    args_cls: type
+    flavors: dict[str, Any]  # flavor name -> args
+    model_cls: Callable[[Any], nn.Module]  # args -> model (called under torch.device("meta"))
+    # (model or pipeline stage, ParallelizeInputs) -> the model, parallelized in place. Order: TP,
+    # CP, activation checkpointing, compile, FSDP/DDP (torchtitan.distributed.parallelize).
+    parallelize: Callable[[nn.Module, ParallelizeInputs], nn.Module]
+    size: Callable[[Any], ModelSize]  # args -> parameter counts
+    flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
+    # The tensor-parallel plan as data (torchtitan.distributed.tensor_parallel.TensorParallelPlan; None:
+    # no TP) and args -> {name: (size, why)}, every size it splits, each to divide by the TP degree.
+    tp_plan: Any
+    tp_sizes: Callable[[Any], dict[str, tuple[int, str]]]
+    pipeline: PipelineLayout = field(default_factory=PipelineLayout)
+    cp_attention: str | None = "attention"  # path in a block of the module with `attention_fn`; None: no CP
+    hf: HFAdapter | None = None  # None: no Hugging Face export/import for this family
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # (args, ParallelDims) -> None: family-specific checks before launch; raise UserError.
+    validate: Callable[[Any, Any], None] | None = None
+    # Hooks. (model parts, optimizers) after the optimizers are built; (model parts) after every
+    # optimizer step (e.g. a load-balancing update that is not a gradient step).
+    post_optimizer_build: Callable[[list[nn.Module], list], None] | None = None
+    post_optimizer_step: Callable[[list[nn.Module]], None] | None = None
+
+    def args_for_training(self, flavor: str, vocab_size: int, seq_len: int):
+        """The flavor's args with the tokenizer's vocabulary and positions for exactly `seq_len` tokens
+        (the rotary table is built for max_seq_len positions)."""
+        return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max(seq_len, 1))
+
+    def args_from_dict(self, values: dict):
+        """Rebuild args from `dataclasses.asdict(args)` (nested dataclasses included)."""
+        return _dataclass_from_dict(self.args_cls, values)
+
+
+def _dataclass_from_dict(cls: type, values: dict):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise KeyError(f"unknown fields {', '.join(unknown)} for {cls.__name__}")
+    kwargs = {}
+    for name, value in values.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = _dataclass_from_dict(tp, value)
+        elif isinstance(value, list):
+            value = tuple(value) if typing.get_origin(tp) is tuple else value
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def count_parameters(model_cls: Callable[[Any], nn.Module], args) -> tuple[int, int]:
+    """(all parameters, input-embedding parameters) of the model built on the meta device; a weight
+    shared by two modules (tied embeddings) counts once."""
+    with torch.device("meta"):
+        model = model_cls(args)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    return total, embedding
+
+
+def transformer_flops_per_token(matmul_params: int, n_layers: int, attention_width: int, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder: 6 per parameter used in a matmul (2 forward, 4
+    backward), plus the attention scores and weighted values, 6 x 2 x n_layers x attention_width x
+    seq_len (attention_width = heads x head_dim; causal masking is not discounted)."""
+    return 6 * matmul_params + 12 * n_layers * attention_width * seq_len
