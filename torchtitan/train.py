@@ -243,12 +243,11 @@ class Trainer:
             part.init_weights(seed=t.seed, buffer_device=self.device)
             part.train()
         if pipeline is not None:
-            accum = self.plan.grad_accum_steps
-
-            def pipeline_loss(logits, labels):
-                return self.spec.loss_fn(logits, labels) / accum
-
-            attach_schedule(pipeline, parts, cfg.parallelism, t.local_batch_size, self.device, pipeline_loss)
+            # Gradient accumulation under a pipeline: one schedule step runs all of an optimizer step's
+            # micro-batches as more microbatches (the schedule divides the gradients by their count
+            # once; a step per micro-batch would divide the earlier ones again).
+            batch = t.local_batch_size * self.plan.grad_accum_steps
+            attach_schedule(pipeline, parts, cfg.parallelism, batch, self.device, self.spec.loss_fn)
         return parts, pipeline
 
     def build_optimizer(self) -> OptimizerGroup:
@@ -320,8 +319,10 @@ class Trainer:
         stage's rank only (zero elsewhere)."""
         self.optim.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.plan.grad_accum_steps):
-            inputs, labels = next(data_iter)
+        micro_batches = [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
+        if self.pipeline is not None:  # the schedule takes them all at once, as microbatches
+            micro_batches = [tuple(torch.cat(parts) for parts in zip(*micro_batches))]
+        for inputs, labels in micro_batches:
             # With context parallel, this rank trains on the tokens at cp_positions of each sequence.
             inputs, labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
             loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device))
@@ -329,7 +330,8 @@ class Trainer:
         return loss_sum, grad_norm, lr
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its loss / accumulation steps (detached)."""
+        """Forward and backward of one micro-batch; returns its share of the step's mean loss (detached):
+        its loss / accumulation steps, or with a pipeline (one call per step) the step's mean loss."""
         accum = self.plan.grad_accum_steps
         # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
         # must both run inside the context.
@@ -337,7 +339,6 @@ class Trainer:
             if self.pipeline is not None:
                 is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
                 with self.amp:
-                    # The pipeline's loss function already divides by the accumulation steps.
                     loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last)
                 if loss is None:
                     loss = torch.zeros((), device=self.device)

@@ -189,10 +189,11 @@ def test_precompute_is_a_no_op_without_fsdp():
 
 
 def test_rowwise_with_fsdp_all_gather_is_a_user_error():
-    with torch.device("meta"):
-        model = Transformer(ARGS)
-    with pytest.raises(UserError, match="float8.enable_fsdp_float8_all_gather.*float8.recipe_name"):
-        convert_to_float8(model, Float8(recipe_name="rowwise", enable_fsdp_float8_all_gather=True))
+    from torchtitan.config import load_config
+
+    with pytest.raises(UserError, match="float8.enable_fsdp_float8_all_gather works with float8.recipe_name"):
+        load_config(["--model.converters", "float8", "--float8.recipe_name", "rowwise",
+                     "--float8.enable_fsdp_float8_all_gather"])
 
 
 def test_missing_torchao_is_a_user_error(monkeypatch):

@@ -547,3 +547,8 @@ def test_dataclasses_are_frozen():
 def test_import_does_not_import_torch():
     code = "import sys, torchtitan.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_dataset_path_rules():
+    assert "needs training.dataset_path" in error_of(["--training.dataset", "local"])
+    assert "does not read it" in error_of(["--training.dataset_path", "/tmp/x.jsonl"])

@@ -68,12 +68,39 @@ def test_every_layer_once_in_order():
         ),
         (dict(n_layers=2, num_stages=5), r"cannot split model n_layers = 2 into 5 pipeline stages"),
         (dict(n_layers=1, num_stages=2, first_less=3), r"layers per stage would be \[-1, 2\]"),
-        (dict(n_layers=4, num_stages=2, last_less=-1), r"must be >= 0"),
     ],
 )
 def test_split_errors(kwargs, pattern):
     with pytest.raises(UserError, match=pattern):
         split_module_names(LAYOUT, **kwargs)
+
+
+def test_negative_stage_reductions_are_refused_by_the_config():
+    with pytest.raises(UserError, match=r"pipeline_parallel_last_stage_less_layers must be 0 or more"):
+        load_config(["--parallelism.pipeline_parallel_last_stage_less_layers", "-1"])
+    with pytest.raises(ValueError):
+        split_module_names(LAYOUT, n_layers=4, num_stages=2, last_less=-1)
+
+
+def test_a_family_with_other_module_names_splits_by_its_layout():
+    layout = PipelineLayout(before=("wte",), after=("ln_f", "lm_head"))
+    assert split_module_names(layout, 4, 2) == [["wte", "layers.0", "layers.1"], ["layers.2", "layers.3", "ln_f", "lm_head"]]
+    assert parts_from_split_points(layout, 4, ["layers.3"])[1] == ["layers.3", "ln_f", "lm_head"]
+    with pytest.raises(UserError, match=r"unknown module names \['tok_embeddings'\]"):
+        split_module_names(layout, 4, 2, module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"]])
+
+
+def test_shared_weights_across_stages_are_refused():
+    from torchtitan.distributed.pipeline_parallel import check_no_shared_weights_across_stages
+
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    parts = split_module_names(LAYOUT, 4, 2)
+    check_no_shared_weights_across_stages(model, parts)  # untied: fine
+    model.output.weight = model.tok_embeddings.weight
+    with pytest.raises(UserError, match=r"shares one weight between tok_embeddings.weight and output.weight"):
+        check_no_shared_weights_across_stages(model, parts)
+    check_no_shared_weights_across_stages(model, split_module_names(LAYOUT, 4, 1))  # one stage holds both
 
 
 def test_explicit_parts_override_and_are_checked():
@@ -150,7 +177,7 @@ def test_num_stages():
 
 def test_microbatch_errors():
     assert num_microbatches(8, 2) == 4
-    with pytest.raises(UserError, match=r"microbatch_size = 3 does not divide the local batch size 8"):
+    with pytest.raises(ValueError, match=r"microbatch size 3 does not divide the local batch 8"):
         num_microbatches(8, 3)
 
 

@@ -336,11 +336,9 @@ class CheckpointManager:
             return 0, 0
         steps = complete_checkpoints(self.folder)
         if self.cfg.load_step != -1:
+            # preflight_checkpoint explained a missing step before launch.
             if self.cfg.load_step not in steps:
-                raise UserError(
-                    f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint step-{self.cfg.load_step} "
-                    f"in {self.folder}; available steps: {', '.join(map(str, steps)) or 'none'}"
-                )
+                raise ValueError(f"checkpoint step-{self.cfg.load_step} vanished from {self.folder} after preflight")
             newer = [s for s in steps if s > self.cfg.load_step]
             if newer:
                 raise UserError(
@@ -358,9 +356,7 @@ class CheckpointManager:
         return self._load_from(self._path(step), model_only=False, resuming=True)
 
     def _load_initial(self) -> tuple[int, int]:
-        path = self.cfg.initial_load_path
-        if not os.path.isdir(path):
-            raise UserError(f"checkpoint.initial_load_path {path} does not exist or is not a folder")
+        path = self.cfg.initial_load_path  # its existence was checked by preflight_checkpoint
         if self.cfg.initial_load_in_hf:
             from torchtitan.components.hf_checkpoint import load_hf
 

@@ -219,22 +219,14 @@ class _HuggingFaceSource:
 
 
 def _build_source(cfg: Training):
-    """The source named by the config, checked now: every rank fails the same way at start."""
+    """The source named by the config, checked now: every rank fails the same way at start. Which
+    dataset names take a dataset_path is the config validator's rule (torchtitan/config/manager.py)."""
     if cfg.dataset == "python_stdlib":
-        if cfg.dataset_path:
-            raise UserError(
-                f"training.dataset_path is set ({cfg.dataset_path}) but dataset = 'python_stdlib' "
-                "does not read it; set dataset = 'local' (or 'huggingface') to use it, or remove it"
-            )
         source = _StdlibSource()
-    elif cfg.dataset in ("local", "huggingface"):
-        if not cfg.dataset_path:
-            raise UserError(f"training.dataset = '{cfg.dataset}' needs training.dataset_path")
+    elif cfg.dataset in ("local", "huggingface") and cfg.dataset_path:
         source = _LocalSource(cfg.dataset_path) if cfg.dataset == "local" else _HuggingFaceSource(cfg.dataset_path)
     else:
-        raise UserError(
-            f"unknown training.dataset {cfg.dataset!r}; choose python_stdlib, local or huggingface"
-        )
+        raise ValueError(f"unvalidated data config: dataset {cfg.dataset!r}, dataset_path {cfg.dataset_path!r}")
     # Finding one non-empty document is enough: a source too small for one sequence is caught
     # when its first epoch ends.
     if not any(text for text in source.documents(0)):
@@ -401,12 +393,9 @@ class PackedDataset(IterableDataset):
                 "meaningful if the data is the same", self.dataset_path, state["dataset_path"],
             )
         for key in ("seq_len", "global_batch_size"):
+            # Explained to the user before launch (checkpoint.preflight_checkpoint).
             if state[key] != getattr(self, key):
-                raise UserError(
-                    f"the checkpoint's data state was saved with training.{key} = {state[key]}, "
-                    f"now it is {getattr(self, key)}; global sample positions depend on it, so resume "
-                    f"with {key} = {state[key]}"
-                )
+                raise ValueError(f"data state saved with {key} = {state[key]}, loaded with {getattr(self, key)}")
         next_sample = state["next_sample"]
         if next_sample % self.global_batch_size and not self.owns(next_sample):
             raise UserError(
@@ -433,11 +422,6 @@ def build_dataloader(
     The loader never ends (the data loops). To resume, call loader.load_state_dict(state) and
     then iter(loader): the state is applied when the next iterator is created.
     """
-    if cfg.seq_len < 1 or cfg.local_batch_size < 1:
-        raise UserError(
-            f"training.seq_len ({cfg.seq_len}) and training.local_batch_size ({cfg.local_batch_size}) "
-            "must be positive"
-        )
     if global_batch_size % (cfg.local_batch_size * dp_degree):
         raise ValueError(
             f"global batch size {global_batch_size} is not a multiple of local_batch_size "

@@ -48,12 +48,8 @@ def _import_torchao_float8():
 def float8_linear_config(cfg: Float8):
     """torchao's Float8LinearConfig for the [float8] section."""
     ao_float8 = _import_torchao_float8()
-    if cfg.enable_fsdp_float8_all_gather and cfg.recipe_name != "tensorwise":
-        # The config validation rejects this too; repeated here because torchao would only assert.
-        raise UserError(
-            f"float8.enable_fsdp_float8_all_gather works with float8.recipe_name = 'tensorwise' only, got "
-            f"{cfg.recipe_name!r}; turn one of them off"
-        )
+    # The config validator refuses float8 all-gather with other recipes.
+    assert cfg.recipe_name == "tensorwise" or not cfg.enable_fsdp_float8_all_gather
     if cfg.recipe_name == "tensorwise":
         return ao_float8.Float8LinearConfig(
             enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=cfg.emulate

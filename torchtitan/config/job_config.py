@@ -108,6 +108,11 @@ class Training:
     deterministic: bool = opt(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
 
 
+# Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
+# steps; FSDP must keep their blocks gathered between forward and backward.
+ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+
+
 @dataclass(frozen=True)
 class Parallelism:
     data_parallel_replicate_degree: int = opt(

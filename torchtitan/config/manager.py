@@ -19,7 +19,7 @@ else:  # pragma: no cover - the project runs on 3.11, tomli is the 3.10 fallback
     import tomli as tomllib
 
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, JobConfig
+from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, ZERO_BUBBLE_SCHEDULES, JobConfig
 
 # Origin of a value given on the command line (file values carry their path instead).
 _CLI = None
@@ -464,7 +464,7 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             f"training.local_batch_size = {t.local_batch_size} is not a multiple of "
             f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}",
         )
-        zero_bubble = p.pipeline_parallel_schedule.lower() in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
+        zero_bubble = p.pipeline_parallel_schedule.lower() in ZERO_BUBBLE_SCHEDULES
         need(
             not (zero_bubble and p.fsdp_reshard_after_forward == "always"),
             f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with pipeline_parallel_schedule = "

@@ -32,7 +32,6 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from torchtitan.config.errors import UserError
 
 MODES = ("none", "selective", "full")
 
@@ -49,9 +48,10 @@ _SAVED_OPS = {
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "") -> None:
-    """Checkpoint the blocks of `model.layers` in place, as configured by `[activation_checkpoint]`."""
+    """Checkpoint the blocks of `model.layers` in place, as configured by `[activation_checkpoint]`
+    (whose values the config validator has checked and explained)."""
     if mode not in MODES:
-        raise UserError(f"activation_checkpoint.mode must be one of {', '.join(MODES)}; got {mode!r}")
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; one of {', '.join(MODES)}")
     if mode == "none":
         return
     if mode == "full":
@@ -70,10 +70,7 @@ def _parse_selective_option(option) -> tuple[int, object]:
         return 1, op_policy_context
     if text.isascii() and text.isdigit() and int(text) > 0:
         return int(text), None
-    raise UserError(
-        "activation_checkpoint.selective_ac_option must be a positive integer N (checkpoint every N-th "
-        f"block) or 'op' (per-operator policy) when activation_checkpoint.mode is 'selective'; got {option!r}"
-    )
+    raise ValueError(f"selective activation checkpointing takes a positive integer or 'op', got {option!r}")
 
 
 def op_policy_context():

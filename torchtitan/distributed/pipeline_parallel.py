@@ -36,12 +36,11 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import UserError
+from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES
 from torchtitan.models.spec import PipelineLayout
 
 # Schedules that place two stages per rank in a "V": rank r holds stages r and 2*pp-1-r.
 V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
-# Schedules that split the backward into input-grad (B) and weight-grad (W) steps.
-ZERO_BUBBLE_SCHEDULES = {"interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 # torch raises (or deadlocks) for these when there are fewer microbatches than stages.
 _NEED_MB_GE_STAGES = {"1f1b", "interleaved1f1b", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
@@ -163,11 +162,8 @@ def split_module_names(
         return _check_explicit_split(layout, n_layers, num_stages, module_fqns_per_model_part)
     if num_stages < 1 or n_layers < 1:
         raise UserError(f"cannot split model n_layers = {n_layers} into {num_stages} pipeline stages")
-    if first_less < 0 or last_less < 0:
-        raise UserError(
-            f"parallelism.pipeline_parallel_first_stage_less_layers = {first_less} and "
-            f"pipeline_parallel_last_stage_less_layers = {last_less} must be >= 0"
-        )
+    if first_less < 0 or last_less < 0:  # refused, with the keys named, by the config validator
+        raise ValueError(f"negative layer reductions for the first/last stage: {first_less}, {last_less}")
     if num_stages == 1:
         counts = [n_layers]
     else:
@@ -297,11 +293,9 @@ def last_stage_rank(pp_size: int, num_stages: int, style: str = "loop") -> int:
 
 
 def num_microbatches(local_batch_size: int, microbatch_size: int) -> int:
+    # The config validator explains a microbatch size that does not divide the local batch.
     if microbatch_size < 1 or local_batch_size % microbatch_size != 0:
-        raise UserError(
-            f"parallelism.pipeline_parallel_microbatch_size = {microbatch_size} does not divide the local batch size "
-            f"{local_batch_size} (training.global_batch_size / data-parallel degree)"
-        )
+        raise ValueError(f"microbatch size {microbatch_size} does not divide the local batch {local_batch_size}")
     return local_batch_size // microbatch_size
 
 

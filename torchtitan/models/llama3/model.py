@@ -8,10 +8,9 @@ id so that a pipeline stage can drop layers while names stay stable.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import causal_attention
+from torchtitan.models.layers import FeedForward, causal_attention
 from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
@@ -52,17 +51,6 @@ class Attention(nn.Module):
         q, k = apply_rotary_emb(q, k, freqs_cis)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

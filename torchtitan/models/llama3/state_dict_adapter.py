@@ -10,11 +10,10 @@ HF configs have no `multiple_of` / `ffn_dim_multiplier`, only the resulting widt
 config gets a pair chosen to reproduce `intermediate_size` exactly (see `args_from_hf_config`).
 """
 
-import re
-
 import torch
 
 from torchtitan.config.errors import UserError
+from torchtitan.models.hf_conversion import ROTARY_INV_FREQ, check_keys, plain_rope_theta, unsupported
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.spec import HFAdapter
 
@@ -34,8 +33,6 @@ _PER_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-# Older HF checkpoints stored the rotary frequencies; they are recomputed from rope_theta.
-_IGNORED_HF_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 def _name_pairs(args: ModelArgs) -> dict[str, str]:
@@ -48,23 +45,7 @@ def _name_pairs(args: ModelArgs) -> dict[str, str]:
 
 
 def _check_keys(found, expected, what: str, n_layers: int):
-    unknown = [k for k in found if k not in expected]
-    missing = [k for k in expected if k not in found]
-    if unknown or missing:
-        parts = []
-        if unknown:
-            parts.append(f"unknown keys {_first(unknown)}")
-        if missing:
-            parts.append(f"missing keys {_first(missing)}")
-        raise UserError(
-            f"{what} does not match a Llama 3 model with {n_layers} layers: {'; '.join(parts)}. "
-            "Check that the weights and the model configuration belong together."
-        )
-
-
-def _first(keys: list[str], n: int = 5) -> str:
-    more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
-    return ", ".join(keys[:n]) + more
+    check_keys(found, expected, what, f"a Llama 3 model with {n_layers} layers")
 
 
 def _check_heads(w: torch.Tensor, n_heads: int, head_dim: int, name: str):
@@ -102,7 +83,7 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
 def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Hugging Face LlamaForCausalLM state dict -> our state dict (Meta names); the inverse of to_hf."""
     names = {hf: meta for meta, hf in _name_pairs(args).items()}
-    hf_sd = {k: v for k, v in hf_sd.items() if not _IGNORED_HF_KEY.fullmatch(k)}
+    hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
     _check_keys(hf_sd, names, "the Hugging Face state dict", args.n_layers)
     out = {}
     for hf, w in hf_sd.items():
@@ -146,20 +127,7 @@ def hf_config(
 
 
 def _unsupported(field: str, value, why: str) -> UserError:
-    return UserError(f"Hugging Face config has {field} = {value!r}: {why}; only plain Llama models can be imported")
-
-
-def _rope_theta(config: dict) -> float:
-    # Transformers < 5 writes rope_theta (+ rope_scaling); >= 5 writes rope_parameters.
-    for field in ("rope_scaling", "rope_parameters"):
-        rope = config.get(field)
-        if rope is None:
-            continue
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind != "default":
-            raise _unsupported(field, rope, "our model implements plain rotary embeddings without scaling")
-    params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return unsupported(field, value, why, "Llama")
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
@@ -195,7 +163,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         multiple_of=intermediate,
         ffn_dim_multiplier=None if intermediate >= base else intermediate / base,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config),
+        rope_theta=plain_rope_theta(config, 10000.0, "Llama"),
         max_seq_len=config.get("max_position_embeddings", 2048),
     )
     if intermediate < 1 or args.ffn_hidden_dim != intermediate:

@@ -7,11 +7,10 @@ Pure tensor functions, no I/O, and a pure rename: our rotary embedding already u
 very tensor of `tok_embeddings.weight`, as our tied model's state dict has both names.
 """
 
-import re
-
 import torch
 
 from torchtitan.config.errors import UserError
+from torchtitan.models.hf_conversion import ROTARY_INV_FREQ, check_keys, plain_rope_theta, unsupported
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.spec import HFAdapter
 
@@ -33,8 +32,6 @@ _PER_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-# Some exports store the rotary frequencies; they are recomputed from rope_theta.
-_IGNORED_HF_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _OURS_TIED, _HF_TIED = "output.weight", "lm_head.weight"
 
 
@@ -48,26 +45,10 @@ def _name_pairs(args: ModelArgs) -> dict[str, str]:
     return pairs
 
 
-def _first(keys: list[str], n: int = 5) -> str:
-    more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
-    return ", ".join(keys[:n]) + more
-
-
 def _check_keys(found, expected, optional: str | None, what: str, args: ModelArgs):
-    """UserError naming the first unknown and missing keys; `optional` may be absent."""
-    unknown = [k for k in found if k not in expected]
-    missing = [k for k in expected if k not in found and k != optional]
-    if unknown or missing:
-        parts = []
-        if unknown:
-            parts.append(f"unknown keys {_first(unknown)}")
-        if missing:
-            parts.append(f"missing keys {_first(missing)}")
-        tied = "tied" if args.tie_word_embeddings else "untied"
-        raise UserError(
-            f"{what} does not match a Qwen3 model with {args.n_layers} layers and {tied} embeddings: "
-            f"{'; '.join(parts)}. Check that the weights and the model configuration belong together."
-        )
+    tied = "tied" if args.tie_word_embeddings else "untied"
+    check_keys(found, expected, what, f"a Qwen3 model with {args.n_layers} layers and {tied} embeddings",
+               optional=(optional,) if optional else ())
 
 
 def _check_tied_copy(sd: dict, output: str, embedding: str):
@@ -129,7 +110,7 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     pairs = _name_pairs(args)
     names = {hf: ours for ours, hf in pairs.items()}
     tied = args.tie_word_embeddings
-    hf_sd = {k: v for k, v in hf_sd.items() if not _IGNORED_HF_KEY.fullmatch(k)}
+    hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
     _check_keys(hf_sd, names, _HF_TIED if tied else None, "the Hugging Face state dict", args)
     _check_shapes(hf_sd, args, pairs)
     if tied:
@@ -180,23 +161,7 @@ def hf_config(
 
 
 def _unsupported(field: str, value, why: str) -> UserError:
-    return UserError(
-        f"Hugging Face config has {field} = {value!r}: {why}; only plain Qwen3 dense models can be imported"
-    )
-
-
-def _rope_theta(config: dict) -> float:
-    # Transformers < 5 writes rope_theta (+ rope_scaling); >= 5 writes rope_parameters.
-    for field in ("rope_scaling", "rope_parameters"):
-        rope = config.get(field)
-        if rope is None:
-            continue
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind != "default":
-            raise _unsupported(field, rope, "our model implements plain rotary embeddings without scaling")
-    params = config.get("rope_parameters") or {}
-    # Qwen3Config's own default when neither is given.
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return unsupported(field, value, why, "Qwen3 dense")
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
@@ -235,7 +200,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         vocab_size=config["vocab_size"],
         hidden_dim=config["intermediate_size"],
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config),
+        rope_theta=plain_rope_theta(config, 10000.0, "Qwen3 dense"),  # Qwen3Config's default
         max_seq_len=config.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
