@@ -228,30 +228,40 @@ def test_exclude_dataloader_restarts_the_data(straight, tmp_path):
     assert losses(resumed) != losses(history)[3:]
 
 
-def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path):
+@pytest.mark.parametrize(
+    "model, flavor, hf_class",
+    [("llama3", "debugmodel", "LlamaForCausalLM"), ("qwen3", "debugmodel", "Qwen3ForCausalLM"),
+     ("qwen3", "debugmodel_tied", "Qwen3ForCausalLM")],
+)
+def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path, model, flavor, hf_class):
     transformers = pytest.importorskip("transformers")
     from torchtitan.components.hf_checkpoint import read_dcp_model
     from torchtitan.models.registry import get_model_spec
 
-    run(tmp_path / "a", "--checkpoint.last_save_in_hf", steps=2)
+    family = ["--model.name", model, "--model.flavor", flavor]
+    run(tmp_path / "a", "--checkpoint.last_save_in_hf", *family, steps=2)
     hf_dir = tmp_path / "a" / "checkpoint" / "step-2-hf"
     assert (hf_dir / "config.json").exists()
-    # transformers loads the export and computes our model's logits (weights from the DCP step-2 save).
-    spec = get_model_spec("llama3")
+    # transformers loads the export as its own class and computes our model's logits (weights from
+    # the DCP step-2 save).
+    spec = get_model_spec(model)
     sd, args, _ = read_dcp_model(str(tmp_path / "a" / "checkpoint" / "step-2"), spec)
     ours = spec.model_cls(args)
     ours.load_state_dict(sd)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    assert type(theirs).__name__ == hf_class
     tokens = torch.randint(0, args.vocab_size, (2, 16))
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff < 1e-4
     # Starting from the export (Hugging Face import) or from the DCP save gives the same first step.
     from_hf = run(tmp_path / "b", "--checkpoint.initial_load_path", str(hf_dir), "--checkpoint.initial_load_in_hf",
-                  steps=1)
+                  *family, steps=1)
     from_dcp = run(tmp_path / "c", "--checkpoint.initial_load_path", str(tmp_path / "a" / "checkpoint" / "step-2"),
-                   steps=1)
+                   *family, steps=1)
     assert from_hf[0]["loss"] == pytest.approx(from_dcp[0]["loss"], abs=1e-6)
+    fresh = run(tmp_path / "d", *family, steps=1)
+    assert abs(fresh[0]["loss"] - from_hf[0]["loss"]) > 1e-3  # the imported weights were used
 
 
 def test_resume_with_another_global_batch_is_refused_before_training(straight, tmp_path):

@@ -20,6 +20,9 @@ SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
 SPEC = get_model_spec("llama3")
 Transformer = SPEC.model_cls
 ARGS = SPEC.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
+QWEN = get_model_spec("qwen3")
+QWEN_TIED = QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128, vocab_size=128,
+                          max_seq_len=64, tie_word_embeddings=True)
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:
@@ -34,23 +37,48 @@ def script():
     return module
 
 
-@pytest.fixture
-def checkpoint(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+def write_checkpoint(folder: Path, spec, args) -> dict[str, torch.Tensor]:
     """A step-5 folder as the trainer writes it: model and optimizer state, train_state.json."""
     with torch.device("meta"):
-        model = Transformer(ARGS)
+        model = spec.model_cls(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=7)
     sd = model.state_dict()
-    folder = tmp_path / "step-5"
     optimizer = {"state": {k: {"exp_avg": torch.randn_like(v)} for k, v in sd.items()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": sd, "optimizer": optimizer}, checkpoint_id=folder, no_dist=True)
     train_state = {"format_version": 1, "step": 5, "tokens": 640, "model_only": False,
-                   "model": {"name": "llama3", "flavor": "tiny", "args": asdict(ARGS)}}
+                   "model": {"name": spec.name, "flavor": "tiny", "args": asdict(args)}}
     (folder / "train_state.json").write_text(json.dumps(train_state))
-    return folder, sd
+    return sd
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+    return tmp_path / "step-5", write_checkpoint(tmp_path / "step-5", SPEC, ARGS)
+
+
+def test_qwen3_tied_to_transformers_and_back(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    sd = write_checkpoint(tmp_path / "step-5", QWEN, QWEN_TIED)
+    proc = run("to-hf", tmp_path / "step-5", tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert "Qwen3ForCausalLM" in proc.stdout
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    ours = QWEN.model_cls(QWEN_TIED)
+    ours.load_state_dict(sd)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() < 1e-4
+    # from-hf finds the family by config.json's model_type and keeps the tie.
+    proc = run("from-hf", tmp_path / "hf", tmp_path / "step-0")
+    assert proc.returncode == 0, proc.stderr
+    back, back_args, train_state = read_dcp_model(tmp_path / "step-0", QWEN)
+    assert back_args == QWEN_TIED and train_state["model"]["name"] == "qwen3"
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
 
 
 def test_to_hf_and_back(tmp_path, checkpoint):
