@@ -76,6 +76,25 @@ def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
     }
 
 
+def decoder_block_plan() -> dict:
+    """The plan of a pre-norm decoder block with Meta's module names: attention_norm, attention
+    (wq, wk, wv, wo; called with the residual stream and a rotary table), ffn_norm, feed_forward
+    (SwiGLU w1, w2, w3). A family adds to it what its blocks have besides."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_sequence_input(n_inputs=2),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gather_sequence_input(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
 def gather_sequence_input(n_inputs: int = 1) -> PrepareModuleInput:
     """A module whose first input is the sequence-sharded residual stream and whose other inputs (e.g.
     a rotary table) are plain tensors: gather the sequence and hand local tensors to the module, so

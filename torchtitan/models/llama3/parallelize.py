@@ -2,34 +2,14 @@
 the shared one of torchtitan.distributed.parallelize."""
 
 from torch import nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from torchtitan.distributed.parallelize import parallelize_decoder
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_top_plan, gather_sequence_input
+from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_block_plan, decoder_top_plan
 
 # Where each block calls attention: context parallel replaces `attention.attention_fn`.
 CP_ATTENTION = "attention"
-
-
-def block_plan() -> dict:
-    return {
-        "attention_norm": SequenceParallel(),
-        # (x, freqs_cis): the rotary table is a plain buffer, passed through untouched.
-        "attention": gather_sequence_input(n_inputs=2),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": gather_sequence_input(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-
-
-TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+# Llama's blocks are the standard decoder block (attention with the rotary table freqs_cis).
+TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=decoder_block_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:

@@ -1,7 +1,7 @@
 """Qwen3's tensor-parallel plan (as data) and its parallelize function; the order of techniques is
 the shared one of torchtitan.distributed.parallelize.
 
-The plan is Llama 3's (same module names) plus the per-head q/k norms. Those run inside attention on
+The plan is the standard decoder block's (Llama 3's module names) plus the per-head q/k norms. Those run inside attention on
 this rank's heads: the input [batch, seq, local heads, head_dim] is declared sharded on the heads
 (dim 2), each head is normalized over its own features, and the norm weight becomes a replicated
 DTensor whose gradient (partial on each rank, from its heads) is summed over the TP ranks. Declaring
@@ -10,10 +10,9 @@ gradient clipping and FSDP on top expect.
 """
 
 from torch import nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import SequenceParallel
 
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_top_plan, gather_sequence_input
+from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_block_plan, decoder_top_plan
 
 # Where each block calls attention: context parallel replaces `attention.attention_fn`.
 CP_ATTENTION = "attention"
@@ -21,22 +20,11 @@ CP_ATTENTION = "attention"
 
 def block_plan() -> dict:
     return {
-        "attention_norm": SequenceParallel(),
-        # (x, rope_cache): the rotary table is a plain buffer, passed through untouched.
-        "attention": gather_sequence_input(n_inputs=2),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
+        **decoder_block_plan(),
         # Sharded on the heads (dim 2), not the sequence: SequenceParallel only marks the input's
         # sharded dim and replicates the weight, which is what a norm over head_dim needs.
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": gather_sequence_input(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
 
 
