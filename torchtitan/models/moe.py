@@ -1,0 +1,357 @@
+"""A mixture-of-experts feed-forward block that any family can use in place of its dense one.
+
+Token-choice routing: each token picks its top-k experts by router score (softmax or sigmoid over a
+linear gate, computed in float32), optionally only among the best expert groups (node-limited
+routing), and its output is the score-weighted sum of those experts' SwiGLU outputs (plus the
+shared experts', if any). Routed experts keep their weights as 3-D tensors, experts first:
+w1, w3 [experts, hidden, dim] and w2 [experts, dim, hidden] (each slice laid out like nn.Linear).
+
+What is unusual here:
+- Expert matmuls run as one grouped matmul (`torch._grouped_mm`) over the tokens sorted by expert
+  when a one-time probe shows that it works, forward and backward, for the device and dtype;
+  otherwise as a loop of per-expert matmuls (the same results within float32 round-off). The
+  choice is logged once per (device, dtype).
+- Combining: the k outputs of a token are written back to its k assignment slots and summed per
+  token, with no scatter-add, so the result is deterministic on every device.
+- Load balancing without an auxiliary loss: a per-expert bias (buffer `expert_bias`, saved in
+  checkpoints) is added to the scores for choosing experts only. After every optimizer step
+  `update_expert_bias` moves it by `load_balance_coeff` x sign(mean load - expert load), with the
+  token counts of the step summed over every rank that holds a share of the batch, so all ranks
+  keep the same bias. Optional sequence-wise auxiliary loss and router z-loss add their gradients
+  through `_AddAuxiliaryGradient` (the training loss value stays the language-model loss); their
+  values are reported as metrics.
+- Expert capacity (optional): an expert keeps at most ceil(capacity_factor x tokens x top_k /
+  experts) assignments, those with the highest scores; the others are dropped (the token then
+  gets fewer expert outputs) and their share is reported.
+"""
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.init import seeded_init_, trunc_normal
+from torchtitan.models.layers import FeedForward
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 768  # of each routed expert
+    num_shared_experts: int = 0  # dense SwiGLU experts every token goes through (hidden_dim each)
+    score_func: str = "softmax"  # "softmax" or "sigmoid"
+    route_norm: bool = False  # renormalize the top-k scores of a token to sum to 1
+    route_scale: float = 1.0
+    num_expert_groups: int | None = None  # node-limited routing: experts in this many groups...
+    num_limited_groups: int | None = None  # ...of which each token may use the best this many
+    load_balance_coeff: float | None = 1e-3  # bias update rate of aux-loss-free balancing; None: off
+    seq_aux_loss_coeff: float = 0.0  # sequence-wise auxiliary loss; 0: off
+    z_loss_coeff: float = 0.0  # router z-loss; 0: off
+    capacity_factor: float | None = None  # None: no capacity limit, no token dropped
+
+    def check(self) -> list[str]:
+        """What is wrong with these args, for messages before launch."""
+        problems = []
+        if not 1 <= self.top_k <= self.num_experts:
+            problems.append(f"top_k = {self.top_k} must be between 1 and num_experts = {self.num_experts}")
+        if self.score_func not in ("softmax", "sigmoid"):
+            problems.append(f"score_func = {self.score_func!r} must be 'softmax' or 'sigmoid'")
+        if (self.num_expert_groups is None) != (self.num_limited_groups is None):
+            problems.append("num_expert_groups and num_limited_groups go together: set both or neither")
+        elif self.num_expert_groups is not None:
+            g, limit = self.num_expert_groups, self.num_limited_groups
+            if self.num_experts % g:
+                problems.append(f"num_expert_groups = {g} does not divide num_experts = {self.num_experts}")
+            elif not 1 <= limit <= g or limit * (self.num_experts // g) < self.top_k:
+                problems.append(
+                    f"num_limited_groups = {limit} must be in [1, {g}] and leave at least top_k = {self.top_k} experts"
+                )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            problems.append(f"capacity_factor = {self.capacity_factor} must be positive (or unset)")
+        return problems
+
+    def active_fraction(self) -> float:
+        return self.top_k / self.num_experts
+
+
+# ---- expert matmuls ---------------------------------------------------------------------------
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm gives the loop's results, forward and backward, here (probed once)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        ok = False
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            counts = torch.tensor([3, 0, 5], device=device)
+            x = torch.randn(8, 16, generator=g).to(device, dtype).requires_grad_()
+            w = torch.randn(3, 16, 16, generator=g).to(device, dtype).requires_grad_()
+            up = torch.randn(8, 16, generator=g).to(device, dtype)
+            fast = _grouped(x, w, counts)
+            fast_grads = torch.autograd.grad(fast, (x, w), up)
+            slow = _looped(x, w, counts)
+            slow_grads = torch.autograd.grad(slow, (x, w), up)
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            ok = all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+                     for a, b in zip((fast, *fast_grads), (slow, *slow_grads)))
+        except (RuntimeError, NotImplementedError):
+            ok = False
+        _GROUPED_MM_OK[key] = ok
+        logger.info(
+            f"MoE experts on {device.type} in {str(dtype).removeprefix('torch.')}: "
+            + ("one grouped matmul (torch._grouped_mm)" if ok else "a loop of per-expert matmuls (no working grouped matmul)")
+        )
+    return _GROUPED_MM_OK[key]
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def _looped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        out.append(x[start:start + n] @ w[e])
+        start += n
+    return torch.cat(out) if out else x.new_zeros(0, w.shape[-1])
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` sorted by expert (counts[e] rows for expert e) times w[e] ([experts, in, out])."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[-1])
+    if grouped_mm_works(x.device, x.dtype):
+        return _grouped(x, w, counts)
+    return _looped(x, w, counts)
+
+
+def local_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter as a plain tensor for the routing and expert math. Under tensor parallel the MoE
+    block runs on each rank's slice of the sequence with its weights replicated
+    (torchtitan.distributed.tensor_parallel.TokenLocal): each rank's gradient covers its own
+    tokens only, so a replicated weight's gradient is declared partial, to be summed over ranks."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(weight, DTensor):
+        return weight
+    grads = [Partial() if str(p) == "R" else p for p in weight.placements]
+    return weight.to_local(grad_placements=grads)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: tokens sorted by expert, counts[e] of them for (local) expert e."""
+        w1, w2, w3 = (local_tensor(w).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
+        return expert_matmul(h, w2, counts)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None):
+        """x [tokens, dim] -> (top-k weights [tokens, k] fp32, expert ids [tokens, k], scores
+        [tokens, experts] fp32, logits fp32)."""
+        a = self.args
+        logits = F.linear(x, local_tensor(self.gate.weight)).float()
+        scores = torch.softmax(logits, dim=-1) if a.score_func == "softmax" else torch.sigmoid(logits)
+        choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+        if a.num_expert_groups is not None:
+            choice = _limit_to_best_groups(choice, a.num_expert_groups, a.num_limited_groups)
+        ids = torch.topk(choice, a.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, ids)
+        if a.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, ids, scores, logits
+
+
+def _limit_to_best_groups(choice: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
+    """Mask the experts outside each token's `limit` best groups (a group's worth: the sum of its
+    two best choice scores, or its best one for groups of one expert)."""
+    grouped = choice.unflatten(-1, (groups, -1))
+    best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, best.topk(limit, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+class _AddAuxiliaryGradient(torch.autograd.Function):
+    """Return `x` unchanged; in backward, also backpropagate `aux_loss` (times `scale`). The loss
+    value used for logging stays the language-model loss."""
+
+    @staticmethod
+    def forward(ctx, x, aux_loss, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Drop-in for a feed-forward block: forward(x [batch, seq, dim]) -> [batch, seq, dim]."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        problems = args.check()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = (
+            FeedForward(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        # Assignments per expert since the last optimizer step (for the bias update and metrics).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # Set by the family's parallelize: the gradient scale of the auxiliary losses (1 / the number
+        # of equal shares whose gradients are summed, not averaged: accumulation steps, TP ranks),
+        # and the expert-parallel dispatch (None: all experts are local).
+        self.aux_grad_scale = 1.0
+        self.dispatcher: Callable | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        bias = self.expert_bias if a.load_balance_coeff is not None else None
+        weights, ids, scores, logits = self.router(tokens, bias)
+        flat_ids = ids.flatten()
+        counts = torch.bincount(flat_ids, minlength=a.num_experts)
+        keep = None
+        if a.capacity_factor is not None:
+            keep = _within_capacity(flat_ids, weights.detach().flatten(), a.num_experts,
+                                    math.ceil(a.capacity_factor * tokens.shape[0] * a.top_k / a.num_experts))
+        # Assignments sorted by expert (stable: within an expert, in token order).
+        order = torch.argsort(flat_ids, stable=True)
+        if keep is not None:
+            order = order[keep[order]]
+            routed = torch.bincount(flat_ids[order], minlength=a.num_experts)
+        else:
+            routed = counts
+        if _in_forward():  # not again when activation checkpointing recomputes this in backward
+            with torch.no_grad():
+                self.tokens_per_expert += routed.float()
+        token_of = order // a.top_k
+        expert_in = tokens[token_of]
+        if self.dispatcher is not None:
+            expert_out = self.dispatcher(self.experts, expert_in, routed)
+        else:
+            expert_out = self.experts(expert_in, routed)
+        weighted = (expert_out.float() * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
+        slots = weighted.new_zeros(flat_ids.shape[0], shape[-1])
+        slots[order] = weighted
+        out = slots.view(-1, a.top_k, shape[-1]).sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(shape)
+        aux = self._auxiliary_losses(scores, logits, ids, shape[0])
+        if _in_forward():
+            dropped = (1 - routed.sum() / counts.sum()) if keep is not None else torch.zeros(())
+            self.stats = {"dropped": dropped.detach(), **{k: v.detach() for k, v in aux.items()}}
+        aux_total = sum(v for v in aux.values() if v is not None and v.requires_grad)
+        if torch.is_tensor(aux_total) and self.training:
+            out = _AddAuxiliaryGradient.apply(out, aux_total, self.aux_grad_scale)
+        return out
+
+    def _auxiliary_losses(self, scores, logits, ids, batch: int) -> dict:
+        a = self.args
+        aux = {}
+        if a.seq_aux_loss_coeff > 0:
+            # Per sequence: fraction of its assignments per expert (x experts / k) dotted with the
+            # mean normalized score per expert, averaged over sequences.
+            per_seq = scores.view(batch, -1, a.num_experts)
+            normalized = per_seq / per_seq.sum(-1, keepdim=True)
+            load = F.one_hot(ids.view(batch, -1, a.top_k), a.num_experts).sum((1, 2)).float()
+            load = load * a.num_experts / (a.top_k * per_seq.shape[1])
+            aux["seq_aux_loss"] = a.seq_aux_loss_coeff * (load * normalized.mean(1)).sum(-1).mean()
+        if a.z_loss_coeff > 0:
+            aux["z_loss"] = a.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        return aux
+
+    @torch.no_grad()
+    def init_weights(self, prefix: str, seed: int, init_std: float, buffer_device=None):
+        """Seeded per parameter name (prefix = this module's name in the model), like the rest."""
+        device = buffer_device or self.expert_bias.device
+        self.expert_bias = torch.zeros(self.args.num_experts, device=device)
+        self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+        for name, param in self.named_parameters():
+            # As in the dense feed-forward: w1 (and the router) at 0.02, w2 and w3 at the block's
+            # depth-scaled std.
+            std = init_std if name.removesuffix(".weight").rsplit(".", 1)[-1] in ("w2", "w3") else 0.02
+            seeded_init_(param, f"{prefix}.{name}", seed, trunc_normal(std))
+
+
+def _in_forward() -> bool:
+    """False while autograd runs a backward pass (e.g. activation checkpointing's recomputation)."""
+    return torch._C._current_graph_task_id() == -1
+
+
+def _within_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Mask of the assignments each expert keeps: its `capacity` highest-weighted ones."""
+    # By weight, highest first, then (stably) by expert: within an expert, highest weights first.
+    by_weight = torch.argsort(weights, descending=True, stable=True)
+    order = by_weight[torch.argsort(ids[by_weight], stable=True)]
+    sorted_ids = ids[order]
+    starts = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=ids.device))
+    rank = torch.arange(ids.shape[0], device=ids.device) - starts[sorted_ids]
+    keep = torch.empty_like(ids, dtype=torch.bool)
+    keep[order] = rank < capacity
+    return keep
+
+
+@torch.no_grad()
+def update_expert_bias(moe_layers: list[MoE], reduce_group=None) -> None:
+    """After an optimizer step: move each layer's bias toward balance using the step's token counts
+    summed over `reduce_group` (every rank holding a share of the batch), then reset the counts."""
+    import torch.distributed as dist
+
+    if not moe_layers:
+        return
+    counts = torch.stack([m.tokens_per_expert for m in moe_layers])
+    if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+        dist.all_reduce(counts, group=reduce_group)
+    for m, c in zip(moe_layers, counts):
+        if m.args.load_balance_coeff is not None:
+            m.expert_bias += m.args.load_balance_coeff * torch.sign(c.mean() - c)
+            m.expert_bias -= m.expert_bias.mean()  # only differences between experts matter
+        m.last_tokens_per_expert = c.clone()
+        m.tokens_per_expert.zero_()
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def count_moe_parameters(args: MoEArgs, dim: int) -> tuple[int, int]:
+    """(all parameters of one MoE block, those a token uses)."""
+    routed = 3 * dim * args.hidden_dim
+    shared = 3 * dim * args.hidden_dim * args.num_shared_experts
+    gate = dim * args.num_experts
+    return gate + shared + routed * args.num_experts, gate + shared + routed * args.top_k
+
