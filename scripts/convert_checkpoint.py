@@ -40,7 +40,8 @@ def to_hf(checkpoint_dir: str, output: str, dtype: str):
         raise UserError(f"model '{name}' has no Hugging Face adapter in its spec; it cannot be exported")
     sd, args, train_state = read_dcp_model(checkpoint_dir, spec)
     save_hf(output, sd, spec.hf, args, DTYPES[dtype])
-    print(f"wrote {output}: {spec.hf.architecture}, step {train_state.get('step', '?')}, {len(sd)} tensors in {dtype}")
+    architecture = read_hf_config(output)["architectures"][0]
+    print(f"wrote {output}: {architecture}, step {train_state.get('step', '?')}, {len(sd)} tensors in {dtype}")
 
 
 def from_hf(hf_folder: str, output: str, flavor: str):

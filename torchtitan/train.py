@@ -235,7 +235,9 @@ class Trainer:
         pipeline, parts = None, [model]
         if self.dims.pp_enabled:
             parts, pipeline = split_for_rank(model, self.spec.pipeline, cfg.parallelism, self.mesh["pp"])
-        inputs = ParallelizeInputs(self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint)
+        self.parallelize_inputs = inputs = ParallelizeInputs(
+            self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint
+        )
         parts = [self.spec.parallelize(part, inputs) for part in parts]
         for part in parts:
             # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
@@ -294,6 +296,24 @@ class Trainer:
         self.peak_tflops, self.peak_source = device_peak_tflops(
             self.device, dist_utils.DTYPES[t.mixed_precision_param], self.cfg.metrics.device_peak_tflops
         )
+        if self.pipeline is not None:
+            self.warm_up_pipeline()
+
+    def warm_up_pipeline(self):
+        """torch's pipeline schedules infer the stages' tensor shapes with a real forward and backward
+        inside their first step. Done here once, on a batch of zeros with the model in eval mode and
+        the gradients dropped, so that modules that keep training statistics (an MoE's token counts)
+        see only the tokens they train on."""
+        t = self.cfg.training
+        zeros = torch.zeros(t.local_batch_size * self.plan.grad_accum_steps, t.seq_len, dtype=torch.long)
+        zeros = shard_sequence(zeros, self.cp_positions).to(self.device)
+        for part in self.parts:
+            part.eval()
+        with loss_parallel_context(self.loss_parallel), self.amp:
+            pipeline_step(self.pipeline.schedule, zeros, zeros, self.pipeline.is_first, self.pipeline.is_last)
+        for part in self.parts:
+            part.train()
+            part.zero_grad(set_to_none=True)
 
     def log_start(self):
         cfg, t = self.cfg, self.cfg.training
@@ -364,7 +384,7 @@ class Trainer:
             for part in self.parts:
                 precompute_float8_scales(part)
         if self.spec.post_optimizer_step is not None:
-            self.spec.post_optimizer_step(self.parts)
+            self.spec.post_optimizer_step(self.parts, self.parallelize_inputs)
         return grad_norm, lr
 
     # ---- after a step -------------------------------------------------------------------------
@@ -391,6 +411,8 @@ class Trainer:
             "time": now - self.start_time,
             "tokens": step * self.tokens_per_step,
         }
+        if self.spec.metrics is not None:
+            record.update(self.spec.metrics(self.parts, self.parallelize_inputs))
         self.metrics.log(record)
         self.history.append(record)
         self.last_log_time, self.tokens_since_log = now, 0.0

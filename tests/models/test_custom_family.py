@@ -111,7 +111,7 @@ def top_plan(loss_parallel: bool) -> dict:
     return {"wte": standard["tok_embeddings"], "ln_f": standard["norm"], "lm_head": standard["output"]}
 
 
-def block_plan() -> dict:
+def block_plan(block) -> dict:
     return {
         "ln_1": SequenceParallel(),
         "attn": gather_sequence_input(),
@@ -139,7 +139,7 @@ def flops(args: TinyArgs, seq_len: int) -> float:
     return transformer_flops_per_token(s.total - s.embedding, args.n_layers, args.dim, seq_len)
 
 
-def count_step(parts: list[nn.Module]) -> None:
+def count_step(parts: list[nn.Module], inputs) -> None:
     for part in parts:
         part.optimizer_steps += 1
 

@@ -321,20 +321,22 @@ def test_wrong_keys_and_shapes_are_named():
 # ---- parallelism hooks ----
 
 
-def test_spec_and_tp_plan_names_match_the_model():
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_spec_and_tp_plan_names_match_the_model(flavor):
     spec = get_model_spec("qwen3")
-    assert spec.name == "qwen3" and callable(spec.parallelize) and spec.hf.architecture == "Qwen3ForCausalLM"
+    assert spec.name == "qwen3" and callable(spec.parallelize) and "qwen3" in spec.hf.model_types
     TP_PLAN = spec.tp_plan
-    args = spec.flavors["debugmodel"]
-    assert set(spec.tp_sizes(args)) == {"n_heads", "n_kv_heads", "ffn hidden dim", "vocab_size"}
+    args = spec.flavors[flavor]
+    sizes = {"n_heads", "n_kv_heads", "vocab_size"} | ({"ffn hidden dim"} if args.moe is None else set())
+    assert set(spec.tp_sizes(args)) == sizes
     model = meta_model(args)
     block = model.layers["0"]
-    plan = TP_PLAN.block()
+    plan = TP_PLAN.block(block)
     for key in plan:
         block.get_submodule(key)
     # Every parameter of a block is under a module the plan shards or replicates, so all become DTensors.
     for name, _ in block.named_parameters():
-        assert name.rpartition(".")[0] in plan, name
+        assert any(name.startswith(key + ".") for key in plan), name
     for key in TP_PLAN.top(True):
         model.get_submodule(key)
     assert callable(block.get_submodule(spec.cp_attention).attention_fn)

@@ -48,7 +48,7 @@ def save_hf(
     bos_id: int | None = None,
     eos_id: int | None = None,
 ) -> Path:
-    """Write `sd` (our names) as a folder that `transformers` loads as `adapter.architecture`."""
+    """Write `sd` (our names) as a folder that `transformers` loads as the class its config names."""
     hf_sd = adapter.to_hf(sd, args)
     shards = _plan_shards(hf_sd, dtype, max_shard_bytes)
     with _staging(folder) as tmp:
@@ -91,10 +91,10 @@ def load_hf(
     """Read a Hugging Face folder into our names, in the stored dtype, with the args of its
     config.json. With `expected_shapes` (our name -> shape), every tensor must fit them."""
     config = read_hf_config(folder)
-    if config.get("model_type", adapter.model_type) != adapter.model_type:
+    if config.get("model_type", adapter.model_types[0]) not in adapter.model_types:
         raise UserError(
             f"{Path(folder) / HF_CONFIG} describes model_type {config.get('model_type')!r}, but this model reads "
-            f"{adapter.model_type!r} ({adapter.architecture}); choose the matching model.name"
+            f"{' or '.join(map(repr, adapter.model_types))}; choose the matching model.name"
         )
     hf_args = adapter.args_from_config(config)
     sd = adapter.from_hf(_read_safetensors(Path(folder)), hf_args)

@@ -70,6 +70,9 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
+_STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens"}
+
+
 class MetricsLogger:
     """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard and
     metrics.jsonl. Values must already be global (reduced over ranks) where that matters."""
@@ -88,10 +91,12 @@ class MetricsLogger:
 
     def log(self, values: dict):
         step = values["step"]
+        # A model's own summaries (keys without "/", beyond the standard ones) close the line.
+        extra = "".join(f"  {k}: {v:.4g}" for k, v in values.items() if k not in _STANDARD and "/" not in k)
         logger.info(
             f"step: {step:>5}  loss: {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
             f"lr: {values['lr']:.2e}  memory: {values['memory_gib']:5.2f}GiB  tps: {values['tps']:,.0f}  "
-            f"tflops: {values['tflops']:.2f}  mfu: {values['mfu']:.2f}%"
+            f"tflops: {values['tflops']:.2f}  mfu: {values['mfu']:.2f}%{extra}"
         )
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(values) + "\n")

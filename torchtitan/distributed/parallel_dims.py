@@ -106,7 +106,8 @@ class ParallelDims:
         """A mesh with dims (pp, dp_replicate, dp_shard, cp, tp): tp innermost so tensor-parallel peers are
         neighbours (same node), pp outermost (point-to-point traffic crosses nodes best). Flattened:
         'dp' (data loading: ranks that read different batches), 'dp_shard_cp' (FSDP's shard dimension) and
-        'dp_cp' (ranks whose losses are averaged). None for one process."""
+        'dp_cp' (ranks whose losses are averaged) and 'dp_cp_tp' (all ranks of one pipeline stage).
+        None for one process."""
         if self.world_size == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
@@ -119,4 +120,5 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
         return mesh

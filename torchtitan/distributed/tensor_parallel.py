@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 # Renamed: apply_tp's `loss_parallel` argument would shadow it.
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 from torch.distributed.tensor.parallel import (
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.errors import UserError
 
@@ -76,7 +77,7 @@ def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
     }
 
 
-def decoder_block_plan() -> dict:
+def decoder_block_plan(block: nn.Module | None = None) -> dict:
     """The plan of a pre-norm decoder block with Meta's module names: attention_norm, attention
     (wq, wk, wv, wo; called with the residual stream and a rotary table), ffn_norm, feed_forward
     (SwiGLU w1, w2, w3). A family adds to it what its blocks have besides."""
@@ -105,13 +106,31 @@ def gather_sequence_input(n_inputs: int = 1) -> PrepareModuleInput:
     )
 
 
+class TokenLocal(ParallelStyle):
+    """For a module that computes token by token (a mixture of experts): it runs on this rank's slice
+    of the sequence, with no communication in forward. Its parameters become DTensors replicated
+    over the TP ranks (buffers stay plain tensors); since each rank's gradient covers its own tokens
+    only, the module must read them through `torchtitan.models.moe.local_tensor`, which declares
+    those gradients partial, so that they are summed over the ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def replicate_parameters(_name, submodule, mesh):
+            for name, param in list(submodule.named_parameters(recurse=False)):
+                submodule.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def local_tokens(_module, inputs, _mesh):
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+        return distribute_module(module, device_mesh, replicate_parameters, input_fn=local_tokens)
+
+
 @dataclass(frozen=True)
 class TensorParallelPlan:
     """A family's TP plan as data: styles keyed by module name, for the top-level modules (given
-    whether loss parallel is on) and for one block (names relative to the block)."""
+    whether loss parallel is on) and for a block (given the block; names relative to it)."""
 
     top: Callable[[bool], dict] = decoder_top_plan
-    block: Callable[[], dict] = dict
+    block: Callable[[nn.Module], dict] = decoder_block_plan
 
 
 def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel: bool) -> None:
@@ -127,7 +146,7 @@ def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan.block())
+        parallelize_module(block, tp_mesh, plan.block(block))
     for names in shared:
         first = model.get_parameter(names[0])
         for name in names[1:]:

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.init import seeded_init_, trunc_normal
 from torchtitan.models.layers import FeedForward
 
 logger = logging.getLogger(__name__)
@@ -254,7 +253,7 @@ class MoE(nn.Module):
             routed = torch.bincount(flat_ids[order], minlength=a.num_experts)
         else:
             routed = counts
-        if _in_forward():  # not again when activation checkpointing recomputes this in backward
+        if self.training and _in_training_forward():  # counted once per trained token
             with torch.no_grad():
                 self.tokens_per_expert += routed.float()
         token_of = order // a.top_k
@@ -271,7 +270,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(tokens)
         out = out.view(shape)
         aux = self._auxiliary_losses(scores, logits, ids, shape[0])
-        if _in_forward():
+        if self.training and _in_training_forward():
             dropped = (1 - routed.sum() / counts.sum()) if keep is not None else torch.zeros(())
             self.stats = {"dropped": dropped.detach(), **{k: v.detach() for k, v in aux.items()}}
         aux_total = sum(v for v in aux.values() if v is not None and v.requires_grad)
@@ -294,22 +293,19 @@ class MoE(nn.Module):
             aux["z_loss"] = a.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
         return aux
 
-    @torch.no_grad()
-    def init_weights(self, prefix: str, seed: int, init_std: float, buffer_device=None):
-        """Seeded per parameter name (prefix = this module's name in the model), like the rest."""
-        device = buffer_device or self.expert_bias.device
+    def reset_buffers(self, device=None):
+        """After `to_empty`: a zero bias and zero counts (the family's init_weights draws the
+        parameters, seeded by name like all others)."""
+        device = device or self.expert_bias.device
         self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
-        for name, param in self.named_parameters():
-            # As in the dense feed-forward: w1 (and the router) at 0.02, w2 and w3 at the block's
-            # depth-scaled std.
-            std = init_std if name.removesuffix(".weight").rsplit(".", 1)[-1] in ("w2", "w3") else 0.02
-            seeded_init_(param, f"{prefix}.{name}", seed, trunc_normal(std))
 
 
-def _in_forward() -> bool:
-    """False while autograd runs a backward pass (e.g. activation checkpointing's recomputation)."""
-    return torch._C._current_graph_task_id() == -1
+def _in_training_forward() -> bool:
+    """True in a forward pass that trains: not while autograd runs a backward pass (activation
+    checkpointing's recomputation), nor under no_grad (evaluation, or a pipeline stage inferring
+    its shapes on the first step, which would count one microbatch twice)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
 def _within_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -326,7 +322,7 @@ def _within_capacity(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
 
 
 @torch.no_grad()
-def update_expert_bias(moe_layers: list[MoE], reduce_group=None) -> None:
+def update_expert_bias(moe_layers: list["MoE"], reduce_group=None) -> None:
     """After an optimizer step: move each layer's bias toward balance using the step's token counts
     summed over `reduce_group` (every rank holding a share of the batch), then reset the counts."""
     import torch.distributed as dist
@@ -346,6 +342,66 @@ def update_expert_bias(moe_layers: list[MoE], reduce_group=None) -> None:
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+# ---- hooks for a family's spec ----------------------------------------------------------------
+
+
+def _batch_group(inputs):
+    """The ranks that hold shares of the same batch for the same layers: all but the pipeline's."""
+    return inputs.mesh["dp_cp_tp"].get_group() if inputs.mesh is not None else None
+
+
+def configure_moe(model: nn.Module, inputs) -> None:
+    """From a family's parallelize: the auxiliary losses' gradient scale. Their gradients are summed,
+    not averaged, over gradient-accumulation micro-batches (a pipeline averages its microbatches
+    itself) and over tensor-parallel ranks (each routes its own slice of the sequence)."""
+    dims, t = inputs.parallel_dims, inputs.training
+    accum = 1 if dims.pp_enabled else dims.batch(t.local_batch_size, t.global_batch_size)[1]
+    for _, m in moe_layers(model):
+        m.aux_grad_scale = 1.0 / (accum * dims.tp)
+
+
+def balance_after_step(model_parts: list[nn.Module], inputs) -> None:
+    """post_optimizer_step hook: the expert-bias update with the step's counts from every rank."""
+    layers = [m for part in model_parts for _, m in moe_layers(part)]
+    update_expert_bias(layers, _batch_group(inputs))
+
+
+def expert_load_metrics(model_parts: list[nn.Module], inputs) -> dict[str, float]:
+    """metrics hook: per MoE layer, the max and mean assignments per expert of the last step (over
+    all ranks), their ratio, the dropped share and the auxiliary losses (means over ranks); and two
+    summaries for the console, the worst layer's max/mean and the mean dropped share."""
+    import torch.distributed as dist
+
+    group = _batch_group(inputs)
+    local: dict[str, float] = {}
+    for part in model_parts:
+        for name, m in moe_layers(part):
+            layer = name.split(".")[1] if name.startswith("layers.") else name
+            counts = getattr(m, "last_tokens_per_expert", None)
+            if counts is None:
+                continue
+            stats = {k: v.float().reshape(()) for k, v in m.stats.items()}
+            if group is not None and stats:
+                values = torch.stack(list(stats.values()))
+                dist.all_reduce(values, group=group)
+                stats = dict(zip(stats, values / dist.get_world_size(group)))
+            mean = counts.mean().item()
+            local[f"moe/layer{layer}/max_load"] = counts.max().item()
+            local[f"moe/layer{layer}/mean_load"] = mean
+            local[f"moe/layer{layer}/max_over_mean"] = counts.max().item() / mean if mean > 0 else 0.0
+            local.update({f"moe/layer{layer}/{k}": v.item() for k, v in stats.items()})
+    if inputs.parallel_dims.pp_enabled:  # each stage holds some of the layers
+        gathered = [None] * inputs.mesh["pp"].size()
+        dist.all_gather_object(gathered, local, group=inputs.mesh["pp"].get_group())
+        local = {k: v for d in gathered for k, v in d.items()}
+    ratios = [v for k, v in local.items() if k.endswith("/max_over_mean")]
+    dropped = [v for k, v in local.items() if k.endswith("/dropped")]
+    if ratios:
+        local["moe_max_over_mean"] = max(ratios)
+        local["moe_dropped"] = sum(dropped) / len(dropped) if dropped else 0.0
+    return local
 
 
 def count_moe_parameters(args: MoEArgs, dim: int) -> tuple[int, int]:

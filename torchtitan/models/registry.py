@@ -72,9 +72,9 @@ def spec_for_hf_config(config: dict) -> ModelSpec:
     model_type = config.get("model_type")
     for name in model_names():
         spec = get_model_spec(name)
-        if spec.hf is not None and spec.hf.model_type == model_type:
+        if spec.hf is not None and model_type in spec.hf.model_types:
             return spec
-    known = sorted(get_model_spec(n).hf.model_type for n in model_names() if get_model_spec(n).hf is not None)
+    known = sorted(t for n in model_names() if get_model_spec(n).hf is not None for t in get_model_spec(n).hf.model_types)
     raise UserError(
         f"Hugging Face config has model_type = {model_type!r}, which no registered model reads; "
         f"supported: {', '.join(known)}"

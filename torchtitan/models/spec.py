@@ -65,8 +65,7 @@ class PipelineLayout:
 class HFAdapter:
     """Conversion to and from a Hugging Face `transformers` model: names, layouts, config.json."""
 
-    architecture: str  # e.g. "LlamaForCausalLM": written into config.json
-    model_type: str  # config.json "model_type" this adapter reads
+    model_types: tuple[str, ...]  # the config.json "model_type" values this adapter reads (and writes)
     to_hf: Callable[[dict, Any], dict]  # (our state dict, args) -> HF state dict
     from_hf: Callable[[dict, Any], dict]  # (HF state dict, args) -> our state dict
     config: Callable[..., dict]  # (args, dtype, bos_id, eos_id) -> config.json dict
@@ -106,10 +105,13 @@ class ModelSpec:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     # (args, ParallelDims) -> None: family-specific checks before launch; raise UserError.
     validate: Callable[[Any, Any], None] | None = None
-    # Hooks. (model parts, optimizers) after the optimizers are built; (model parts) after every
-    # optimizer step (e.g. a load-balancing update that is not a gradient step).
+    # Hooks. (model parts, optimizers) after the optimizers are built; (model parts, ParallelizeInputs)
+    # after every optimizer step (e.g. a load-balancing update that is not a gradient step); and at
+    # every logged step, (model parts, ParallelizeInputs) -> extra metrics, global values (every rank
+    # calls it; keys with a "/" go to metrics.jsonl and TensorBoard only, the others to the console too).
     post_optimizer_build: Callable[[list[nn.Module], list], None] | None = None
-    post_optimizer_step: Callable[[list[nn.Module]], None] | None = None
+    post_optimizer_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
+    metrics: Callable[[list[nn.Module], ParallelizeInputs], dict[str, float]] | None = None
 
     def args_for_training(self, flavor: str, vocab_size: int, seq_len: int):
         """The flavor's args with the tokenizer's vocabulary and positions for exactly `seq_len` tokens
@@ -130,6 +132,9 @@ def _dataclass_from_dict(cls: type, values: dict):
     kwargs = {}
     for name, value in values.items():
         tp = hints[name]
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) == 1:  # X | None
+            tp = options[0]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             value = _dataclass_from_dict(tp, value)
         elif isinstance(value, list):

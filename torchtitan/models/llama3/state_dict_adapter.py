@@ -172,8 +172,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 
 ADAPTER = HFAdapter(
-    architecture="LlamaForCausalLM",
-    model_type="llama",
+    model_types=("llama",),
     to_hf=to_hf,
     from_hf=from_hf,
     config=hf_config,

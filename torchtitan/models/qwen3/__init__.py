@@ -4,6 +4,7 @@ from torchtitan.models.spec import ModelSpec
 
 
 def build_spec() -> ModelSpec:
+    from torchtitan.models import moe
     from torchtitan.models.qwen3 import args, model, parallelize, state_dict_adapter
 
     return ModelSpec(
@@ -18,4 +19,8 @@ def build_spec() -> ModelSpec:
         tp_sizes=parallelize.tp_sizes,
         cp_attention=parallelize.CP_ATTENTION,
         hf=state_dict_adapter.ADAPTER,
+        validate=args.validate,
+        # Qwen3-MoE flavors balance their experts and report the load; no-ops for dense flavors.
+        post_optimizer_step=moe.balance_after_step,
+        metrics=moe.expert_load_metrics,
     )

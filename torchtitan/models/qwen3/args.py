@@ -2,6 +2,9 @@
 
 from dataclasses import dataclass
 
+from torchtitan.config.errors import UserError
+from torchtitan.models.moe import MoEArgs
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -21,6 +24,8 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     # Scale each block's output-projection init by its depth (True) or by the model depth (False).
     depth_init: bool = True
+    # Qwen3-MoE: every block's feed-forward is a mixture of experts (hidden_dim is then unused).
+    moe: MoEArgs | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -55,4 +60,26 @@ flavors: dict[str, ModelArgs] = {
     "8B": _published(dim=4096, hidden_dim=12288, n_layers=36, n_heads=32, tied=False),
     "14B": _published(dim=5120, hidden_dim=17408, n_layers=40, n_heads=40, tied=False),
     "32B": _published(dim=5120, hidden_dim=25600, n_layers=64, n_heads=64, tied=False),
+    # Qwen3-MoE. debugmodel_moe: 8 experts, top-2, CPU-sized, so that the parity matrix stays fast.
+    # The published sizes (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B): 128 experts, top-8 with
+    # renormalized weights (norm_topk_prob), 4 KV heads.
+    "debugmodel_moe": ModelArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, vocab_size=4096,
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, route_norm=True),
+    ),
+    "30B-A3B": ModelArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, hidden_dim=6144,
+        moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=768, route_norm=True),
+    ),
+    "235B-A22B": ModelArgs(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, hidden_dim=12288,
+        moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=1536, route_norm=True),
+    ),
 }
+
+
+def validate(args: ModelArgs, parallel_dims) -> None:
+    """Before launch: the flavor's mixture-of-experts settings make sense."""
+    problems = args.moe.check() if args.moe is not None else []
+    if problems:
+        raise UserError(f"model args of this Qwen3-MoE flavor: {'; '.join(problems)}")

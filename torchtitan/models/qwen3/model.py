@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.layers import FeedForward, causal_attention
+from torchtitan.models.moe import MoE, count_moe_parameters, moe_layers
 from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
@@ -74,7 +75,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Qwen3-MoE: the same block with a mixture of experts in place of the dense feed-forward.
+        self.feed_forward = MoE(args.dim, args.moe) if args.moe else FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers
@@ -135,6 +137,8 @@ class Transformer(nn.Module):
         self.rope_cache = self._rope_cache().to(buffer_device or self.rope_cache.device)
         for name, param in self.named_parameters():
             seeded_init_(param, name, seed, self._init_for(name))
+        for _, moe in moe_layers(self):
+            moe.reset_buffers(buffer_device)
 
     def _init_for(self, name: str):
         parts = name.split(".")
@@ -152,19 +156,24 @@ class Transformer(nn.Module):
         if parts[0] == "output":
             return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
         block = self.layers[parts[1]]
-        if parts[-2] in ("wq", "wk", "wv", "w1"):
+        # The projection's name: wq ... w3, also for the experts' 3-D weights; "gate": the MoE router.
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in ("wq", "wk", "wv", "w1", "gate"):
             return trunc_normal(0.02)
         return trunc_normal(block.out_init_std)  # wo, w2, w3
 
 
 def model_size(args: ModelArgs) -> ModelSize:
     total, embedding = count_parameters(Transformer, args)
-    return ModelSize(total=total, active=total, embedding=embedding)
+    active = total
+    if args.moe is not None:  # a token uses top_k of the routed experts
+        moe_total, moe_active = count_moe_parameters(args.moe, args.dim)
+        active -= args.n_layers * (moe_total - moe_active)
+    return ModelSize(total=total, active=active, embedding=embedding)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     # The input embedding is a lookup; the output layer is a matmul even when it reuses the
     # embedding's weight, which `total` then counts once only.
     size = model_size(args)
-    matmul = size.total - size.embedding + (args.vocab_size * args.dim if args.tie_word_embeddings else 0)
+    matmul = size.active - size.embedding + (args.vocab_size * args.dim if args.tie_word_embeddings else 0)
     return transformer_flops_per_token(matmul, args.n_layers, args.n_heads * args.head_dim, seq_len)

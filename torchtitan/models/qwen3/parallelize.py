@@ -12,32 +12,42 @@ gradient clipping and FSDP on top expect.
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_block_plan, decoder_top_plan
+from torchtitan.distributed.tensor_parallel import TensorParallelPlan, TokenLocal, decoder_block_plan, decoder_top_plan
+from torchtitan.models.moe import MoE, configure_moe
 
 # Where each block calls attention: context parallel replaces `attention.attention_fn`.
 CP_ATTENTION = "attention"
 
 
-def block_plan() -> dict:
-    return {
-        **decoder_block_plan(),
+def block_plan(block: nn.Module) -> dict:
+    plan = {
+        **decoder_block_plan(block),
         # Sharded on the heads (dim 2), not the sequence: SequenceParallel only marks the input's
         # sharded dim and replicates the weight, which is what a norm over head_dim needs.
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
+    if isinstance(block.feed_forward, MoE):
+        # Experts work token by token: each rank routes its own slice of the sequence, with
+        # replicated weights whose gradients are summed over the TP ranks (same router everywhere).
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+        plan["feed_forward"] = TokenLocal()
+    return plan
 
 
 TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:
-    return {
+    sizes = {
         "n_heads": (args.n_heads, "query heads are split across ranks"),
         "n_kv_heads": (args.kv_heads, "key/value heads are split across ranks"),
         "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
+    if args.moe is not None:  # experts are not split by tensor parallel (see block_plan)
+        del sizes["ffn hidden dim"]
+    return sizes
 
 
 def parallelize_qwen3(model: nn.Module, inputs) -> nn.Module:
@@ -45,4 +55,5 @@ def parallelize_qwen3(model: nn.Module, inputs) -> nn.Module:
     # spec, counting parameters or converting weights do not need.
     from torchtitan.distributed.parallelize import parallelize_decoder
 
+    configure_moe(model, inputs)
     return parallelize_decoder(model, inputs, TP_PLAN, CP_ATTENTION)

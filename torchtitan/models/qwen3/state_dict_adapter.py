@@ -207,8 +207,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 
 ADAPTER = HFAdapter(
-    architecture="Qwen3ForCausalLM",
-    model_type="qwen3",
+    model_types=("qwen3",),
     to_hf=to_hf,
     from_hf=from_hf,
     config=hf_config,
