@@ -111,6 +111,11 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         parts = plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
         with torch.device("meta"):
             check_no_shared_weights_across_stages(spec.model_cls(model_args), parts)
+    if dims.ep_enabled and spec.size(model_args).active == spec.size(model_args).total:
+        raise UserError(
+            f"parallelism.expert_parallel_degree = {dims.ep} splits the experts of a mixture-of-experts model, but "
+            f"model {spec.name} {cfg.model.flavor} has none; set it to 1 (or choose an MoE flavor)"
+        )
     if spec.hf is None and (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_in_hf):
         raise UserError(
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "
@@ -235,8 +240,9 @@ class Trainer:
         pipeline, parts = None, [model]
         if self.dims.pp_enabled:
             parts, pipeline = split_for_rank(model, self.spec.pipeline, cfg.parallelism, self.mesh["pp"])
+        expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.dims.ep_enabled else None
         self.parallelize_inputs = inputs = ParallelizeInputs(
-            self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint
+            self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint, expert_mesh
         )
         parts = [self.spec.parallelize(part, inputs) for part in parts]
         for part in parts:

@@ -406,8 +406,9 @@ class CheckpointManager:
         if load_optimizer:
             for part, opt, sd in zip(self.parts, self.optimizers, optim_sds):
                 set_optimizer_state_dict(part, opt, sd)
-                for group, lr in zip(opt.param_groups, state["optimizer_lrs"]):
-                    group["lr"] = lr
+                # One learning rate for all groups (their number depends on the layout: one per mesh).
+                for group in opt.param_groups:
+                    group["lr"] = state["optimizer_lrs"][0]
         if model_only:
             logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s")
             return 0, 0

@@ -13,8 +13,16 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         "for-loop": {"fused": False, "foreach": False},
     }[cfg.implementation]
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    params = [p for p in model.parameters() if p.requires_grad]
-    return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl)
+    # One parameter group per device mesh: the fused and foreach kernels take each group's tensors
+    # together, and DTensors of different meshes (expert-parallel experts beside the dense weights)
+    # cannot meet in one kernel.
+    groups: dict[object, list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    param_groups = [{"params": params} for params in groups.values()]
+    return cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+               **impl)
 
 
 class OptimizerGroup:

@@ -140,6 +140,12 @@ class Parallelism:
         "Context parallel degree: each sequence is split over this many ranks (load-balanced chunks, ring "
         "attention); seq_len must be divisible by 2 x context_parallel_degree x tensor_parallel_degree.",
     )
+    expert_parallel_degree: int = opt(
+        1,
+        "Expert parallel degree (models with a mixture of experts): the experts are split over this many ranks "
+        "taken from data_parallel_shard_degree x context_parallel_degree, tokens travel to their experts by "
+        "all-to-all; FSDP shards the experts over the ranks that remain. Must divide the number of experts.",
+    )
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
         "allgather",
         "How context-parallel attention sees the other ranks' keys and values: allgather (gather them all at "

@@ -492,6 +492,7 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             "stages); convert the last checkpoint with scripts/convert_checkpoint.py to-hf instead",
         )
     need(p.tensor_parallel_degree >= 1, f"parallelism.tensor_parallel_degree must be 1 or more, got {p.tensor_parallel_degree}")
+    need(p.expert_parallel_degree >= 1, f"parallelism.expert_parallel_degree must be 1 or more, got {p.expert_parallel_degree}")
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     need(cp >= 1, f"parallelism.context_parallel_degree must be 1 or more, got {cp}")
     if cp > 1:

@@ -14,11 +14,17 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward_policy: str,
     cpu_offload: bool = False,
+    sharded_apart: tuple[nn.Module, ...] = (),
+    apart_mesh=None,
 ):
+    """FSDP2 per block and at the root. Modules in `sharded_apart` (expert-parallel experts, whose
+    weights live on another mesh) get a fully_shard of their own over `apart_mesh` first."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     # Offload keeps sharded parameters, gradients and optimizer state in host memory (CUDA jobs).
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     reshard_blocks = reshard_after_forward_policy != "never"
+    for module in sharded_apart:
+        fully_shard(module, mesh=apart_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks, offload_policy=offload)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks, offload_policy=offload)
     # The root holds the embedding, final norm and output layer; backward needs the output layer first,

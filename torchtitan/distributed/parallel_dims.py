@@ -14,6 +14,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @staticmethod
     def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
@@ -43,7 +44,16 @@ class ParallelDims:
                 f"combined with tensor_parallel_degree {tp} or pipeline_parallel_degree {pp}; shard instead: set "
                 f"data_parallel_shard_degree = {replicate} and data_parallel_replicate_degree = 1"
             )
-        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp)
+        ep = cfg.expert_parallel_degree
+        if ep > 1 and (shard * cp) % ep:
+            raise UserError(
+                f"parallelism.expert_parallel_degree = {ep} must divide data_parallel_shard_degree x "
+                f"context_parallel_degree = {shard} x {cp} = {shard * cp} (the ranks experts are split over); "
+                f"choose an expert_parallel_degree that divides {shard * cp}"
+            )
+        if ep > 1 and replicate > 1 and shard == 1 and cp == 1:
+            raise UserError("parallelism.expert_parallel_degree needs sharded data parallel; DDP cannot lend it ranks")
+        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
 
     @property
     def dp_degree(self) -> int:
@@ -77,6 +87,10 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -95,12 +109,28 @@ class ParallelDims:
             kind = ""
         parts = (
             (["PP"] if self.pp_enabled else []) + ([kind] if kind else []) + (["CP"] if self.cp_enabled else [])
-            + (["TP"] if self.tp_enabled else [])
+            + (["TP"] if self.tp_enabled else []) + (["EP"] if self.ep_enabled else [])
         )
+        ep = f" (experts: ep={self.ep} of dp_shard x cp)" if self.ep_enabled else ""
         return (
             f"{' x '.join(parts) or 'single process'}: pp={self.pp} x dp_replicate={self.dp_replicate} x "
-            f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks"
+            f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks{ep}"
         )
+
+    def build_expert_mesh(self, device_type: str):
+        """The experts' mesh over the same ranks (pp, dp_replicate, dp_shard_mod_ep, ep, tp): the
+        dp_shard x cp ranks split into ep (inner: an expert group) and the rest, which shard each
+        expert group's weights with FSDP. Flattened: 'expert_dp' (dp_replicate x dp_shard_mod_ep)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        rest = self.dp_shard * self.cp // self.ep
+        mesh = init_device_mesh(
+            device_type,
+            (self.pp, self.dp_replicate, rest, self.ep, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"),
+        )
+        mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
+        return mesh
 
     def build_mesh(self, device_type: str):
         """A mesh with dims (pp, dp_replicate, dp_shard, cp, tp): tp innermost so tensor-parallel peers are

@@ -387,6 +387,8 @@ def apply_fsdp_to_stage(
     reshard_after_forward_policy: str = "default",
     cpu_offload: bool = False,
     csv_path: str | None = None,
+    sharded_apart: tuple[nn.Module, ...] = (),
+    apart_mesh=None,
 ) -> nn.Module:
     """FSDP2 for one stage: each block and the stage root, as without PP.
 
@@ -409,7 +411,7 @@ def apply_fsdp_to_stage(
     policy = reshard_after_forward_policy
     if policy == "default" or csv_path or schedule_name.lower() in ZERO_BUBBLE_SCHEDULES:
         policy = "never"
-    return apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, policy, cpu_offload)
+    return apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, policy, cpu_offload, sharded_apart, apart_mesh)
 
 
 

@@ -116,7 +116,8 @@ class TokenLocal(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def replicate_parameters(_name, submodule, mesh):
             for name, param in list(submodule.named_parameters(recurse=False)):
-                submodule.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+                if not isinstance(param, DTensor):  # expert parallel placed the routed experts already
+                    submodule.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
         def local_tokens(_module, inputs, _mesh):
             return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)

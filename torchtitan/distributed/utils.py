@@ -89,10 +89,19 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     are summed over `pp_group`. max_norm = 0 only measures the norm.
     """
     params = [p for p in parameters if p.grad is not None]
-    if params:
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+    # Gradients on different meshes (expert-parallel experts beside the dense weights) cannot meet in
+    # one norm kernel: take each mesh's norm, then combine them.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        total = norms[0]
+    elif norms:
+        total = torch.stack([n.float() for n in norms]).square().sum().sqrt()
     else:
         total = torch.zeros((), dtype=torch.float32)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
@@ -100,7 +109,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_group)
         total = squares.sqrt()
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

@@ -123,13 +123,15 @@ def _looped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     for e, n in enumerate(counts.tolist()):
         out.append(x[start:start + n] @ w[e])
         start += n
-    return torch.cat(out) if out else x.new_zeros(0, w.shape[-1])
+    return torch.cat(out)
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` sorted by expert (counts[e] rows for expert e) times w[e] ([experts, in, out])."""
     if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[-1])
+        # Empty, but still computed from x and w: under expert parallel the backward must reach the
+        # all-to-all before these experts on every rank, also on one that received no token.
+        return x @ w[0]
     if grouped_mm_works(x.device, x.dtype):
         return _grouped(x, w, counts)
     return _looped(x, w, counts)
@@ -148,17 +150,34 @@ def local_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local(grad_placements=grads)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
+        # Set by expert parallel (torchtitan.distributed.expert_parallel): a factor on the weights'
+        # gradients, which there sum over the ranks of an expert group instead of averaging.
+        self.grad_scale = 1.0
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them for (local) expert e."""
-        w1, w2, w3 = (local_tensor(w).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        weights = [local_tensor(w) for w in (self.w1, self.w2, self.w3)]
+        if self.grad_scale != 1.0:
+            weights = [_ScaleGradient.apply(w, self.grad_scale) for w in weights]
+        w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
         h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
         return expert_matmul(h, w2, counts)
 

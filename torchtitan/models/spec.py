@@ -82,6 +82,7 @@ class ParallelizeInputs:
     parallelism: Any  # config section [parallelism]
     training: Any  # config section [training]
     activation_checkpoint: Any  # config section [activation_checkpoint]
+    expert_mesh: Any = None  # with expert parallel: ParallelDims.build_expert_mesh's mesh
 
 
 @dataclass(frozen=True)

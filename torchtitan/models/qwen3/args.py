@@ -81,5 +81,10 @@ flavors: dict[str, ModelArgs] = {
 def validate(args: ModelArgs, parallel_dims) -> None:
     """Before launch: the flavor's mixture-of-experts settings make sense."""
     problems = args.moe.check() if args.moe is not None else []
+    if args.moe is not None and args.moe.num_experts % parallel_dims.ep:
+        problems.append(
+            f"num_experts = {args.moe.num_experts} is not divisible by parallelism.expert_parallel_degree = "
+            f"{parallel_dims.ep}; choose a degree that divides {args.moe.num_experts}"
+        )
     if problems:
         raise UserError(f"model args of this Qwen3-MoE flavor: {'; '.join(problems)}")

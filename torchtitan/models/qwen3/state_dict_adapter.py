@@ -1,18 +1,42 @@
-"""Convert Qwen3 weights between our names and Hugging Face `Qwen3ForCausalLM` names.
+"""Convert Qwen3 weights between our names and Hugging Face `Qwen3ForCausalLM` names, and Qwen3-MoE
+weights (`args.moe` set) to and from `Qwen3MoeForCausalLM`.
 
-Pure tensor functions, no I/O, and a pure rename: our rotary embedding already uses Hugging Face's
-`rotate_half` layout, so no row is permuted. With tied embeddings Hugging Face stores no
-`lm_head.weight` (it ties it to `model.embed_tokens.weight` on load): `to_hf` writes none, and
-`from_hf` accepts its absence (or a copy equal to the embedding) and returns `output.weight` as the
-very tensor of `tok_embeddings.weight`, as our tied model's state dict has both names.
+Pure tensor functions, no I/O, and for everything but the experts a pure rename: our rotary
+embedding already uses Hugging Face's `rotate_half` layout, so no row is permuted. With tied
+embeddings Hugging Face stores no `lm_head.weight` (it ties it to `model.embed_tokens.weight` on
+load): `to_hf` writes none, and `from_hf` accepts its absence (or a copy equal to the embedding) and
+returns `output.weight` as the very tensor of `tok_embeddings.weight`, as our tied model's state dict
+has both names.
+
+Qwen3-MoE experts. Ours are 3-D tensors per layer, experts first: w1 (gate) and w3 (up)
+[experts, hidden, dim], w2 (down) [experts, dim, hidden]. Hugging Face has two layouts:
+- the hub files (Qwen's own checkpoints, and what transformers 5.x `save_pretrained` writes: it
+  converts back on save): one tensor per expert and projection,
+  `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight` ([hidden, dim], [hidden, dim], [dim, hidden]);
+- transformers 5.x in memory (its `state_dict()`): fused `model.layers.N.mlp.experts.gate_up_proj`
+  [experts, 2 x hidden, dim] (gate rows first, then up: its forward splits `x @ gate_up_proj[e].T`
+  into gate, up with `chunk(2)`) and `model.layers.N.mlp.experts.down_proj` [experts, dim, hidden].
+`to_hf` writes the hub layout, which transformers 4.51+ loads as such and 5.x fuses on load
+(checked with 5.24: same logits); `from_hf` reads either, layer by layer. The router's gate is
+`model.layers.N.mlp.gate.weight` [experts, dim] in both.
+
+Our `expert_bias` (the aux-loss-free balancing bias, added to the router scores only to choose the
+experts) has no counterpart in Qwen3-MoE, whose router chooses by score alone: `to_hf` drops it (a
+model exported with a non-zero bias may choose other experts in transformers than it did here; a
+warning says so), and `from_hf` returns zeros, a fresh balancing state.
 """
+
+import logging
 
 import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.hf_conversion import ROTARY_INV_FREQ, check_keys, plain_rope_theta, unsupported
+from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.spec import HFAdapter
+
+logger = logging.getLogger(__name__)
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -26,29 +50,51 @@ _PER_LAYER = {
     "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_DENSE_FFN = {
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_MOE_ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+# Our 3-D expert weight -> the hub's per-expert projection.
+_EXPERTS = {
+    "feed_forward.experts.w1": "gate_proj",
+    "feed_forward.experts.w3": "up_proj",
+    "feed_forward.experts.w2": "down_proj",
+}
+_EXPERT_BIAS = "feed_forward.expert_bias"
+_FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 _OURS_TIED, _HF_TIED = "output.weight", "lm_head.weight"
+_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def _name_pairs(args: ModelArgs) -> dict[str, str]:
-    """Our name -> HF name for every parameter of a model with `args` (the output layer included,
-    even when tied)."""
+    """Our name -> HF name for every renamed parameter of a model with `args` (the output layer
+    included, even when tied); not the MoE experts (not a rename) nor the expert bias (no HF name)."""
     pairs = dict(_TOP_LEVEL)
+    per_layer = {**_PER_LAYER, **(_MOE_ROUTER if args.moe is not None else _DENSE_FFN)}
     for i in range(args.n_layers):
-        for ours, hf in _PER_LAYER.items():
+        for ours, hf in per_layer.items():
             pairs[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}"
     return pairs
 
 
-def _check_keys(found, expected, optional: str | None, what: str, args: ModelArgs):
+def _expert_key(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+def _describe(args: ModelArgs) -> str:
     tied = "tied" if args.tie_word_embeddings else "untied"
-    check_keys(found, expected, what, f"a Qwen3 model with {args.n_layers} layers and {tied} embeddings",
-               optional=(optional,) if optional else ())
+    if args.moe is None:
+        return f"a Qwen3 model with {args.n_layers} layers and {tied} embeddings"
+    return f"a Qwen3-MoE model with {args.n_layers} layers, {args.moe.num_experts} experts and {tied} embeddings"
+
+
+def _check_keys(found, expected, optional: tuple[str, ...], what: str, args: ModelArgs):
+    check_keys(found, expected, what, _describe(args), optional=optional)
 
 
 def _check_tied_copy(sd: dict, output: str, embedding: str):
@@ -60,9 +106,34 @@ def _check_tied_copy(sd: dict, output: str, embedding: str):
         )
 
 
-def _check_shapes(sd: dict, args: ModelArgs, names: dict[str, str]):
-    """UserError naming the first tensors whose shape does not fit `args` (keys in `names` order)."""
+def _check_exportable(args: ModelArgs):
+    """UserError if args.moe routes in a way Qwen3MoeForCausalLM cannot (softmax, top-k, optional
+    renormalization, no scale, no groups, no shared experts). Training-only settings (balancing
+    bias, auxiliary losses, capacity) do not change what the exported model computes."""
+    m = args.moe
+    if m is None:
+        return
+    differences = [
+        f"{name} = {value!r}" for name, value, plain in [
+            ("score_func", m.score_func, "softmax"),
+            ("num_shared_experts", m.num_shared_experts, 0),
+            ("route_scale", m.route_scale, 1.0),
+            ("num_expert_groups", m.num_expert_groups, None),
+        ] if value != plain
+    ]
+    if differences:
+        raise UserError(
+            f"the model's MoE args have {', '.join(differences)}, which Hugging Face Qwen3-MoE cannot represent "
+            "(it routes by a softmax over all experts, top-k, optionally renormalized, without shared experts); "
+            "only such models can be converted"
+        )
+
+
+def _our_shapes(args: ModelArgs) -> dict[str, tuple]:
+    """Our name -> shape of every tensor in the state dict of a model with `args`."""
     hd, dim = args.head_dim, args.dim
+    vocab = (args.vocab_size, dim)
+    shapes = {"tok_embeddings.weight": vocab, "norm.weight": (dim,), "output.weight": vocab}
     per_layer = {
         "attention.wq.weight": (args.n_heads * hd, dim),
         "attention.wk.weight": (args.kv_heads * hd, dim),
@@ -70,21 +141,54 @@ def _check_shapes(sd: dict, args: ModelArgs, names: dict[str, str]):
         "attention.wo.weight": (dim, args.n_heads * hd),
         "attention.q_norm.weight": (hd,),
         "attention.k_norm.weight": (hd,),
-        "feed_forward.w1.weight": (args.hidden_dim, dim),
-        "feed_forward.w2.weight": (dim, args.hidden_dim),
-        "feed_forward.w3.weight": (args.hidden_dim, dim),
         "attention_norm.weight": (dim,),
         "ffn_norm.weight": (dim,),
     }
-    vocab = (args.vocab_size, dim)
-    top = {"tok_embeddings.weight": vocab, "norm.weight": (dim,), "output.weight": vocab}
-    wrong = []
-    for ours, key in names.items():
-        if key not in sd:
-            continue
-        expected = top.get(ours) or per_layer[ours.split(".", 2)[2]]
-        if tuple(sd[key].shape) != expected:
-            wrong.append(f"{key} has shape {tuple(sd[key].shape)}, expected {expected}")
+    if args.moe is None:
+        per_layer.update({
+            "feed_forward.w1.weight": (args.hidden_dim, dim),
+            "feed_forward.w2.weight": (dim, args.hidden_dim),
+            "feed_forward.w3.weight": (args.hidden_dim, dim),
+        })
+    else:
+        e, h = args.moe.num_experts, args.moe.hidden_dim
+        per_layer.update({
+            "feed_forward.router.gate.weight": (e, dim),
+            "feed_forward.experts.w1": (e, h, dim),
+            "feed_forward.experts.w3": (e, h, dim),
+            "feed_forward.experts.w2": (e, dim, h),
+            _EXPERT_BIAS: (e,),
+        })
+    for i in range(args.n_layers):
+        shapes.update({f"layers.{i}.{k}": s for k, s in per_layer.items()})
+    return shapes
+
+
+def _hf_shapes(args: ModelArgs, fused_layers: set[int]) -> dict[str, tuple]:
+    """HF name -> shape of every tensor of a Hugging Face state dict for `args`, the experts of the
+    layers in `fused_layers` fused (transformers 5.x in memory), the others per expert (hub files)."""
+    ours = _our_shapes(args)
+    shapes = {hf: ours[name] for name, hf in _name_pairs(args).items()}
+    if args.moe is not None:
+        e, h, dim = args.moe.num_experts, args.moe.hidden_dim, args.dim
+        for i in range(args.n_layers):
+            if i in fused_layers:
+                shapes[f"model.layers.{i}.{_FUSED_GATE_UP}"] = (e, 2 * h, dim)
+                shapes[f"model.layers.{i}.{_FUSED_DOWN}"] = (e, dim, h)
+            else:
+                for x in range(e):
+                    shapes[_expert_key(i, x, "gate_proj")] = (h, dim)
+                    shapes[_expert_key(i, x, "up_proj")] = (h, dim)
+                    shapes[_expert_key(i, x, "down_proj")] = (dim, h)
+    return shapes
+
+
+def _check_shapes(sd: dict, expected: dict[str, tuple]):
+    """UserError naming the first tensors of `sd` whose shape differs from `expected` (in its order)."""
+    wrong = [
+        f"{key} has shape {tuple(sd[key].shape)}, expected {shape}"
+        for key, shape in expected.items() if key in sd and tuple(sd[key].shape) != shape
+    ]
     if wrong:
         more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
         raise UserError(
@@ -94,38 +198,92 @@ def _check_shapes(sd: dict, args: ModelArgs, names: dict[str, str]):
 
 
 def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our state dict -> Hugging Face Qwen3ForCausalLM state dict (no lm_head.weight when tied)."""
+    """Our state dict -> Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM state dict (no
+    lm_head.weight when tied; MoE experts one tensor per expert, as views of ours; no expert bias)."""
+    _check_exportable(args)
     names = _name_pairs(args)
     tied = args.tie_word_embeddings
-    _check_keys(sd, names, _OURS_TIED if tied else None, "the model state dict", args)
-    _check_shapes(sd, args, {ours: ours for ours in names})
+    expected = _our_shapes(args)
+    # The expert bias may be absent: it is dropped anyway.
+    optional = ((_OURS_TIED,) if tied else ()) + tuple(k for k in expected if k.endswith(_EXPERT_BIAS))
+    _check_keys(sd, expected, optional, "the model state dict", args)
+    _check_shapes(sd, expected)
     if tied:
         _check_tied_copy(sd, _OURS_TIED, "tok_embeddings.weight")
-    return {names[ours]: w for ours, w in sd.items() if not (tied and ours == _OURS_TIED)}
+    out, biased = {}, []
+    for ours, w in sd.items():
+        if tied and ours == _OURS_TIED:
+            continue
+        _, layer, local = ours.split(".", 2) if ours.startswith("layers.") else (None, None, ours)
+        if local in _EXPERTS:
+            for x in range(args.moe.num_experts):
+                out[_expert_key(int(layer), x, _EXPERTS[local])] = w[x]
+        elif local == _EXPERT_BIAS:
+            if not w.is_meta and torch.any(w != 0):
+                biased.append(ours)
+        else:
+            out[names[ours]] = w
+    if biased:
+        logger.warning(
+            f"dropping the non-zero MoE balancing bias ({biased[0]}"
+            + (f" and {len(biased) - 1} more" if len(biased) > 1 else "") + "): Hugging Face "
+            "Qwen3-MoE has none and chooses experts by router score alone, so the exported model may route "
+            "some tokens to other experts than this one does"
+        )
+    return out
+
+
+def _fused_layers(hf_sd: dict, args: ModelArgs) -> set[int]:
+    """The layers whose experts `hf_sd` holds fused (either fused tensor present)."""
+    if args.moe is None:
+        return set()
+    return {i for i in range(args.n_layers)
+            if f"model.layers.{i}.{_FUSED_GATE_UP}" in hf_sd or f"model.layers.{i}.{_FUSED_DOWN}" in hf_sd}
 
 
 def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Hugging Face Qwen3ForCausalLM state dict -> our state dict; the inverse of to_hf. Tied:
-    output.weight is the tok_embeddings.weight tensor itself."""
+    """Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM state dict -> our state dict; the inverse
+    of to_hf. Tied: output.weight is the tok_embeddings.weight tensor itself. MoE: experts from the
+    hub's per-expert tensors or transformers 5's fused ones; expert_bias zeros (float32)."""
+    _check_exportable(args)
     pairs = _name_pairs(args)
     names = {hf: ours for ours, hf in pairs.items()}
     tied = args.tie_word_embeddings
     hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
-    _check_keys(hf_sd, names, _HF_TIED if tied else None, "the Hugging Face state dict", args)
-    _check_shapes(hf_sd, args, pairs)
+    fused = _fused_layers(hf_sd, args)
+    expected = _hf_shapes(args, fused)
+    _check_keys(hf_sd, expected, (_HF_TIED,) if tied else (), "the Hugging Face state dict", args)
+    _check_shapes(hf_sd, expected)
     if tied:
         _check_tied_copy(hf_sd, _HF_TIED, "model.embed_tokens.weight")
-    out = {names[hf]: w for hf, w in hf_sd.items() if not (tied and hf == _HF_TIED)}
+    out = {names[hf]: w for hf, w in hf_sd.items() if hf in names and not (tied and hf == _HF_TIED)}
     if tied:
         out[_OURS_TIED] = out["tok_embeddings.weight"]
+    if args.moe is not None:
+        e, h = args.moe.num_experts, args.moe.hidden_dim
+        for i in range(args.n_layers):
+            ours = f"layers.{i}.feed_forward"
+            if i in fused:
+                gate_up = hf_sd[f"model.layers.{i}.{_FUSED_GATE_UP}"]
+                out[f"{ours}.experts.w1"] = gate_up[:, :h].contiguous()
+                out[f"{ours}.experts.w3"] = gate_up[:, h:].contiguous()
+                out[f"{ours}.experts.w2"] = hf_sd[f"model.layers.{i}.{_FUSED_DOWN}"]
+            else:
+                for local, proj in _EXPERTS.items():
+                    # Popped from this function's own dict: when the caller keeps no reference (load_hf),
+                    # each expert's tensor is freed once stacked, so the peak stays about one layer above the model.
+                    out[f"layers.{i}.{local}"] = torch.stack([hf_sd.pop(_expert_key(i, x, proj)) for x in range(e)])
+            # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
+            out[f"{ours}.expert_bias"] = torch.zeros(e)
     return out
 
 
 def hf_config(
     args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
 ) -> dict:
-    """A config.json for Qwen3ForCausalLM describing a model with `args`, stored in `dtype`; read by
-    transformers 4.51+ (rope_theta) and 5.x (rope_parameters)."""
+    """A config.json for Qwen3ForCausalLM (Qwen3MoeForCausalLM when args.moe is set) describing a
+    model with `args`, stored in `dtype`; read by transformers 4.51+ (rope_theta) and 5.x (rope_parameters)."""
+    _check_exportable(args)
     dtype_name = str(dtype).removeprefix("torch.")
     config = {
         "architectures": ["Qwen3ForCausalLM"],
@@ -153,6 +311,23 @@ def hf_config(
         "torch_dtype": dtype_name,  # transformers 4.x
         "dtype": dtype_name,  # transformers 5.x
     }
+    if args.moe is not None:
+        config.update({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            # The hub's spelling; transformers 5 maps it to num_local_experts (and writes that).
+            "num_experts": args.moe.num_experts,
+            "num_experts_per_tok": args.moe.top_k,
+            "moe_intermediate_size": args.moe.hidden_dim,
+            "norm_topk_prob": args.moe.route_norm,
+            # Every layer a mixture of experts; intermediate_size (above) would size dense layers only.
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            # No auxiliary loss nor router logits if the export is fine-tuned as it is: we balance
+            # with a bias, which Qwen3-MoE does not have.
+            "router_aux_loss_coef": 0.0,
+            "output_router_logits": False,
+        })
     if bos_id is not None:
         config["bos_token_id"] = bos_id
     if eos_id is not None:
@@ -160,37 +335,93 @@ def hf_config(
     return config
 
 
-def _unsupported(field: str, value, why: str) -> UserError:
-    return unsupported(field, value, why, "Qwen3 dense")
+_DENSE_FAMILY = "Qwen3 dense"
+_MOE_FAMILY = "Qwen3-MoE (every layer a mixture of experts, no shared experts)"
+
+
+def _unsupported(field: str, value, why: str, family: str = _DENSE_FAMILY) -> UserError:
+    return unsupported(field, value, why, family)
+
+
+def _moe_args_from_hf_config(config: dict) -> MoEArgs:
+    """The MoEArgs of a Qwen3MoeForCausalLM config.json; UserError if we cannot represent it."""
+    family = _MOE_FAMILY
+    # transformers 5 writes num_local_experts (its attribute for num_experts), the hub num_experts.
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    fields = {"num_experts": num_experts, "num_experts_per_tok": config.get("num_experts_per_tok"),
+              "moe_intermediate_size": config.get("moe_intermediate_size")}
+    absent = [f for f, v in fields.items() if v is None]
+    if absent:
+        raise UserError(
+            f"Hugging Face config has model_type = 'qwen3_moe' but lacks {', '.join(absent)}; "
+            "is this a Qwen3MoeForCausalLM config.json?"
+        )
+    if num_experts < 1:
+        raise _unsupported("num_experts", num_experts, "a Qwen3-MoE model without experts is a dense one", family)
+    step = config.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise _unsupported("decoder_sparse_step", step,
+                           "only every layer a mixture of experts (1) is supported; we have no dense layers in an "
+                           "MoE model", family)
+    dense_layers = config.get("mlp_only_layers") or []
+    if dense_layers:
+        raise _unsupported("mlp_only_layers", dense_layers, "we have no dense layers in an MoE model", family)
+    for field in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "num_shared_experts",
+                  "n_shared_experts"):
+        if config.get(field):
+            raise _unsupported(field, config[field], "Qwen3-MoE has no shared experts and we convert none", family)
+    moe = MoEArgs(
+        num_experts=num_experts,
+        top_k=fields["num_experts_per_tok"],
+        hidden_dim=fields["moe_intermediate_size"],
+        route_norm=bool(config.get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
+        score_func="softmax",
+    )
+    problems = moe.check()
+    if problems:
+        raise _unsupported("num_experts_per_tok", moe.top_k, "; ".join(problems), family)
+    return moe
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
-    """ModelArgs for the Qwen3ForCausalLM described by a config.json dict; UserError if we cannot represent it."""
-    required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+    """ModelArgs for the Qwen3ForCausalLM or Qwen3MoeForCausalLM (model_type "qwen3_moe", args.moe
+    set) described by a config.json dict; UserError if we cannot represent it."""
+    moe_type = config.get("model_type") == "qwen3_moe"
+    family = _MOE_FAMILY if moe_type else _DENSE_FAMILY
+    required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+    required += [] if moe_type else ["intermediate_size"]  # unused when every layer is an MoE
     absent = [f for f in required if config.get(f) is None]
     if absent:
-        raise UserError(f"Hugging Face config lacks {', '.join(absent)}; is this a Qwen3ForCausalLM config.json?")
-    for field, wanted in [("model_type", "qwen3"), ("hidden_act", "silu")]:
-        if config.get(field, wanted) != wanted:
-            raise _unsupported(field, config[field], f"our model needs {wanted!r}")
+        what = "Qwen3MoeForCausalLM" if moe_type else "Qwen3ForCausalLM"
+        raise UserError(f"Hugging Face config lacks {', '.join(absent)}; is this a {what} config.json?")
+    if config.get("model_type", "qwen3") not in _MODEL_TYPES:
+        raise _unsupported("model_type", config["model_type"], "our model needs 'qwen3' or 'qwen3_moe'", family)
+    if config.get("hidden_act", "silu") != "silu":
+        raise _unsupported("hidden_act", config["hidden_act"], "our model needs 'silu'", family)
     if config.get("attention_bias"):
-        raise _unsupported("attention_bias", config["attention_bias"], "our attention projections have no biases")
+        raise _unsupported("attention_bias", config["attention_bias"], "our attention projections have no biases",
+                           family)
     if config.get("use_sliding_window"):
-        raise _unsupported("use_sliding_window", config["use_sliding_window"], "our attention is full causal attention")
+        raise _unsupported("use_sliding_window", config["use_sliding_window"], "our attention is full causal attention",
+                           family)
     other_layers = sorted({t for t in config.get("layer_types") or [] if t != "full_attention"})
     if other_layers:
-        raise _unsupported("layer_types", other_layers, "our attention is full causal attention in every layer")
+        raise _unsupported("layer_types", other_layers, "our attention is full causal attention in every layer",
+                           family)
     if config.get("attention_dropout"):
-        raise _unsupported("attention_dropout", config["attention_dropout"], "our attention has no dropout")
+        raise _unsupported("attention_dropout", config["attention_dropout"], "our attention has no dropout", family)
+    moe = _moe_args_from_hf_config(config) if moe_type else None
 
     n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads") or n_heads
     if n_heads % n_kv_heads:
-        raise _unsupported("num_key_value_heads", n_kv_heads, f"it must divide num_attention_heads = {n_heads}")
-    # Qwen3Config's default head_dim is 128 whatever hidden_size / num_attention_heads is.
-    head_dim = config.get("head_dim") or 128
+        raise _unsupported("num_key_value_heads", n_kv_heads, f"it must divide num_attention_heads = {n_heads}",
+                           family)
+    # Qwen3Config's default head_dim is 128 whatever hidden_size / num_attention_heads is;
+    # Qwen3MoeConfig has none: its attention then uses hidden_size // num_attention_heads.
+    head_dim = config.get("head_dim") or (config["hidden_size"] // n_heads if moe_type else 128)
     if head_dim % 2:
-        raise _unsupported("head_dim", head_dim, "rotary embeddings need an even head_dim")
+        raise _unsupported("head_dim", head_dim, "rotary embeddings need an even head_dim", family)
     return ModelArgs(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
@@ -198,16 +429,18 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
         head_dim=head_dim,
         vocab_size=config["vocab_size"],
-        hidden_dim=config["intermediate_size"],
+        # Qwen3MoeConfig's default when absent (unused: every layer is an MoE).
+        hidden_dim=config.get("intermediate_size") or 6144,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=plain_rope_theta(config, 10000.0, "Qwen3 dense"),  # Qwen3Config's default
+        rope_theta=plain_rope_theta(config, 10000.0, family),  # Qwen3Config's and Qwen3MoeConfig's default
         max_seq_len=config.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        moe=moe,
     )
 
 
 ADAPTER = HFAdapter(
-    model_types=("qwen3",),
+    model_types=_MODEL_TYPES,
     to_hf=to_hf,
     from_hf=from_hf,
     config=hf_config,
