@@ -7,6 +7,9 @@ within BF16_TOL of the fp32 single-process run:
   module lists), alone and with FSDP and TP;
 - context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP, op-level
   activation checkpointing, and full activation checkpointing plus compile;
+- Qwen3-MoE's debug flavor without expert parallel under FSDP 2, TP 2, PP 2 and CP 2, and with
+  EP 2 alone and with CP 2, FSDP 2, TP 2, PP 2 and FSDP 2 x CP 2; the expert bias after 6 steps
+  and the reported expert loads are the same in every layout;
 - Qwen3's debug flavor under FSDP 2, TP 2, PP 2, CP 2 (both rotate methods) and FSDP 2 x TP 2, and its
   tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
@@ -17,6 +20,7 @@ layout-invariant (per-parameter seeded), so step 1 already compares identical we
 """
 
 import pytest
+import torch
 
 from conftest import launch
 
@@ -32,6 +36,11 @@ BF16_TOL = 1e-2
 QWEN = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+# Qwen3-MoE's debug flavor (8 experts, top-2, aux-loss-free bias balancing). Its jobs save the model
+# (buffers included: the expert bias) at step 6, so that the bias can be compared across layouts.
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--checkpoint.enable_checkpoint",
+       "--checkpoint.interval", "6"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 
 SINGLE = {
     "single_fp32": ["--training.local_batch_size", "8"],
@@ -39,6 +48,7 @@ SINGLE = {
     "single_bf16": ["--training.local_batch_size", "8", "--training.mixed_precision_param", "bfloat16"],
     "qwen3_single": QWEN + ["--training.local_batch_size", "8"],
     "qwen3_tied_single": QWEN_TIED + ["--training.local_batch_size", "8"],
+    "moe_single": MOE + ["--training.local_batch_size", "8"],
 }
 TWO = {
     "fsdp2": ["--training.local_batch_size", "4"],
@@ -85,6 +95,12 @@ TWO = {
                                   "--parallelism.context_parallel_rotate_method", "alltoall"],
     "qwen3_tied_fsdp2": QWEN_TIED + ["--training.local_batch_size", "4"],
     "qwen3_tied_tp2": QWEN_TIED + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "moe_fsdp2": MOE + ["--training.local_batch_size", "4"],
+    "moe_tp2": MOE + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "moe_pp2": MOE + ["--training.local_batch_size", "8"] + PP2,
+    "moe_cp2": MOE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+    "moe_ep2": MOE + ["--training.local_batch_size", "4"] + EP2,
+    "moe_ep2_cp2": MOE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"] + EP2,
 }
 FOUR = {
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
@@ -112,6 +128,10 @@ FOUR = {
                        "--training.mixed_precision_param", "bfloat16"],
     "qwen3_fsdp2_tp2": QWEN + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
     "qwen3_tied_fsdp2_tp2": QWEN_TIED + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "moe_ep2_fsdp2": MOE + ["--training.local_batch_size", "2"] + EP2,
+    "moe_ep2_tp2": MOE + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
+    "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2,
+    "moe_fsdp2_cp2_ep2": MOE + ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2"] + EP2,
 }
 EIGHT = {
     "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
@@ -130,6 +150,10 @@ SIXTEEN = {
 }
 
 
+MOE_LAYOUTS = ["moe_fsdp2", "moe_tp2", "moe_pp2", "moe_cp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2",
+               "moe_pp2_ep2", "moe_fsdp2_cp2_ep2"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp_parity")
@@ -139,6 +163,7 @@ def runs(tmp_path_factory):
     results.update(launch(FOUR, 4, tmp))
     results.update(launch(EIGHT, 8, tmp))
     results.update(launch(SIXTEEN, 16, tmp))
+    results["_tmp"] = tmp
     return results
 
 
@@ -146,7 +171,14 @@ def losses(records):
     return [r["loss"] for r in records]
 
 
-@pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single"])
+def reference_of(name: str) -> str:
+    for prefix in ("qwen3_tied", "qwen3", "moe"):
+        if name.startswith(prefix):
+            return f"{prefix}_single"
+    return "single_fp32"
+
+
+@pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6
@@ -168,10 +200,11 @@ def test_qwen3_is_another_model(runs):
      "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
      "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2", "pp2_accum2",
      "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2", "qwen3_cp2_alltoall", "qwen3_fsdp2_tp2",
-     "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2"],
+     "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2",
+     *MOE_LAYOUTS],
 )
 def test_fp32_layouts_match_single_process(runs, name):
-    reference = "qwen3_tied_single" if "qwen3_tied" in name else "qwen3_single" if "qwen3" in name else "single_fp32"
+    reference = reference_of(name)
     ref, got = losses(runs[reference]), losses(runs[name])
     assert len(got) == len(ref) == 6
     diffs = [abs(a - b) for a, b in zip(ref, got)]
@@ -193,6 +226,39 @@ def test_bf16_layouts_track_fp32(runs, name):
     diffs = [abs(a - b) for a, b in zip(ref, got)]
     assert max(diffs) < BF16_TOL, f"{name}: per-step |loss diff| {diffs}"
     assert got != ref  # bf16 really ran in bf16
+
+
+def test_moe_expert_bias_is_the_same_in_every_layout(runs):
+    # The bias moves after every step by the sign of (mean load - expert load), with the counts
+    # summed over all ranks of a stage: a count taken over the wrong ranks changes the signs.
+    from torchtitan.components.hf_checkpoint import read_dcp_model
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    folder = runs["_tmp"]
+
+    def biases(name):
+        sd, _, _ = read_dcp_model(folder / name / "checkpoint" / "step-6", spec)
+        return {k: v for k, v in sd.items() if k.endswith("expert_bias")}
+
+    ref = biases("moe_single")
+    assert len(ref) == 4 and all(v.abs().sum() > 0 for v in ref.values())  # the bias did move
+    for name in MOE_LAYOUTS:
+        got = biases(name)
+        assert got.keys() == ref.keys()
+        for key in ref:
+            torch.testing.assert_close(got[key], ref[key], atol=1e-7, rtol=0, msg=f"{name} {key}")
+
+
+def test_moe_expert_load_is_reported(runs):
+    for record in runs["moe_ep2_fsdp2"]:
+        assert 1.0 <= record["moe_max_over_mean"] <= 8.0 and record["moe_dropped"] == 0.0
+        layers = {k.split("/")[1] for k in record if k.startswith("moe/")}
+        assert layers == {"layer0", "layer1", "layer2", "layer3"}
+        assert record["moe/layer0/mean_load"] == 8 * 64 * 2 / 8  # assignments of the step per expert
+    # Every layout reports the same loads (counts summed over the same tokens).
+    for name in MOE_LAYOUTS:
+        assert [r["moe/layer3/max_load"] for r in runs[name]] == [r["moe/layer3/max_load"] for r in runs["moe_single"]]
 
 
 def test_bf16_fsdp_layouts_agree(runs):
