@@ -30,15 +30,20 @@ def launch(jobs: dict[str, list[str] | dict], nproc: int, tmp: Path, timeout: in
              for name, extra in jobs.items()]
     spec = tmp / f"jobs_{nproc}.json"
     spec.write_text(json.dumps(argvs))
+    run_script(RUN_JOBS, [str(spec)], nproc, tmp, timeout)
+    return {name: read_metrics(tmp / name) for name, extra in jobs.items() if not isinstance(extra, dict)}
+
+
+def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: int = 600):
+    """Run `script` with `args` in one process, or under torchrun with `nproc`; assert it succeeds."""
     if nproc == 1:
-        cmd = [sys.executable, str(RUN_JOBS), str(spec)]
+        cmd = [sys.executable, str(script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", str(RUN_JOBS), str(spec)]
+               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return {name: read_metrics(tmp / name) for name, extra in jobs.items() if not isinstance(extra, dict)}
 
 
 def read_metrics(folder: Path) -> list[dict]:

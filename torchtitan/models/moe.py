@@ -89,28 +89,34 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm gives the loop's results, forward and backward, here (probed once)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
-        ok = False
-        try:
-            g = torch.Generator(device="cpu").manual_seed(0)
-            counts = torch.tensor([3, 0, 5], device=device)
-            x = torch.randn(8, 16, generator=g).to(device, dtype).requires_grad_()
-            w = torch.randn(3, 16, 16, generator=g).to(device, dtype).requires_grad_()
-            up = torch.randn(8, 16, generator=g).to(device, dtype)
-            fast = _grouped(x, w, counts)
-            fast_grads = torch.autograd.grad(fast, (x, w), up)
-            slow = _looped(x, w, counts)
-            slow_grads = torch.autograd.grad(slow, (x, w), up)
-            tol = 1e-4 if dtype == torch.float32 else 3e-2
-            ok = all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
-                     for a, b in zip((fast, *fast_grads), (slow, *slow_grads)))
-        except (RuntimeError, NotImplementedError):
-            ok = False
+        # Isolated from the caller's autograd state: the probe may first run inside a checkpointed
+        # forward, whose saved tensors must be the same in the recomputation (which skips it).
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            ok = _probe_grouped_mm(device, dtype)
         _GROUPED_MM_OK[key] = ok
         logger.info(
             f"MoE experts on {device.type} in {str(dtype).removeprefix('torch.')}: "
             + ("one grouped matmul (torch._grouped_mm)" if ok else "a loop of per-expert matmuls (no working grouped matmul)")
         )
     return _GROUPED_MM_OK[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        counts = torch.tensor([3, 0, 5], device=device)
+        x = torch.randn(8, 16, generator=g).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 16, generator=g).to(device, dtype).requires_grad_()
+        up = torch.randn(8, 16, generator=g).to(device, dtype)
+        fast = _grouped(x, w, counts)
+        fast_grads = torch.autograd.grad(fast, (x, w), up)
+        slow = _looped(x, w, counts)
+        slow_grads = torch.autograd.grad(slow, (x, w), up)
+    except (RuntimeError, NotImplementedError):
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+               for a, b in zip((fast, *fast_grads), (slow, *slow_grads)))
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -318,6 +324,8 @@ class MoE(nn.Module):
         device = device or self.expert_bias.device
         self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+        for dtype in (torch.float32, torch.bfloat16):  # probe now, outside any training forward
+            grouped_mm_works(torch.device(device), dtype)
 
 
 def _in_training_forward() -> bool:
