@@ -176,6 +176,7 @@ def run_bare(cfg, steps: int) -> dict:
     from torchtitan.components.tokenizer import Tokenizer
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import DTYPES, tune_host_allocator
+    from torchtitan.models.moe import overrides_from_config as moe_overrides
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
     t, o = cfg.training, cfg.optimizer
@@ -201,7 +202,7 @@ def run_bare(cfg, steps: int) -> dict:
 
     import_custom_module(cfg.experimental.custom_import)
     spec = get_model_spec(cfg.model.name)
-    args = spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, t.seq_len)
+    args = spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, t.seq_len, moe_overrides(cfg.moe))
     with torch.device("meta"):
         model = spec.model_cls(args)
     n_params = spec.size(args).total

@@ -97,3 +97,39 @@ def test_a_custom_module_file_registers_a_model(tmp_path):
     with pytest.raises(UserError, match="model 'llama3_fork' does not support context parallel"):
         preflight(cfg("--experimental.custom_import", str(module), "--model.name", "llama3_fork",
                       "--parallelism.context_parallel_degree", "2", "--training.seq_len", "64"), world_size=2)
+
+
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+
+
+@pytest.mark.parametrize(
+    "overrides, world, pattern",
+    [
+        ((*MOE, "--moe.top_k", "9"), 1, r"top_k = 9 must be between 1 and num_experts = 8"),
+        (("--moe.top_k", "2"), 1, r"\[moe\] sets top_k, but model llama3 debugmodel has no mixture of experts"),
+        ((*MOE, "--parallelism.expert_parallel_degree", "3", "--training.local_batch_size", "2"), 6,
+         r"num_experts = 8 is not divisible by parallelism.expert_parallel_degree = 3"),
+        ((*MOE, "--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"), 2,
+         r"expert_parallel_degree = 4 must divide data_parallel_shard_degree x context_parallel_degree = 2 x 1"),
+        (("--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"), 2,
+         r"splits the experts of a mixture-of-experts model, but model llama3 debugmodel has none"),
+        ((*MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
+          "--parallelism.data_parallel_shard_degree", "1"), 2, r"must divide data_parallel_shard_degree x "
+         r"context_parallel_degree = 1 x 1 = 1"),  # DDP lends expert parallel no ranks
+    ],
+)
+def test_moe_and_expert_parallel_mistakes_are_refused_before_launch(overrides, world, pattern):
+    with pytest.raises(UserError, match=pattern):
+        preflight(cfg(*overrides), world_size=world)
+
+
+def test_moe_config_values():
+    with pytest.raises(UserError, match=r"moe.capacity_factor must be 0 \(off\) or more, got -1.0"):
+        cfg(*MOE, "--moe.capacity_factor", "-1")
+    from torchtitan.models.moe import overrides_from_config
+
+    section = cfg(*MOE, "--moe.load_balance_coeff", "0", "--moe.capacity_factor", "1.25", "--moe.z_loss_coeff",
+                  "0.001").moe
+    assert overrides_from_config(section) == {"load_balance_coeff": None, "capacity_factor": 1.25, "z_loss_coeff": 0.001}
+    plan = preflight(cfg(*MOE, "--moe.top_k", "4"), world_size=1)
+    assert plan.spec.name == "qwen3"

@@ -46,6 +46,7 @@ from torchtitan.distributed.pipeline_parallel import (
     split_for_rank,
 )
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
+from torchtitan.models.moe import overrides_from_config as moe_overrides
 from torchtitan.models.registry import get_model_args, get_model_spec, import_custom_module
 from torchtitan.models.spec import ModelSpec, ParallelizeInputs
 
@@ -82,7 +83,14 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 f"{dims.dp_shard}; shard over 2 or more ranks, or turn offload off"
             )
     spec = get_model_spec(cfg.model.name)
-    model_args = get_model_args(cfg.model.name, cfg.model.flavor)
+    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
+    overrides = moe_overrides(cfg.moe)
+    if overrides and getattr(flavor_args, "moe", None) is None:
+        raise UserError(
+            f"[moe] sets {', '.join(overrides)}, but model {spec.name} {cfg.model.flavor} has no mixture of experts; "
+            f"remove them or choose an MoE flavor"
+        )
+    model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides)
     if not os.path.isfile(cfg.model.tokenizer_path):
         raise UserError(
             f"tokenizer model not found at '{cfg.model.tokenizer_path}' (model.tokenizer_path); point it at a "
@@ -100,7 +108,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 "turn it off"
             )
         vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
-        sizes = spec.tp_sizes(spec.args_for_training(cfg.model.flavor, vocab, t.seq_len))
+        sizes = spec.tp_sizes(spec.args_for_training(cfg.model.flavor, vocab, t.seq_len, overrides))
         check_tp_divisibility(sizes, dims.tp, t.seq_len)
     if dims.cp_enabled and spec.cp_attention is None:
         raise UserError(
@@ -228,7 +236,9 @@ class Trainer:
     def build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
         """This rank's model parts (one, or its pipeline stages), parallelized and initialized."""
         cfg, t = self.cfg, self.cfg.training
-        self.model_args = self.spec.args_for_training(cfg.model.flavor, self.tokenizer.vocab_size, t.seq_len)
+        self.model_args = self.spec.args_for_training(
+            cfg.model.flavor, self.tokenizer.vocab_size, t.seq_len, moe_overrides(cfg.moe)
+        )
         # Built on the meta device, so even the largest flavor costs nothing until materialized.
         with torch.device("meta"):
             model = self.spec.model_cls(self.model_args)

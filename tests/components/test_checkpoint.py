@@ -229,16 +229,18 @@ def test_exclude_dataloader_restarts_the_data(straight, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model, flavor, hf_class",
-    [("llama3", "debugmodel", "LlamaForCausalLM"), ("qwen3", "debugmodel", "Qwen3ForCausalLM"),
-     ("qwen3", "debugmodel_tied", "Qwen3ForCausalLM")],
+    "model, flavor, hf_class, extra",
+    [("llama3", "debugmodel", "LlamaForCausalLM", []), ("qwen3", "debugmodel", "Qwen3ForCausalLM", []),
+     ("qwen3", "debugmodel_tied", "Qwen3ForCausalLM", []),
+     # Qwen3-MoE's format has no routing bias: exported exactly when the bias stays zero.
+     ("qwen3", "debugmodel_moe", "Qwen3MoeForCausalLM", ["--moe.load_balance_coeff", "0"])],
 )
-def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path, model, flavor, hf_class):
+def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path, model, flavor, hf_class, extra):
     transformers = pytest.importorskip("transformers")
     from torchtitan.components.hf_checkpoint import read_dcp_model
     from torchtitan.models.registry import get_model_spec
 
-    family = ["--model.name", model, "--model.flavor", flavor]
+    family = ["--model.name", model, "--model.flavor", flavor, *extra]
     run(tmp_path / "a", "--checkpoint.last_save_in_hf", *family, steps=2)
     hf_dir = tmp_path / "a" / "checkpoint" / "step-2-hf"
     assert (hf_dir / "config.json").exists()

@@ -289,6 +289,25 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class MoE:
+    top_k: int | None = opt(None, "Experts per token (unset: the flavor's); changes the model's compute, not its weights.")
+    load_balance_coeff: float | None = opt(
+        None,
+        "Update rate of the auxiliary-loss-free expert bias (moved after every step toward equal expert loads); "
+        "0 turns the bias off. Unset: the flavor's (1e-3 for Qwen3-MoE).",
+    )
+    seq_aux_loss_coeff: float | None = opt(
+        None, "Coefficient of the sequence-wise load-balancing auxiliary loss (0: off). Unset: the flavor's (0)."
+    )
+    z_loss_coeff: float | None = opt(None, "Coefficient of the router z-loss (0: off). Unset: the flavor's (0).")
+    capacity_factor: float | None = opt(
+        None,
+        "Each expert keeps at most capacity_factor x tokens x top_k / experts assignments per micro-batch, the "
+        "highest-scored; the rest are dropped (their share is reported). 0: no limit. Unset: the flavor's (no limit).",
+    )
+
+
+@dataclass(frozen=True)
 class Experimental:
     custom_import: str = opt(
         "",
@@ -312,6 +331,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     profiling: Profiling = field(default_factory=Profiling)
+    moe: MoE = field(default_factory=MoE)
     experimental: Experimental = field(default_factory=Experimental)
 
 

@@ -492,6 +492,10 @@ def _check_rules(cfg: JobConfig) -> list[str]:
             "stages); convert the last checkpoint with scripts/convert_checkpoint.py to-hf instead",
         )
     need(p.tensor_parallel_degree >= 1, f"parallelism.tensor_parallel_degree must be 1 or more, got {p.tensor_parallel_degree}")
+    for key in ("load_balance_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "capacity_factor"):
+        value = getattr(cfg.moe, key)
+        need(value is None or value >= 0, f"moe.{key} must be 0 (off) or more, got {value}")
+    need(cfg.moe.top_k is None or cfg.moe.top_k >= 1, f"moe.top_k must be 1 or more, got {cfg.moe.top_k}")
     need(p.expert_parallel_degree >= 1, f"parallelism.expert_parallel_degree must be 1 or more, got {p.expert_parallel_degree}")
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     need(cp >= 1, f"parallelism.context_parallel_degree must be 1 or more, got {cp}")

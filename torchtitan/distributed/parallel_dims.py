@@ -51,8 +51,6 @@ class ParallelDims:
                 f"context_parallel_degree = {shard} x {cp} = {shard * cp} (the ranks experts are split over); "
                 f"choose an expert_parallel_degree that divides {shard * cp}"
             )
-        if ep > 1 and replicate > 1 and shard == 1 and cp == 1:
-            raise UserError("parallelism.expert_parallel_degree needs sharded data parallel; DDP cannot lend it ranks")
         return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
 
     @property

@@ -371,6 +371,22 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def overrides_from_config(section) -> dict:
+    """MoEArgs fields set by the [moe] config section (unset keys keep the flavor's values; 0 turns
+    the bias balancing or the capacity limit off)."""
+    out = {}
+    if section.top_k is not None:
+        out["top_k"] = section.top_k
+    if section.load_balance_coeff is not None:
+        out["load_balance_coeff"] = section.load_balance_coeff or None
+    for key in ("seq_aux_loss_coeff", "z_loss_coeff"):
+        if getattr(section, key) is not None:
+            out[key] = getattr(section, key)
+    if section.capacity_factor is not None:
+        out["capacity_factor"] = section.capacity_factor or None
+    return out
+
+
 # ---- hooks for a family's spec ----------------------------------------------------------------
 
 

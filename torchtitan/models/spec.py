@@ -114,10 +114,14 @@ class ModelSpec:
     post_optimizer_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
     metrics: Callable[[list[nn.Module], ParallelizeInputs], dict[str, float]] | None = None
 
-    def args_for_training(self, flavor: str, vocab_size: int, seq_len: int):
+    def args_for_training(self, flavor: str, vocab_size: int, seq_len: int, moe_overrides: dict | None = None):
         """The flavor's args with the tokenizer's vocabulary and positions for exactly `seq_len` tokens
-        (the rotary table is built for max_seq_len positions)."""
-        return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max(seq_len, 1))
+        (the rotary table is built for max_seq_len positions), and, for a family whose args have an
+        `moe` field (torchtitan.models.moe.MoEArgs), the given MoE settings replaced."""
+        args = dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max(seq_len, 1))
+        if moe_overrides and getattr(args, "moe", None) is not None:
+            args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **moe_overrides))
+        return args
 
     def args_from_dict(self, values: dict):
         """Rebuild args from `dataclasses.asdict(args)` (nested dataclasses included)."""
