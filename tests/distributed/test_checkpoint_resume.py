@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, TINY, launch
 
@@ -28,6 +29,9 @@ CP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degre
        "--parallelism.context_parallel_rotate_method", "alltoall"]
 QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
 TP2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+EP2_FSDP2 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
+EP4 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4"]
 PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
@@ -62,6 +66,14 @@ def runs(tmp_path_factory):
         "qwen3_tied_fsdp4_straight": CKPT + QWEN_TIED + FSDP4,
         "copy13": step10(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_fsdp2_tp2"),
         "qwen3_tied_fsdp4_to_fsdp2_tp2": CKPT + QWEN_TIED + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+        # Qwen3-MoE: experts (and their bias and optimizer state) saved under one expert layout, loaded
+        # under another.
+        "moe_ep2_fsdp2_straight": CKPT + MOE + EP2_FSDP2,
+        "copy15": step10(tmp, "moe_ep2_fsdp2_straight", "moe_ep2_fsdp2_to_fsdp4"),
+        "moe_ep2_fsdp2_to_fsdp4": CKPT + MOE + FSDP4,
+        "moe_fsdp4_straight": CKPT + MOE + FSDP4,
+        "copy16": step10(tmp, "moe_fsdp4_straight", "moe_fsdp4_to_ep4"),
+        "moe_fsdp4_to_ep4": CKPT + MOE + EP4,
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -121,6 +133,24 @@ def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
     end_got = train_state(tmp, target, 20)["dataloader"]["dataset_state"]
     assert end_got["next_sample"] == end_ref["next_sample"] == 20 * 8
     assert (end_got["doc_index"], end_got["token_offset"]) == (end_ref["doc_index"], end_ref["token_offset"])
+
+
+@pytest.mark.parametrize("source, target", [("moe_ep2_fsdp2", "moe_ep2_fsdp2_to_fsdp4"), ("moe_fsdp4", "moe_fsdp4_to_ep4")])
+def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
+    tmp, r = runs
+    ref, got = losses(r[f"{source}_straight"], first_step=11), losses(r[target])
+    assert len(got) == 10
+    assert got[0] == pytest.approx(ref[0], abs=1e-6)  # weights, bias and optimizer state restored
+    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    # The step-20 bias equals the uninterrupted run's: it was restored and then updated alike.
+    from torchtitan.components.hf_checkpoint import read_dcp_model
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    want, _, _ = read_dcp_model(tmp / f"{source}_straight" / "checkpoint" / "step-20", spec)
+    have, _, _ = read_dcp_model(tmp / target / "checkpoint" / "step-20", spec)
+    for key in [k for k in want if k.endswith("expert_bias")]:
+        torch.testing.assert_close(have[key], want[key], atol=1e-7, rtol=0)
 
 
 @pytest.mark.parametrize("target", ["qwen3_tied_fsdp4_to_fsdp2_tp2", "qwen3_tied_fsdp4_to_tp2"])

@@ -413,8 +413,14 @@ class CheckpointManager:
             logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s")
             return 0, 0
         if "lr_scheduler" not in excluded:
-            for sched in self.lr_schedulers:
-                sched.load_state_dict(dict(state["lr_scheduler"], lr_lambdas=[None]))
+            for sched, opt in zip(self.lr_schedulers, self.optimizers):
+                # Per-group lists hold one value for all groups; the number of groups depends on the
+                # layout (one per device mesh, e.g. expert-parallel experts apart).
+                saved = dict(state["lr_scheduler"], lr_lambdas=[None])
+                for key in ("base_lrs", "_last_lr"):
+                    if isinstance(saved.get(key), list) and saved[key]:
+                        saved[key] = [saved[key][0]] * len(opt.param_groups)
+                sched.load_state_dict(saved)
         if "dataloader" not in excluded:
             self.dataloader.load_state_dict(state["dataloader"])
         self._load_rng(path, state)
