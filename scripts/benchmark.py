@@ -263,11 +263,56 @@ def run_bare(cfg, steps: int) -> dict:
             "n_params": n_params, "first_loss": first_loss.item()}
 
 
+def run_moe_layer(cfg, repeats: int = 20) -> dict:
+    """One MoE block against a dense SwiGLU feed-forward of equal active FLOPs (hidden = top_k x the
+    experts' hidden), forward + backward on the tokens of one micro-batch, in the training dtype:
+    the MoE's achieved FLOP/s as a share of the dense block's. The MoE also computes its router and
+    routes: that work is its overhead, so its FLOPs count only the experts'."""
+    import torch
+
+    from torchtitan.distributed.utils import DTYPES
+    from torchtitan.models.layers import FeedForward
+    from torchtitan.models.moe import MoE, grouped_mm_works
+    from torchtitan.models.moe import overrides_from_config as moe_overrides
+    from torchtitan.models.registry import get_model_spec, import_custom_module
+
+    t = cfg.training
+    import_custom_module(cfg.experimental.custom_import)
+    spec = get_model_spec(cfg.model.name)
+    args = spec.args_for_training(cfg.model.flavor, 4096, t.seq_len, moe_overrides(cfg.moe))
+    m = args.moe
+    dtype = DTYPES[t.mixed_precision_param]
+    g = torch.Generator().manual_seed(0)
+    moe = MoE(args.dim, m).to(dtype)
+    dense = FeedForward(args.dim, m.top_k * m.hidden_dim).to(dtype)
+    moe.reset_buffers()
+    with torch.no_grad():
+        for p in [*moe.parameters(), *dense.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    x = torch.randn(t.local_batch_size, t.seq_len, args.dim, generator=g).to(dtype)
+
+    def timed(block) -> float:
+        times = []
+        for _ in range(repeats + 3):
+            inp = x.clone().requires_grad_()
+            start = time.perf_counter()
+            block(inp).float().square().mean().backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[3:])
+
+    t_dense, t_moe = timed(dense), timed(moe)
+    flops = 6 * x.shape[0] * x.shape[1] * 3 * args.dim * m.top_k * m.hidden_dim
+    return {"steps": [], "dense_tflops": flops / t_dense / 1e12, "moe_tflops": flops / t_moe / 1e12,
+            "grouped_mm": grouped_mm_works(x.device, dtype), "threads": torch.get_num_threads()}
+
+
 def worker(opts: dict, overrides: list[str]) -> int:
     from torchtitan.config import load_config
 
     part, result = opts["worker"], opts["result"]
-    if part == "framework":
+    if part == "moe_layer":
+        out = run_moe_layer(load_config(overrides))
+    elif part == "framework":
         dump = str(Path(result).parent / "framework_dump")
         out = run_framework(load_config(framework_argv(overrides, opts["steps"], dump)))
     else:
@@ -379,9 +424,26 @@ def launch(opts: dict, overrides: list[str]) -> int:
     if abs(losses["framework"] - losses["bare"]) > 1e-2:
         print(f"warning: the step-1 losses differ ({losses['framework']:.4f} vs {losses['bare']:.4f}): "
               "the two loops do not train the same model on the same data", flush=True)
+    if getattr(_flavor_args(cfg), "moe", None) is not None:
+        result = tmp / "moe_layer.json"
+        layer_opts = dict(opts, nproc=1)
+        subprocess.run(worker_command("moe_layer", layer_opts, overrides, result), env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        layer = json.loads(result.read_text())
+        print(f"MoE block vs dense SwiGLU of equal active FLOPs ({layer['threads']} thread(s), "
+              f"{'grouped matmul' if layer['grouped_mm'] else 'per-expert matmuls'}): "
+              f"{layer['moe_tflops']:.4f} vs {layer['dense_tflops']:.4f} TFLOP/s, "
+              f"share {layer['moe_tflops'] / layer['dense_tflops']:.2f}")
     print("\n".join(format_table(fw, bare)))
     print(f"ratio framework/bare: {fw['tps'] / bare['tps']:.2f}")
     return 0
+
+
+def _flavor_args(cfg):
+    from torchtitan.models.registry import get_model_args, import_custom_module
+
+    import_custom_module(cfg.experimental.custom_import)
+    return get_model_args(cfg.model.name, cfg.model.flavor)
 
 
 def main(argv: list[str]) -> int:

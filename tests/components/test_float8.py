@@ -205,3 +205,23 @@ def test_missing_torchao_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match=r"pip install torchao==0\.18\.0"):
         convert_to_float8(model, Float8())
     assert float8_names(model) == []
+
+
+def test_moe_router_and_experts_stay_in_high_precision():
+    import dataclasses
+
+    qwen = get_model_spec("qwen3")
+    args = qwen.flavors["debugmodel_moe"]
+    args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, num_experts=16))  # a 256 x 16 router
+    with torch.device("meta"):
+        model = qwen.model_cls(args)
+    converted = convert_to_float8(model, Float8())
+    block = model.layers["0"]
+    assert type(block.feed_forward.router.gate) is nn.Linear
+    assert isinstance(block.attention.wq, Float8Linear) and "layers.0.attention.wq" in converted
+    assert not any("feed_forward" in name for name in converted)
+    # Asking for float8 experts is refused with the reason.
+    from torchtitan.config import load_config
+
+    with pytest.raises(UserError, match="float8 for the MoE experts"):
+        load_config(["--float8.moe_fqns_prototype", "experts"])

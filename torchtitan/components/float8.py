@@ -66,6 +66,12 @@ def convert_to_float8(model: nn.Module, cfg: Float8) -> list[str]:
     converted: list[str] = []
 
     def keep_or_convert(module: nn.Module, fqn: str) -> bool:
+        if fqn.endswith("router.gate"):
+            # A mixture of experts' router: its scores pick the experts, and float8 rounding of the
+            # gate would change which ones; its matmul is tiny anyway. (The experts themselves are
+            # 3-D weights, not Linear layers: they stay in high precision.)
+            logger.info(f"float8: keeping the MoE router {fqn} in high precision")
+            return False
         matches = [f for f in cfg.filter_fqns if f and f in fqn]
         if matches:
             logger.info(f"float8: keeping {fqn} in high precision (float8.filter_fqns entry {matches[0]!r})")
