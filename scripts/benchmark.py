@@ -11,7 +11,8 @@ resident memory of one does not hide that of the other (RSS maxima only grow):
   folder. Its per-step records give tokens/s, TFLOP/s, MFU and peak memory.
 - bare: the same model class, flavor, vocabulary, sequence length and seeded init, trained by a
   loop written here with plain PyTorch: forward, cross-entropy, backward, gradient clipping,
-  optimizer step, zero_grad; nothing else. It shares the trainer's dtype handling (FSDP
+  optimizer step, zero_grad (and, for a mixture of experts, the expert-bias update that is part of
+  its training algorithm); nothing else. It shares the trainer's dtype handling (FSDP
   MixedPrecisionPolicy when N > 1, torch.autocast(bfloat16) when N == 1), optimizer settings,
   micro-batching, activation checkpointing (full or every N-th block) and per-block compile. It
   trains on the very batches the trainer's data loader gives this rank, read before timing starts:
@@ -97,7 +98,8 @@ def check_supported(cfg) -> None:
     others = {"data_parallel_replicate_degree": p.data_parallel_replicate_degree,
               "tensor_parallel_degree": p.tensor_parallel_degree,
               "pipeline_parallel_degree": p.pipeline_parallel_degree,
-              "context_parallel_degree": p.context_parallel_degree}
+              "context_parallel_degree": p.context_parallel_degree,
+              "expert_parallel_degree": p.expert_parallel_degree}
     for key, degree in others.items():
         if degree != 1:
             raise UserError(f"the bare loop shards over all processes with FSDP on a 1D mesh and nothing else: "
@@ -176,6 +178,7 @@ def run_bare(cfg, steps: int) -> dict:
     from torchtitan.components.tokenizer import Tokenizer
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import DTYPES, tune_host_allocator
+    from torchtitan.models.moe import moe_layers, update_expert_bias
     from torchtitan.models.moe import overrides_from_config as moe_overrides
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
@@ -207,6 +210,7 @@ def run_bare(cfg, steps: int) -> dict:
         model = spec.model_cls(args)
     n_params = spec.size(args).total
     flops_tok = spec.flops_per_token(args, t.seq_len)
+    moes = [m for _, m in moe_layers(model)]
     apply_block_options(model, checkpoint_every(cfg.activation_checkpoint), t.compile)
     compute_dtype = DTYPES[t.mixed_precision_param]
     if mesh is not None:
@@ -245,6 +249,8 @@ def run_bare(cfg, steps: int) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
         optimizer.step()
         optimizer.zero_grad()
+        if moes:  # part of the training algorithm of a mixture of experts: the balancing bias
+            update_expert_bias(moes, dist.group.WORLD if mesh is not None else None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # per-step times need the step's kernels finished
         now = time.perf_counter()
@@ -273,6 +279,7 @@ def run_moe_layer(cfg, repeats: int = 20) -> dict:
     from torchtitan.distributed.utils import DTYPES
     from torchtitan.models.layers import FeedForward
     from torchtitan.models.moe import MoE, grouped_mm_works
+    from torchtitan.models.moe import moe_layers, update_expert_bias
     from torchtitan.models.moe import overrides_from_config as moe_overrides
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
