@@ -189,3 +189,32 @@ def test_parameter_counts():
     assert total == 2048 * 128 + 128 * 3 * 2048 * 768 and active == 2048 * 128 + 8 * 3 * 2048 * 768
     m = build()
     assert sum(p.numel() for p in m.parameters()) == count_moe_parameters(m.args, DIM)[0]
+
+
+# Published: Qwen3-30B-A3B "30.5B in total and 3.3B activated", Qwen3-235B-A22B "235B in total and
+# 22B activated" (model cards); exact totals from the dimensions of their config.json.
+@pytest.mark.parametrize("flavor, total, active, card", [
+    ("30B-A3B", 30_532_122_624, 3_353_032_704, (30.5, 3.3)),
+    ("235B-A22B", 235_093_634_560, 22_190_763_520, (235, 22)),
+])
+def test_qwen3_moe_published_sizes(flavor, total, active, card):
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    args = spec.flavors[flavor]
+    size = spec.size(args)
+    # Independently: embeddings (untied) + layers x (attention + norms + router + 128 experts) + final norm.
+    a, m = args, args.moe
+    attention = a.dim * a.n_heads * a.head_dim * 2 + a.dim * a.kv_heads * a.head_dim * 2 + 2 * a.head_dim
+    routed = 3 * a.dim * m.hidden_dim
+    per_layer = attention + 2 * a.dim + a.dim * m.num_experts + m.num_experts * routed
+    expected = 2 * a.vocab_size * a.dim + a.n_layers * per_layer + a.dim
+    assert size.total == expected == total
+    assert size.active == total - a.n_layers * (m.num_experts - m.top_k) * routed == active
+    # The cards' figures are the counts cut (not rounded) to the digits shown: 3.353B is "3.3B".
+    def cut(n, ndigits):
+        return int(n / 1e9 * 10**ndigits) / 10**ndigits
+
+    assert cut(total, 1 if card[0] < 100 else 0) == card[0] and cut(active, 1 if card[1] < 10 else 0) == card[1]
+    # FLOPs count the active parameters (minus the input embedding) and attention.
+    assert spec.flops_per_token(args, 4096) == 6 * (active - size.embedding) + 12 * a.n_layers * a.n_heads * a.head_dim * 4096
