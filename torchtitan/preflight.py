@@ -18,7 +18,10 @@ def main(argv: list[str]) -> int:
         from torchtitan.components.tokenizer import Tokenizer
         from torchtitan.train import preflight
 
+        from torchtitan.components.run_lock import refuse_if_locked
+
         plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        refuse_if_locked(cfg.job.dump_folder)
         # Opening the data source as rank 0 finds a missing path or an empty dataset.
         build_dataloader(cfg.training, Tokenizer(cfg.model.tokenizer_path), 0, plan.parallel_dims.dp_degree,
                          plan.global_batch_size)

@@ -31,6 +31,7 @@ from torchtitan.components.data import build_dataloader
 from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
+from torchtitan.components.run_lock import RunLock
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
@@ -153,16 +154,39 @@ def train(cfg: JobConfig, trainer_cls: type["Trainer"] | None = None) -> list[di
     plan = preflight(cfg, world_size)
     # A caller that set up the process group (a test running several jobs in one launch) keeps it.
     owns_process_group = not torch.distributed.is_initialized()
-    device, rank, _ = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
+    device, rank, _ = dist_utils.init_distributed(cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size)
+    lock = None
     try:
+        lock = take_run_lock(cfg.job.dump_folder, rank)
         history = (trainer_cls or Trainer)(cfg, plan, device, rank).run()
     except BaseException:
+        if lock is not None:
+            lock.release()
         if owns_process_group:
             dist_utils.destroy_distributed(wait_for_peers=False)
         raise
+    if lock is not None:
+        lock.release()
     if owns_process_group:
         dist_utils.destroy_distributed()
     return history
+
+
+def take_run_lock(dump_folder: str, rank: int) -> RunLock | None:
+    """Rank 0 locks the dump folder for the run; every rank stops with the reason if it cannot."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(dump_folder)
+        except UserError as e:
+            error = str(e)
+    if torch.distributed.is_initialized():
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return lock
 
 
 class Trainer:
@@ -193,7 +217,13 @@ class Trainer:
         self.prepare_step_state()
         self.log_start()
         # A resumed run appends to the metrics of the run it continues.
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, write=self.rank == 0, append=start_step > 0)
+        metrics_file = os.path.join(cfg.job.dump_folder, "metrics.jsonl")
+        if self.rank == 0 and start_step == 0 and os.path.isfile(metrics_file) and os.path.getsize(metrics_file):
+            keep_earlier(metrics_file, "metrics")  # a new run in a used folder
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, write=self.rank == 0, append=start_step > 0,
+            color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(),
+        )
         data_iter = iter(self.dataloader)
         gc.disable()
         gc.collect()
@@ -205,6 +235,8 @@ class Trainer:
                     if step % t.gc_freq == 0:
                         gc.collect(1)
                     loss_sum, grad_norm, lr = self.train_step(data_iter)
+                    if step == start_step + 1:  # compiled, loaded and warmed up: the steady-state bound applies
+                        dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
                     # Tensor-, context- and pipeline-parallel peers share their data-parallel group's
                     # batch: count each token once, spread over all devices.
                     self.tokens_since_log += self.tokens_per_step / self.dims.world_size
@@ -225,9 +257,13 @@ class Trainer:
         if self.rank == 0:
             os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
             resolved = config_to_toml(self.cfg)
-            with open(os.path.join(self.cfg.job.dump_folder, "config.toml"), "w") as f:
+            path = os.path.join(self.cfg.job.dump_folder, "config.toml")
+            if os.path.isfile(path) and open(path).read() != resolved:
+                keep_earlier(path, "config")
+            with open(path, "w") as f:
                 f.write(resolved)
-            logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'}):\n{resolved}")
+            if self.cfg.job.print_args:
+                logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'}):\n{resolved}")
 
     def build_dataloader(self):
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
@@ -246,6 +282,8 @@ class Trainer:
             from torchtitan.components.float8 import convert_to_float8
 
             convert_to_float8(model, cfg.float8)  # before parallelizing: FSDP then shards the float8 weights
+        if cfg.model.print_after_conversion and self.rank == 0:
+            logger.info(f"model after conversion ({', '.join(cfg.model.converters) or 'no converters'}):\n{model}")
         self.model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         pipeline, parts = None, [model]
         if self.dims.pp_enabled:
@@ -444,6 +482,15 @@ class Trainer:
             self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id)
 
 
+def keep_earlier(path: str, what: str):
+    """Rename an earlier run's file to {path}.N (the first free N) instead of overwriting it."""
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.rename(path, f"{path}.{n}")
+    logger.warning(f"{path} holds an earlier run's {what}; kept it as {path}.{n}")
+
+
 def setup_logging():
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -456,6 +503,8 @@ def setup_logging():
 
 def main(argv: list[str], trainer_cls: type[Trainer] | None = None) -> int:
     setup_logging()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
+        dist_utils.stop_with_launcher()
     try:
         train(load_config(argv), trainer_cls)
     except HelpRequested as h:

@@ -17,19 +17,19 @@ from torchtitan.train import train
 REPO = Path(__file__).resolve().parents[2]
 
 
+TRAIN_ARGS = [
+    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+    "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+    "--training.seq_len", "32", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
+    "--metrics.no-enable_tensorboard",
+    "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",
+]
+
+
 def run(folder, *overrides, steps=6):
-    cfg = load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(folder),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(steps),
-        "--training.mixed_precision_param", "float32",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
-        "--metrics.no-enable_tensorboard",
-        "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",
-        *overrides,
-    ])
-    return train(cfg)
+    return train(load_config([*TRAIN_ARGS, "--job.dump_folder", str(folder), "--training.steps", str(steps), *overrides]))
 
 
 def losses(history):
@@ -90,14 +90,37 @@ def test_async_saves_publish_and_resume_identically(straight, tmp_path):
 def test_keep_latest_k_and_last_save_model_only(tmp_path):
     run(tmp_path, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only",
         "--checkpoint.export_dtype", "bfloat16", steps=5)
-    assert ckpt.complete_checkpoints(str(tmp_path / "checkpoint")) == [4, 5]
+    # step-4 is the newest full checkpoint: kept beside the weights-only step-5, step-3 purged.
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-4", "step-5"]
     last = ckpt.read_metadata(str(tmp_path / "checkpoint" / "step-5"))
     assert all(k.startswith("model.") for k in last.state_dict_metadata)
     assert last.state_dict_metadata["model.output.weight"].properties.dtype == torch.bfloat16
     # The final model-only checkpoint cannot resume training, and says what to do instead.
-    with pytest.raises(UserError, match="holds model weights only"):
+    with pytest.raises(UserError, match="holds model weights only.*checkpoint.load_step"):
         run(tmp_path, steps=8)
+
+
+def test_keep_latest_1_never_deletes_the_last_resumable_checkpoint(tmp_path):
+    run(tmp_path, "--checkpoint.keep_latest_k", "1", "--checkpoint.last_save_model_only", steps=6)
+    # keep_latest_k = 1 would delete step-3, the only full checkpoint, once the weights-only step-6 exists.
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-3", "step-6"]
+    assert not ckpt.read_train_state(str(tmp_path / "checkpoint" / "step-3"))["model_only"]
+    # The advice of the model-only error works: load_step continues from step-3.
+    resumed = run(tmp_path, "--checkpoint.keep_latest_k", "1", "--checkpoint.load_step", "3", steps=8)
+    assert [r["step"] for r in resumed] == [4, 5, 6, 7, 8]
+    assert "superseded-step-6" in os.listdir(tmp_path / "checkpoint")
+
+
+def test_restarting_step_numbers_in_a_used_folder_is_refused(straight, tmp_path):
+    folder, _ = straight
+    shutil.copytree(folder / "checkpoint", tmp_path / "checkpoint")
+    with pytest.raises(UserError, match="exclude_from_loading names train_state.*already holds step-6.*initial_load_path"):
+        run(tmp_path, "--checkpoint.exclude_from_loading", "train_state")
+    # The suggested way: another dump folder, starting from step-6's full state at step 0.
+    started = run(tmp_path / "new", "--checkpoint.initial_load_path", str(tmp_path / "checkpoint" / "step-6"),
+                  "--checkpoint.no-initial_load_model_only", "--checkpoint.exclude_from_loading", "train_state", steps=3)
+    assert [r["step"] for r in started] == [1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "new" / "checkpoint")) == ["step-3"]
 
 
 def test_partial_folders_are_never_loaded_and_are_cleared(straight, tmp_path):
@@ -138,27 +161,138 @@ def test_missing_metadata_and_bad_state_file(straight, tmp_path):
         run(tmp_path / "other")
 
 
-def test_foreign_pickle_in_metadata_is_refused(straight, tmp_path):
+def _text(s: str) -> bytes:
     import pickle
 
+    raw = s.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(raw)]) + raw
+
+
+def _call(func: tuple[str, str], *args: bytes) -> bytes:
+    """Protocol-4 opcodes for func(*args), func looked up by (module, name) as a pickle does."""
+    import pickle
+
+    return _text(func[0]) + _text(func[1]) + pickle.STACK_GLOBAL + pickle.MARK + b"".join(args) + pickle.TUPLE + pickle.REDUCE
+
+
+ESCAPES = {  # each builds a pickle that creates the file `marker` when a plain unpickler loads it
+    # pickle resolves a dotted name as an attribute path from the module: os.system through allowed modules
+    "dotted_from_dcp_module": lambda m: _call(("torch.distributed.checkpoint.filesystem", "os.system"), _text(f"touch {m}")),
+    "dotted_from_pathlib": lambda m: _call(("pathlib", "os.system"), _text(f"touch {m}")),
+    "builtins_eval": lambda m: _call(("builtins", "eval"), _text(f"open({m!r}, 'w')")),
+    "builtins_exec": lambda m: _call(("builtins", "exec"), _text(f"open({m!r}, 'w')")),
+    # getattr on an allowed class reaches its methods: getattr(PosixPath(marker), "touch")()
+    "builtins_getattr": lambda m: _call(("builtins", "getattr"), _call(("pathlib", "PosixPath"), _text(m)), _text("touch"))
+    + _pickle_empty_call(),
+    # an allowed class given an argument that a harmful call produces
+    "allowed_class_harmful_argument": lambda m: _call(("pathlib", "PosixPath"), _call(("os", "system"), _text(f"touch {m}"))),
+}
+
+
+def _pickle_empty_call() -> bytes:
+    import pickle
+
+    return pickle.EMPTY_TUPLE + pickle.REDUCE
+
+
+@pytest.mark.parametrize("escape", sorted(ESCAPES))
+def test_code_in_metadata_never_runs(straight, tmp_path, escape):
+    import pickle
+
+    marker = tmp_path / "pwned"
+    payload = pickle.PROTO + bytes([4]) + ESCAPES[escape](str(marker)) + pickle.STOP
+    try:  # the payload is live: a plain unpickler runs it (and may then fail on what it returned)
+        pickle.loads(payload)
+    except TypeError:
+        pass
+    assert marker.exists()
+    marker.unlink()
     dst = copy_step(straight[0], tmp_path)
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    (dst / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(UserError, match="metadata refers to posix.system"):
+    (dst / ".metadata").write_bytes(payload)
+    with pytest.raises(UserError, match=r"its \.metadata cannot be read \(checkpoint metadata refers to"):
+        ckpt.read_metadata(str(dst))
+    with pytest.raises(UserError, match="metadata refers to"):
         run(tmp_path)
+    assert not marker.exists()
 
 
-def test_load_step_errors(straight, tmp_path):
-    folder, _ = straight
+def test_metadata_allow_list_is_exact_pairs():
+    allowed = ckpt._MetadataUnpickler._ALLOWED
+    assert all("." not in name for _, name in allowed)
+    assert not hasattr(ckpt._MetadataUnpickler, "_ALLOWED_MODULES")
+    for module, name in allowed:  # each entry names something that exists (no stale pairs)
+        assert getattr(__import__(module, fromlist=[name]), name) is not None
+
+
+def test_load_step_errors_and_an_older_step_supersedes_newer_ones(straight, tmp_path):
+    folder, history = straight
     shutil.copytree(folder / "checkpoint", tmp_path / "checkpoint")
     with pytest.raises(UserError, match="no complete checkpoint step-4 .* available steps: 3, 6"):
         run(tmp_path, "--checkpoint.load_step", "4")
-    with pytest.raises(UserError, match="would overwrite the newer checkpoints step-6"):
-        run(tmp_path, "--checkpoint.load_step", "3")
+    # An explicit older step continues from it; the newer step-6 is kept under another name.
+    resumed = run(tmp_path, "--checkpoint.load_step", "3")
+    assert losses(resumed) == losses(history)[3:]
+    names = sorted(os.listdir(tmp_path / "checkpoint"))
+    assert names == ["step-3", "step-6", "superseded-step-6"]
+    ckpt.read_metadata(str(tmp_path / "checkpoint" / "superseded-step-6"))
+
+
+def flip_byte(file: Path, offset: int):
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped_data_byte", "truncated_data_file", "flipped_state_file", "flipped_rng_file"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_newest_that_verifies(straight, tmp_path, damage):
+    folder, history = straight
+    shutil.copytree(folder / "checkpoint", tmp_path / "checkpoint")
+    step6 = tmp_path / "checkpoint" / "step-6"
+    data = sorted(step6.glob("*.distcp"))[0]
+    if damage == "flipped_data_byte":  # same size, one bit: only the checksum can tell
+        flip_byte(data, data.stat().st_size // 2)
+    elif damage == "truncated_data_file":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif damage == "flipped_state_file":  # still valid JSON: "step": 6 -> "step": 7
+        state = (step6 / "train_state.json").read_text()
+        (step6 / "train_state.json").write_text(state.replace('"step": 6', '"step": 7'))
+    else:
+        flip_byte(step6 / "rng" / "rank-0.safetensors", 200)
+    assert ckpt.verify_checkpoint(str(step6)) is not None
+    resumed = run(tmp_path)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert losses(resumed) == losses(history)[3:]
+    # Kept (never deleted), out of the step-N namespace; the run then wrote a good step-6.
+    assert (tmp_path / "checkpoint" / "corrupt-step-6").is_dir()
+    assert ckpt.verify_checkpoint(str(tmp_path / "checkpoint" / "step-6")) is None
+    # Explicitly asking for a corrupt step is refused with the reason.
+    bad = tmp_path / "checkpoint" / "corrupt-step-6"
+    shutil.copytree(bad, tmp_path / "again" / "checkpoint" / "step-6")
+    with pytest.raises(UserError, match="is corrupt.*choose another checkpoint.load_step"):
+        run(tmp_path / "again", "--checkpoint.load_step", "6")
+
+
+def test_no_checkpoint_verifies_is_refused_and_nothing_moves(straight, tmp_path):
+    dst = copy_step(straight[0], tmp_path)
+    flip_byte(sorted(dst.glob("*.distcp"))[0], 5000)
+    with pytest.raises(UserError, match="no checkpoint in .* can be loaded: .*checksum mismatch.*Nothing was moved"):
+        run(tmp_path)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-3"]
+
+
+def test_flipped_byte_without_checksums_is_a_clear_error(straight, tmp_path):
+    """A checkpoint of format 1 has no checksums; a damaged tensor chunk then fails inside DCP, whose
+    CheckpointException (a BaseException) must still become a message, not a traceback."""
+    dst = copy_step(straight[0], tmp_path)
+    shutil.rmtree(dst / "checksums")
+    state = json.loads((dst / "train_state.json").read_text())
+    (dst / "train_state.json").write_text(json.dumps(dict(state, format_version=1)))
+    data = sorted(dst.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[:64] = b"\xff" * 64  # the first chunk's zip header
+    data.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="could not be read: rank 0: "):
+        run(tmp_path)
 
 
 def test_checkpoint_of_another_model_names_keys_and_shapes(straight, tmp_path):
@@ -179,29 +313,41 @@ def test_checkpoint_of_another_model_names_keys_and_shapes(straight, tmp_path):
         run(tmp_path)
 
 
+def test_dump_folder_on_a_filesystem_that_refuses_writes(tmp_path):
+    # /proc refuses new entries even to root, for whom a permission check passes.
+    with pytest.raises(UserError, match=r"cannot write the config and metrics to /proc/torchtitan-test/run: /proc is not a writable folder"):
+        run(Path("/proc/torchtitan-test/run"))
+
+
 def test_unwritable_folder(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    with pytest.raises(UserError, match="cannot write the config and metrics to .*a_file is not a writable folder"):
+    with pytest.raises(UserError, match="cannot write the config and metrics to .*a_file is not a folder"):
         run(blocker / "sub")
-    with pytest.raises(UserError, match="cannot write checkpoints to .*a_file is not a writable folder"):
+    with pytest.raises(UserError, match="cannot write checkpoints to .*a_file is not a folder"):
         run(tmp_path, "--checkpoint.folder", "a_file/ckpt")
 
 
-def test_full_disk_during_save_keeps_earlier_checkpoints(tmp_path, monkeypatch):
-    real_save = ckpt.dcp.save
-    calls = []
+def test_write_errors_below_dcp_stop_the_run_with_a_message(tmp_path):
+    """A real write error from the kernel inside DCP's writer (the file-size limit: EFBIG), in a
+    subprocess: exit 2, one message, no traceback, no half-written folder left."""
+    import resource
+    import signal
+    import subprocess
+    import sys
 
-    def failing_save(state, checkpoint_id, **kwargs):
-        calls.append(checkpoint_id)
-        if len(calls) == 2:  # the step-6 save
-            raise OSError(28, "No space left on device")
-        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10 * 2**20, 10 * 2**20))
 
-    monkeypatch.setattr(ckpt.dcp, "save", failing_save)
-    with pytest.raises(UserError, match="saving checkpoint step-6 .* No space left on device; earlier checkpoints are untouched"):
-        run(tmp_path)
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-3"]
+    cmd = [sys.executable, "-m", "torchtitan.train", *TRAIN_ARGS, "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: saving checkpoint step-3 to" in proc.stderr
+    assert "file-size limit (ulimit -f) is 10,485,760 bytes" in proc.stderr
+    assert "earlier checkpoints are untouched" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path / "checkpoint") == []
 
 
 def test_seed_checkpoint_starts_every_run(tmp_path):

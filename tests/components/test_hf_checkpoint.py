@@ -154,7 +154,7 @@ def test_dcp_model_round_trip_and_errors(tmp_path):
     sd = materialized(args).state_dict()
     write_dcp_model(tmp_path / "step-0", sd, SPEC, args, flavor="tiny")
     state = json.loads((tmp_path / "step-0" / "train_state.json").read_text())
-    assert (state["format_version"], state["step"], state["model_only"], state["dtype"]) == (1, 0, True, "float32")
+    assert (state["format_version"], state["step"], state["model_only"], state["dtype"]) == (2, 0, True, "float32")
     assert state["model"] == {"name": "llama3", "flavor": "tiny", "args": asdict(args)}
     back, back_args, _ = read_dcp_model(tmp_path / "step-0", SPEC)
     assert back_args == args

@@ -28,7 +28,10 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "train_state.json"
-FORMAT_VERSION = 1
+CHECKSUM_DIR = "checksums"
+FORMAT_VERSION = 2  # 2: with checksums; 1 (read, not written): without
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,25 +67,31 @@ FORMAT_VERSION = 1
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP writes its .metadata with pickle; accept only the classes that file is made of."""
+    """DCP writes its .metadata with pickle; accept exactly the (module, name) pairs that file is made
+    of. No module prefixes and no dotted names: pickle resolves "a.b" as an attribute path, which
+    would reach any object importable from an allowed module. Every allowed callable only builds data."""
 
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed.checkpoint")
     _ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch", "float32"), ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float64"),
         ("torch", "int64"), ("torch", "int32"), ("torch", "int8"), ("torch", "uint8"), ("torch", "bool"),
         ("torch", "float8_e4m3fn"), ("torch", "float8_e5m2"),
-        ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
-        ("torch", "channels_last"), ("torch", "sparse_coo"),
-        ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-        ("builtins", "slice"), ("builtins", "tuple"), ("builtins", "dict"), ("builtins", "list"),
-        ("enum", "Enum"),
-        ("torch.serialization", "_get_layout"),  # maps a layout name to torch.strided etc.
+        ("torch.serialization", "_get_layout"),  # looks a layout up by name in a fixed table
+        ("collections", "OrderedDict"),
         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # the checkpoint id DCP records
     }
 
     def find_class(self, module: str, name: str):
-        if module.startswith(self._ALLOWED_MODULES) or (module, name) in self._ALLOWED:
+        if "." not in name and (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
 
@@ -144,7 +155,7 @@ def read_train_state(path: str) -> dict:
             state = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"checkpoint {path} is corrupt: {STATE_FILE} cannot be read ({e})") from None
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+    if not isinstance(state, dict) or state.get("format_version") not in (1, FORMAT_VERSION):
         raise UserError(f"checkpoint {path} has an unknown format (format_version {state.get('format_version')!r})")
     return state
 
@@ -170,6 +181,93 @@ def read_metadata(path: str):
                 f"{size} expected (truncated)"
             )
     return metadata
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_checksums(folder: str, rank: int):
+    """Record the size and CRC-32 of every file this rank wrote into the checkpoint `folder` (its DCP
+    data files `__{rank}_*.distcp` and RNG file; rank 0 also .metadata and train_state.json), so that
+    flipped or lost bytes are found before a load instead of being trained on."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
+    names += [n for n in (os.path.join("rng", f"rank-{rank}.safetensors"),) if os.path.isfile(os.path.join(folder, n))]
+    if rank == 0:
+        names += [".metadata", STATE_FILE]
+    files = {n: [os.path.getsize(os.path.join(folder, n)), _crc32(os.path.join(folder, n))] for n in names}
+    os.makedirs(os.path.join(folder, CHECKSUM_DIR), exist_ok=True)
+    out = os.path.join(folder, CHECKSUM_DIR, f"rank-{rank}.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump({"algorithm": "crc32", "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(out + ".tmp", out)
+
+
+def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1) -> str | None:
+    """What is wrong with the checkpoint at `path`, or None. Every rank reads the small files; rank r
+    compares the bytes of every world_size-th file with its recorded checksum."""
+    try:
+        version = read_train_state(path)["format_version"]
+        metadata = read_metadata(path)
+    except UserError as e:
+        return str(e)
+    records = os.path.join(path, CHECKSUM_DIR)
+    if version == 1 and not os.path.isdir(records):
+        return None  # written before checksums existed: sizes were checked, bytes cannot be
+    if not os.path.isdir(records):
+        return f"checkpoint {path} is corrupt: its {CHECKSUM_DIR} folder is missing"
+    files: dict[str, list] = {}
+    for name in sorted(os.listdir(records)):
+        try:
+            with open(os.path.join(records, name)) as f:
+                files.update(json.load(f)["files"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"checkpoint {path} is corrupt: {CHECKSUM_DIR}/{name} cannot be read ({e})"
+    needed = {info.relative_path for info in (metadata.storage_data or {}).values()} | {".metadata", STATE_FILE}
+    unrecorded = sorted(needed - set(files))
+    if unrecorded:
+        return f"checkpoint {path} is corrupt: no checksum recorded for {', '.join(unrecorded[:3])}"
+    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+        if i % world_size != rank:
+            continue
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"checkpoint {path} is corrupt: {name} is missing"
+        if os.path.getsize(file) != size:
+            return f"checkpoint {path} is corrupt: {name} has {os.path.getsize(file)} bytes, {size} were written"
+        if _crc32(file) != crc:
+            return f"checkpoint {path} is corrupt: the bytes of {name} differ from those written (checksum mismatch)"
+    return None
+
+
+def storage_state(folder: str) -> str:
+    """Free space where `folder` lives and any file-size limit: what a failed write most often hits
+    (torch's writers may report it only as a short write)."""
+    import resource
+
+    parts = []
+    try:
+        st = os.statvfs(folder)
+        parts.append(f"{st.f_bavail * st.f_frsize / 2**20:,.1f} MiB free on its filesystem")
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        parts.append(f"this process's file-size limit (ulimit -f) is {soft:,} bytes")
+    return "; ".join(parts) or "free space unknown"
+
+
+def describe_failure(e: BaseException) -> str:
+    """The underlying errors of a DCP CheckpointException (one per failed rank), or the error itself."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
 
 
 def check_model_matches(path: str, metadata, model_sd: dict, prefix: str = "model.", partial: bool = False):
@@ -220,10 +318,26 @@ def preflight_checkpoint(
         )
     check_writable(folder, "checkpoints")
     steps = complete_checkpoints(folder)
-    resume_step = cfg.load_step if cfg.load_step != -1 else (steps[-1] if steps else None)
-    if resume_step is not None:
-        data = read_train_state(os.path.join(folder, f"step-{resume_step}")).get("dataloader", {})
-        saved = data.get("dataset_state", {})
+    if "train_state" in cfg.exclude_from_loading and steps:
+        raise UserError(
+            f"checkpoint.exclude_from_loading names train_state, so step numbers restart at 0, but {folder} already "
+            f"holds step-{steps[-1]}: the new run's checkpoints would sort before the one it started from (and be "
+            f"purged first). Start the new run in another job.dump_folder with --checkpoint.initial_load_path "
+            f"{folder}/step-{steps[-1]} --checkpoint.no-initial_load_model_only (exclude_from_loading applies there too)"
+        )
+    resume_state = None
+    if cfg.load_step != -1:
+        resume_state = read_train_state(os.path.join(folder, f"step-{cfg.load_step}"))
+    else:
+        for step in reversed(steps):  # the trainer resumes from the newest that verifies
+            try:
+                resume_state = read_train_state(os.path.join(folder, f"step-{step}"))
+                break
+            except UserError:
+                continue
+    if resume_state is not None:
+        resume_step = resume_state.get("step")
+        saved = resume_state.get("dataloader", {}).get("dataset_state", {})
         for key, now in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
             if key in saved and saved[key] != now:
                 raise UserError(
@@ -234,14 +348,21 @@ def preflight_checkpoint(
 
 
 def check_writable(folder: str, what: str):
-    """The nearest existing ancestor of `folder` must be a writable folder."""
+    """The nearest existing ancestor of `folder` must be a folder this process can create entries in:
+    tried for real (a permission check passes for root on read-only or virtual filesystems)."""
     existing = os.path.abspath(folder)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise UserError(
-            f"cannot write {what} to {folder}: {existing} is not a writable folder; choose another job.dump_folder"
-        )
+    reason = None
+    if not os.path.isdir(existing):
+        reason = f"{existing} is not a folder"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))
+        except OSError as e:
+            reason = f"{existing} is not a writable folder ({e.strerror})"
+    if reason:
+        raise UserError(f"cannot write {what} to {folder}: {reason}; choose another job.dump_folder")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +393,7 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.pending = None  # an async save not yet published: (future, step)
         self.stager = None
+        self.executor = None  # background checksums of async saves
         self.pg = None
         if cfg.enable_checkpoint:
             self._prepare_folder()
@@ -329,7 +451,12 @@ class CheckpointManager:
     # -- loading --------------------------------------------------------------------------------
 
     def load(self) -> tuple[int, int]:
-        """Restore the run's state if there is one; returns (step, tokens) to continue from."""
+        """Restore the run's state if there is one; returns (step, tokens) to continue from.
+
+        Without checkpoint.load_step the run resumes from the newest checkpoint that verifies; newer
+        ones that do not are renamed to corrupt-step-N (kept, out of the step-N namespace, so that
+        neither loading nor purging sees them again). With load_step, newer checkpoints are renamed to
+        superseded-step-N, since the run now continues from the older one."""
         if not self.cfg.enable_checkpoint:
             if self.cfg.initial_load_path:
                 return self._load_initial()
@@ -339,21 +466,53 @@ class CheckpointManager:
             # preflight_checkpoint explained a missing step before launch.
             if self.cfg.load_step not in steps:
                 raise ValueError(f"checkpoint step-{self.cfg.load_step} vanished from {self.folder} after preflight")
+            problem = self._verify(self._path(self.cfg.load_step))
+            if problem is not None:
+                raise UserError(f"{problem}; choose another checkpoint.load_step (complete: {', '.join(map(str, steps))})")
             newer = [s for s in steps if s > self.cfg.load_step]
-            if newer:
-                raise UserError(
-                    f"resuming from step {self.cfg.load_step} would overwrite the newer checkpoints "
-                    f"{', '.join(f'step-{s}' for s in newer)} in {self.folder}; move them elsewhere or use "
-                    f"another job.dump_folder"
-                )
-            step = self.cfg.load_step
-        elif steps:
-            step = steps[-1]
-        else:
-            if self.cfg.initial_load_path:
-                return self._load_initial()
-            return 0, 0
-        return self._load_from(self._path(step), model_only=False, resuming=True)
+            self._set_aside(newer, "superseded", f"checkpoint.load_step = {self.cfg.load_step} continues from an older checkpoint")
+            return self._load_from(self._path(self.cfg.load_step), model_only=False, resuming=True)
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            problem = self._verify(self._path(step))
+            if problem is None:
+                for bad, why in skipped:
+                    logger.warning(f"skipping checkpoint step-{bad}: {why}")
+                self._set_aside([bad for bad, _ in skipped], "corrupt", f"resuming from the older step-{step}")
+                return self._load_from(self._path(step), model_only=False, resuming=True)
+            skipped.append((step, problem))
+        if skipped:
+            raise UserError(
+                f"no checkpoint in {self.folder} can be loaded: " + "; ".join(why for _, why in skipped)
+                + ". Nothing was moved or deleted; repair them, or move them away to start a new run"
+            )
+        if self.cfg.initial_load_path:
+            return self._load_initial()
+        return 0, 0
+
+    def _verify(self, path: str) -> str | None:
+        """verify_checkpoint with the files shared out over the ranks; every rank gets the same answer."""
+        problem = verify_checkpoint(path, self.rank, self.world_size)
+        if self.distributed:
+            problems: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p is not None), None)
+        return problem
+
+    def _set_aside(self, steps: list[int], prefix: str, why: str):
+        """Rename step-N folders to {prefix}-step-N (never over an existing name): kept, but no longer loaded or purged."""
+        if not steps:
+            return
+        if self.rank == 0:
+            for step in steps:
+                target = os.path.join(self.folder, f"{prefix}-step-{step}")
+                n = 1
+                while os.path.exists(target):
+                    target = os.path.join(self.folder, f"{prefix}-step-{step}.{n}")
+                    n += 1
+                os.rename(self._path(step), target)
+                logger.warning(f"{why}: moved checkpoint step-{step} to {target}")
+        self._barrier()
 
     def _load_initial(self) -> tuple[int, int]:
         path = self.cfg.initial_load_path  # its existence was checked by preflight_checkpoint
@@ -366,6 +525,9 @@ class CheckpointManager:
                 set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True, strict=True))
             logger.info(f"loaded initial weights from the Hugging Face folder {path}")
             return 0, 0
+        problem = self._verify(path)
+        if problem is not None:
+            raise UserError(f"checkpoint.initial_load_path: {problem}")
         return self._load_from(path, model_only=self.cfg.initial_load_model_only, resuming=False)
 
     def _load_from(self, path: str, model_only: bool, resuming: bool) -> tuple[int, int]:
@@ -381,7 +543,7 @@ class CheckpointManager:
         model_sds = self._model_sds()
         model_sd = {k: v for sd in model_sds for k, v in sd.items()}
         check_model_matches(path, metadata, model_sd, partial=len(self.parts) > 1 or self.model_info.get("pipelined", False))
-        excluded = set(self.cfg.exclude_from_loading) if resuming else set()
+        excluded = set(self.cfg.exclude_from_loading)
         model_only = model_only or state.get("model_only", False)
         if model_only and resuming and state["step"] > 0:
             raise UserError(
@@ -398,8 +560,8 @@ class CheckpointManager:
             to_load["optimizer"] = {"state": {k: v for sd in optim_sds for k, v in sd["state"].items()}}
         try:
             dcp.load(to_load, storage_reader=SafeFileSystemReader(path), no_dist=not self.distributed)
-        except Exception as e:
-            raise UserError(f"checkpoint {path} could not be read: {e}") from None
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise UserError(f"checkpoint {path} could not be read: {describe_failure(e)}") from None
         if "model" in to_load:
             for part, sd in zip(self.parts, model_sds):
                 set_model_state_dict(part, sd)
@@ -458,30 +620,53 @@ class CheckpointManager:
         partial = os.path.join(self.folder, f".step-{step}.partial")
         state = self._state_dict(model_only)
         train_state = self._train_state(step, tokens, model_only)
-        if self.rank == 0:
-            os.makedirs(partial, exist_ok=True)
-        self._barrier()
-        use_async = self.cfg.async_mode != "disabled" and not last
+        error = None
         try:
-            if use_async:
+            if self.rank == 0:
+                os.makedirs(partial, exist_ok=True)
+        except OSError as e:
+            error = str(e)
+        self._agree_or_abandon(error, step)
+        if self.cfg.async_mode != "disabled" and not last:
+            try:
                 result = dcp.async_save(
                     state, checkpoint_id=partial, process_group=self.pg, async_stager=self.stager, no_dist=not self.distributed
                 )
-                future = getattr(result, "upload_completion", result)
+                upload = getattr(result, "upload_completion", result)
                 self._write_side_files(partial, train_state, model_only)
-                self.pending = (future, step)
-                logger.info(f"checkpoint step-{step}: state staged in {time.perf_counter() - start:.2f}s, writing in the background")
-                return
+            except (OSError, CheckpointException) as e:
+                error = describe_failure(e)
+            self._agree_or_abandon(error, step)
+            # Checksums are computed in the background too, once this rank's files are written.
+            self.executor = self.executor or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
+            self.pending = (self.executor.submit(self._finish_writing, upload, partial), step)
+            logger.info(f"checkpoint step-{step}: state staged in {time.perf_counter() - start:.2f}s, writing in the background")
+            return
+        try:
             dcp.save(state, checkpoint_id=partial, no_dist=not self.distributed)
             self._write_side_files(partial, train_state, model_only)
-        except OSError as e:
-            self._abandon(partial)
-            raise UserError(
-                f"saving checkpoint step-{step} to {self.folder} failed: {e}; earlier checkpoints are untouched"
-            ) from None
+            write_checksums(partial, self.rank)
+        except (OSError, CheckpointException) as e:  # CheckpointException (DCP's errors) is a BaseException
+            error = describe_failure(e)
+        self._agree_or_abandon(error, step)
         self._publish(step)
         logger.info(
             f"saved {'model-only ' if model_only else ''}checkpoint {self._path(step)} in {time.perf_counter() - start:.2f}s"
+        )
+
+    def _finish_writing(self, upload, partial: str):
+        upload.result()
+        write_checksums(partial, self.rank)
+
+    def _agree_or_abandon(self, error: str | None, step: int):
+        """Every rank learns whether all succeeded; on a failure anywhere all remove the partial folder
+        and stop with the reason (a rank that failed gives its own; the others point to it)."""
+        if self._all_true(error is None):
+            return
+        self._abandon(os.path.join(self.folder, f".step-{step}.partial"))
+        raise UserError(
+            f"saving checkpoint step-{step} to {self.folder} failed: {error or 'on another rank (see its error)'} "
+            f"[{storage_state(self.folder)}]; earlier checkpoints are untouched"
         )
 
     def _state_dict(self, model_only: bool) -> dict:
@@ -536,15 +721,27 @@ class CheckpointManager:
         self._barrier()
 
     def _purge(self):
+        """Delete all but the newest keep_latest_k checkpoints, never the newest one a run can resume
+        from (a weights-only final save does not replace it)."""
         if self.cfg.keep_latest_k == 0:
             return
         steps = complete_checkpoints(self.folder)
+        resumable = next((s for s in reversed(steps) if self._resumable(s)), None)
         for old in steps[: -self.cfg.keep_latest_k]:
+            if old == resumable:
+                logger.info(f"keeping checkpoint step-{old} beyond keep_latest_k: the newest one training can resume from")
+                continue
             # Leave the step-N namespace first, so a kill during rmtree never leaves a half-deleted "complete" one.
             doomed = os.path.join(self.folder, f".deleting-step-{old}")
             os.rename(self._path(old), doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             logger.info(f"deleted checkpoint step-{old} (keep_latest_k = {self.cfg.keep_latest_k})")
+
+    def _resumable(self, step: int) -> bool:
+        try:
+            return not read_train_state(self._path(step)).get("model_only", False)
+        except UserError:
+            return False
 
     def _abandon(self, partial: str):
         self._barrier_quietly()
@@ -573,11 +770,12 @@ class CheckpointManager:
     def _finish_pending(self):
         future, step = self.pending
         self.pending = None
+        error = None
         try:
             future.result()
-        except Exception as e:
-            self._abandon(os.path.join(self.folder, f".step-{step}.partial"))
-            raise UserError(f"saving checkpoint step-{step} failed: {e}; earlier checkpoints are untouched") from None
+        except (OSError, CheckpointException) as e:
+            error = describe_failure(e)
+        self._agree_or_abandon(error, step)
         self._publish(step)
         logger.info(f"published checkpoint {self._path(step)}")
 
@@ -585,6 +783,8 @@ class CheckpointManager:
         self.wait()
         if self.stager is not None:
             self.stager.close()
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # -- exports --------------------------------------------------------------------------------
 
@@ -614,5 +814,6 @@ class CheckpointManager:
         state = self._train_state(0, 0, model_only=True)
         state["dtype"] = "float32"
         self._write_side_files(partial, state, model_only=True)
+        write_checksums(partial, self.rank)
         self._publish(0)
         logger.info(f"wrote seed checkpoint {self._path(0)}")

@@ -185,6 +185,7 @@ def write_dcp_model(folder: str | os.PathLike, sd: dict[str, torch.Tensor], spec
             dtype=str(next(iter(sd.values())).dtype).removeprefix("torch."),
         )
         _write_json(tmp / TRAIN_STATE, train_state)
+        checkpoint.write_checksums(str(tmp), rank=0)
     return Path(folder)
 
 

@@ -73,12 +73,28 @@ def peak_memory_gib(device: torch.device) -> float:
 _STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens"}
 
 
+_COLORS = {"step": "\033[36m", "loss": "\033[32m", "memory": "\033[33m", "tps": "\033[34m", "mfu": "\033[35m"}
+
+
+def step_line(values: dict, extra: str = "", color: bool = False) -> str:
+    """The console summary of a logged step; ANSI-colored field names when `color`."""
+    def name(key: str) -> str:
+        return f"{_COLORS[key]}{key}:\033[0m" if color and key in _COLORS else f"{key}:"
+
+    return (
+        f"{name('step')} {values['step']:>5}  {name('loss')} {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
+        f"lr: {values['lr']:.2e}  {name('memory')} {values['memory_gib']:5.2f}GiB  {name('tps')} {values['tps']:,.0f}  "
+        f"tflops: {values['tflops']:.2f}  {name('mfu')} {values['mfu']:.2f}%{extra}"
+    )
+
+
 class MetricsLogger:
     """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard and
     metrics.jsonl. Values must already be global (reduced over ranks) where that matters."""
 
-    def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False):
+    def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False, color: bool = False):
         self.write = write
+        self.color = color
         self.jsonl = None
         self.tb = None
         if write:
@@ -93,11 +109,7 @@ class MetricsLogger:
         step = values["step"]
         # A model's own summaries (keys without "/", beyond the standard ones) close the line.
         extra = "".join(f"  {k}: {v:.4g}" for k, v in values.items() if k not in _STANDARD and "/" not in k)
-        logger.info(
-            f"step: {step:>5}  loss: {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
-            f"lr: {values['lr']:.2e}  memory: {values['memory_gib']:5.2f}GiB  tps: {values['tps']:,.0f}  "
-            f"tflops: {values['tflops']:.2f}  mfu: {values['mfu']:.2f}%{extra}"
-        )
+        logger.info(step_line(values, extra, self.color))
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(values) + "\n")
             self.jsonl.flush()

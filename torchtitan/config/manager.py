@@ -412,7 +412,23 @@ def load_config(argv: list[str]) -> JobConfig:
     _check_planned(merged)
     cfg = _build(merged, recipe)
     validate(cfg)
-    return cfg
+    return _resolve_hf_assets(cfg)
+
+
+def _resolve_hf_assets(cfg: JobConfig) -> JobConfig:
+    """model.hf_assets_path is the Hugging Face folder the initial weights come from (the reference
+    schema's meaning) when checkpoint.initial_load_path is unset; anything else it could ask for is refused."""
+    path, c = cfg.model.hf_assets_path, cfg.checkpoint
+    if path is None:
+        return cfg
+    if c.initial_load_in_hf and c.initial_load_path in (None, "", path):
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, initial_load_path=path))
+    raise UserError(
+        f"model.hf_assets_path = {path!r} is read only as the Hugging Face weights folder of "
+        f"checkpoint.initial_load_in_hf when checkpoint.initial_load_path is unset; here it would be unused "
+        f"(the tokenizer comes from model.tokenizer_path, a sentencepiece .model). Unset it, or set "
+        f"checkpoint.initial_load_in_hf = true to start from those weights"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,8 +594,8 @@ def _check_rules(cfg: JobConfig) -> list[str]:
     for part in c.exclude_from_loading:
         need(part in parts, f"checkpoint.exclude_from_loading: unknown part {part!r}; choose from {', '.join(parts)}")
     need(
-        not (c.initial_load_in_hf and not c.initial_load_path),
-        "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)",
+        not (c.initial_load_in_hf and not c.initial_load_path and not cfg.model.hf_assets_path),
+        "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (or model.hf_assets_path): the Hugging Face folder",
     )
     need(
         not (c.initial_load_in_hf and not c.initial_load_model_only),
@@ -681,7 +697,7 @@ def help_text() -> str:
     lines += [
         "",
         "Planned keys (not implemented yet): accepted only with their inert value shown here;",
-        "'any' means any value is accepted and ignored.",
+        "'any': any value loads, since the section is off (its enabled key must stay false).",
     ]
     for section, keys in PLANNED_KEYS.items():
         lines += ["", f"[{section}]"]

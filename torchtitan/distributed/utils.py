@@ -4,6 +4,8 @@ import ctypes
 import logging
 import os
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -39,8 +41,11 @@ def tune_host_allocator():
     mallopt(m_mmap_max, 0)
 
 
-def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
-    """Returns (device, rank, world_size); a process group exists whenever launched by torchrun."""
+def init_distributed(timeout_seconds: int, trace_buf_size: int = 0) -> tuple[torch.device, int, int]:
+    """Returns (device, rank, world_size); a process group exists whenever launched by torchrun.
+    `trace_buf_size` sizes the collectives' flight recorder unless the environment already does."""
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        os.environ.setdefault(var, str(trace_buf_size))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dev_type = device_type()
@@ -65,6 +70,38 @@ def destroy_distributed(wait_for_peers: bool = True):
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def set_collective_timeout(seconds: int):
+    """Bound every collective of every process group this rank belongs to by `seconds` from now on."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def stop_with_launcher(poll_s: float = 1.0):
+    """End this worker within `poll_s` once the process that launched it is gone.
+
+    torchrun starts its workers in sessions of their own, so killing the launcher (or the process group
+    of the script that ran it) does not reach them: they would go on training and writing checkpoints
+    into a folder the next run uses. A daemon thread watches the parent pid instead (a parent-death
+    signal would follow the launcher's thread, not its process). Published checkpoints are safe at any
+    moment: a save becomes visible in one rename."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                print(f"[rank{os.environ.get('RANK', '0')}] the launcher (pid {parent}) is gone; stopping",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
 def exit_process(code: int):
