@@ -3,6 +3,7 @@
 
 import json
 import re
+import signal
 import os
 import subprocess
 import sys
@@ -126,3 +127,97 @@ def test_readme_lists_every_layout_and_each_passes_preflight(tmp_path):
     for layout in ["FSDP", "HSDP", "DDP", "TP", "FSDP x TP", "HSDP x TP", "PP", "PP x FSDP", "PP x TP",
                    "PP x FSDP x TP", "FSDP x CP", "FSDP x CP x TP", "PP x FSDP x CP", "PP x FSDP x CP x TP"]:
         assert layout in described, f"no README command for {layout}: {sorted(described)}"
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids of live (not zombie) processes whose command line contains `text`."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def _start_long_run(folder: Path, *extra: str) -> subprocess.Popen:
+    full_env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], NGPU="2", OMP_NUM_THREADS="1")
+    args = ["--job.dump_folder", str(folder), "--training.steps", "100000", "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", *extra]
+    return subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=full_env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_checkpoint(folder: Path, proc: subprocess.Popen, timeout: float = 120):
+    from torchtitan.components.checkpoint import complete_checkpoints
+
+    deadline = time.monotonic() + timeout
+    while not complete_checkpoints(str(folder / "checkpoint")):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint was published"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_workers_stop_when_the_launcher_is_killed(tmp_path):
+    from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
+
+    proc = _start_long_run(tmp_path)
+    try:
+        _wait_for_checkpoint(tmp_path, proc)
+        assert len(_processes_naming(str(tmp_path))) >= 3  # torchrun and its two workers
+        os.killpg(proc.pid, 9)  # run_train.sh became torchrun; its workers live in sessions of their own
+        proc.wait()
+        killed = time.monotonic()
+        while _processes_naming(str(tmp_path)) and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        left = _processes_naming(str(tmp_path))
+        assert not left, f"workers still running after 30 s: {left}"
+        assert time.monotonic() - killed < 10
+    finally:
+        for pid in _processes_naming(str(tmp_path)):
+            os.kill(pid, 9)
+    steps = complete_checkpoints(str(tmp_path / "checkpoint"))
+    assert steps and all(verify_checkpoint(str(tmp_path / "checkpoint" / f"step-{s}")) is None for s in steps)
+
+
+def _worker_of_rank(folder: Path, rank: int) -> int:
+    for pid in _processes_naming(str(folder)):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env):
+            return pid
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_train_timeout(tmp_path):
+    """comm.train_timeout_seconds bounds every collective after the first step."""
+    proc = _start_long_run(tmp_path, "--comm.train_timeout_seconds", "5")
+    stopped = None
+    try:
+        _wait_for_checkpoint(tmp_path, proc)
+        stopped = _worker_of_rank(tmp_path, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        proc.wait(timeout=90)
+        elapsed = time.monotonic() - start
+    finally:
+        if stopped in _processes_naming(str(tmp_path)):
+            os.kill(stopped, signal.SIGCONT)
+        for pid in _processes_naming(str(tmp_path)):
+            os.kill(pid, 9)
+    err = proc.stderr.read()
+    assert proc.returncode != 0
+    # Rank 0's collective gives up after the 5 s train timeout (the 300 s init timeout would keep it
+    # waiting); torchrun then takes up to 30 s to stop the frozen rank.
+    assert "Timed out waiting 5000ms" in err
+    assert elapsed < 5 + 40, elapsed

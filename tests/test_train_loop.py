@@ -1,6 +1,7 @@
 """The training loop in this process: a few steps of the debug model on one process."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,31 @@ def test_the_specs_loss_function_is_the_one_trained(tmp_path):
     # near-uniform prediction changes the first loss by well under a nat, but it must change it.
     assert custom[0]["loss"] != plain[0]["loss"]
     assert abs(custom[0]["loss"] - plain[0]["loss"]) < 1.0
+
+
+def test_console_keys_of_the_reference_schema_act(tmp_path, caplog):
+    import logging
+
+    from torchtitan.components.metrics import step_line
+
+    caplog.set_level(logging.INFO)
+    short_run(tmp_path / "a", "--training.steps", "1")
+    assert "resolved config" in caplog.text and "LlamaModel" not in caplog.text
+    caplog.clear()
+    short_run(tmp_path / "b", "--training.steps", "1", "--job.no-print_args", "--model.print_after_conversion")
+    assert "resolved config" not in caplog.text
+    assert "model after conversion (no converters):" in caplog.text and "(tok_embeddings): Embedding(" in caplog.text
+    values = {"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "memory_gib": 1.0, "tps": 10.0, "tflops": 0.1, "mfu": 1.0}
+    assert "\033[" not in step_line(values) and "\033[32mloss:\033[0m" in step_line(values, color=True)
+
+
+def test_flight_recorder_size_reaches_the_environment(monkeypatch):
+    from torchtitan.distributed.utils import init_distributed
+
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    init_distributed(10, trace_buf_size=1234)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "1234"
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "7")  # the environment wins
+    init_distributed(10, trace_buf_size=1234)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "7"

@@ -552,3 +552,22 @@ def test_import_does_not_import_torch():
 def test_dataset_path_rules():
     assert "needs training.dataset_path" in error_of(["--training.dataset", "local"])
     assert "does not read it" in error_of(["--training.dataset_path", "/tmp/x.jsonl"])
+
+
+def test_hf_assets_path_is_the_initial_hf_weights_folder_or_refused(tmp_path):
+    cfg = load_config(["--model.hf_assets_path", str(tmp_path), "--checkpoint.initial_load_in_hf"])
+    assert cfg.checkpoint.initial_load_path == str(tmp_path)
+    # The resolved config (as written to config.toml) loads again.
+    again = tmp_path / "config.toml"
+    again.write_text(config_to_toml(cfg))
+    assert load_config(["--job.config_file", str(again)]).checkpoint.initial_load_path == str(tmp_path)
+    assert "model.hf_assets_path = " in error_of(["--model.hf_assets_path", str(tmp_path)])
+    assert "would be unused" in error_of(["--model.hf_assets_path", str(tmp_path)])
+
+
+def test_only_switched_off_sections_accept_any_value():
+    from torchtitan.config.job_config import ANY
+
+    for section, keys in PLANNED_KEYS.items():
+        if any(v is ANY for v in keys.values()):
+            assert keys.get("enabled") is False, f"[{section}] accepts any value but has no planned enabled = false"

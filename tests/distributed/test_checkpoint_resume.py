@@ -222,3 +222,38 @@ def test_sigkill_during_save_then_resume(tmp_path):
     assert f"resumed from {ckpt_dir / f'step-{newest}'} (step {newest})" in log
     assert not [n for n in os.listdir(ckpt_dir) if n.endswith(".partial")]
     assert complete_checkpoints(str(ckpt_dir))[-1] == newest + 2
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 130 MiB tmpfs: room for one checkpoint of the tiny job (83 MiB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=130m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_full_filesystem_during_a_save_stops_every_rank_cleanly(small_filesystem):
+    from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
+
+    folder = small_filesystem / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train"] + TINY + [
+        "--job.dump_folder", str(folder), "--training.local_batch_size", "4", "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # Each rank stops with the message (both name both ranks' errors), none with a traceback of its own.
+    assert log.count(f"error: saving checkpoint step-6 to {folder}/checkpoint failed: rank 0: ") == 2, log[-4000:]
+    assert "MiB free on its filesystem" in log and "earlier checkpoints are untouched" in log
+    assert log.count("Traceback") == 1 and "ChildFailedError" in log  # torchrun's own report only
+    assert os.listdir(folder / "checkpoint") == ["step-3"]
+    assert complete_checkpoints(str(folder / "checkpoint")) == [3]
+    assert verify_checkpoint(str(folder / "checkpoint" / "step-3")) is None
