@@ -225,6 +225,7 @@ class Trainer:
             color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(),
         )
         data_iter = iter(self.dataloader)
+        self.checkpointer.restore_rng()
         gc.disable()
         gc.collect()
         self.start_time = self.last_log_time = time.perf_counter()

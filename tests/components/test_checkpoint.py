@@ -76,6 +76,30 @@ def test_checkpoint_contents(straight):
     assert all(type(v).__name__ == "TensorStorageMetadata" for v in metadata.state_dict_metadata.values())
 
 
+def test_rng_state_is_restored_by_effect(tmp_path):
+    """Each step draws from the global generator: a resumed run draws what the uninterrupted run drew
+    at the same steps (without the restore it would repeat the draws of steps 1-3)."""
+    from torchtitan.train import Trainer
+
+    class Drawing(Trainer):
+        draws: list[float] = []
+
+        def train_step(self, data_iter):
+            Drawing.draws.append(torch.rand(()).item())
+            return super().train_step(data_iter)
+
+    def run_drawing(folder, *extra):
+        Drawing.draws = []
+        train(load_config([*TRAIN_ARGS, "--job.dump_folder", str(folder), "--training.steps", "6", *extra]), Drawing)
+        return Drawing.draws
+
+    straight_draws = run_drawing(tmp_path / "a")
+    shutil.copytree(tmp_path / "a" / "checkpoint" / "step-3", tmp_path / "b" / "checkpoint" / "step-3")
+    resumed_draws = run_drawing(tmp_path / "b")
+    assert resumed_draws == straight_draws[3:], (straight_draws, resumed_draws)
+    assert len(set(straight_draws)) == 6
+
+
 def test_async_saves_publish_and_resume_identically(straight, tmp_path):
     folder, history = straight
     run(tmp_path / "a", "--checkpoint.async_mode", "async")

@@ -392,6 +392,7 @@ class CheckpointManager:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.pending = None  # an async save not yet published: (future, step)
+        self.rng_source = None  # (path, train_state) of a loaded checkpoint whose RNG states are due
         self.stager = None
         self.executor = None  # background checksums of async saves
         self.pg = None
@@ -585,12 +586,18 @@ class CheckpointManager:
                 sched.load_state_dict(saved)
         if "dataloader" not in excluded:
             self.dataloader.load_state_dict(state["dataloader"])
-        self._load_rng(path, state)
+        self.rng_source = (path, state)  # restored by restore_rng, right before the next step
         step, tokens = (0, 0) if "train_state" in excluded else (state["step"], state["tokens"])
         logger.info(f"resumed from {path} (step {state['step']}) in {time.perf_counter() - start:.1f}s")
         return step, tokens
 
-    def _load_rng(self, path: str, state: dict):
+    def restore_rng(self):
+        """Put back the loaded checkpoint's RNG states. Called by the trainer after its start-up, which
+        draws random numbers too (a restore before it would put the run ahead of the saved one)."""
+        if self.rng_source is None:
+            return
+        path, state = self.rng_source
+        self.rng_source = None
         if state.get("world_size") != self.world_size:
             logger.info(
                 f"checkpoint saved by {state.get('world_size')} ranks, loading on {self.world_size}: "
