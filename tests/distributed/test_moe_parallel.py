@@ -63,7 +63,8 @@ def test_no_memory_growth_per_step_with_activation_checkpointing_and_ep(runs):
     # The allocator keeps freed memory, so resident memory climbs in steps while the experts' batch
     # sizes reach new maxima (measured: 480 MiB after step 1, 583 at step 25, 586 at step 50). A step
     # that kept one [tokens, dim] activation per MoE layer would add 2 MiB per step, 50 MiB over the
-    # last 25 steps.
+    # last 25 steps. Half that is the bound: a loaded machine (measured: 13 MiB while other tests ran)
+    # shifts the allocator's new maxima, a leak grows every step.
     growth = memory[-1] - memory[24]
     print(f"resident memory step 25: {memory[24]:.1f} MiB, step 50: {memory[-1]:.1f} MiB")
-    assert growth < 10.0, memory
+    assert growth < 25.0, memory
