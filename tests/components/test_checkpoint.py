@@ -333,6 +333,7 @@ def test_checkpoint_of_another_model_names_keys_and_shapes(straight, tmp_path):
     state = json.loads((dst / "train_state.json").read_text())
     state["model"]["name"] = "gpt2"
     (dst / "train_state.json").write_text(json.dumps(state))
+    ckpt.write_checksums(str(dst), rank=0)  # a well-formed checkpoint of another model
     with pytest.raises(UserError, match="holds model 'gpt2'"):
         run(tmp_path)
 
