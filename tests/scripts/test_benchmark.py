@@ -103,6 +103,10 @@ def test_user_mistakes_stop_before_any_launch():
     proc = run(*TINY, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
                "op", timeout=60)
     assert proc.returncode == 2 and "checkpoints whole blocks only" in proc.stderr
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+        # The bare loop would run FSDP on twice the global batch: unlike work, refused.
+        proc = run(*TINY, f"--parallelism.{key}", "2", timeout=60)
+        assert proc.returncode == 2 and f"set parallelism.{key} = 1 (it is 2)" in proc.stderr, proc.stderr[-2000:]
 
 
 def check_report(proc: subprocess.CompletedProcess):
