@@ -6,8 +6,13 @@ A checkpoint is a folder `{dump_folder}/{folder}/step-N` holding:
 - `train_state.json`: step, tokens, model name/flavor/args, LR-scheduler state, the optimizer's
   current learning rates, the data loader's position in the global sample stream, the world size;
 - `rng/rank-R.safetensors`: each rank's RNG states (restored when the world size is unchanged).
+- `checksums/rank-R.json`: size and CRC-32 of every file rank R wrote, checked before a load.
 No Python object is pickled into a checkpoint (tensors go to DCP/safetensors, the rest to JSON), and
-DCP's own `.metadata` is read with an unpickler that accepts only DCP's metadata classes.
+DCP's own `.metadata` is read with an unpickler that accepts exact (module, name) pairs only.
+
+Resuming takes the newest checkpoint that verifies; a damaged newer one is renamed corrupt-step-N
+(kept, out of the step-N namespace). `load_step` may choose an older one; newer ones are renamed
+superseded-step-N. Purging never deletes the newest checkpoint training can resume from.
 
 Crash safety: every save is written to `.step-N.partial` and renamed to `step-N` only after every
 rank has finished writing (a rename within one folder is atomic). A folder named `step-N` is thus
