@@ -1,7 +1,8 @@
 """Checkpoints across real process groups: bit-identical resume (FSDP, HSDP, CP), resharding to other
 layouts (FSDP 4 -> FSDP 2, HSDP 2x2, DDP 2, FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 x CP 2, CP 2; and
 CP 2 x TP 2 -> FSDP 4, PP 2 x FSDP 2 -> FSDP 4; Qwen3 with tied embeddings FSDP 4 -> FSDP 2 x TP 2 and
-TP 2) a full filesystem during a save (SIGKILLs at random moments: test_fault_soak.py)."""
+TP 2; Qwen3-MoE EP 2 x FSDP 2 -> FSDP 4 and FSDP 4 -> EP 4), 5 + resume + 5 steps against 10 straight,
+and a full filesystem during a save (SIGKILLs at random moments: test_fault_soak.py)."""
 
 import json
 import os
@@ -18,7 +19,8 @@ from conftest import REPO, TINY, launch
 
 pytestmark = pytest.mark.slow
 
-CKPT = ["--training.steps", "20", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10",
+STEPS, SAVED = 10, 5  # each run saves at SAVED; resumed runs continue from there to STEPS
+CKPT = ["--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", str(SAVED),
         "--checkpoint.no-last_save_model_only", "--lr_scheduler.warmup_steps", "4"]
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"]
 FSDP4 = ["--training.local_batch_size", "2"]
@@ -35,8 +37,8 @@ EP4 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree
 PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
-def step10(tmp, src, dst):
-    return {"copy": [str(tmp / src / "checkpoint" / "step-10"), str(tmp / dst / "checkpoint" / "step-10")]}
+def saved_step(tmp, src, dst):
+    return {"copy": [str(tmp / src / "checkpoint" / f"step-{SAVED}"), str(tmp / dst / "checkpoint" / f"step-{SAVED}")]}
 
 
 @pytest.fixture(scope="module")
@@ -44,52 +46,52 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     results = launch({
         "hsdp_straight": CKPT + HSDP,
-        "copy1": step10(tmp, "hsdp_straight", "hsdp_resumed"),
+        "copy1": saved_step(tmp, "hsdp_straight", "hsdp_resumed"),
         "hsdp_resumed": CKPT + HSDP,
         "fsdp4_straight": CKPT + FSDP4,
-        "copy2": step10(tmp, "fsdp4_straight", "fsdp4_to_hsdp"),
+        "copy2": saved_step(tmp, "fsdp4_straight", "fsdp4_to_hsdp"),
         "fsdp4_to_hsdp": CKPT + HSDP,
-        "copy6": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
+        "copy6": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
         "fsdp4_to_fsdp2_tp2": CKPT + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
-        "copy7": step10(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
+        "copy7": saved_step(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
         "fsdp4_to_pp2_fsdp2": CKPT + PP2_FSDP2,
-        "copy8": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_cp2"),
+        "copy8": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_cp2"),
         "fsdp4_to_fsdp2_cp2": CKPT + FSDP2 + ["--parallelism.context_parallel_degree", "2"],
         # The other direction: saved under model-parallel layouts, resumed as plain FSDP 4.
         "cp2_tp2_straight": CKPT + CP2_TP2,
-        "copy10": step10(tmp, "cp2_tp2_straight", "cp2_tp2_to_fsdp4"),
+        "copy10": saved_step(tmp, "cp2_tp2_straight", "cp2_tp2_to_fsdp4"),
         "cp2_tp2_to_fsdp4": CKPT + FSDP4,
         "pp2_fsdp2_straight": CKPT + PP2_FSDP2,
-        "copy11": step10(tmp, "pp2_fsdp2_straight", "pp2_fsdp2_to_fsdp4"),
+        "copy11": saved_step(tmp, "pp2_fsdp2_straight", "pp2_fsdp2_to_fsdp4"),
         "pp2_fsdp2_to_fsdp4": CKPT + FSDP4,
         # Qwen3 with tied embeddings: one weight under two names, saved sharded and resharded.
         "qwen3_tied_fsdp4_straight": CKPT + QWEN_TIED + FSDP4,
-        "copy13": step10(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_fsdp2_tp2"),
+        "copy13": saved_step(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_fsdp2_tp2"),
         "qwen3_tied_fsdp4_to_fsdp2_tp2": CKPT + QWEN_TIED + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
         # Qwen3-MoE: experts (and their bias and optimizer state) saved under one expert layout, loaded
         # under another.
         "moe_ep2_fsdp2_straight": CKPT + MOE + EP2_FSDP2,
-        "copy15": step10(tmp, "moe_ep2_fsdp2_straight", "moe_ep2_fsdp2_to_fsdp4"),
+        "copy15": saved_step(tmp, "moe_ep2_fsdp2_straight", "moe_ep2_fsdp2_to_fsdp4"),
         "moe_ep2_fsdp2_to_fsdp4": CKPT + MOE + FSDP4,
         "moe_fsdp4_straight": CKPT + MOE + FSDP4,
-        "copy16": step10(tmp, "moe_fsdp4_straight", "moe_fsdp4_to_ep4"),
+        "copy16": saved_step(tmp, "moe_fsdp4_straight", "moe_fsdp4_to_ep4"),
         "moe_fsdp4_to_ep4": CKPT + MOE + EP4,
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
-        "copy3": step10(tmp, "fsdp2_straight", "fsdp2_resumed"),
+        "copy3": saved_step(tmp, "fsdp2_straight", "fsdp2_resumed"),
         "fsdp2_resumed": CKPT + FSDP2,
-        "copy4": step10(tmp, "fsdp4_straight", "fsdp4_to_fsdp2"),
+        "copy4": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2"),
         "fsdp4_to_fsdp2": CKPT + FSDP2,
-        "copy5": step10(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
+        "copy5": saved_step(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
         "fsdp4_to_ddp2": CKPT + FSDP2 + ["--parallelism.data_parallel_replicate_degree", "2",
                                          "--parallelism.data_parallel_shard_degree", "1"],
         "cp2_straight": CKPT + CP2,
-        "copy12": step10(tmp, "cp2_straight", "cp2_resumed"),
+        "copy12": saved_step(tmp, "cp2_straight", "cp2_resumed"),
         "cp2_resumed": CKPT + CP2,
-        "copy9": step10(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
+        "copy9": saved_step(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
         "fsdp4_to_cp2": CKPT + CP2,
-        "copy14": step10(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_tp2"),
+        "copy14": saved_step(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_tp2"),
         "qwen3_tied_fsdp4_to_tp2": CKPT + QWEN_TIED + TP2,
     }, 2, tmp))
     return tmp, results
@@ -107,9 +109,9 @@ def train_state(tmp, name, step):
 def test_resume_is_bit_identical(runs, layout):
     tmp, r = runs
     straight, resumed = r[f"{layout}_straight"], r[f"{layout}_resumed"]
-    assert [x["step"] for x in resumed] == list(range(11, 21))
-    assert losses(resumed) == losses(straight, first_step=11)
-    assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight if x["step"] >= 11]
+    assert [x["step"] for x in resumed] == list(range(SAVED + 1, STEPS + 1))
+    assert losses(resumed) == losses(straight, first_step=SAVED + 1)
+    assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight if x["step"] > SAVED]
 
 
 # DDP all-reduces gradients in buckets where FSDP reduce-scatters them; Adam amplifies that rounding
@@ -124,31 +126,31 @@ def test_resume_is_bit_identical(runs, layout):
 )
 def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
     tmp, r = runs
-    ref, got = losses(r["fsdp4_straight"], first_step=11), losses(r[target])
-    assert len(got) == 10
+    ref, got = losses(r["fsdp4_straight"], first_step=SAVED + 1), losses(r[target])
+    assert len(got) == STEPS - SAVED
     assert got[0] == ref[0] if exact_first else abs(got[0] - ref[0]) < 1e-6
     assert max(abs(a - b) for a, b in zip(ref, got)) < tol
     # The data position carried over: the same global samples were consumed, none skipped or repeated.
-    end_ref = train_state(tmp, "fsdp4_straight", 20)["dataloader"]["dataset_state"]
-    end_got = train_state(tmp, target, 20)["dataloader"]["dataset_state"]
-    assert end_got["next_sample"] == end_ref["next_sample"] == 20 * 8
+    end_ref = train_state(tmp, "fsdp4_straight", STEPS)["dataloader"]["dataset_state"]
+    end_got = train_state(tmp, target, STEPS)["dataloader"]["dataset_state"]
+    assert end_got["next_sample"] == end_ref["next_sample"] == STEPS * 8
     assert (end_got["doc_index"], end_got["token_offset"]) == (end_ref["doc_index"], end_ref["token_offset"])
 
 
 @pytest.mark.parametrize("source, target", [("moe_ep2_fsdp2", "moe_ep2_fsdp2_to_fsdp4"), ("moe_fsdp4", "moe_fsdp4_to_ep4")])
 def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
     tmp, r = runs
-    ref, got = losses(r[f"{source}_straight"], first_step=11), losses(r[target])
-    assert len(got) == 10
+    ref, got = losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[target])
+    assert len(got) == STEPS - SAVED
     assert got[0] == pytest.approx(ref[0], abs=1e-6)  # weights, bias and optimizer state restored
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
-    # The step-20 bias equals the uninterrupted run's: it was restored and then updated alike.
+    # The final bias equals the uninterrupted run's: it was restored and then updated alike.
     from torchtitan.components.hf_checkpoint import read_dcp_model
     from torchtitan.models.registry import get_model_spec
 
     spec = get_model_spec("qwen3")
-    want, _, _ = read_dcp_model(tmp / f"{source}_straight" / "checkpoint" / "step-20", spec)
-    have, _, _ = read_dcp_model(tmp / target / "checkpoint" / "step-20", spec)
+    want, _, _ = read_dcp_model(tmp / f"{source}_straight" / "checkpoint" / f"step-{STEPS}", spec)
+    have, _, _ = read_dcp_model(tmp / target / "checkpoint" / f"step-{STEPS}", spec)
     for key in [k for k in want if k.endswith("expert_bias")]:
         torch.testing.assert_close(have[key], want[key], atol=1e-7, rtol=0)
 
@@ -158,22 +160,22 @@ def test_tied_embeddings_reshard(runs, target):
     # Saved by FSDP 4 with the embedding and output sharing one weight; resumed under TP (alone and
     # with FSDP), where the shared weight is one vocabulary-sharded DTensor.
     tmp, r = runs
-    ref, got = losses(r["qwen3_tied_fsdp4_straight"], first_step=11), losses(r[target])
-    assert len(got) == 10
+    ref, got = losses(r["qwen3_tied_fsdp4_straight"], first_step=SAVED + 1), losses(r[target])
+    assert len(got) == STEPS - SAVED
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
-    state = train_state(tmp, target, 20)
+    state = train_state(tmp, target, STEPS)
     assert state["model"]["name"] == "qwen3" and state["model"]["args"]["tie_word_embeddings"] is True
 
 
 @pytest.mark.parametrize("source", ["cp2_tp2", "pp2_fsdp2"])
 def test_model_parallel_checkpoint_resumes_as_fsdp(runs, source):
-    # Saved at step 10 by a CP x TP or PP x FSDP run, continued as FSDP 4: the losses follow the
+    # Saved at step SAVED by a CP x TP or PP x FSDP run, continued as FSDP 4: the losses follow the
     # source layout's own uninterrupted run (same model, data and optimizer state).
     tmp, r = runs
-    ref, got = losses(r[f"{source}_straight"], first_step=11), losses(r[f"{source}_to_fsdp4"])
-    assert len(got) == 10
+    ref, got = losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[f"{source}_to_fsdp4"])
+    assert len(got) == STEPS - SAVED
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
-    assert train_state(tmp, f"{source}_to_fsdp4", 20)["dataloader"]["dataset_state"]["next_sample"] == 20 * 8
+    assert train_state(tmp, f"{source}_to_fsdp4", STEPS)["dataloader"]["dataset_state"]["next_sample"] == STEPS * 8
 
 
 @pytest.fixture

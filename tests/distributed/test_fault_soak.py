@@ -75,7 +75,7 @@ def test_random_sigkills_then_resume(tmp_path):
             assert proc.poll() is None, f"trial {trial}: the launch failed:\n{proc.stderr.read()[-4000:]}"
             assert time.monotonic() < deadline, f"trial {trial}: no step logged"
             time.sleep(0.05)
-        time.sleep(rng.uniform(0, 1.5))
+        time.sleep(rng.uniform(0, 1.2))
         published = complete_checkpoints(str(ckpt_dir))
         for pid in processes_naming(str(folder)):  # every process of the job at once
             try:
