@@ -132,3 +132,32 @@ def test_flight_recorder_size_reaches_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "7")  # the environment wins
     init_distributed(10, trace_buf_size=1234)
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "7"
+
+
+def test_non_finite_gradient_norm_stops_the_run_on_an_unlogged_step(tmp_path):
+    from torchtitan.config import UserError
+    from torchtitan.train import Trainer
+
+    class PoisonedStep3(Trainer):
+        step_count = 0
+
+        def optimizer_step(self):
+            PoisonedStep3.step_count += 1
+            if PoisonedStep3.step_count == 3:  # a bad batch: gradients overflow
+                for part in self.parts:
+                    for p in part.parameters():
+                        p.grad.fill_(float("nan"))
+            return super().optimizer_step()
+
+    cfg = load_config([
+        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+        "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "6", "--metrics.log_freq", "5", "--metrics.device_peak_tflops", "1",
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only",
+    ])
+    with pytest.raises(UserError, match=r"training stopped at step 3: the gradient norm is nan"):
+        train(cfg, PoisonedStep3)
+    from torchtitan.components.checkpoint import complete_checkpoints
+
+    assert complete_checkpoints(str(tmp_path / "checkpoint")) == [1, 2]  # the bad state never saved

@@ -236,6 +236,7 @@ class Trainer:
                     if step % t.gc_freq == 0:
                         gc.collect(1)
                     loss_sum, grad_norm, lr = self.train_step(data_iter)
+                    check_finite(grad_norm.item(), "gradient norm", step)  # every step, before any save
                     if step == start_step + 1:  # compiled, loaded and warmed up: the steady-state bound applies
                         dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
                     # Tensor-, context- and pipeline-parallel peers share their data-parallel group's
@@ -449,8 +450,7 @@ class Trainer:
         if self.pipeline is not None:
             loss_sum = broadcast_loss(loss_sum, self.pp_group, self.pipeline.loss_src)
         loss_value = dist_utils.dist_mean(loss_sum, self.loss_mesh)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {step}")
+        check_finite(loss_value, "loss", step)
         now = time.perf_counter()
         tps = self.tokens_since_log / (now - self.last_log_time)  # tokens per second on this device
         tflops = self.flops_per_token * tps / 1e12
@@ -481,6 +481,16 @@ class Trainer:
             self.checkpointer.save(step, step * self.tokens_per_step, last=step == t.steps)
         if step == t.steps and self.cfg.checkpoint.last_save_in_hf:
             self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id)
+
+
+def check_finite(value: float, what: str, step: int):
+    """Stop the run on a non-finite value (the global gradient norm, the same on every rank), before the
+    step's state can reach a checkpoint."""
+    if not math.isfinite(value):
+        raise UserError(
+            f"training stopped at step {step}: the {what} is {value} (a bad batch, too high a learning rate or "
+            f"an overflow); checkpoints hold only earlier steps"
+        )
 
 
 def keep_earlier(path: str, what: str):
