@@ -48,3 +48,39 @@ def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: in
 
 def read_metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on at the moment (for a rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of live (not zombie) processes, other than this one, whose command line contains `text`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z" and int(pid) != os.getpid():
+            pids.append(int(pid))
+    return pids
+
+
+def worker_pids(text: str) -> dict[int, int]:
+    """{rank: pid} of the torchrun workers (not the launcher) whose command line contains `text`."""
+    workers = {}
+    for pid in processes_naming(text):
+        try:
+            environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in v)
+        except OSError:
+            continue
+        if "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ:
+            workers[int(environ["RANK"])] = pid
+    return workers

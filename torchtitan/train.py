@@ -14,12 +14,13 @@ optimizer_step, log, checkpoint) that a fork can override one at a time in a sub
 """
 
 import gc
+import json
 import logging
 import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,7 +33,9 @@ from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, pea
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import RunLock
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.stop_signals import StopSignals
+from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
+from torchtitan.components import validate
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import local_positions, shard_sequence
@@ -49,9 +52,18 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
 from torchtitan.models.moe import overrides_from_config as moe_overrides
 from torchtitan.models.registry import get_model_args, get_model_spec, import_custom_module
-from torchtitan.models.spec import ModelSpec, ParallelizeInputs
+from torchtitan.models.spec import VOCAB_MULTIPLE, ModelSpec, ParallelizeInputs
 
 logger = logging.getLogger("torchtitan")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed micro-batch losses (zero off the last pipeline stage)
+    grad_norm: float  # global, before clipping
+    lr: float  # the learning rate this step used
+    skipped: bool  # non-finite and skipped (training.skip_nonfinite_steps)
+    stop_signal: str | None  # a job.stop_signals signal reached some rank: stop after this step
 
 
 @dataclass(frozen=True)
@@ -92,12 +104,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"remove them or choose an MoE flavor"
         )
     model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides)
-    if not os.path.isfile(cfg.model.tokenizer_path):
-        raise UserError(
-            f"tokenizer model not found at '{cfg.model.tokenizer_path}' (model.tokenizer_path); point it at a "
-            f"sentencepiece .model file, e.g. ./assets/tokenizer/python_stdlib_4k.model (made by "
-            f"scripts/train_tokenizer.py). Relative paths are relative to the working directory {os.getcwd()}."
-        )
+    # A missing path, a folder without tokenizer.json (cheap; Tokenizer reads the content, which
+    # torchtitan.preflight does before launch).
+    detect_tokenizer(cfg.model.tokenizer_path)
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise UserError(
@@ -136,6 +145,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     preflight_checkpoint(
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
     )
+    validate.preflight_validation(cfg, dims.dp_degree)  # the validation set holds a global batch
     return Plan(dims, global_batch, accum, spec)
 
 
@@ -202,55 +212,85 @@ class Trainer:
 
     def run(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.training
+        # From here on a scheduler's stop signal ends the run after a step, with a checkpoint.
+        self.stop_signals = StopSignals(cfg.job.stop_signals, cfg.job.stop_grace_seconds)
+        try:
+            return self._run()
+        finally:
+            self.stop_signals.restore()
+
+    def _run(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.training
         set_determinism(t.seed, t.deterministic)
         self.write_config()
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
-        self.dataloader = self.build_dataloader()
-        self.parts, self.pipeline = self.build_model()
-        self.optim = self.build_optimizer()
-        self.checkpointer = self.build_checkpointer()
+        self.startup: dict[str, float] = {}
+        with self.phase("opening the data"):
+            self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+            self.dataloader = self.build_dataloader()
+        with self.phase("building the model"):
+            self.parts, self.pipeline = self.build_model()
+            self.optim = self.build_optimizer()
+            self.checkpointer = self.build_checkpointer()
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed()
             return []
-        start_step, _ = self.checkpointer.load()
-        self.prepare_step_state()
+        with self.phase("loading the checkpoint"):
+            start_step, _ = self.checkpointer.load()
+        with self.phase("preparing the step"):
+            self.prepare_step_state()
+        self.validator = self.build_validator()
         self.log_start()
         # A resumed run appends to the metrics of the run it continues.
         metrics_file = os.path.join(cfg.job.dump_folder, "metrics.jsonl")
-        if self.rank == 0 and start_step == 0 and os.path.isfile(metrics_file) and os.path.getsize(metrics_file):
-            keep_earlier(metrics_file, "metrics")  # a new run in a used folder
+        if self.rank == 0 and os.path.isfile(metrics_file) and os.path.getsize(metrics_file):
+            rewind_metrics(metrics_file, start_step)
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, write=self.rank == 0, append=start_step > 0,
-            color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(),
+            color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(), total_steps=t.steps,
+            start_step=start_step,
         )
         data_iter = iter(self.dataloader)
+        stopped_at = None
+        self.skipped_in_a_row = 0
+        self.checkpointer.counters.setdefault("skipped_steps", 0)
         self.checkpointer.restore_rng()
         gc.disable()
         gc.collect()
         self.start_time = self.last_log_time = time.perf_counter()
         self.tokens_since_log = 0.0
+        self.data_wait_since_log, self.last_log_step = 0.0, start_step
         try:
             with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, start_step) as profiler:
                 for step in range(start_step + 1, t.steps + 1):
                     if step % t.gc_freq == 0:
                         gc.collect(1)
-                    loss_sum, grad_norm, lr = self.train_step(data_iter)
-                    check_finite(grad_norm.item(), "gradient norm", step)  # every step, before any save
+                    result = self.train_step(step, data_iter)
                     if step == start_step + 1:  # compiled, loaded and warmed up: the steady-state bound applies
                         dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
+                        self.startup["first step"] = time.perf_counter() - self.start_time
+                        self.log_startup()
                     # Tensor-, context- and pipeline-parallel peers share their data-parallel group's
                     # batch: count each token once, spread over all devices.
                     self.tokens_since_log += self.tokens_per_step / self.dims.world_size
-                    if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
-                        self.log(step, loss_sum, grad_norm, lr)
-                    self.checkpoint(step)
+                    if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or result.stop_signal:
+                        self.log(step, result)
+                    if self.validator is not None and self.validator.due(step) and not result.stop_signal:
+                        self.validate(step)
+                    self.checkpoint(step, stopping=result.stop_signal is not None)
                     profiler.step_done()
+                    if result.stop_signal:
+                        stopped_at = step
+                        break
                 self.checkpointer.close()
         finally:
             gc.enable()
             self.metrics.close()
-        logger.info(f"training done: {t.steps} steps in {time.perf_counter() - self.start_time:.1f}s")
+        if stopped_at is not None:
+            saved = "its checkpoint is saved" if cfg.checkpoint.enable_checkpoint else "checkpointing is off: nothing saved"
+            logger.info(f"stopped by {self.stop_signals.received} after step {stopped_at} of {t.steps}; {saved}")
+        else:
+            logger.info(f"training done: {t.steps} steps in {time.perf_counter() - self.start_time:.1f}s")
         return self.history
 
     # ---- building ---------------------------------------------------------------------------
@@ -276,6 +316,12 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         self.model_args = self.spec.args_for_training(
             cfg.model.flavor, self.tokenizer.vocab_size, t.seq_len, moe_overrides(cfg.moe)
+        )
+        tokens, vocab = self.tokenizer.vocab_size, self.model_args.vocab_size
+        logger.info(
+            f"vocab {vocab:,} from the {self.tokenizer.kind} tokenizer ({tokens:,} tokens)" if vocab == tokens else
+            f"vocab {vocab:,}: the {self.tokenizer.kind} tokenizer's {tokens:,} tokens padded to a multiple of "
+            f"{VOCAB_MULTIPLE} (ids {tokens:,}-{vocab - 1:,} are never produced)"
         )
         # Built on the meta device, so even the largest flavor costs nothing until materialized.
         with torch.device("meta"):
@@ -330,6 +376,21 @@ class Trainer:
             self.dataloader, model_record, self.device,
         )
 
+    def build_validator(self) -> "validate.Validator | None":
+        """[validation]: the held-out set (this rank's share of each global batch) and the runner."""
+        v, t = self.cfg.validation, self.cfg.training
+        if not v.enabled:
+            return None
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
+        batches = validate.ValidationData(
+            validate.build_source(v), self.tokenizer, seq_len, v.local_batch_size, dp_rank, self.dims.dp_degree, v.steps
+        )
+        return validate.Validator(
+            v, t.steps, batches, self.parts, self.spec.loss_fn, self.device, self.amp, self.loss_parallel,
+            self.cp_positions, self.loss_mesh, self.pipeline, self.cfg.parallelism,
+        )
+
     def prepare_step_state(self):
         """What every step needs: mixed precision, loss reduction, context-parallel positions, metrics."""
         t = self.cfg.training
@@ -371,6 +432,19 @@ class Trainer:
             part.train()
             part.zero_grad(set_to_none=True)
 
+    @contextmanager
+    def phase(self, what: str):
+        """A start-up phase: said when it begins (a large model or checkpoint takes minutes), timed."""
+        logger.info(f"{what}...")
+        start = time.perf_counter()
+        yield
+        self.startup[what] = time.perf_counter() - start
+
+    def log_startup(self):
+        phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.startup.items())
+        since = process_age()
+        logger.info(f"start-up: {phases}" + (f"; first step done {since:.1f}s after the process started" if since else ""))
+
     def log_start(self):
         cfg, t = self.cfg, self.cfg.training
         logger.info(
@@ -389,21 +463,66 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over the gradient-accumulation micro-batches; returns (this rank's summed
-        loss, global grad norm, learning rate used). With a pipeline the loss exists on the last
-        stage's rank only (zero elsewhere)."""
+    def train_step(self, step: int, data_iter) -> StepResult:
+        """One optimizer step over the gradient-accumulation micro-batches. The step is taken only if
+        its loss and gradient norm are finite on every rank; otherwise it is skipped
+        (training.skip_nonfinite_steps) or the run stops, before the state can reach a checkpoint."""
         self.optim.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
+        waited = time.perf_counter()
         micro_batches = [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
+        self.data_wait_since_log += time.perf_counter() - waited
         if self.pipeline is not None:  # the schedule takes them all at once, as microbatches
             micro_batches = [tuple(torch.cat(parts) for parts in zip(*micro_batches))]
         for inputs, labels in micro_batches:
             # With context parallel, this rank trains on the tokens at cp_positions of each sequence.
             inputs, labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
-            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device))
-        grad_norm, lr = self.optimizer_step()
-        return loss_sum, grad_norm, lr
+            inputs = inputs.to(self.device, non_blocking=True)  # from pinned memory on CUDA
+            loss_sum += self.forward_backward(inputs, labels.to(self.device, non_blocking=True))
+        params = [p for part in self.parts for p in part.parameters()]
+        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group)
+        # One small all-reduce and one host sync per step: whether any rank's loss is non-finite (with
+        # a pipeline only the last stage has one) and whether any rank received a stop signal.
+        flags = torch.tensor(
+            [0.0 if torch.isfinite(loss_sum) else 1.0, 1.0 if self.stop_signals.received else 0.0], device=self.device
+        )
+        dist_utils.max_over_ranks(flags)
+        norm, loss_bad, stop = torch.cat([grad_norm.detach().float().reshape(1), flags]).tolist()
+        lr = self.optim.lr
+        finite = math.isfinite(norm) and not loss_bad
+        if finite:
+            self.skipped_in_a_row = 0
+            self.optimizer_step()
+        else:
+            self.skip_step(step, "gradient norm" if not math.isfinite(norm) else "loss", norm)
+        signal_name = (self.stop_signals.received or "a stop signal (on another rank)") if stop else None
+        return StepResult(loss_sum, norm, lr, not finite, signal_name)
+
+    def skip_step(self, step: int, what: str, norm: float):
+        """A non-finite step: stop the run, or (training.skip_nonfinite_steps) drop its gradients and
+        statistics and only advance the learning-rate schedule, so that step N keeps step N's rate."""
+        t = self.cfg.training
+        if not t.skip_nonfinite_steps:
+            raise UserError(
+                f"training stopped at step {step}: the {what} is not finite (gradient norm {norm}: a bad batch, "
+                f"too high a learning rate or an overflow); checkpoints hold only earlier steps. "
+                f"training.skip_nonfinite_steps skips such steps instead"
+            )
+        self.skipped_in_a_row += 1
+        self.checkpointer.counters["skipped_steps"] += 1
+        if self.skipped_in_a_row >= t.max_skipped_steps_in_a_row:
+            raise UserError(
+                f"training stopped at step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or "
+                f"gradient norm (training.max_skipped_steps_in_a_row); checkpoints hold only earlier steps"
+            )
+        logger.warning(
+            f"step {step}: the {what} is not finite (gradient norm {norm}); skipped the optimizer step "
+            f"({self.checkpointer.counters['skipped_steps']} skipped so far)"
+        )
+        self.optim.zero_grad()
+        self.optim.step_schedulers()
+        if self.spec.post_skipped_step is not None:
+            self.spec.post_skipped_step(self.parts, self.parallelize_inputs)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its share of the step's mean loss (detached):
@@ -427,11 +546,8 @@ class Trainer:
         loss = loss.detach()
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
-    def optimizer_step(self) -> tuple[torch.Tensor, float]:
-        """Clip the global gradient norm, step the optimizers and LR schedules; (grad norm, lr used)."""
-        params = [p for part in self.parts for p in part.parameters()]
-        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group)
-        lr = self.optim.lr
+    def optimizer_step(self):
+        """Step the optimizers and LR schedules on the clipped gradients, then the model's own updates."""
         self.optim.step()
         if self.precompute_float8:
             from torchtitan.components.float8 import precompute_float8_scales
@@ -441,56 +557,60 @@ class Trainer:
                 precompute_float8_scales(part)
         if self.spec.post_optimizer_step is not None:
             self.spec.post_optimizer_step(self.parts, self.parallelize_inputs)
-        return grad_norm, lr
 
     # ---- after a step -------------------------------------------------------------------------
 
-    def log(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
+    def log(self, step: int, result: StepResult) -> dict:
         """Reduce the step's loss over ranks and write one metrics record."""
+        loss_sum = result.loss_sum
         if self.pipeline is not None:
             loss_sum = broadcast_loss(loss_sum, self.pp_group, self.pipeline.loss_src)
         loss_value = dist_utils.dist_mean(loss_sum, self.loss_mesh)
-        check_finite(loss_value, "loss", step)
         now = time.perf_counter()
         tps = self.tokens_since_log / (now - self.last_log_time)  # tokens per second on this device
         tflops = self.flops_per_token * tps / 1e12
         record = {
             "step": step,
             "loss": loss_value,
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
             "tps": tps,
             "tflops": tflops,
             "mfu": 100 * tflops / self.peak_tflops,
             "memory_gib": peak_memory_gib(self.device),
             "time": now - self.start_time,
             "tokens": step * self.tokens_per_step,
+            "skipped_steps": self.checkpointer.counters["skipped_steps"],
+            # Mean time a step waited for its batches since the previous record (data loading off
+            # the critical path keeps it near zero).
+            "data_wait_s": self.data_wait_since_log / max(step - self.last_log_step, 1),
         }
         if self.spec.metrics is not None:
             record.update(self.spec.metrics(self.parts, self.parallelize_inputs))
         self.metrics.log(record)
         self.history.append(record)
         self.last_log_time, self.tokens_since_log = now, 0.0
+        self.data_wait_since_log, self.last_log_step = 0.0, step
         return record
 
-    def checkpoint(self, step: int):
-        """Publish a finished background save; save when due; export to Hugging Face at the end."""
+    def validate(self, step: int) -> dict:
+        """Held-out loss and perplexity (after the step's update, before its checkpoint); one metrics record.
+        Its time is left out of the next step line's throughput."""
+        record = self.validator.run(step)
+        self.metrics.log_validation(record)
+        self.history.append(record)
+        self.last_log_time += record["validation_time"]
+        return record
+
+    def checkpoint(self, step: int, stopping: bool = False):
+        """Publish a finished background save; save when due or when the run stops early; export to
+        Hugging Face at the end."""
         t = self.cfg.training
         self.checkpointer.maybe_publish()
-        if self.checkpointer.should_save(step, t.steps):
+        if self.checkpointer.should_save(step, t.steps) or (stopping and self.cfg.checkpoint.enable_checkpoint):
             self.checkpointer.save(step, step * self.tokens_per_step, last=step == t.steps)
         if step == t.steps and self.cfg.checkpoint.last_save_in_hf:
             self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id)
-
-
-def check_finite(value: float, what: str, step: int):
-    """Stop the run on a non-finite value (the global gradient norm, the same on every rank), before the
-    step's state can reach a checkpoint."""
-    if not math.isfinite(value):
-        raise UserError(
-            f"training stopped at step {step}: the {what} is {value} (a bad batch, too high a learning rate or "
-            f"an overflow); checkpoints hold only earlier steps"
-        )
 
 
 def keep_earlier(path: str, what: str):
@@ -500,6 +620,41 @@ def keep_earlier(path: str, what: str):
         n += 1
     os.rename(path, f"{path}.{n}")
     logger.warning(f"{path} holds an earlier run's {what}; kept it as {path}.{n}")
+
+
+def rewind_metrics(path: str, start_step: int):
+    """Before a run writes metrics.jsonl: a fresh start keeps the earlier file as metrics.jsonl.N; a
+    resume from step S keeps the records up to S, and the whole earlier file as .N when it also holds
+    later steps (a restart redoes them), so the file reads as one run."""
+    if start_step == 0:
+        keep_earlier(path, "metrics")
+        return
+    with open(path) as f:
+        lines = f.read().splitlines()
+    def before_resume(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= start_step
+        except ValueError:  # a line cut short by a kill
+            return False
+
+    kept = [line for line in lines if before_resume(line)]
+    if len(kept) == len(lines):
+        return
+    keep_earlier(path, "metrics")
+    with open(path, "w") as f:
+        f.writelines(line + "\n" for line in kept)
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux; None elsewhere): start-up including imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def setup_logging():

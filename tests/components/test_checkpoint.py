@@ -84,9 +84,9 @@ def test_rng_state_is_restored_by_effect(tmp_path):
     class Drawing(Trainer):
         draws: list[float] = []
 
-        def train_step(self, data_iter):
+        def train_step(self, step, data_iter):
             Drawing.draws.append(torch.rand(()).item())
-            return super().train_step(data_iter)
+            return super().train_step(step, data_iter)
 
     def run_drawing(folder, *extra):
         Drawing.draws = []

@@ -310,9 +310,9 @@ def test_planned_keys_inert_accepted(tmp_path):
         """
         [job]
         print_args = true
-        [validation]
+        [memory_estimation]
         enabled = false
-        freq = 10
+        disable_fake_mode = true
         [parallelism]
         tensor_parallel_degree = 1
         pipeline_parallel_schedule = "1F1B"
@@ -320,17 +320,76 @@ def test_planned_keys_inert_accepted(tmp_path):
         mode = "none"
         """,
     )
-    cfg = load_recipe(path, "--training.compile", "false", "--validation.dataset", "x", "--job.print_args")
-    assert not hasattr(cfg, "validation")  # planned values are validated, not stored
+    cfg = load_recipe(path, "--training.compile", "false", "--memory_estimation.disable_fake_mode", "x",
+                      "--job.print_args")
+    assert not hasattr(cfg, "memory_estimation")  # planned values are validated, not stored
     assert cfg == dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
 
 
 def test_planned_key_active_rejected_in_toml(tmp_path):
-    path = write(tmp_path / "recipe.toml", "[validation]\nenabled = true\n")
+    path = write(tmp_path / "recipe.toml", "[memory_estimation]\nenabled = true\n")
     msg = str(pytest.raises(UserError, load_recipe, path).value)
-    assert msg.startswith("validation.enabled = true")
-    assert "not supported yet: validation runs are not implemented" in msg
+    assert msg.startswith("memory_estimation.enabled = true")
+    assert "not supported yet: memory estimation is not implemented" in msg
     assert "Remove it or set it to false." in msg
+
+
+# --- [validation] ------------------------------------------------------------------------------
+
+
+def test_validation_section_loads_with_the_reference_keys(tmp_path):
+    path = write(
+        tmp_path / "recipe.toml",
+        """
+        [validation]
+        enabled = true
+        dataset = "local"
+        dataset_path = "held_out.jsonl"
+        local_batch_size = 4
+        seq_len = 1024
+        freq = 100
+        steps = 20
+        """,
+    )
+    v = load_recipe(path, "--training.seq_len", "2048").validation
+    assert (v.enabled, v.dataset, v.dataset_path, v.local_batch_size, v.seq_len, v.freq, v.steps) == (
+        True, "local", "held_out.jsonl", 4, 1024, 100, 20)
+    d = JobConfig().validation
+    assert (d.enabled, d.dataset, d.local_batch_size, d.seq_len, d.freq, d.steps) == (
+        False, "python_stdlib_test", 8, -1, 500, -1)
+    # The resolved config (config.toml) loads back.
+    again = write(tmp_path / "config.toml", config_to_toml(load_recipe(path, "--training.seq_len", "2048")))
+    assert load_recipe(again).validation == v
+
+
+def test_disabled_validation_loads_with_any_dataset(tmp_path):
+    # A reference recipe names its own set while validation is off.
+    path = write(tmp_path / "recipe.toml", '[validation]\nenabled = false\ndataset = "c4_validation"\nfreq = 0\n')
+    assert load_recipe(path).validation.dataset == "c4_validation"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--validation.freq", "0"], "validation.freq must be a positive integer, got 0"),
+        (["--validation.local_batch_size", "0"], "validation.local_batch_size must be a positive integer"),
+        (["--validation.steps", "0"], "validation.steps must be -1 (one pass over the validation set) or a positive"),
+        (["--validation.dataset", "c4_validation"], "validation.dataset = 'c4_validation' is not available here"),
+        (["--validation.dataset", "local"], 'validation.dataset = "local" needs validation.dataset_path'),
+        (["--validation.dataset_path", "x.jsonl"], "validation.dataset_path = 'x.jsonl' is set but"),
+        (["--validation.seq_len", "4096"], "validation.seq_len = 4096 exceeds training.seq_len = 2048"),
+        (["--validation.seq_len", "1024", "--parallelism.context_parallel_degree", "2"],
+         "must equal training.seq_len = 2048 with context parallel"),
+        (["--validation.seq_len", "1001", "--parallelism.tensor_parallel_degree", "2"],
+         "validation.seq_len = 1001 must be divisible by parallelism.tensor_parallel_degree = 2"),
+        (["--validation.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
+          "--parallelism.pipeline_parallel_microbatch_size", "2"],
+         "validation.local_batch_size = 3 is not a multiple of parallelism.pipeline_parallel_microbatch_size = 2"),
+    ],
+)
+def test_validation_values_are_checked_when_enabled(argv, expected):
+    assert expected in error_of(["--training.seq_len", "2048", "--validation.enabled", *argv])
+    load_config(["--training.seq_len", "2048", *argv])  # disabled: not checked
 
 
 def test_planned_key_specific_reason():

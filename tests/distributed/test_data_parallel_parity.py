@@ -13,11 +13,17 @@ within BF16_TOL of the fp32 single-process run:
 - Qwen3's debug flavor under FSDP 2, TP 2, PP 2 and CP 2, and its
   tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
-  PP 2 x FSDP 2 x CP 2 x TP 2 on 16.
+  PP 2 x FSDP 2 x CP 2 x TP 2 on 16;
+- validation ([validation], every 3 steps and at the last: 2 global batches of 8 held-out sequences)
+  gives the single process's loss within 1e-5 under FSDP 2, TP 2, PP 2 (1F1B, and ZBVZeroBubble's
+  two stages per rank), CP 2 and Qwen3-MoE's PP 2 x EP 2, and leaves the training losses and grad
+  norms bitwise unchanged (the MoE expert bias too, compared as above).
 
 All jobs use the same seed, data and global batch (8 sequences of 64 tokens). Weight init is
 layout-invariant (per-parameter seeded), so step 1 already compares identical weights.
 """
+
+import math
 
 import pytest
 import torch
@@ -41,6 +47,14 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--checkpoint.enable_checkpoint",
        "--checkpoint.interval", "6"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
+# standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
+VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
+
+
+def val(local_batch_size: int) -> list[str]:
+    return VAL + ["--validation.local_batch_size", str(local_batch_size)]
+
 
 SINGLE = {
     "single_fp32": ["--training.local_batch_size", "8"],
@@ -48,10 +62,12 @@ SINGLE = {
     "single_bf16": ["--training.local_batch_size", "8", "--training.mixed_precision_param", "bfloat16"],
     "qwen3_single": QWEN + ["--training.local_batch_size", "8"],
     "qwen3_tied_single": QWEN_TIED + ["--training.local_batch_size", "8"],
-    "moe_single": MOE + ["--training.local_batch_size", "8"],
+    "moe_single": MOE + ["--training.local_batch_size", "8"] + val(8),
+    # single_fp32 with validation: its training losses must be bitwise single_fp32's.
+    "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
 }
 TWO = {
-    "fsdp2": ["--training.local_batch_size", "4"],
+    "fsdp2": ["--training.local_batch_size", "4"] + val(4),
     "fsdp2_accum2": ["--training.local_batch_size", "2"],
     "fsdp2_never_reshard": ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward", "never"],
     "ddp2": ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
@@ -60,14 +76,14 @@ TWO = {
     "fsdp2_ac_full": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"],
     "fsdp2_ac_op_compile": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
                             "--activation_checkpoint.selective_ac_option", "op", "--training.compile"],
-    "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + val(8),
     "tp2_no_loss_parallel": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                              "--parallelism.disable_loss_parallel"],
-    "pp2_1f1b": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "pp2_1f1b": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"] + val(8),
     "pp2_interleaved": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
                         "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
     "pp2_zbv": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
-                "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+                "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"] + val(8),
     "pp2_split_points": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
                          "--parallelism.pipeline_parallel_microbatch_size", "2",
                          "--parallelism.pipeline_parallel_split_points", "layers.2"],
@@ -76,7 +92,7 @@ TWO = {
         "--parallelism.pipeline_parallel_microbatch_size", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
         "--parallelism.module_fqns_per_model_part",
         "tok_embeddings;layers.0,layers.1,layers.2;layers.3,layers.4;layers.5,norm,output"],
-    "cp2_allgather": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+    "cp2_allgather": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"] + val(8),
     "cp2_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                      "--parallelism.context_parallel_rotate_method", "alltoall"],
     "cp2_alltoall_ac_op": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
@@ -122,7 +138,7 @@ FOUR = {
     "qwen3_tied_fsdp2_tp2": QWEN_TIED + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
     "moe_ep2_fsdp2": MOE + ["--training.local_batch_size", "2"] + EP2,
     "moe_ep2_tp2": MOE + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
-    "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2,
+    "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2 + val(4),
 }
 EIGHT = {
     "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
@@ -153,7 +169,10 @@ def runs(tmp_path_factory):
     results.update(launch(FOUR, 4, tmp))
     results.update(launch(EIGHT, 8, tmp))
     results.update(launch(SIXTEEN, 16, tmp))
-    results["_tmp"] = tmp
+    # Validation records (step, validation_loss, ...) apart from the training steps' records.
+    validation = {name: [r for r in records if "validation_loss" in r] for name, records in results.items()}
+    results = {name: [r for r in records if "loss" in r] for name, records in results.items()}
+    results["_tmp"], results["_validation"] = tmp, validation
     return results
 
 
@@ -262,3 +281,28 @@ def test_metrics_records_have_the_documented_keys(runs):
         assert {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time"} <= set(record)
         assert record["tps"] > 0 and record["memory_gib"] > 0
     assert [r["step"] for r in runs["fsdp2"]] == [1, 2, 3, 4, 5, 6]
+
+
+VAL_LAYOUTS = ["fsdp2", "tp2", "pp2_1f1b", "pp2_zbv", "cp2_allgather", "moe_pp2_ep2"]
+
+
+@pytest.mark.parametrize("name", VAL_LAYOUTS)
+def test_validation_loss_is_the_same_in_every_layout(runs, name):
+    reference = "moe_single" if name.startswith("moe") else "single_fp32_val"
+    ref, got = runs["_validation"][reference], runs["_validation"][name]
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [3, 6]
+    diffs = [abs(a["validation_loss"] - b["validation_loss"]) for a, b in zip(ref, got)]
+    # Measured: at most 3.8e-6 (FSDP 2, TP 2, CP 2), 5.4e-6 (MoE PP 2 x EP 2), 2.4e-7 (PP 2).
+    assert max(diffs) < FP32_TOL, f"{name}: validation loss diffs {diffs}"
+    for r in got:
+        assert r["validation_batches"] == 2 and r["validation_tokens"] == 2 * 8 * 64
+        assert r["validation_perplexity"] == pytest.approx(math.exp(r["validation_loss"]))
+
+
+def test_validation_does_not_change_training(runs):
+    with_val, without = runs["single_fp32_val"], runs["single_fp32"]
+    assert [(r["loss"], r["grad_norm"]) for r in with_val] == [(r["loss"], r["grad_norm"]) for r in without]
+    ref = runs["_validation"]["single_fp32_val"]
+    # It measures the model being trained: held-out loss falls from step 3 to step 6 (7.99 -> 7.42).
+    assert ref[1]["validation_loss"] < ref[0]["validation_loss"] - 0.3
+    assert runs["_validation"]["single_fp32"] == []

@@ -133,10 +133,11 @@ def train_state_record(
     optimizer_lrs: list[float] | None = None,
     lr_scheduler: dict | None = None,
     dataloader: dict | None = None,
+    counters: dict[str, int] | None = None,
 ) -> dict:
     """The train_state.json object (the one schema, for the trainer's saves and converted weights).
     `model` is {"name", "flavor", "args": dataclasses.asdict(args)}; the last three are absent from
-    model-only checkpoints."""
+    model-only checkpoints. `counters` are the run's running totals (e.g. skipped_steps)."""
     record = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -148,6 +149,8 @@ def train_state_record(
     }
     if optimizer_lrs is not None:
         record.update(optimizer_lrs=optimizer_lrs, lr_scheduler=lr_scheduler, dataloader=dataloader)
+    if counters:
+        record["counters"] = counters
     return record
 
 
@@ -398,6 +401,7 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.pending = None  # an async save not yet published: (future, step)
         self.rng_source = None  # (path, train_state) of a loaded checkpoint whose RNG states are due
+        self.counters: dict[str, int] = {}  # the run's running totals, saved and restored with it
         self.stager = None
         self.executor = None  # background checksums of async saves
         self.pg = None
@@ -591,6 +595,7 @@ class CheckpointManager:
                 sched.load_state_dict(saved)
         if "dataloader" not in excluded:
             self.dataloader.load_state_dict(state["dataloader"])
+        self.counters.update(state.get("counters", {}))
         self.rng_source = (path, state)  # restored by restore_rng, right before the next step
         step, tokens = (0, 0) if "train_state" in excluded else (state["step"], state["tokens"])
         logger.info(f"resumed from {path} (step {state['step']}) in {time.perf_counter() - start:.1f}s")
@@ -702,6 +707,7 @@ class CheckpointManager:
             optimizer_lrs=[g["lr"] for g in self.optimizers[0].param_groups],
             lr_scheduler=sched,
             dataloader=self.dataloader.state_dict(),
+            counters=dict(self.counters),
         )
 
     def _write_side_files(self, partial: str, train_state: dict, model_only: bool):

@@ -1,5 +1,6 @@
 """Training metrics: one console line per logged step, TensorBoard scalars, and
-{dump_folder}/metrics.jsonl with one JSON object per logged step.
+{dump_folder}/metrics.jsonl with one JSON object per logged step (and one per validation run: the
+step and its validation_* values).
 
 MFU divides achieved FLOP/s per device by the device's peak: a table of dense bf16 peaks for known
 GPUs, or, on CPU, a peak measured at start-up with a short matmul in the training dtype and with the
@@ -70,19 +71,37 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
-_STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens"}
+_STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens", "skipped_steps",
+             "data_wait_s"}
 
 
 _COLORS = {"step": "\033[36m", "loss": "\033[32m", "memory": "\033[33m", "tps": "\033[34m", "mfu": "\033[35m"}
 
 
-def step_line(values: dict, extra: str = "", color: bool = False) -> str:
-    """The console summary of a logged step; ANSI-colored field names when `color`."""
+def duration(seconds: float) -> str:
+    """1h02m, 3m05s, 42s."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def step_line(values: dict, extra: str = "", color: bool = False, total_steps: int | None = None,
+              eta_seconds: float | None = None) -> str:
+    """The console summary of a logged step; ANSI-colored field names when `color`. With
+    `total_steps`, the step reads N/total; with `eta_seconds`, the time left closes the line."""
     def name(key: str) -> str:
         return f"{_COLORS[key]}{key}:\033[0m" if color and key in _COLORS else f"{key}:"
 
+    step = f"{values['step']:>5}" + (f"/{total_steps}" if total_steps else "")
+    if values.get("skipped_steps"):
+        extra = f"  skipped_steps: {values['skipped_steps']}{extra}"
+    if eta_seconds is not None:
+        extra += f"  eta: {duration(eta_seconds)}"
     return (
-        f"{name('step')} {values['step']:>5}  {name('loss')} {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
+        f"{name('step')} {step}  {name('loss')} {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
         f"lr: {values['lr']:.2e}  {name('memory')} {values['memory_gib']:5.2f}GiB  {name('tps')} {values['tps']:,.0f}  "
         f"tflops: {values['tflops']:.2f}  {name('mfu')} {values['mfu']:.2f}%{extra}"
     )
@@ -92,9 +111,12 @@ class MetricsLogger:
     """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard and
     metrics.jsonl. Values must already be global (reduced over ranks) where that matters."""
 
-    def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False, color: bool = False):
+    def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False, color: bool = False,
+                 total_steps: int | None = None, start_step: int = 0):
         self.write = write
         self.color = color
+        self.total_steps = total_steps
+        self.last = (start_step, 0.0)  # (step, time) of the previous line, for the time left
         self.jsonl = None
         self.tb = None
         if write:
@@ -109,7 +131,12 @@ class MetricsLogger:
         step = values["step"]
         # A model's own summaries (keys without "/", beyond the standard ones) close the line.
         extra = "".join(f"  {k}: {v:.4g}" for k, v in values.items() if k not in _STANDARD and "/" not in k)
-        logger.info(step_line(values, extra, self.color))
+        eta = None
+        if self.total_steps and "time" in values and step > self.last[0]:
+            # At the rate since the previous line (the first line's includes start-up).
+            eta = (values["time"] - self.last[1]) / (step - self.last[0]) * (self.total_steps - step)
+            self.last = (step, values["time"])
+        logger.info(step_line(values, extra, self.color, self.total_steps, eta))
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(values) + "\n")
             self.jsonl.flush()
@@ -117,6 +144,22 @@ class MetricsLogger:
             for key, value in values.items():
                 if key != "step":
                     self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+
+    def log_validation(self, values: dict):
+        """A validation record (step, validation_loss, validation_perplexity, ...): its own console line,
+        its own metrics.jsonl line, and TensorBoard scalars at the training step it follows."""
+        logger.info(
+            f"validation  step: {values['step']:>5}  loss: {values['validation_loss']:8.4f}  perplexity: "
+            f"{values['validation_perplexity']:.4g}  ({values['validation_batches']} batches, "
+            f"{values['validation_tokens']:,} tokens, {values['validation_time']:.1f}s)"
+        )
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(values) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for key in ("validation_loss", "validation_perplexity"):
+                self.tb.add_scalar(key, values[key], values["step"])
             self.tb.flush()
 
     def close(self):

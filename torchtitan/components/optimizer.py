@@ -44,6 +44,11 @@ class OptimizerGroup:
             opt.step()
             sched.step()
 
+    def step_schedulers(self):
+        """Advance the learning-rate schedules alone (a skipped step)."""
+        for sched in self.schedulers:
+            sched.step()
+
     @property
     def lr(self) -> float:
         return self.schedulers[0].get_last_lr()[0]

@@ -32,6 +32,16 @@ class Job:
     use_for_integration_test: bool = opt(
         False, "A tag for test runners that select recipes (the reference framework's CI reads it); training does not."
     )
+    stop_signals: list[str] = opt(
+        ["SIGTERM", "SIGUSR1"],
+        "Signals (what SLURM and Kubernetes send before a kill) on which every rank finishes the current step, "
+        "saves a checkpoint (when checkpointing is on) and exits 0. Empty: the signals' default action.",
+    )
+    stop_grace_seconds: int = opt(
+        120,
+        "Time from a stop signal to exit. A step and save still running then are abandoned (exit code 1; the last "
+        "complete checkpoint stays). Set it to the warning your scheduler gives (e.g. sbatch --signal=USR1@120).",
+    )
 
 
 @dataclass(frozen=True)
@@ -83,13 +93,32 @@ class LRScheduler:
 
 @dataclass(frozen=True)
 class Training:
-    dataset: Literal["python_stdlib", "local", "huggingface"] = opt(
+    dataset: Literal["python_stdlib", "local", "huggingface", "c4", "c4_test"] = opt(
         "python_stdlib",
         "python_stdlib: the .py files of this interpreter's standard library (embedded, offline); "
-        "local: .jsonl ('text' field) / .txt files at dataset_path; huggingface: "
-        "datasets.load_dataset(dataset_path) ('text' column, needs the datasets package).",
+        "local: the file or folder at dataset_path (.jsonl/.json/.txt, also .gz/.zst compressed, .parquet, .arrow, "
+        "datasets save_to_disk folders); huggingface: datasets.load_dataset(dataset_path, split='train', "
+        "streaming=True) (needs the datasets package); c4: allenai/c4 'en' streamed through datasets (needs it and "
+        "the network); c4_test: the reference torchtitan's local C4 sample, tests/assets/c4_test.",
     )
-    dataset_path: str | None = opt(None, "File or folder (local) or dataset name/path (huggingface).")
+    dataset_path: str | None = opt(
+        None,
+        "File or folder (local), dataset name or path (huggingface); for c4 another hub name or a local copy "
+        "(a clone's en/c4-train.*.json.gz shards are read), for c4_test where the sample is. Relative paths are "
+        "relative to the working directory.",
+    )
+    dataset_text_field: str = opt(
+        "text",
+        "The field of each JSON record, or the column of a parquet/Arrow/huggingface dataset, that holds the "
+        "document text (.txt files are whole documents; python_stdlib ignores it).",
+    )
+    shuffle_documents: bool | None = opt(
+        None,
+        "Read each epoch's documents in the order of a permutation seeded by (training.seed, epoch): the same on "
+        "every rank and layout, restored exactly on resume. Unset: shuffle wherever the data has random access "
+        "(python_stdlib, .txt, uncompressed .jsonl/.json, Arrow), stored order for data read as a stream (compressed "
+        "JSON lines, parquet, huggingface, c4). true: shuffle, refusing streamed data; false: stored order.",
+    )
     local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch.")
     global_batch_size: int = opt(
         -1,
@@ -116,6 +145,14 @@ class Training:
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic GC is off).")
     seed: int = opt(0, "Seed for weight init and every random number generator.")
     deterministic: bool = opt(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
+    skip_nonfinite_steps: bool = opt(
+        False,
+        "On a non-finite loss or gradient norm, skip that optimizer step (weights, optimizer and expert "
+        "statistics unchanged; counted as skipped_steps) instead of stopping the run.",
+    )
+    max_skipped_steps_in_a_row: int = opt(
+        10, "With skip_nonfinite_steps: stop the run when this many steps in a row are non-finite."
+    )
 
 
 # Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
@@ -331,6 +368,34 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class Validation:
+    enabled: bool = opt(
+        False,
+        "Compute the loss and perplexity on held-out data every freq steps and at the last step (logged as "
+        "validation_loss and validation_perplexity).",
+    )
+    # A string, not a Literal: reference recipes name their own sets (c4_validation) while disabled.
+    dataset: str = opt(
+        "python_stdlib_test",
+        "python_stdlib_test: the test files of this interpreter's standard library, which the python_stdlib "
+        "training corpus leaves out (embedded, offline); python_stdlib, local, huggingface: as training.dataset.",
+    )
+    dataset_path: str | None = opt(None, "File or folder (local) or dataset name/path (huggingface).")
+    local_batch_size: int = opt(8, "Validation sequences per data-parallel rank per batch.")
+    seq_len: int = opt(
+        -1,
+        "Tokens per validation sequence; at most training.seq_len (the model's positions), equal to it with "
+        "context parallel. -1: training.seq_len.",
+    )
+    freq: int = opt(500, "Validate every this many steps (and at the last step).")
+    steps: int = opt(
+        -1,
+        "Global validation batches per run, always from the start of the set and never past its end; -1: every "
+        "complete batch of one pass over the set.",
+    )
+
+
+@dataclass(frozen=True)
 class Experimental:
     custom_import: str = opt(
         "",
@@ -355,6 +420,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     profiling: Profiling = field(default_factory=Profiling)
     moe: MoE = field(default_factory=MoE)
+    validation: Validation = field(default_factory=Validation)
     experimental: Experimental = field(default_factory=Experimental)
 
 
@@ -370,7 +436,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
         "enable_compiled_autograd": False,
     },
     "metrics": {"enable_wandb": False, "save_for_all_ranks": False},
-    "validation": {"enabled": False, "dataset": ANY, "dataset_path": ANY, "freq": ANY, "steps": ANY},
     "memory_estimation": {"enabled": False, "disable_fake_mode": ANY},
     "experimental": {"custom_args_module": ""},
 }
@@ -379,7 +444,6 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 PLANNED_WHY: dict[str, str] = {
     "parallelism": "this parallelism option is not implemented",
     "metrics": "this metrics backend is not implemented",
-    "validation": "validation runs are not implemented",
     "memory_estimation": "memory estimation is not implemented",
     "experimental": "custom config sections are not supported; a custom model registers through experimental.custom_import",
 }

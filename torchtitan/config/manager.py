@@ -19,6 +19,9 @@ else:  # pragma: no cover - the project runs on 3.11, tomli is the 3.10 fallback
     import tomli as tomllib
 
 from torchtitan.config.errors import UserError
+
+# Signals job.stop_signals may name: those schedulers send before a kill, and Ctrl-C's.
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
 from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, ZERO_BUBBLE_SCHEDULES, JobConfig
 
 # Origin of a value given on the command line (file values carry their path instead).
@@ -450,8 +453,15 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         ("training.gc_freq", t.gc_freq),
         ("metrics.log_freq", m.log_freq),
         ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds),
+        ("job.stop_grace_seconds", cfg.job.stop_grace_seconds),
+        ("training.max_skipped_steps_in_a_row", t.max_skipped_steps_in_a_row),
     ]:
         need(value > 0, f"{name} must be a positive integer, got {value}; set it to 1 or more")
+    for name in cfg.job.stop_signals:
+        need(
+            name in STOP_SIGNALS,
+            f"job.stop_signals: {name!r} is not a signal a run can stop on; use names from {', '.join(STOP_SIGNALS)}",
+        )
     need(
         t.global_batch_size == -1 or t.global_batch_size > 0,
         f"training.global_batch_size must be -1 (local_batch_size x data-parallel degree) or a "
@@ -555,8 +565,13 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         need(
             bool(t.dataset_path),
             f'training.dataset = "{t.dataset}" needs training.dataset_path; set it to the '
-            + ("file or folder of .jsonl/.txt files" if t.dataset == "local" else "dataset name or path"),
+            + ("data file or folder (.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)" if t.dataset == "local"
+               else "dataset name or path"),
         )
+    need(
+        bool(t.dataset_text_field),
+        "training.dataset_text_field is empty; set it to the field or column holding the text (default 'text')",
+    )
     if t.dataset == "python_stdlib":
         need(
             t.dataset_path is None,
@@ -605,6 +620,71 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         not (c.create_seed_checkpoint and not c.enable_checkpoint),
         "checkpoint.create_seed_checkpoint writes into the checkpoint folder; also set checkpoint.enable_checkpoint = true",
     )
+    if cfg.validation.enabled:
+        problems += _validation_problems(cfg)
+    return problems
+
+
+VALIDATION_DATASETS = ("python_stdlib_test", "python_stdlib", "local", "huggingface")
+
+
+def _validation_problems(cfg: JobConfig) -> list[str]:
+    """[validation] is checked only when enabled: a disabled section loads with any values."""
+    v, t, p = cfg.validation, cfg.training, cfg.parallelism
+    problems = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    for name in ("local_batch_size", "freq"):
+        value = getattr(v, name)
+        need(value > 0, f"validation.{name} must be a positive integer, got {value}; set it to 1 or more")
+    need(
+        v.steps == -1 or v.steps > 0,
+        f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {v.steps}",
+    )
+    need(
+        v.dataset in VALIDATION_DATASETS,
+        f"validation.dataset = {v.dataset!r} is not available here; choose one of "
+        f"{', '.join(VALIDATION_DATASETS)} (local and huggingface read validation.dataset_path)",
+    )
+    if v.dataset in ("local", "huggingface"):
+        need(bool(v.dataset_path), f'validation.dataset = "{v.dataset}" needs validation.dataset_path')
+    elif v.dataset in VALIDATION_DATASETS:
+        need(
+            v.dataset_path is None,
+            f"validation.dataset_path = {v.dataset_path!r} is set but validation.dataset = {v.dataset!r} does not "
+            'read it; set validation.dataset = "local" (or "huggingface"), or remove dataset_path',
+        )
+    seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
+    need(
+        v.seq_len == -1 or v.seq_len > 0,
+        f"validation.seq_len must be -1 (training.seq_len) or a positive integer, got {v.seq_len}",
+    )
+    need(
+        seq_len <= t.seq_len,
+        f"validation.seq_len = {seq_len} exceeds training.seq_len = {t.seq_len}: the model holds positions for "
+        "training.seq_len tokens; lower it (or -1 for training.seq_len)",
+    )
+    if p.context_parallel_degree > 1:
+        need(
+            seq_len == t.seq_len,
+            f"validation.seq_len = {seq_len} must equal training.seq_len = {t.seq_len} with context parallel (each "
+            "rank holds fixed positions of the sequence); set it to -1",
+        )
+    if p.tensor_parallel_degree > 1:
+        need(
+            seq_len % p.tensor_parallel_degree == 0,
+            f"validation.seq_len = {seq_len} must be divisible by parallelism.tensor_parallel_degree = "
+            f"{p.tensor_parallel_degree} (sequence parallel splits it)",
+        )
+    if p.pipeline_parallel_degree > 1:
+        need(
+            v.local_batch_size % p.pipeline_parallel_microbatch_size == 0,
+            f"validation.local_batch_size = {v.local_batch_size} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}",
+        )
     return problems
 
 

@@ -58,7 +58,18 @@ def init_distributed(timeout_seconds: int, trace_buf_size: int = 0) -> tuple[tor
         tune_host_allocator()
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if dev_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds))
+        timeout = timedelta(seconds=timeout_seconds)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store across restarts (--max-restarts), so a restarted worker
+            # would read the dead attempt's process-group addresses and wait for them: keep each
+            # attempt's keys apart.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"torchtitan/attempt-{attempt}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     return device, rank, world_size
 
 
@@ -149,6 +160,13 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def max_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """In place: the elementwise maximum of `x` over every rank of the job."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
 
 
 def dist_mean(x: torch.Tensor, mesh) -> float:

@@ -5,15 +5,68 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [batch, heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
-    each KV head serves heads / kv_heads query heads). The default `attention_fn` of a family's
-    attention module; context parallel replaces it with its ring attention of the same signature."""
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: each KV head serves heads / kv_heads query heads."""
     repeats = q.shape[1] // k.shape[1]
     if repeats > 1:
         k = k.repeat_interleave(repeats, dim=1)
         v = v.repeat_interleave(repeats, dim=1)
+    return k, v
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [batch, heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
+    each KV head serves heads / kv_heads query heads). The default `attention_fn` of a family's
+    attention module; context parallel replaces it with its ring attention of the same signature."""
+    k, v = _repeat_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class KVCache:
+    """One layer's keys and values for incremental decoding: [batch, kv_heads, max_len, head_dim] each,
+    allocated at the first write with the batch, heads, dtype and device of the keys written.
+
+    A family's attention calls `attend` in place of its `attention_fn` when the model is called with
+    caches (`model(tokens, cache=kv_caches(model, n), start_pos=p)`): the tokens given are at
+    positions p, p+1, ...; the caller advances p by their number. Training never passes a cache."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Store k, v (after the rotary embedding) at positions start_pos, ... and return q's causal
+        attention over every cached position up to its own; shapes as `causal_attention`'s."""
+        seq = q.shape[2]
+        end = start_pos + seq
+        if end > self.max_len:
+            raise ValueError(f"positions {start_pos}..{end - 1} do not fit a KV cache of {self.max_len} positions")
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.max_len, k.shape[-1])
+            self.v = v.new_zeros(*v.shape[:2], self.max_len, v.shape[-1])
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        if start_pos == 0:  # a prompt: the training path's very computation
+            return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end])
+        keys, values = _repeat_kv(q, self.k[:, :, :end], self.v[:, :, :end])
+        # Query i is at position start_pos + i and sees positions 0 .. start_pos + i (one new token: all).
+        mask = None if seq == 1 else torch.ones(seq, end, dtype=torch.bool, device=q.device).tril(start_pos)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def kv_caches(model: nn.Module, max_len: int) -> dict[str, KVCache]:
+    """An empty cache for each block of `model.layers` (keyed by layer id), for up to max_len positions."""
+    return {layer_id: KVCache(max_len) for layer_id in model.layers}
+
+
+def rotary_rows(table: torch.Tensor, start_pos: int, seq: int) -> torch.Tensor:
+    """The rows of a rotary table (one per position) for positions start_pos .. start_pos + seq - 1."""
+    if start_pos + seq > table.shape[0]:
+        raise ValueError(
+            f"positions {start_pos}..{start_pos + seq - 1} are beyond the model's {table.shape[0]} (max_seq_len)"
+        )
+    return table[start_pos:start_pos + seq]
 
 
 class FeedForward(nn.Module):

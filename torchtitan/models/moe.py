@@ -411,6 +411,13 @@ def balance_after_step(model_parts: list[nn.Module], inputs) -> None:
     update_expert_bias(layers, _batch_group(inputs))
 
 
+def drop_step_counts(model_parts: list[nn.Module], inputs) -> None:
+    """post_skipped_step hook: a skipped step's token counts move no expert bias."""
+    for part in model_parts:
+        for _, m in moe_layers(part):
+            m.tokens_per_expert.zero_()
+
+
 def expert_load_metrics(model_parts: list[nn.Module], inputs) -> dict[str, float]:
     """metrics hook: per MoE layer, the max and mean assignments per expert of the last step (over
     all ranks), their ratio, the dropped share and the auxiliary losses (means over ranks); and two

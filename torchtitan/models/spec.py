@@ -112,13 +112,18 @@ class ModelSpec:
     # calls it; keys with a "/" go to metrics.jsonl and TensorBoard only, the others to the console too).
     post_optimizer_build: Callable[[list[nn.Module], list], None] | None = None
     post_optimizer_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
+    # (model parts, ParallelizeInputs) after a step skipped as non-finite: drop what its forward recorded.
+    post_skipped_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
     metrics: Callable[[list[nn.Module], ParallelizeInputs], dict[str, float]] | None = None
 
     def args_for_training(self, flavor: str, vocab_size: int, seq_len: int, moe_overrides: dict | None = None):
-        """The flavor's args with the tokenizer's vocabulary and positions for exactly `seq_len` tokens
-        (the rotary table is built for max_seq_len positions), and, for a family whose args have an
-        `moe` field (torchtitan.models.moe.MoEArgs), the given MoE settings replaced."""
-        args = dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max(seq_len, 1))
+        """The flavor's args with the tokenizer's vocabulary (`vocab_size` tokens, padded up by
+        padded_vocab_size) and positions for exactly `seq_len` tokens (the rotary table is built for
+        max_seq_len positions), and, for a family whose args have an `moe` field
+        (torchtitan.models.moe.MoEArgs), the given MoE settings replaced."""
+        args = dataclasses.replace(
+            self.flavors[flavor], vocab_size=padded_vocab_size(vocab_size), max_seq_len=max(seq_len, 1)
+        )
         if moe_overrides and getattr(args, "moe", None) is not None:
             args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **moe_overrides))
         return args
@@ -126,6 +131,22 @@ class ModelSpec:
     def args_from_dict(self, values: dict):
         """Rebuild args from `dataclasses.asdict(args)` (nested dataclasses included)."""
         return _dataclass_from_dict(self.args_cls, values)
+
+
+# The model's vocabulary is the tokenizer's rounded up to a multiple of this: a multiple of every
+# tensor-parallel degree that is a power of two up to 64 (the embedding and output rows are split
+# evenly; any other degree is refused by check_tp_divisibility), and of the matmul tile sizes.
+# Fixed, not derived from the TP degree, so a checkpoint resumes under any parallel layout.
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab_size(tokens: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """The model's vocabulary for a tokenizer of `tokens` ids (special tokens included): `tokens`
+    rounded up to a multiple of `multiple`. The extra rows are never produced by the tokenizer
+    (their logits only learn to stay low); 128,256 (Llama 3) and 4,096 stay as they are."""
+    if tokens < 1:
+        raise ValueError(f"a vocabulary needs at least one token, not {tokens}")
+    return -(-tokens // multiple) * multiple
 
 
 def _dataclass_from_dict(cls: type, values: dict):

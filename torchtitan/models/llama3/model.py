@@ -10,7 +10,7 @@ id so that a pipeline stage can drop layers while names stay stable.
 import torch
 from torch import nn
 
-from torchtitan.models.layers import FeedForward, causal_attention
+from torchtitan.models.layers import FeedForward, KVCache, causal_attention, rotary_rows
 from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
@@ -43,13 +43,16 @@ class Attention(nn.Module):
         # A plain function, replaceable from outside: context parallelism puts its ring attention here.
         self.attention_fn = causal_attention
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, k, freqs_cis)
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.attention_fn(q, k, v) if cache is None else cache.attend(q, k, v, start_pos)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -63,8 +66,12 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = 0.02 / (2 * depth) ** 0.5  # residual-branch outputs start small, deeper ones smaller
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
+        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs.
+        attention_args = (freqs_cis,) if cache is None else (freqs_cis, cache, start_pos)
+        h = x + self.attention(self.attention_norm(x), *attention_args)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -92,11 +99,20 @@ class Transformer(nn.Module):
         if not self.freqs_cis.is_meta:
             self.freqs_cis = self._freqs_cis().to(self.freqs_cis.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
+        """Training: forward(tokens). Decoding: with `cache` (layers.kv_caches), the tokens are at
+        positions start_pos, start_pos + 1, ... and their keys and values are added to the cache."""
         # Each part may be absent on a pipeline stage.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, self.freqs_cis)
+        else:
+            freqs_cis = rotary_rows(self.freqs_cis, start_pos, tokens.shape[1])
+            for layer_id, layer in self.layers.items():
+                h = layer(h, freqs_cis, cache[layer_id], start_pos)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -22,5 +22,6 @@ def build_spec() -> ModelSpec:
         validate=args.validate,
         # Qwen3-MoE flavors balance their experts and report the load; no-ops for dense flavors.
         post_optimizer_step=moe.balance_after_step,
+        post_skipped_step=moe.drop_step_counts,
         metrics=moe.expert_load_metrics,
     )

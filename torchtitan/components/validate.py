@@ -1,0 +1,325 @@
+"""Validation: the held-out loss and perplexity of the model being trained, every `validation.freq`
+steps and at the last step.
+
+What it computes:
+
+- The validation set is packed exactly like the training data (torchtitan/components/data.py): each
+  document as [BOS] + text + [EOS], concatenated, cut into consecutive windows of seq_len + 1 tokens;
+  window k is global validation sample k. Global validation batch b holds samples [b*G, (b+1)*G),
+  G = validation.local_batch_size x data-parallel degree, and data-parallel rank r of D reads the
+  contiguous block [b*G + r*G/D, b*G + (r+1)*G/D) of it, as the training loader splits a global
+  batch. So the set of sequences does not depend on the layout.
+- Every run starts from the first document again and never wraps around: it reads validation.steps
+  global batches, or with steps = -1 every complete global batch of one pass over the set (the
+  trailing samples that do not fill a global batch are left out). A set that does not hold one global
+  batch is refused before launch (`preflight_validation`). Each rank caches its batches after the
+  first run (up to CACHE_TOKENS tokens), so later runs skip the tokenizer.
+- The loss is the mean over every validation token: each batch's loss is training's loss function
+  (the model spec's `loss_fn`, a mean over the batch's tokens) on this rank's share of the tokens;
+  batches and ranks hold equally many tokens, so the mean over batches, then over the data- and
+  context-parallel ranks (`dist_mean` over the same mesh as the training loss), is that global mean.
+  Perplexity = exp(loss).
+- The model runs in eval mode under no_grad, with the training step's mixed precision and loss-parallel
+  context; with context parallel each rank takes the same sequence positions as in training; with a
+  pipeline, a second, forward-only schedule over the same stage modules (each rank runs its stages in
+  order on every microbatch of pipeline_parallel_microbatch_size sequences, torch's runtime adding the
+  sends, receives and FSDP gathers) runs the validation batch through `eval`, and the last stage's loss
+  is broadcast over the pipeline ranks. The training schedule is not used: torch re-infers a
+  schedule's shapes, with a real forward, each time it switches between eval and train, and its eval of
+  the V-shaped schedules (ZBVZeroBubble, DualPipeV) fails on their split backward steps.
+
+What it leaves unchanged: the training random number generators (the run is inside fork_rng), the
+modules' train mode (restored), a mixture of experts' token counts and expert bias (counted only in a
+training forward: train mode with gradients on), and FSDP's sharding (every FSDP module is resharded
+after the run). Training losses with validation on are bitwise those with it off
+(tests/distributed/test_data_parallel_parity.py).
+"""
+
+import functools
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components import data as training_data
+from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.config.errors import UserError
+from torchtitan.config.job_config import JobConfig, Validation
+from torchtitan.distributed.context_parallel import shard_sequence
+from torchtitan.distributed.utils import dist_mean
+from torchtitan.distributed.tensor_parallel import loss_parallel_context
+
+# Tokens of validation batches a rank keeps in memory (int32) between runs: 256 MiB.
+CACHE_TOKENS = 2**26
+
+
+# ---------------------------------------------------------------------------------------------
+# The validation set
+
+
+def _is_stdlib_test_dir(rel_dir: str) -> bool:
+    parts = rel_dir.split("/")
+    return any(p in ("test", "tests") for p in parts) or rel_dir == "idlelib/idle_test" or rel_dir.startswith(
+        "idlelib/idle_test/"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_test_files() -> tuple[Path, ...]:
+    """The .py files the python_stdlib training corpus leaves out as tests: those under a folder named
+    test or tests, or under idlelib/idle_test (site-packages and dist-packages excluded as there)."""
+    root = training_data._stdlib_root()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        if rel_dir != "." and _is_stdlib_test_dir(rel_dir):
+            found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return tuple(sorted(found, key=lambda p: p.relative_to(root).as_posix()))
+
+
+class _StdlibTestSource:
+    name = "python_stdlib_test"
+
+    def __init__(self):
+        self.files = _stdlib_test_files()
+        if not self.files:
+            raise UserError(
+                f"validation.dataset python_stdlib_test is empty: this interpreter ships no test files under "
+                f"{training_data._stdlib_root()} (some Linux distributions package them apart); set "
+                "validation.dataset = 'local' and validation.dataset_path to held-out .jsonl/.txt data"
+            )
+
+    def documents(self, start: int) -> Iterator[str]:
+        for path in self.files[start:]:
+            yield training_data._read_text(path)
+
+
+def build_source(cfg: Validation):
+    """The documents of the validation set named by the config (its names are checked by the config
+    validator: a path exactly for local and huggingface)."""
+    if cfg.dataset == "python_stdlib_test":
+        return _StdlibTestSource()
+    if cfg.dataset == "python_stdlib":
+        return training_data._StdlibSource()
+    if cfg.dataset == "local" and not os.path.exists(cfg.dataset_path):
+        raise UserError(
+            f"validation.dataset_path {cfg.dataset_path} does not exist; set it to a .jsonl or .txt file or a "
+            "folder of them"
+        )
+    try:
+        if cfg.dataset == "local":
+            return training_data._LocalSource(cfg.dataset_path)
+        return training_data._HuggingFaceSource(cfg.dataset_path)
+    except UserError as e:  # the training loader's messages name the training keys
+        raise UserError("validation: " + str(e).replace("training.", "validation.")) from None
+
+
+def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
+    """The packed stream's windows of `length` tokens, from the first document to the end (no wrap)."""
+    buffer: list[int] = []
+    for text in source.documents(0):
+        if not text:  # an empty document adds no BOS/EOS pair (as in training)
+            continue
+        buffer.extend(tokenizer.encode(text, bos=True, eos=True))
+        start = 0
+        while len(buffer) - start >= length:
+            yield buffer[start : start + length]
+            start += length
+        del buffer[:start]
+
+
+class ValidationData:
+    """This rank's share of each global validation batch, from the start of the set on every call."""
+
+    def __init__(self, source, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_degree: int, max_batches: int):
+        self.source, self.tokenizer = source, tokenizer
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.global_batch_size = local_batch_size * dp_degree
+        self.first = dp_rank * local_batch_size  # this rank's block, as offsets inside a global batch
+        self.max_batches = max_batches  # -1: every complete global batch
+        self._cache: list[torch.Tensor] | None = None
+
+    def _read(self) -> Iterator[torch.Tensor]:
+        mine, done = [], 0
+        for k, window in enumerate(_windows(self.source, self.tokenizer, self.seq_len + 1)):
+            pos = k % self.global_batch_size
+            if self.first <= pos < self.first + self.local_batch_size:
+                mine.append(window)
+            if pos == self.global_batch_size - 1:
+                yield torch.tensor(mine, dtype=torch.long)
+                mine, done = [], done + 1
+                if done == self.max_batches:
+                    return
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, labels), each int64 [local_batch_size, seq_len]; the same sequence every call."""
+        if self._cache is not None:
+            for batch in self._cache:
+                batch = batch.long()
+                yield batch[:, :-1], batch[:, 1:]
+            return
+        cache, tokens = [], 0
+        for batch in self._read():
+            if cache is not None:
+                cache.append(batch.to(torch.int32))
+                tokens += batch.numel()
+                if tokens > CACHE_TOKENS:
+                    cache = None
+            yield batch[:, :-1], batch[:, 1:]
+        self._cache = cache
+
+
+def preflight_validation(cfg: JobConfig, dp_degree: int) -> None:
+    """Before launch: the validation set exists and holds at least one global validation batch.
+    Reads only as much of it as that needs."""
+    v = cfg.validation
+    if not v.enabled:
+        return
+    source = build_source(v)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    need = v.local_batch_size * dp_degree
+    seq_len = v.seq_len if v.seq_len > 0 else cfg.training.seq_len
+    windows = _windows(source, tokenizer, seq_len + 1)
+    found = sum(1 for _ in zip(range(need), windows))
+    if found < need:
+        where = f" at {v.dataset_path}" if v.dataset_path else ""
+        what = "is empty: it holds no text" if found == 0 and not any(source.documents(0)) else (
+            f"is too small: it holds {found} sequence(s) of validation.seq_len + 1 = {seq_len + 1} tokens"
+        )
+        raise UserError(
+            f"validation set {v.dataset}{where} {what}, fewer than one global validation batch of "
+            f"validation.local_batch_size x data-parallel degree = {v.local_batch_size} x {dp_degree} = {need} "
+            f"sequences; add data, or lower validation.local_batch_size or validation.seq_len"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The validation run
+
+
+def _reshard_fsdp(parts: list[nn.Module]):
+    """Free parameters an eval forward left gathered (FSDP keeps them after forward where backward
+    would have resharded them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def _forward_only_schedule(pipeline, parts: list[nn.Module], n_microbatches: int, device, loss_fn):
+    """A pipeline schedule that runs forwards only: each rank runs its stages in order, each on every
+    microbatch in order, and the last stage computes each microbatch's loss. torch's own `eval` runs a
+    training schedule with its backward actions skipped, which fails on V-shaped placements (two
+    adjacent stages on one rank) and would make the training schedule infer its shapes again."""
+    from torch.distributed.pipelining.schedules import (
+        FORWARD,
+        _Action,
+        _add_send_recv,
+        _add_unshard_reshard,
+        _PipelineScheduleRuntime,
+    )
+
+    from torchtitan.distributed.pipeline_parallel import build_stages, stage_ids_for_rank
+
+    pp, num_stages = pipeline.pp_mesh.size(), pipeline.num_stages
+    placement = {rank: sorted(stage_ids_for_rank(rank, pp, num_stages, pipeline.style)) for rank in range(pp)}
+    owner = {stage: rank for rank, stages in placement.items() for stage in stages}
+    stages = build_stages(parts, pipeline.stage_ids, num_stages, device, pipeline.pp_mesh.get_group())
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn)
+    # What _prepare_schedule_with_comms does, without its check that every forward has a backward.
+    schedule.stage_index_to_group_rank = owner
+    for stage in stages:
+        stage.stage_index_to_group_rank = owner
+    compute = {
+        rank: _add_unshard_reshard(
+            [_Action(stage, FORWARD, mb) for stage in placement[rank] for mb in range(n_microbatches)]
+        )
+        for rank in range(pp)
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(compute, stage_to_rank=owner.__getitem__, num_stages=num_stages)
+    return schedule
+
+
+class Validator:
+    """Runs validation for a Trainer; `due(step)` says when, `run(step)` returns the metrics record."""
+
+    def __init__(self, cfg: Validation, training_steps: int, data: ValidationData, parts: list[nn.Module],
+                 loss_fn, device: torch.device, amp, loss_parallel: bool, cp_positions: torch.Tensor | None,
+                 loss_mesh, pipeline=None, parallelism=None):
+        self.cfg, self.training_steps, self.data = cfg, training_steps, data
+        self.parts, self.loss_fn, self.device = parts, loss_fn, device
+        self.amp, self.loss_parallel, self.cp_positions, self.loss_mesh = amp, loss_parallel, cp_positions, loss_mesh
+        self.pipeline, self.schedule = pipeline, None
+        if pipeline is not None:  # microbatches of the training size (the config checks it divides)
+            n_micro = cfg.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+            self.schedule = _forward_only_schedule(pipeline, parts, n_micro, device, loss_fn)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.freq == 0 or step == self.training_steps
+
+    def _batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss over its tokens of the batch (zero on pipeline ranks without the last stage)."""
+        with loss_parallel_context(self.loss_parallel):
+            if self.schedule is not None:
+                is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
+                losses = [] if is_last else None
+                with self.amp:
+                    self.schedule.eval(
+                        *((inputs,) if is_first else ()), target=labels if is_last else None, losses=losses,
+                        return_outputs=False,
+                    )
+                if not is_last:
+                    return torch.zeros((), dtype=torch.float64, device=self.device)
+                loss = torch.stack([loss.detach() for loss in losses]).mean()  # equal-sized microbatches
+            else:
+                with self.amp:
+                    logits = self.parts[0](inputs)
+                loss = self.loss_fn(logits, labels)
+        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        return loss.detach().double()
+
+    def run(self, step: int) -> dict:
+        start = time.perf_counter()
+        modes = [part.training for part in self.parts]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        batches = 0
+        rng_devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            for part in self.parts:
+                part.eval()
+            with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
+                for inputs, labels in self.data.batches():
+                    # With context parallel, this rank's positions of each sequence (as in training).
+                    inputs = shard_sequence(inputs, self.cp_positions)
+                    labels = shard_sequence(labels, self.cp_positions)
+                    total += self._batch_loss(inputs.to(self.device), labels.to(self.device))
+                    batches += 1
+        finally:
+            for part, mode in zip(self.parts, modes):
+                part.train(mode)
+            _reshard_fsdp(self.parts)
+        if batches == 0:  # preflight_validation makes sure there is a batch
+            raise ValueError("the validation set yielded no batch")
+        local = total / batches
+        if self.pipeline is not None:  # the loss exists on the last stage's rank
+            dist.broadcast(local, group=self.pipeline.pp_mesh.get_group(), group_src=self.pipeline.loss_src)
+        loss = dist_mean(local, self.loss_mesh)  # float64 all the way
+        return {
+            "step": step,
+            "validation_loss": loss,
+            "validation_perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "validation_batches": batches,
+            "validation_tokens": batches * self.data.global_batch_size * self.data.seq_len,
+            "validation_time": time.perf_counter() - start,
+        }
+
