@@ -53,7 +53,8 @@ class Model:
     flavor: str = opt("debugmodel", "Size of the model family (a key of its flavors table).")
     tokenizer_path: str = opt(
         "./assets/tokenizer/python_stdlib_4k.model",
-        "Path of the sentencepiece tokenizer model; the model's vocabulary size is taken from it.",
+        "A Hugging Face tokenizer folder or tokenizer.json, a tiktoken BPE file or a sentencepiece model (told "
+        "apart by content); the model's vocabulary is its size, padded to a multiple of 64.",
     )
     converters: list[str] = opt(
         [], "Model conversions applied before parallelizing: 'float8' (torchao float8 linear layers, see [float8])."

@@ -429,7 +429,7 @@ def _resolve_hf_assets(cfg: JobConfig) -> JobConfig:
     raise UserError(
         f"model.hf_assets_path = {path!r} is read only as the Hugging Face weights folder of "
         f"checkpoint.initial_load_in_hf when checkpoint.initial_load_path is unset; here it would be unused "
-        f"(the tokenizer comes from model.tokenizer_path, a sentencepiece .model). Unset it, or set "
+        f"(the tokenizer comes from model.tokenizer_path). Unset it, or set "
         f"checkpoint.initial_load_in_hf = true to start from those weights"
     )
 
