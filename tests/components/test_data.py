@@ -1,9 +1,13 @@
-"""The data pipeline: packing, sample ownership across layouts, resumable state, sources, errors.
+"""The data pipeline: packing, sample ownership across layouts, resumable state, sources, file
+formats, document shuffling, errors.
 
 Most tests use a character-level fake tokenizer, so the expected token stream can be written
 down independently of the code under test: window k of a run must equal stream[k*W:(k+1)*W].
+Tests of stored-order behaviour turn shuffling off; the shuffle tests state the order through
+`_Permutation`, the one definition of the shuffled order.
 """
 
+import gzip
 import json
 import logging
 import random
@@ -15,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.data import build_dataloader, stdlib_files
+from torchtitan.components import data as data_module
+from torchtitan.components.data import _Permutation, build_dataloader, stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
@@ -35,19 +40,26 @@ class CharTokenizer:
 CHARS = CharTokenizer()
 
 
-def expected_stream(docs, n_tokens, tok=CHARS):
-    """The global token stream: framed non-empty documents, concatenated, looped."""
-    out = []
+def shuffled(docs, seed, epoch):
+    order = _Permutation(len(docs), seed, epoch)
+    return [docs[order[k]] for k in range(len(docs))]
+
+
+def expected_stream(docs, n_tokens, tok=CHARS, seed=None):
+    """The global token stream: framed non-empty documents, concatenated, looped (with a seed: epoch e
+    in the order of the permutation seeded by (seed, e))."""
+    out, epoch = [], 0
     while len(out) < n_tokens:
-        for doc in docs:
+        for doc in docs if seed is None else shuffled(docs, seed, epoch):
             if doc:
                 out += tok.encode(doc, bos=True, eos=True)
+        epoch += 1
     return out[:n_tokens]
 
 
-def expected_windows(docs, seq_len, start, stop, tok=CHARS):
+def expected_windows(docs, seq_len, start, stop, tok=CHARS, seed=None):
     w = seq_len + 1
-    stream = expected_stream(docs, stop * w, tok)
+    stream = expected_stream(docs, stop * w, tok, seed)
     return [stream[k * w : (k + 1) * w] for k in range(start, stop)]
 
 
@@ -61,12 +73,16 @@ def write_jsonl(path, docs):
     return path
 
 
-def make_loader(path, seq_len, local_batch, dp_degree=1, dp_rank=0, global_batch=None, tok=CHARS, dataset="local"):
+def make_loader(path, seq_len, local_batch, dp_degree=1, dp_rank=0, global_batch=None, tok=CHARS, dataset="local",
+                shuffle=False, **training):
+    """A loader of `path`; shuffle=False unless asked (None: the default, shuffle where possible)."""
     cfg = Training(
         dataset=dataset,
         dataset_path=None if path is None else str(path),
         seq_len=seq_len,
         local_batch_size=local_batch,
+        shuffle_documents=shuffle,
+        **training,
     )
     global_batch = global_batch or local_batch * dp_degree
     return build_dataloader(cfg, tok, dp_rank, dp_degree, global_batch)
@@ -126,8 +142,11 @@ def test_folder_reads_jsonl_and_txt_recursively_in_path_order(tmp_path):
     (tmp_path / "b" / "z.txt").write_text("zzz")
     write_jsonl(tmp_path / "b" / "a.jsonl", ["b-a-0", "b-a-1"])
     (tmp_path / "a.txt").write_text("top-a")
-    (tmp_path / "c.csv").write_text("ignored,file\n")
     (tmp_path / "README.md").write_text("ignored")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "x.csv").write_text("ignored")
+    (tmp_path / ".gitattributes").write_text("ignored")
+    (tmp_path / "LICENSE").write_text("ignored")
     docs = ["top-a", "b-a-0", "b-a-1", "zzz"]
     got = [t for w in take(iter(make_loader(tmp_path, seq_len=5, local_batch=2)), 5) for t in w]
     assert got == expected_stream(docs, len(got))
@@ -161,11 +180,11 @@ def docs_path(tmp_path):
     return docs, write_jsonl(tmp_path / "docs.jsonl", docs)
 
 
-def run_steps(path, dp, lb, gb, steps, seq_len=16):
+def run_steps(path, dp, lb, gb, steps, seq_len=16, shuffle=False):
     """Per step, the samples of every rank in rank order: list[step][rank] -> windows."""
     per_rank = []
     for rank in range(dp):
-        it = iter(make_loader(path, seq_len, lb, dp, rank, gb))
+        it = iter(make_loader(path, seq_len, lb, dp, rank, gb, shuffle=shuffle))
         per_rank.append([take(it, gb // dp // lb) for _ in range(steps)])
     return [[per_rank[r][s] for r in range(dp)] for s in range(steps)]
 
@@ -200,7 +219,8 @@ def test_state_is_plain_and_small(docs_path):
     assert json_round_trip(state) == state
     assert {"next_sample", "epoch", "doc_index", "token_offset", "carry"} <= set(ds)
     assert ds["next_sample"] == 6
-    assert all(isinstance(v, (int, str, list)) for v in ds.values())
+    assert ds["shuffle_seed"] is None and ds["num_documents"] is None  # stored order
+    assert all(isinstance(v, (int, str, list)) or v is None for v in ds.values())
     assert len(ds["carry"]) < 17
 
 
@@ -242,16 +262,19 @@ def test_resume_deep_into_a_folder_and_after_a_wrap(tmp_path):
 def test_resume_python_stdlib_mid_step():
     tok = Tokenizer(MODEL)
     # dp 2, two micro-batches per step: after 3 batches, rank 1 is in the middle of step 1.
-    first = make_loader(None, 32, 2, 2, 1, 8, tok=tok, dataset="python_stdlib")
+    first = make_loader(None, 32, 2, 2, 1, 8, tok=tok, dataset="python_stdlib", shuffle=None)
     it = iter(first)
     take(it, 3)
     state = json_round_trip(first.state_dict())
     assert state["dataset_state"]["next_sample"] == 8 + 4 + 2
+    assert state["dataset_state"]["shuffle_seed"] == 0  # shuffled by default, with training.seed
     uninterrupted = take(it, 3)
-    resumed = make_loader(None, 32, 2, 2, 1, 8, tok=tok, dataset="python_stdlib")
+    resumed = make_loader(None, 32, 2, 2, 1, 8, tok=tok, dataset="python_stdlib", shuffle=None)
     resumed.load_state_dict(state)
     assert take(iter(resumed), 3) == uninterrupted
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files()[:3]]
+    files = stdlib_files()
+    order = _Permutation(len(files), 0, 0)
+    texts = [files[order[k]].read_text(encoding="utf-8", errors="replace") for k in range(3)]
     windows = expected_windows(texts, 32, 0, 40, tok)  # the first files are enough for 40 windows
     assert uninterrupted == windows[14:16] + windows[20:24]
 
@@ -340,20 +363,25 @@ def test_python_stdlib_files_are_sorted_and_exclude_tests():
     assert stdlib_files() == files  # same list every call
 
 
-def test_python_stdlib_is_the_default_dataset():
+def test_python_stdlib_is_the_default_dataset_and_is_shuffled():
     tok = Tokenizer(MODEL)
     cfg = Training(seq_len=16, local_batch_size=2)
-    assert cfg.dataset == "python_stdlib"
+    assert cfg.dataset == "python_stdlib" and cfg.shuffle_documents is None and cfg.seed == 0
     inputs, labels = next(iter(build_dataloader(cfg, tok, 0, 1, 2)))
-    first = stdlib_files()[0].read_text(encoding="utf-8", errors="replace")
-    assert inputs[0].tolist() == tok.encode(first, bos=True, eos=False)[:16]
+    files = stdlib_files()
+    first = files[_Permutation(len(files), 0, 0)[0]]
+    assert first != files[0]
+    assert inputs[0].tolist() == tok.encode(first.read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
+    # shuffle_documents = false: stored (sorted path) order.
+    inputs, _ = next(iter(build_dataloader(Training(seq_len=16, local_batch_size=2, shuffle_documents=False), tok, 0, 1, 2)))
+    assert inputs[0].tolist() == tok.encode(files[0].read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
 
 
 def install_fake_datasets(monkeypatch, rows):
     calls = []
 
-    def load_dataset(path, split=None, streaming=False):
-        calls.append((path, split, streaming))
+    def load_dataset(path, split=None, streaming=False, **kwargs):
+        calls.append((path, split, streaming, *kwargs.items()))
         return list(rows)
 
     module = types.ModuleType("datasets")
@@ -406,7 +434,7 @@ def test_empty_jsonl(tmp_path, content):
 
 def test_folder_without_data_files(tmp_path):
     (tmp_path / "notes.md").write_text("not data")
-    with pytest.raises(UserError, match="holds no .jsonl or .txt files"):
+    with pytest.raises(UserError, match="is empty: it holds no data files"):
         make_loader(tmp_path, 8, 2)
 
 
@@ -445,3 +473,502 @@ def test_dataset_smaller_than_one_sequence(tmp_path):
     it = iter(make_loader(path, 16, 2))
     with pytest.raises(UserError, match="too small.*9 tokens.*17"):
         next(it)
+
+
+# --- file formats ------------------------------------------------------------------------------
+# Each writer stores `docs` (a list of texts) in one format; each must read back as the jsonl of the
+# same texts does.
+
+
+def write_gz(path, docs):
+    path.write_bytes(gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in docs).encode()))
+    return path
+
+
+def write_zst(path, docs):
+    zstandard = pytest.importorskip("zstandard")
+    # Two frames, as pzstd or concatenated files make them.
+    half = len(docs) // 2
+    frames = [zstandard.ZstdCompressor().compress("".join(json.dumps({"text": d}) + "\n" for d in part).encode())
+              for part in (docs[:half], docs[half:])]
+    path.write_bytes(b"".join(frames))
+    return path
+
+
+def write_json_array(path, docs):
+    path.write_text(json.dumps([{"text": d, "n": i} for i, d in enumerate(docs)], indent=1))
+    return path
+
+
+def write_txt_folder(path, docs):
+    path.mkdir()
+    for i, d in enumerate(docs):
+        (path / f"{i:03d}.txt").write_text(d)
+    (path / "007.txt").unlink()  # document 7 compressed instead
+    (path / "007.txt.gz").write_bytes(gzip.compress(docs[7].encode()))
+    return path
+
+
+def arrow_table(docs, field="text"):
+    pa = pytest.importorskip("pyarrow")
+    return pa.table({"id": pa.array(range(len(docs)), pa.int64()), field: pa.array(docs, pa.string())})
+
+
+def write_parquet(path, docs, field="text"):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(arrow_table(docs, field), path, row_group_size=7)  # several row groups
+    return path
+
+
+def write_arrow(path, docs, field="text", file_format=False):
+    pa = pytest.importorskip("pyarrow")
+    table = arrow_table(docs, field)
+    with (pa.ipc.new_file if file_format else pa.ipc.new_stream)(str(path), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=5):  # several record batches
+            writer.write_batch(batch)
+    return path
+
+
+def write_save_to_disk(path, docs, shards=3):
+    """The layout of datasets.Dataset.save_to_disk: Arrow IPC stream shards listed in state.json."""
+    path.mkdir()
+    size = -(-len(docs) // shards)
+    names = [f"data-{i:05d}-of-{shards:05d}.arrow" for i in range(shards)]
+    for i, name in enumerate(names):
+        write_arrow(path / name, docs[i * size : (i + 1) * size])
+    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names],
+                                                 "_fingerprint": "x", "_split": None}))
+    (path / "dataset_info.json").write_text("{}")
+    return path
+
+
+def write_dataset_dict(path, docs):
+    """datasets.DatasetDict.save_to_disk: one save_to_disk folder per split."""
+    path.mkdir()
+    write_save_to_disk(path / "train", docs)
+    write_save_to_disk(path / "validation", ["held out"], shards=1)
+    (path / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    return path
+
+
+FORMATS = {
+    "jsonl.gz": (write_gz, "d.jsonl.gz", True),
+    "jsonl.zst": (write_zst, "d.jsonl.zst", True),
+    "json array": (write_json_array, "d.json", False),
+    "txt folder": (write_txt_folder, "docs", False),
+    "parquet": (write_parquet, "d.parquet", True),
+    "arrow stream": (write_arrow, "d.arrow", False),
+    "arrow file": (lambda p, d: write_arrow(p, d, file_format=True), "d.arrow", False),
+    "save_to_disk": (write_save_to_disk, "ds", False),
+    "DatasetDict": (write_dataset_dict, "dd", False),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_reads_as_the_jsonl_of_the_same_texts(tmp_path, fmt):
+    writer, name, streamed = FORMATS[fmt]
+    docs = random_docs(23, seed=5)
+    docs[4] = ""  # an empty document keeps its index
+    reference_loader = make_loader(write_jsonl(tmp_path / "ref.jsonl", docs), 8, 2)
+    reference = take(iter(reference_loader), 30)  # 60 windows of 9 tokens: two epochs and more
+    path = writer(tmp_path / name, docs)
+    loader = make_loader(path, 8, 2)
+    it = iter(loader)
+    assert take(it, 30) == reference == expected_windows(docs, 8, 0, 60)
+    # Resume deep into the data (parquet skips whole row groups, the others count documents).
+    state = json_round_trip(loader.state_dict())
+    resumed = make_loader(path, 8, 2)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 5) == take(it, 5)
+    # The default: shuffled wherever the format has random access, stored order for streams.
+    got = take(iter(make_loader(path, 8, 2, shuffle=None)), 30)
+    assert got == expected_windows(docs, 8, 0, 60, seed=None if streamed else 0)
+    if streamed:
+        with pytest.raises(UserError, match="shuffle_documents = true needs random access.*read as a stream"):
+            make_loader(path, 8, 2, shuffle=True)
+
+
+def test_real_datasets_save_to_disk_folder_if_datasets_is_installed(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pa = pytest.importorskip("pyarrow")
+    docs = random_docs(12, seed=6)
+    datasets.Dataset(pa.table({"text": docs}), fingerprint="f").save_to_disk(str(tmp_path / "ds"), num_shards=2)
+    assert take(iter(make_loader(tmp_path / "ds", 8, 2)), 10) == expected_windows(docs, 8, 0, 20)
+
+
+def test_a_folder_mixes_formats_in_path_order(tmp_path):
+    docs = random_docs(12, seed=7)
+    (tmp_path / "d").mkdir()
+    write_parquet(tmp_path / "d" / "a.parquet", docs[:4])
+    write_gz(tmp_path / "d" / "b.jsonl.gz", docs[4:8])
+    write_save_to_disk(tmp_path / "d" / "c", docs[8:10], shards=2)
+    (tmp_path / "d" / "d.txt").write_text(docs[10])
+    write_jsonl(tmp_path / "d" / "e.jsonl", docs[11:])
+    assert take(iter(make_loader(tmp_path / "d", 8, 2)), 10) == expected_windows(docs, 8, 0, 20)
+
+
+@pytest.mark.parametrize("writer", [write_parquet, write_arrow, "jsonl"])
+def test_text_field_option(tmp_path, writer):
+    docs = random_docs(10, seed=8)
+    if writer == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps({"content": d, "text": 0}) + "\n" for d in docs))
+    else:
+        path = writer(tmp_path / f"d.{'parquet' if writer is write_parquet else 'arrow'}", docs, field="content")
+    loader = make_loader(path, 8, 2, dataset_text_field="content")
+    assert take(iter(loader), 5) == expected_windows(docs, 8, 0, 10)
+
+
+# --- shuffled documents --------------------------------------------------------------------------
+
+
+def test_permutation_is_a_seeded_bijection_different_per_epoch_and_seed():
+    for n in (1, 2, 3, 5, 16, 17, 100, 1000):
+        for epoch in range(3):
+            order = [_Permutation(n, 0, epoch)[i] for i in range(n)]
+            assert sorted(order) == list(range(n))
+    orders = {(seed, epoch): tuple(_Permutation(50, seed, epoch)[i] for i in range(50))
+              for seed in (0, 1, -3, 2**40) for epoch in (0, 1, 2)}
+    assert len(set(orders.values())) == len(orders)  # all different
+    assert orders[(0, 0)] == tuple(_Permutation(50, 0, 0)[i] for i in range(50))  # deterministic
+    # Pinned: a change of the order would silently change resumed runs.
+    assert [_Permutation(10, 0, 0)[i] for i in range(10)] == [8, 7, 6, 1, 4, 9, 2, 0, 5, 3]
+
+
+@pytest.fixture
+def shuffled_docs(tmp_path):
+    docs = random_docs(40, seed=9)
+    return docs, write_jsonl(tmp_path / "docs.jsonl", docs)
+
+
+@pytest.mark.parametrize("dp,lb,gb", LAYOUTS)
+def test_shuffled_samples_are_the_same_under_every_layout(shuffled_docs, dp, lb, gb):
+    docs, path = shuffled_docs
+    steps = 12  # 96 windows of 17 tokens: more than two epochs
+    reference = expected_windows(docs, 16, 0, steps * gb, seed=0)
+    for s, ranks in enumerate(run_steps(path, dp, lb, gb, steps, shuffle=True)):
+        assert [w for samples in ranks for w in samples] == reference[s * gb : (s + 1) * gb], (s, dp)
+
+
+def test_each_epoch_has_its_own_order_and_the_seed_sets_it(shuffled_docs, caplog):
+    docs, path = shuffled_docs
+    assert shuffled(docs, 0, 0) != shuffled(docs, 0, 1) != docs
+    loader = make_loader(path, 16, 2, shuffle=True, seed=7)
+    with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
+        got = take(iter(loader), 60)  # 120 windows of 17 tokens; an epoch is ~920 tokens
+    assert got == expected_windows(docs, 16, 0, 120, seed=7) != expected_windows(docs, 16, 0, 120, seed=0)
+    assert "starting epoch 1 (the data repeats, in a new order)" in caplog.text
+    assert loader.state_dict()["dataset_state"]["epoch"] >= 2
+
+
+@pytest.mark.parametrize("n", [3, 17, 25])  # mid epoch 0, across the first wrap, in epoch 1
+def test_shuffled_resume_is_exact_mid_epoch(shuffled_docs, n):
+    docs, path = shuffled_docs
+    first = make_loader(path, 16, 2, shuffle=True)
+    it = iter(first)
+    take(it, n)
+    state = json_round_trip(first.state_dict())
+    assert state["dataset_state"]["shuffle_seed"] == 0 and state["dataset_state"]["num_documents"] == 40
+    uninterrupted = take(it, 8)
+    resumed = make_loader(path, 16, 2, shuffle=True)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 8) == uninterrupted == expected_windows(docs, 16, 2 * n, 2 * n + 16, seed=0)
+
+
+def test_shuffled_step_boundary_state_loads_under_other_dp_degrees(shuffled_docs):
+    docs, path = shuffled_docs
+    gb, before, after = 8, 5, 4  # 72 windows: crosses an epoch boundary after the resume
+    reference = expected_windows(docs, 16, 0, (before + after) * gb, seed=0)
+    states = []
+    for rank in range(2):
+        loader = make_loader(path, 16, 2, 2, rank, gb, shuffle=True)
+        it = iter(loader)
+        take(it, before * 2)
+        states.append(json_round_trip(loader.state_dict()))
+    assert states[0] == states[1]
+    for dp, lb in [(4, 2), (1, 8), (1, 2)]:
+        ranks = []
+        for rank in range(dp):
+            loader = make_loader(path, 16, lb, dp, rank, gb, shuffle=True)
+            loader.load_state_dict(states[0])
+            it = iter(loader)
+            ranks.append([take(it, gb // dp // lb) for _ in range(after)])
+        for s in range(after):
+            step = before + s
+            assert [w for r in range(dp) for w in ranks[r][s]] == reference[step * gb : (step + 1) * gb], (dp, s)
+
+
+def test_a_state_of_another_order_is_refused_and_version_1_loads_as_stored_order(shuffled_docs):
+    docs, path = shuffled_docs
+    loader = make_loader(path, 16, 2, shuffle=True, seed=3)
+    take(iter(loader), 2)
+    state = json_round_trip(loader.state_dict())
+    for kwargs, fix in [({"shuffle": True, "seed": 4}, "training.seed = 3"),
+                        ({"shuffle": False}, "training.seed = 3 and training.shuffle_documents = true")]:
+        other = make_loader(path, 16, 2, **kwargs)
+        other.load_state_dict(state)
+        with pytest.raises(UserError, match=f"shuffled with seed 3, but this job .*{fix}"):
+            next(iter(other))
+    # A version-1 state (written before shuffling existed) is a position in stored order.
+    plain = make_loader(path, 16, 2)
+    take(iter(plain), 3)
+    v1 = json_round_trip(plain.state_dict())
+    v1["dataset_state"]["version"] = 1
+    del v1["dataset_state"]["shuffle_seed"], v1["dataset_state"]["num_documents"]
+    resumed = make_loader(path, 16, 2)
+    resumed.load_state_dict(v1)
+    assert take(iter(resumed), 2) == expected_windows(docs, 16, 6, 10)
+    refused = make_loader(path, 16, 2, shuffle=None)
+    refused.load_state_dict(v1)
+    with pytest.raises(UserError, match="stored order, but .*shuffle_documents = false"):
+        next(iter(refused))
+
+
+# --- the reference schema's names: c4, c4_test ------------------------------------------------------
+
+# The reference torchtitan's Llama 3 8B recipe (mid-2025 schema), unchanged.
+REFERENCE_LLAMA3_8B = """
+# torchtitan Config.toml
+# NOTE: this toml config is a preset for 64 A100 GPUs.
+
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 100
+
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+save_tb_folder = "tb"
+
+[model]
+name = "llama3"
+flavor = "8B"
+tokenizer_path = "./assets/hf/Llama-3.1-8B"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 200  # lr scheduler warm up
+
+[training]
+local_batch_size = 1
+seq_len = 8192
+max_norm = 1.0  # grad norm clipping
+steps = 1000
+compile = false
+dataset = "c4"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable_checkpoint = false
+folder = "checkpoint"
+interval = 500
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled" # ["disabled", "async", "async_with_pinned_mem"]
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = "op"  # "int" = ac every positive int layer or 'op', ac based on ops policy
+
+[float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+"""
+
+
+def write_c4_test(root, docs):
+    """The reference layout: tests/assets/c4_test/data.json, one C4 record per line."""
+    folder = root / "tests" / "assets" / "c4_test"
+    folder.mkdir(parents=True)
+    (folder / "data.json").write_text("".join(
+        json.dumps({"text": d, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{i}"}) + "\n"
+        for i, d in enumerate(docs)))
+    return folder
+
+
+def test_reference_llama3_8b_recipe_loads_and_names_the_offline_alternatives(tmp_path, monkeypatch):
+    from torchtitan.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama3_8b.toml").write_text(REFERENCE_LLAMA3_8B)
+    cfg = load_config(["--job.config_file", "llama3_8b.toml"])
+    assert cfg.training.dataset == "c4" and cfg.training.dataset_path is None
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(UserError) as e:
+        build_dataloader(cfg.training, CHARS, 0, 8, 8)
+    message = str(e.value)
+    assert "allenai/c4" in message and "pip install datasets" in message
+    assert "'python_stdlib' (embedded)" in message and "'local'" in message and "c4_test" not in message
+    write_c4_test(tmp_path, ["a"])
+    with pytest.raises(UserError, match=r"training.dataset = 'c4_test' \(the sample at tests/assets/c4_test\)"):
+        build_dataloader(cfg.training, CHARS, 0, 8, 8)
+
+
+def test_c4_offline_is_refused_at_once_with_the_alternatives(monkeypatch):
+    install_fake_datasets(monkeypatch, [{"text": "x"}])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="cannot be reached: HF_HUB_OFFLINE is set; offline alternatives: .*python_stdlib"):
+        make_loader(None, 8, 2, dataset="c4", shuffle=None)
+    # A network failure inside the library (found by reading the first document) says the same.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(data_module, "_hub_unreachable", lambda: None)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub (LocalEntryNotFoundError)")
+
+    sys.modules["datasets"].load_dataset = unreachable
+    with pytest.raises(UserError, match="ConnectionError: Couldn't reach .*offline alternatives: .*python_stdlib"):
+        make_loader(None, 8, 2, dataset="c4", shuffle=None)
+
+
+def test_c4_streams_allenai_c4_en_in_stored_order(monkeypatch):
+    docs = random_docs(10, seed=10)
+    calls = install_fake_datasets(monkeypatch, [{"text": d, "url": "u"} for d in docs])
+    monkeypatch.setattr(data_module, "_hub_unreachable", lambda: None)
+    loader = make_loader(None, 8, 2, dataset="c4", shuffle=None)
+    assert calls == [("allenai/c4", "train", True, ("name", "en"))]
+    assert take(iter(loader), 4) == expected_windows(docs, 8, 0, 8)
+    with pytest.raises(UserError, match="shuffle_documents = true needs random access.*c4 is streamed"):
+        make_loader(None, 8, 2, dataset="c4", shuffle=True)
+
+
+def test_c4_local_copy_reads_the_english_training_shards(tmp_path):
+    docs = random_docs(8, seed=11)
+    en = tmp_path / "c4" / "en"
+    en.mkdir(parents=True)
+    write_gz(en / "c4-train.00000-of-01024.json.gz", docs[:5])
+    write_gz(en / "c4-train.00001-of-01024.json.gz", docs[5:])
+    write_gz(en / "c4-validation.00000-of-00008.json.gz", ["held out"])
+    (tmp_path / "c4" / "README.md").write_text("ignored")
+    loader = make_loader(tmp_path / "c4", 8, 2, dataset="c4", shuffle=None)
+    assert take(iter(loader), 4) == expected_windows(docs, 8, 0, 8)
+
+
+def test_c4_test_reads_the_reference_sample_where_the_user_has_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"reads the reference torchtitan's C4 sample from tests/assets/c4_test .*"
+                                        r"copy tests/assets/c4_test from a checkout"):
+        make_loader(None, 8, 2, dataset="c4_test")
+    docs = random_docs(15, seed=12)
+    write_c4_test(tmp_path, docs)
+    assert take(iter(make_loader(None, 8, 2, dataset="c4_test")), 5) == expected_windows(docs, 8, 0, 10)
+    # Shuffled by default (an uncompressed JSON lines file has random access).
+    loader = make_loader(None, 8, 2, dataset="c4_test", shuffle=None, seed=1)
+    assert take(iter(loader), 5) == expected_windows(docs, 8, 0, 10, seed=1)
+    assert loader.state_dict()["dataset_state"]["dataset"] == "c4_test"
+
+
+def test_config_accepts_the_reference_dataset_names_without_a_path():
+    from torchtitan.config import load_config
+
+    assert load_config(["--training.dataset", "c4"]).training.dataset_path is None
+    assert load_config(["--training.dataset", "c4_test"]).training.dataset == "c4_test"
+    with pytest.raises(UserError, match="dataset_text_field is empty"):
+        load_config(["--training.dataset_text_field", ""])
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_parquet_without_the_text_column_names_its_columns(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", ["a", "b"], field="content")
+    with pytest.raises(UserError, match=r"d.parquet has no column 'text' \(its columns: id, content\); set "
+                                        r"training.dataset_text_field"):
+        make_loader(path, 8, 2)
+
+
+def test_arrow_column_that_is_not_text(tmp_path):
+    path = write_arrow(tmp_path / "d.arrow", ["a"])
+    with pytest.raises(UserError, match=r"d.arrow: column 'id' is of type int64, not text"):
+        make_loader(path, 8, 2, dataset_text_field="id")
+
+
+def test_bad_line_found_by_random_access_names_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": d}) for d in random_docs(6, seed=13)]
+    lines[4] = '{"text": oops}'
+    path.write_text("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n")  # a blank line 3
+    it = iter(make_loader(path, 8, 2, shuffle=True))
+    with pytest.raises(UserError, match=r"bad.jsonl line 6: invalid JSON"):
+        take(it, 40)
+
+
+def test_bad_line_in_a_compressed_file_names_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "a fine first document"}\n{"body": "x"}\n'))
+    it = iter(make_loader(path, 8, 2))
+    with pytest.raises(UserError, match=r"bad.jsonl.gz line 2: no 'text' field \(it has 'body'\)"):
+        take(it, 5)
+
+
+@pytest.mark.parametrize("kind", ["gz truncated", "gz not gzip", "zst truncated", "zst corrupt"])
+def test_corrupt_or_truncated_compressed_file(tmp_path, kind):
+    docs = random_docs(300, seed=14, lo=30, hi=60)  # ~14k tokens: the test reads them all
+    ext = kind.split()[0]
+    path = (write_gz if ext == "gz" else write_zst)(tmp_path / f"d.jsonl.{ext}", docs)
+    data = path.read_bytes()
+    if kind.endswith("truncated"):
+        path.write_bytes(data[: len(data) * 3 // 4])
+    elif kind == "gz not gzip":
+        path.write_bytes(b"plain text, not gzip\n")
+    else:
+        path.write_bytes(data[:20] + bytes(b ^ 0x55 for b in data[20:200]) + data[200:])
+    kind_name = "gzip" if ext == "gz" else "zstd"
+    with pytest.raises(UserError, match=rf"d.jsonl.{ext} is not a readable {kind_name} file .*corrupt or truncated"):
+        take(iter(make_loader(path, 16, 4)), 400)
+
+
+def test_empty_corpora(tmp_path):
+    write_parquet(tmp_path / "empty.parquet", [])
+    with pytest.raises(UserError, match="is empty"):
+        make_loader(tmp_path / "empty.parquet", 8, 2)
+    write_parquet(tmp_path / "nulls.parquet", [None, ""])
+    with pytest.raises(UserError, match="is empty"):
+        make_loader(tmp_path / "nulls.parquet", 8, 2)
+    (tmp_path / "e.json").write_text("[]")
+    with pytest.raises(UserError, match="is empty"):
+        make_loader(tmp_path / "e.json", 8, 2, shuffle=None)
+
+
+def test_unknown_extension_in_a_folder(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", ["x"])
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.csv").write_text("text\nhello\n")
+    (tmp_path / "c.jsonl.bz2").write_bytes(b"")
+    with pytest.raises(UserError, match=r"holds files of unsupported types: c.jsonl.bz2, sub/b.csv; supported: "
+                                        r".*Move the other files out"):
+        make_loader(tmp_path, 8, 2)
+
+
+def test_datasetdict_without_a_train_split(tmp_path):
+    (tmp_path / "dd").mkdir()
+    write_save_to_disk(tmp_path / "dd" / "test", ["a"], shards=1)
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
+    with pytest.raises(UserError, match="without a train split \\(its splits: test\\)"):
+        make_loader(tmp_path / "dd", 8, 2)
+
+
+@pytest.mark.parametrize("module,name,writer", [("zstandard", "d.jsonl.zst", write_zst),
+                                                ("pyarrow", "d.parquet", write_parquet)])
+def test_missing_optional_package(tmp_path, monkeypatch, module, name, writer):
+    path = writer(tmp_path / name, ["a", "b"])
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(UserError, match=rf"{name}.* needs the {module} package: pip install {module}"):
+        make_loader(path, 8, 2)

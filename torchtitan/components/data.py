@@ -5,15 +5,29 @@ What is unusual here:
 - The default corpus, `python_stdlib`, is embedded: it is the `.py` files of the running
   interpreter's standard library (`sysconfig.get_paths()["stdlib"]`), minus `site-packages`,
   `dist-packages` and test folders (any path component named `test` or `tests`, and
-  `idlelib/idle_test`), sorted by relative POSIX path, one file per document, read as UTF-8
-  with errors="replace". It is real text nobody here wrote, it exists offline on every machine,
-  and it is deterministic for a given interpreter (~730 files, ~12 MB on CPython 3.11).
+  `idlelib/idle_test`), indexed in sorted relative POSIX path order, one file per document, read as
+  UTF-8 with errors="replace". It is real text nobody here wrote, it exists offline on every
+  machine, and it is deterministic for a given interpreter (~730 files, ~12 MB on CPython 3.11).
+
+- Sources: a source is a list of documents with a stable index. Local corpora are files, read by
+  extension: .jsonl / .json (JSON lines, or a .json array, of records with a text field), .txt (one
+  document per file), each optionally compressed (.gz, .zst); .parquet and .arrow (a text column);
+  and `datasets.save_to_disk` folders (their .arrow shards, in state.json order). A folder is read
+  recursively in sorted relative path order. `c4` streams allenai/c4 through `datasets`; `c4_test`
+  is the reference framework's local sample (tests/assets/c4_test/data.json, JSON lines).
+
+- Shuffling: with training.shuffle_documents (default: wherever the source has random access),
+  epoch e reads the documents in the order of a pseudo-random permutation of their indices seeded
+  by (training.seed, e): a Feistel network over the index domain (`_Permutation`), computed per
+  index in O(1) time and memory, the same on every rank and layout. Sources read as streams
+  (compressed JSON lines, parquet, `huggingface`, `c4`) have no random access and keep their stored
+  order.
 
 - Packing: each document is tokenized as [BOS] + text + [EOS], the documents are concatenated
   into one global token stream, and the stream is cut into consecutive non-overlapping windows
   of seq_len + 1 tokens. Window k is global sample k (inputs = w[:-1], labels = w[1:]). At the
-  end of the source the stream goes on with the first document again (a new epoch), without
-  dropping the tokens carried over the boundary.
+  end of the source the stream goes on with the next epoch's first document, without dropping the
+  tokens carried over the boundary.
 
 - Ownership: optimizer step s consumes global samples [s*G, (s+1)*G), G = global batch size.
   Data-parallel rank r of D owns the contiguous block [s*G + r*G/D, s*G + (r+1)*G/D), read in
@@ -24,25 +38,35 @@ What is unusual here:
   thousands of ranks a pre-tokenized, indexable source would be needed instead.
 
 - Resumable state, independent of the layout: the dataset's state names a position in the
-  global stream (the next global sample, the document index, the token offset in that
-  document and any carried tokens), not a rank's progress. At the end of its block in a step,
-  a rank's state_dict() first reads ahead to the step boundary, so at step boundaries every
-  rank holds the same state, and it can be loaded under another data-parallel degree: each
-  rank then skips to its own block of the next step. A state saved mid-step resumes exactly,
-  for the layout it was saved under. seq_len and the global batch size define what a global
-  sample is, so a state only loads with the values it was saved with.
+  global stream (the next global sample, the epoch, the position of the document in the epoch's
+  order, the token offset in that document and any carried tokens) and the order itself (the
+  shuffle seed, or none, and the number of documents), not a rank's progress. At the end of its
+  block in a step, a rank's state_dict() first reads ahead to the step boundary, so at step
+  boundaries every rank holds the same state, and it can be loaded under another data-parallel
+  degree: each rank then skips to its own block of the next step. A state saved mid-step resumes
+  exactly, for the layout it was saved under. seq_len and the global batch size define what a
+  global sample is, so a state only loads with the values it was saved with. States of version 1
+  (before shuffling) load as states of the stored order.
 
-- Empty documents are skipped (no BOS/EOS pair for them), but they keep their document index.
+- Empty documents (and null texts) are skipped (no BOS/EOS pair for them), but they keep their
+  document index.
 """
 
+import bisect
 import functools
+import gzip
+import io
 import itertools
 import json
 import logging
 import os
+import socket
 import sysconfig
+import urllib.parse
 import warnings
-from collections.abc import Iterator
+import zlib
+from array import array
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,13 +79,73 @@ from torchtitan.config.job_config import Training
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
-LOCAL_EXTENSIONS = (".jsonl", ".txt")
+# Version 2 added the document order (shuffle_seed, num_documents); version 1 states are in stored order.
+STATE_VERSION = 2
+
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+TEXT_EXTENSIONS = (".jsonl", ".json", ".txt")  # each may also carry a compression suffix
+TABLE_EXTENSIONS = (".parquet", ".arrow")
+SUPPORTED = (
+    ".jsonl / .json (JSON lines, or a .json array, of objects with the text field), .txt (one document per "
+    "file), each also as .gz or .zst; .parquet and .arrow (a text column); a datasets save_to_disk folder"
+)
+INSTALL_DATA = "pip install 'torchtitan[data]'"
+
+C4_HUB = "allenai/c4"
+C4_TEST_PATH = "tests/assets/c4_test"
+
+
+# ---------------------------------------------------------------------------------------------
+# The document order: a seeded permutation per epoch.
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijective, well-mixing map of 64-bit integers."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class _Permutation:
+    """A pseudo-random permutation of range(n) seeded by (seed, epoch), evaluated per index in O(1)
+    time and memory: a balanced 6-round Feistel network on the smallest even number of bits that
+    covers n (a permutation of range(4**k)), restricted to range(n) by cycle walking (applying it
+    again while the value is >= n; fewer than 4 applications on average). Plain integer arithmetic:
+    the same on every machine, Python and torch version."""
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n < 1:
+            raise ValueError(f"a permutation of {n} elements")
+        bits = max(2, (n - 1).bit_length())
+        bits += bits & 1
+        self.n, self.half, self.mask = n, bits // 2, (1 << (bits // 2)) - 1
+        base = _mix64((_mix64((seed + _GOLDEN) & _M64) + epoch * _GOLDEN) & _M64)
+        self.keys = [_mix64((base + (r + 1) * _GOLDEN) & _M64) for r in range(self.ROUNDS)]
+
+    def _encrypt(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix64(right ^ key) & self.mask)
+        return (left << self.half) | right
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        x = self._encrypt(i)
+        while x >= self.n:
+            x = self._encrypt(x)
+        return x
 
 
 # ---------------------------------------------------------------------------------------------
 # Sources: documents by index. `documents(start)` yields the texts of documents start, start+1,
-# ... to the end of the source; resuming calls it with the saved index.
+# ... in stored order to the end of the source; resuming calls it with the saved index. A source
+# with `random_access` also has `num_documents()` and `document(i)`, which shuffling needs.
 
 
 def _stdlib_root() -> Path:
@@ -91,7 +175,7 @@ def _stdlib_files() -> tuple[Path, ...]:
 
 
 def stdlib_files() -> list[Path]:
-    """The documents of the python_stdlib corpus, in corpus order (computed once)."""
+    """The documents of the python_stdlib corpus, in stored (index) order (computed once)."""
     return list(_stdlib_files())
 
 
@@ -101,6 +185,7 @@ def _read_text(path: Path) -> str:
 
 class _StdlibSource:
     name = "python_stdlib"
+    random_access = True
 
     def __init__(self):
         self.files = _stdlib_files()
@@ -114,125 +199,706 @@ class _StdlibSource:
         for path in self.files[start:]:
             yield _read_text(path)
 
+    def num_documents(self) -> int:
+        return len(self.files)
 
-def _parse_jsonl_line(line: str, path: Path, lineno: int) -> str:
-    fix = "each line must be a JSON object with a 'text' string field"
+    def document(self, index: int) -> str:
+        return _read_text(self.files[index])
+
+
+# --- optional packages ---------------------------------------------------------------------------
+
+
+def _import_pyarrow(path: Path, what: str):
     try:
-        obj = json.loads(line)
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise UserError(
+            f"{path} is {what}: reading it needs the pyarrow package: pip install pyarrow (or {INSTALL_DATA})"
+        ) from None
+    return pyarrow
+
+
+def _import_zstandard(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{path} is zstd-compressed: reading it needs the zstandard package: pip install zstandard "
+            f"(or {INSTALL_DATA}), or decompress it (zstd -d)"
+        ) from None
+    return zstandard
+
+
+# --- reading bytes: plain, gzip, zstd --------------------------------------------------------------
+
+
+def _corrupt(path: Path, compression: str, error: BaseException) -> UserError:
+    tool = "gzip -t" if compression == "gzip" else "zstd -t"
+    return UserError(
+        f"{path} is not a readable {compression} file ({type(error).__name__}: {error}): it is corrupt or "
+        f"truncated (check it with `{tool} {path}`); download or compress it again, or remove it from the dataset"
+    )
+
+
+def _open_raw(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _zstd_chunks(path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of a .zst file (one or more frames), in chunks; a file that ends inside
+    a frame is an error (zstandard's stream reader would end silently)."""
+    zstandard = _import_zstandard(path)
+    dctx = zstandard.ZstdDecompressor()
+    with _open_raw(path) as f:
+        try:
+            d, in_frame = dctx.decompressobj(), False
+            while data := f.read(1 << 20):
+                while data:
+                    out = d.decompress(data)
+                    in_frame = True
+                    if out:
+                        yield out
+                    if not d.eof:
+                        break
+                    data, d, in_frame = d.unused_data, dctx.decompressobj(), False
+        except zstandard.ZstdError as e:
+            raise _corrupt(path, "zstd", e) from None
+        if in_frame:
+            raise _corrupt(path, "zstd", EOFError("the file ends inside a frame"))
+
+
+def _byte_chunks(path: Path, compression: str | None, size: int = 1 << 20) -> Iterator[bytes]:
+    """The (decompressed) bytes of a file, in chunks; decompression errors are UserErrors naming it."""
+    if compression == "zstd":
+        yield from _zstd_chunks(path)
+        return
+    with _open_raw(path) as raw:
+        if compression is None:
+            while chunk := raw.read(size):
+                yield chunk
+            return
+        try:
+            with gzip.GzipFile(fileobj=raw) as f:
+                while chunk := f.read(size):
+                    yield chunk
+        except (OSError, EOFError, zlib.error) as e:
+            raise _corrupt(path, "gzip", e) from None
+
+
+def _byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
+    """The lines of a (decompressed) file, split on b"\\n", without it."""
+    pending: list[bytes] = []  # the start of a line that spans chunks
+    for chunk in _byte_chunks(path, compression):
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            pending.append(chunk)
+            continue
+        if pending:
+            lines[0] = b"".join(pending + [lines[0]])
+        pending = [lines.pop()]
+        yield from lines
+    if pending and any(pending):
+        yield b"".join(pending)
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _whole_text(path: Path, compression: str | None) -> str:
+    if compression is None:
+        return _read_text(path)
+    # Decoded as Path.read_text does: UTF-8 with replacement, universal newlines.
+    data = b"".join(_byte_chunks(path, compression))
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace").read()
+
+
+def _file_format(name: str) -> tuple[str, str | None] | None:
+    """(extension, compression) of a data file name, None for an unsupported one."""
+    lower = name.lower()
+    compression = None
+    for ext, kind in COMPRESSIONS.items():
+        if lower.endswith(ext):
+            lower, compression = lower[: -len(ext)], kind
+            break
+    for ext in TEXT_EXTENSIONS + (() if compression else TABLE_EXTENSIONS):
+        if lower.endswith(ext):
+            return ext, compression
+    return None
+
+
+# --- files: one reader per format --------------------------------------------------------------------
+# Each has `random_access`, `known_count()` (the number of documents if known without reading the
+# data), `count()`, `texts(start)` (a generator of the texts of documents start.. that returns the
+# number of documents in the file) and, with random access, `text(i)`.
+
+
+class _TxtFile:
+    """A .txt file (optionally compressed): one document."""
+
+    random_access = True
+
+    def __init__(self, path: Path, compression: str | None):
+        self.path, self.compression = path, compression
+        if compression:  # check the header now: a corrupt file is reported before launch
+            next(_byte_chunks(path, compression, size=1), None)
+
+    def known_count(self) -> int:
+        return 1
+
+    def count(self) -> int:
+        return 1
+
+    def texts(self, start: int):
+        if start == 0:
+            yield self.text(0)
+        return 1
+
+    def text(self, index: int) -> str:
+        return _whole_text(self.path, self.compression)
+
+
+def _record_text(record, field: str, where: str) -> str:
+    fix = f"each record must be a JSON object with a {field!r} string field (training.dataset_text_field)"
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a JSON {type(record).__name__}, not an object; {fix}")
+    if field not in record:
+        fields = ", ".join(repr(k) for k in list(record)[:10])
+        raise UserError(f"{where}: no {field!r} field (it has {fields or 'none'}); {fix}")
+    text = record[field]
+    if text is None:
+        return ""  # a null text is an empty document, as in parquet and Arrow
+    if not isinstance(text, str):
+        raise UserError(f"{where}: {field!r} is a {type(text).__name__}; {fix}")
+    return text
+
+
+def _parse_json_line(line: bytes, field: str, path: Path, lineno: int) -> str:
+    where = f"{path} line {lineno}"
+    try:
+        record = json.loads(_decode(line))
     except json.JSONDecodeError as e:
-        raise UserError(f"{path} line {lineno}: invalid JSON ({e.msg}); {fix}") from None
-    if not isinstance(obj, dict) or "text" not in obj:
-        raise UserError(f"{path} line {lineno}: no 'text' field; {fix}")
-    if not isinstance(obj["text"], str):
-        raise UserError(f"{path} line {lineno}: 'text' is a {type(obj['text']).__name__}; {fix}")
-    return obj["text"]
+        raise UserError(
+            f"{where}: invalid JSON ({e.msg}); each line must be a JSON object with a {field!r} string field"
+        ) from None
+    return _record_text(record, field, where)
 
 
-class _LocalSource:
-    """A .jsonl file (one document per non-blank line), a .txt file (one document), or a
-    folder of both (recursively, sorted by relative path)."""
+class _JsonFile:
+    """A .jsonl or .json file (optionally compressed): one JSON object per non-blank line, or (.json
+    whose first character is '[') one JSON array of objects, loaded whole. Uncompressed JSON lines
+    are read by random access through an index of line offsets (built by one pass over the file)."""
 
-    name = "local"
+    def __init__(self, path: Path, ext: str, compression: str | None, field: str):
+        self.path, self.compression, self.field = path, compression, field
+        first = b""
+        for chunk in _byte_chunks(path, compression, size=4096):  # also checks a compressed header now
+            first = chunk.lstrip()
+            if first:
+                break
+        self.array = ext == ".json" and first[:1] == b"["
+        self.random_access = self.array or compression is None
+        self._offsets: array | None = None  # uncompressed JSON lines: byte offset of each document
+        self._records: list[str] | None = None  # arrays: the texts
 
-    def __init__(self, path: str):
+    # JSON arrays
+    def _array_texts(self) -> list[str]:
+        if self._records is None:
+            data = b"".join(_byte_chunks(self.path, self.compression))
+            try:
+                records = json.loads(_decode(data))
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"{self.path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); a .json file holds "
+                    f"JSON lines or one JSON array of objects with a {self.field!r} field"
+                ) from None
+            self._records = [_record_text(r, self.field, f"{self.path} record {i}") for i, r in enumerate(records)]
+        return self._records
+
+    # JSON lines
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        """(line number, line) of the non-blank lines."""
+        for lineno, line in enumerate(_byte_lines(self.path, self.compression), start=1):
+            if line.strip():
+                yield lineno, line
+
+    def _index(self) -> array:
+        if self._offsets is None:
+            offsets, position = array("q"), 0
+            with _open_raw(self.path) as f:
+                for line in f:
+                    if line.strip():
+                        offsets.append(position)
+                    position += len(line)
+            self._offsets = offsets
+        return self._offsets
+
+    def known_count(self) -> int | None:
+        if self.array:
+            return len(self._records) if self._records is not None else None
+        return len(self._offsets) if self._offsets is not None else None
+
+    def count(self) -> int:
+        if self.array:
+            return len(self._array_texts())
+        if self.compression is None:
+            return len(self._index())
+        return sum(1 for _ in self._lines())
+
+    def texts(self, start: int):
+        if self.array:
+            texts = self._array_texts()
+            yield from texts[start:]
+            return len(texts)
+        n = 0
+        for lineno, line in self._lines():
+            # Skipped lines are counted, not parsed: resuming deep into a file stays cheap.
+            if n >= start:
+                yield _parse_json_line(line, self.field, self.path, lineno)
+            n += 1
+        return n
+
+    def text(self, index: int) -> str:
+        if self.array:
+            return self._array_texts()[index]
+        offset = self._index()[index]
+        with _open_raw(self.path) as f:
+            f.seek(offset)
+            line = f.readline()
+            try:
+                return _parse_json_line(line, self.field, self.path, 0)
+            except UserError:
+                f.seek(0)
+                lineno = f.read(offset).count(b"\n") + 1  # only on the error path
+                return _parse_json_line(line, self.field, self.path, lineno)
+
+
+def _check_column(pa, path: Path, schema, field: str, fix: str):
+    if field not in schema.names:
+        raise UserError(
+            f"{path} has no column {field!r} (its columns: {', '.join(schema.names) or 'none'}); set "
+            f"training.dataset_text_field to the column holding the text{fix}"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        raise UserError(f"{path}: column {field!r} is of type {kind}, not text; set training.dataset_text_field "
+                        "to the column holding the text")
+
+
+class _ParquetFile:
+    """A .parquet file: the text column, read as a stream (row groups are decompressed whole, so it has
+    no cheap random access). Its row count is in the footer: skipping whole row groups is free."""
+
+    random_access = False
+
+    def __init__(self, path: Path, field: str):
+        self.pa = _import_pyarrow(path, "a parquet file")
+        self.path, self.field = path, field
+        try:
+            metadata = self.pa.parquet.read_metadata(path)
+            schema = self.pa.parquet.read_schema(path)
+        except (OSError, self.pa.ArrowException) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e}); it is corrupt or truncated: download or "
+                            "write it again, or remove it from the dataset") from None
+        _check_column(self.pa, path, schema, field, "")
+        self.row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+
+    def known_count(self) -> int:
+        return sum(self.row_groups)
+
+    count = known_count
+
+    def texts(self, start: int):
+        try:
+            with self.pa.parquet.ParquetFile(self.path) as f:
+                for group, rows in enumerate(self.row_groups):
+                    if start >= rows:
+                        start -= rows
+                        continue
+                    for batch in f.iter_batches(batch_size=1024, row_groups=[group], columns=[self.field]):
+                        values = batch.column(0).to_pylist()
+                        if start:
+                            values, start = values[start:], max(0, start - len(values))
+                        for text in values:
+                            yield text or ""
+        except (OSError, self.pa.ArrowException) as e:
+            raise UserError(f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
+                            "write it again, or remove it from the dataset") from None
+        return sum(self.row_groups)
+
+
+class _ArrowFile:
+    """A .arrow file (Arrow IPC stream or file format, as datasets.save_to_disk writes): memory-mapped,
+    the text column read by random access."""
+
+    random_access = True
+
+    def __init__(self, path: Path, field: str):
+        self.pa = _import_pyarrow(path, "an Arrow file")
+        self.path, self.field = path, field
+        self._column = None
+        _check_column(self.pa, path, self._open().schema, field, "")
+
+    def _open(self):
+        try:
+            source = self.pa.memory_map(str(self.path))
+            if source.read(6) == b"ARROW1":
+                return self.pa.ipc.open_file(source)
+            source.seek(0)
+            return self.pa.ipc.open_stream(source)
+        except (OSError, self.pa.ArrowException) as e:
+            raise UserError(f"{self.path} is not a readable Arrow IPC file ({e}); it is corrupt or truncated: write "
+                            "it again, or remove it from the dataset") from None
+
+    def _chunks(self):
+        if self._column is None:
+            reader = self._open()
+            try:
+                table = reader.read_all()  # zero-copy: the buffers stay in the memory map
+            except (OSError, self.pa.ArrowException) as e:
+                raise UserError(f"cannot read Arrow file {self.path} ({e}); it is corrupt or truncated: write it "
+                                "again, or remove it from the dataset") from None
+            chunks = table.column(self.field).chunks
+            self._column = (chunks, list(itertools.accumulate(len(c) for c in chunks)))
+        return self._column
+
+    def count(self) -> int:
+        ends = self._chunks()[1]  # cheap: the table is memory-mapped, not read
+        return ends[-1] if ends else 0
+
+    known_count = count
+
+    def texts(self, start: int):
+        n = self.count()
+        for i in range(start, n):
+            yield self.text(i)
+        return n
+
+    def text(self, index: int) -> str:
+        chunks, ends = self._chunks()
+        c = bisect.bisect_right(ends, index)
+        return chunks[c][index - (ends[c - 1] if c else 0)].as_py() or ""
+
+
+# --- a file, a folder, or a save_to_disk folder ------------------------------------------------------
+
+
+def _save_to_disk_files(folder: Path) -> list[Path] | None:
+    """The .arrow shards of a `datasets` save_to_disk folder, in its state.json order (a DatasetDict
+    folder: those of its train split); None if `folder` is not such a folder."""
+    splits_file = folder / "dataset_dict.json"
+    if splits_file.is_file():
+        try:
+            splits = json.loads(splits_file.read_text())["splits"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(
+                f"cannot read {splits_file} ({type(e).__name__}: {e}): not a datasets DatasetDict folder"
+            ) from None
+        if "train" not in splits:
+            raise UserError(
+                f"{folder} is a datasets DatasetDict folder without a train split (its splits: {', '.join(splits)}); "
+                "set training.dataset_path to the folder of the split to train on"
+            )
+        files = _save_to_disk_files(folder / "train")
+        if files is None:
+            raise UserError(f"{folder / 'train'} is not a datasets save_to_disk folder (no state.json)")
+        return files
+    state_file = folder / "state.json"
+    if not (state_file.is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    try:
+        names = [entry["filename"] for entry in json.loads(state_file.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"cannot read {state_file} ({type(e).__name__}: {e}): not a datasets save_to_disk folder"
+        ) from None
+    files = [folder / name for name in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"datasets folder {folder} lists data files that are missing: {', '.join(missing[:3])}")
+    return files
+
+
+def _is_ignored(name: str) -> bool:
+    """Files a folder of data may hold besides data: hidden files, README.md and the like, licenses."""
+    upper = name.upper()
+    return name.startswith(".") or upper.endswith(".MD") or upper.startswith(("LICENSE", "COPYING", "NOTICE"))
+
+
+class _FilesSource:
+    """Local data: a file, or a folder of files read recursively in sorted relative path order (hidden
+    files and folders, *.md and LICENSE files are ignored; any other file must be data), or a
+    `datasets` save_to_disk folder."""
+
+    def __init__(self, path: str, text_field: str = "text", name: str = "local",
+                 include: Callable[[str], bool] | None = None):
+        self.name, self.text_field = name, text_field
         root = Path(path)
+        self.root = root
         if not root.exists():
             raise UserError(
-                f"dataset_path {root} does not exist; set training.dataset_path to a .jsonl or .txt "
-                "file or a folder of them"
+                f"dataset_path {root} does not exist; set training.dataset_path to a data file ({SUPPORTED}) "
+                "or a folder of them"
             )
         if root.is_dir():
-            files = []
-            for dirpath, _, filenames in os.walk(root):
-                files.extend(Path(dirpath) / f for f in filenames if f.lower().endswith(LOCAL_EXTENSIONS))
-            self.files = sorted(files, key=lambda p: p.relative_to(root).as_posix())
-            if not self.files:
-                raise UserError(
-                    f"dataset folder {root} is empty: it holds no .jsonl or .txt files "
-                    "(other files are ignored)"
-                )
-        elif root.suffix.lower() in LOCAL_EXTENSIONS:
-            self.files = [root]
+            entries = self._walk(root, include)
+            if not entries:
+                raise UserError(f"dataset folder {root} is empty: it holds no data files (supported: {SUPPORTED})")
         else:
+            fmt = _file_format(root.name)
+            if fmt is None:
+                raise UserError(
+                    f"dataset_path {root} has unsupported extension {root.suffix!r}; supported: {SUPPORTED}, "
+                    "or a folder of such files"
+                )
+            entries = [(root, *fmt)]
+        self.paths = [p for p, _, _ in entries]
+        self.files = [self._reader(p, ext, compression) for p, ext, compression in entries]
+        self.random_access = all(f.random_access for f in self.files)
+        self._ends: list[int] | None = None
+
+    @staticmethod
+    def _walk(root: Path, include) -> list[tuple[Path, str, str | None]]:
+        found, unknown = [], []  # found: (sort key, entry)
+        for dirpath, dirnames, filenames in os.walk(root):
+            folder = Path(dirpath)
+            rel = folder.relative_to(root).as_posix()
+            arrow_files = _save_to_disk_files(folder)
+            if arrow_files is not None:
+                dirnames[:] = []
+                found.extend(((f"{rel}/", i), (f, ".arrow", None)) for i, f in enumerate(arrow_files))
+                continue
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if _is_ignored(name) or (include is not None and not include(name)):
+                    continue
+                fmt = _file_format(name)
+                if fmt is None:
+                    unknown.append(folder / name)
+                else:
+                    found.append((((folder / name).relative_to(root).as_posix(), 0), (folder / name, *fmt)))
+        if unknown:
+            unknown.sort()
+            shown = ", ".join(str(p.relative_to(root)) for p in unknown[:3])
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
             raise UserError(
-                f"dataset_path {root} has unsupported extension {root.suffix!r}; supported: "
-                ".jsonl (one JSON object with a 'text' field per line), .txt (one document), "
-                "or a folder of such files"
+                f"dataset folder {root} holds files of unsupported types: {shown}{more}; supported: {SUPPORTED} "
+                "(hidden files, *.md and LICENSE files are ignored). Move the other files out, or set "
+                "training.dataset_path to a file or a subfolder"
             )
-        self.root = root
+        return [entry for _, entry in sorted(found, key=lambda item: item[0])]
+
+    def _reader(self, path: Path, ext: str, compression: str | None):
+        if ext == ".txt":
+            return _TxtFile(path, compression)
+        if ext in (".jsonl", ".json"):
+            return _JsonFile(path, ext, compression, self.text_field)
+        if ext == ".parquet":
+            return _ParquetFile(path, self.text_field)
+        return _ArrowFile(path, self.text_field)
+
+    @property
+    def streamed_files(self) -> list[Path]:
+        return [p for p, f in zip(self.paths, self.files) if not f.random_access]
 
     def documents(self, start: int) -> Iterator[str]:
-        to_skip = start
-        for path in self.files:
-            if path.suffix.lower() == ".txt":
-                if to_skip:
-                    to_skip -= 1
-                    continue
-                yield _read_text(path)
+        for f in self.files:
+            known = f.known_count()
+            if known is not None and known <= start:
+                start -= known
                 continue
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    # Skipped lines are counted, not parsed: resuming deep into a file stays cheap.
-                    if to_skip:
-                        to_skip -= 1
-                        continue
-                    yield _parse_jsonl_line(line, path, lineno)
+            n = yield from f.texts(start)
+            start = max(0, start - n)
+
+    def _file_ends(self) -> list[int]:
+        if self._ends is None:
+            self._ends = list(itertools.accumulate(f.count() for f in self.files))
+        return self._ends
+
+    def num_documents(self) -> int:
+        return self._file_ends()[-1]
+
+    def document(self, index: int) -> str:
+        ends = self._file_ends()
+        k = bisect.bisect_right(ends, index)
+        return self.files[k].text(index - (ends[k - 1] if k else 0))
+
+
+_LocalSource = _FilesSource  # the name torchtitan/components/validate.py uses
 
 
 class _HuggingFaceSource:
     name = "huggingface"
+    random_access = False
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, text_field: str = "text", config_name: str | None = None,
+                 name: str = "huggingface", hint: str = ""):
+        self.name, self.text_field = name, text_field
         try:
             import datasets
         except ImportError:
             raise UserError(
-                "training.dataset = 'huggingface' needs the datasets package: pip install datasets, "
-                "or use dataset = 'local' with .jsonl/.txt files"
+                f"training.dataset = '{name}' needs the datasets package: pip install datasets (or "
+                f"{INSTALL_DATA}), or use dataset = 'local' with your own files{hint}"
             ) from None
         self.path = path
+        kwargs = {"name": config_name} if config_name else {}
+        what = f"{path!r}" + (f" (config {config_name!r})" if config_name else "")
         try:
-            self.dataset = datasets.load_dataset(path, split="train", streaming=True)
-        except Exception as e:  # the library raises many types for a bad name, path or split
+            self.dataset = datasets.load_dataset(path, split="train", streaming=True, **kwargs)
+        except Exception as e:  # the library raises many types for a bad name, path, split or network
             raise UserError(
-                f"could not load huggingface dataset {path!r} (split 'train'): {type(e).__name__}: {e}; "
-                "check training.dataset_path"
+                f"could not load huggingface dataset {what}, split 'train': {type(e).__name__}: {e}; "
+                f"check training.dataset_path{hint}"
             ) from None
 
     def documents(self, start: int) -> Iterator[str]:
         # Streaming datasets cannot seek: resuming skips the documents before `start`.
+        field = self.text_field
         for index, row in enumerate(itertools.islice(self.dataset, start, None), start=start):
-            if "text" not in row:
+            if field not in row:
                 raise UserError(
-                    f"huggingface dataset {self.path!r} row {index} has no 'text' column "
-                    f"(columns: {sorted(row)}); use a dataset with a 'text' column"
+                    f"huggingface dataset {self.path!r} row {index} has no {field!r} column "
+                    f"(columns: {', '.join(sorted(row))}); set training.dataset_text_field to the text column"
                 )
-            text = row["text"]
+            text = row[field]
             if text is not None and not isinstance(text, str):
                 raise UserError(
-                    f"huggingface dataset {self.path!r} row {index}: 'text' is a {type(text).__name__}, "
-                    "not a string"
+                    f"huggingface dataset {self.path!r} row {index}: {field!r} is a {type(text).__name__}, "
+                    "not a string; set training.dataset_text_field to the text column"
                 )
             yield text or ""
 
 
+# --- the reference schema's names: c4, c4_test --------------------------------------------------
+
+
+def _offline_alternatives() -> str:
+    alternatives = [
+        "training.dataset = 'python_stdlib' (embedded)",
+        "training.dataset = 'local' with training.dataset_path = your files (.jsonl, .json, .txt, their .gz/.zst, "
+        ".parquet, Arrow; C4's own en/c4-train.*.json.gz shards work too)",
+    ]
+    if Path(C4_TEST_PATH).is_dir():
+        alternatives.append(f"training.dataset = 'c4_test' (the sample at {C4_TEST_PATH})")
+    return "; offline alternatives: " + "; ".join(alternatives)
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here, found in well under a second (the datasets
+    library retries for about half a minute first); None if it may be reachable."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var} is set"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urllib.parse.urlparse(endpoint).hostname or endpoint
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return f"{host} cannot be resolved ({e.strerror or e}): no network here?"
+    return None
+
+
+def _c4_local_include(folder: Path) -> tuple[Path, Callable[[str], bool] | None]:
+    """A local copy of allenai/c4: its English training shards (en/c4-train.*.json.gz) when the folder
+    is a clone of the repository (or its en/ folder); otherwise the folder is read as local data."""
+    en = folder / "en" if (folder / "en").is_dir() else folder
+    if any(name.startswith("c4-train.") for name in os.listdir(en)):
+        return en, lambda name: name.startswith("c4-train.")
+    return folder, None
+
+
+def _c4_source(cfg: Training):
+    path = cfg.dataset_path or C4_HUB
+    if os.path.exists(path):
+        root, include = _c4_local_include(Path(path)) if os.path.isdir(path) else (Path(path), None)
+        return _FilesSource(str(root), cfg.dataset_text_field, name="c4", include=include)
+    hint = _offline_alternatives()
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise UserError(
+            f"training.dataset = 'c4' streams {path} from the Hugging Face Hub through the datasets package, which "
+            f"is not installed: pip install datasets (or {INSTALL_DATA}) on a machine with network access{hint}"
+        ) from None
+    reason = _hub_unreachable()
+    if reason:
+        raise UserError(
+            f"training.dataset = 'c4' streams {path} from the Hugging Face Hub, which cannot be reached: {reason}{hint}"
+        )
+    return _HuggingFaceSource(path, cfg.dataset_text_field, config_name="en", name="c4", hint=hint)
+
+
+def _c4_test_source(cfg: Training):
+    path = cfg.dataset_path or C4_TEST_PATH
+    if not os.path.exists(path):
+        raise UserError(
+            f"training.dataset = 'c4_test' reads the reference torchtitan's C4 sample from {path} (a folder holding "
+            f"data.json, one {{\"text\": ...}} object per line), relative to the working directory {os.getcwd()}, "
+            "and it is not there: copy tests/assets/c4_test from a checkout of https://github.com/pytorch/torchtitan "
+            f"to {path}, or set training.dataset_path to where it is; or train on training.dataset = 'python_stdlib' "
+            "(embedded) or 'local' files"
+        )
+    return _FilesSource(path, cfg.dataset_text_field, name="c4_test")
+
+
+def _streamed_reason(source) -> str:
+    if isinstance(source, _FilesSource):
+        files = source.streamed_files
+        more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+        return (
+            f"{files[0]}{more} can only be read as a stream (compressed JSON lines, parquet); decompress them, "
+            "or convert them to an Arrow folder (datasets' save_to_disk)"
+        )
+    return f"dataset {source.name} is streamed through the datasets package"
+
+
 def _build_source(cfg: Training):
-    """The source named by the config, checked now: every rank fails the same way at start. Which
-    dataset names take a dataset_path is the config validator's rule (torchtitan/config/manager.py)."""
+    """The source named by the config and whether to shuffle it, checked now: every rank fails the same
+    way at start (and run_train.sh's preflight before launch). Which dataset names take a dataset_path
+    is the config validator's rule (torchtitan/config/manager.py)."""
     if cfg.dataset == "python_stdlib":
         source = _StdlibSource()
-    elif cfg.dataset in ("local", "huggingface") and cfg.dataset_path:
-        source = _LocalSource(cfg.dataset_path) if cfg.dataset == "local" else _HuggingFaceSource(cfg.dataset_path)
+    elif cfg.dataset == "local" and cfg.dataset_path:
+        source = _FilesSource(cfg.dataset_path, cfg.dataset_text_field)
+    elif cfg.dataset == "huggingface" and cfg.dataset_path:
+        source = _HuggingFaceSource(cfg.dataset_path, cfg.dataset_text_field)
+    elif cfg.dataset == "c4":
+        source = _c4_source(cfg)
+    elif cfg.dataset == "c4_test":
+        source = _c4_test_source(cfg)
     else:
         raise ValueError(f"unvalidated data config: dataset {cfg.dataset!r}, dataset_path {cfg.dataset_path!r}")
+    shuffle = source.random_access if cfg.shuffle_documents is None else cfg.shuffle_documents
+    if shuffle and not source.random_access:
+        raise UserError(
+            "training.shuffle_documents = true needs random access to the documents, but "
+            f"{_streamed_reason(source)}; or set training.shuffle_documents = false (read in stored order), or leave "
+            "it unset (shuffle where the data allows it)"
+        )
     # Finding one non-empty document is enough: a source too small for one sequence is caught
     # when its first epoch ends.
-    if not any(text for text in source.documents(0)):
-        where = f" at {cfg.dataset_path}" if cfg.dataset_path else ""
+    where = f" at {cfg.dataset_path}" if cfg.dataset_path else ""
+    try:
+        found = any(text for text in source.documents(0))
+    except UserError:
+        raise
+    except Exception as e:  # a streamed dataset: the network, the library
+        if not isinstance(source, _HuggingFaceSource):
+            raise
+        hint = _offline_alternatives() if cfg.dataset == "c4" else ""
+        raise UserError(f"could not read the first document of dataset {cfg.dataset}{where}: "
+                        f"{type(e).__name__}: {e}{hint}") from None
+    if not found:
         raise UserError(f"dataset {cfg.dataset}{where} is empty: it has no non-empty document")
-    return source
+    return source, shuffle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,15 +908,20 @@ def _build_source(cfg: Training):
 class _TokenStream:
     """Windows of window_len tokens cut from the global token stream, one after another.
 
-    The position is (doc_index, offset): the next token is `offset` into the token list of
-    document `doc_index`. `carry` holds tokens read but not yet part of an emitted window; it is
-    always empty between reads, as the position is exact, but a saved carry is honoured.
+    The position is (epoch, doc_index, offset): the next token is `offset` into the token list of
+    the document at position `doc_index` of the epoch's order (stored order, or with a shuffle
+    seed the permutation of the document indices for the epoch). `carry` holds tokens read but not
+    yet part of an emitted window; it is always empty between reads, as the position is exact, but
+    a saved carry is honoured.
     """
 
-    def __init__(self, source, tokenizer, window_len: int):
+    def __init__(self, source, tokenizer, window_len: int, shuffle_seed: int | None = None,
+                 num_documents: int | None = None):
         self.source = source
         self.tokenizer = tokenizer
         self.window_len = window_len
+        self.shuffle_seed = shuffle_seed  # None: stored order
+        self.num_documents = num_documents  # with a shuffle seed: the permutation's size
         self.next_sample = 0  # global index of the window read next
         self.epoch = 0
         self.doc_index = 0
@@ -266,15 +937,24 @@ class _TokenStream:
 
     def _close_documents(self):
         if self._docs is not None and hasattr(self._docs, "close"):
-            self._docs.close()  # releases an open jsonl file
+            self._docs.close()  # releases an open file
         self._docs = None
         self._tokens = None
+
+    def _epoch_documents(self, start: int) -> Iterator[str]:
+        """The texts of the documents at positions start, start + 1, ... of this epoch's order."""
+        if self.shuffle_seed is None:
+            yield from self.source.documents(start)
+            return
+        order = _Permutation(self.num_documents, self.shuffle_seed, self.epoch)
+        for position in range(start, self.num_documents):
+            yield self.source.document(order[position])
 
     def _document_tokens(self) -> list[int] | None:
         """The token list of document doc_index; None past the last document."""
         if self._tokens is None:
             if self._docs is None:
-                self._docs = self.source.documents(self.doc_index)
+                self._docs = self._epoch_documents(self.doc_index)
             text = next(self._docs, None)
             if text is None:
                 return None
@@ -297,8 +977,9 @@ class _TokenStream:
         self.doc_index = 0
         self.offset = 0
         logger.warning(
-            "dataset %s exhausted after %d documents: starting epoch %d (the data repeats)",
+            "dataset %s exhausted after %d documents: starting epoch %d (the data repeats%s)",
             self.source.name, documents, self.epoch,
+            ", in a new order" if self.shuffle_seed is not None else "",
         )
 
     def read(self) -> list[int]:
@@ -319,11 +1000,19 @@ class _TokenStream:
         return window
 
 
+def _order_name(seed: int | None) -> str:
+    return "stored order" if seed is None else f"the order shuffled with seed {seed}"
+
+
 class PackedDataset(IterableDataset):
-    """This rank's samples of the packed stream, as tensors of seq_len + 1 token ids."""
+    """This rank's samples of the packed stream, as tensors of seq_len + 1 token ids.
+
+    `shuffle_seed`: read each epoch's documents in the order of a permutation seeded by
+    (shuffle_seed, epoch) (the source needs random access); None: in stored order.
+    """
 
     def __init__(self, source, tokenizer, seq_len: int, dp_rank: int, dp_degree: int, global_batch_size: int,
-                 dataset_name: str = "", dataset_path: str = ""):
+                 dataset_name: str = "", dataset_path: str = "", shuffle_seed: int | None = None):
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_degree}")
         if global_batch_size < 1 or global_batch_size % dp_degree:
@@ -335,7 +1024,8 @@ class PackedDataset(IterableDataset):
         self._block_end = (dp_rank + 1) * block
         self.dataset_name = dataset_name or source.name
         self.dataset_path = dataset_path
-        self._stream = _TokenStream(source, tokenizer, seq_len + 1)
+        num_documents = source.num_documents() if shuffle_seed is not None else None
+        self._stream = _TokenStream(source, tokenizer, seq_len + 1, shuffle_seed, num_documents)
 
     def owns(self, sample: int) -> bool:
         return self._block_start <= sample % self.global_batch_size < self._block_end
@@ -372,6 +1062,8 @@ class PackedDataset(IterableDataset):
             "dataset_path": self.dataset_path,
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
+            "shuffle_seed": stream.shuffle_seed,
+            "num_documents": stream.num_documents,
             "next_sample": stream.next_sample,
             "epoch": stream.epoch,
             "doc_index": stream.doc_index,
@@ -380,8 +1072,12 @@ class PackedDataset(IterableDataset):
         }
 
     def load_state_dict(self, state: dict):
-        if state.get("version") != STATE_VERSION:
-            raise UserError(f"data loader state has version {state.get('version')}; expected {STATE_VERSION}")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise UserError(
+                f"the checkpoint's data loader state has version {version}; this torchtitan reads versions 1 and "
+                f"{STATE_VERSION}: resume with the torchtitan that wrote it"
+            )
         if state["dataset"] != self.dataset_name:
             raise UserError(
                 f"the checkpoint's data state is for dataset {state['dataset']!r}, but training.dataset "
@@ -396,6 +1092,25 @@ class PackedDataset(IterableDataset):
             # Explained to the user before launch (checkpoint.preflight_checkpoint).
             if state[key] != getattr(self, key):
                 raise ValueError(f"data state saved with {key} = {state[key]}, loaded with {getattr(self, key)}")
+        stream = self._stream
+        saved_seed = state.get("shuffle_seed")  # version 1: stored order
+        if saved_seed != stream.shuffle_seed:
+            if saved_seed is None:
+                fix = "resume with training.shuffle_documents = false"
+            else:
+                fix = f"resume with training.seed = {saved_seed}" + (
+                    " and training.shuffle_documents = true" if stream.shuffle_seed is None else "")
+            raise UserError(
+                f"the checkpoint's data state reads documents in {_order_name(saved_seed)}, but this job would read "
+                f"them in {_order_name(stream.shuffle_seed)}: its position means nothing in another order; {fix}"
+            )
+        saved_count = state.get("num_documents")
+        if saved_count is not None and saved_count != stream.num_documents:
+            logger.warning(
+                "resuming shuffled data saved for %d documents with %d documents: the data changed, so the rest of "
+                "epoch %d is in another order (documents may repeat or be left out)",
+                saved_count, stream.num_documents, state["epoch"],
+            )
         next_sample = state["next_sample"]
         if next_sample % self.global_batch_size and not self.owns(next_sample):
             raise UserError(
@@ -405,7 +1120,7 @@ class PackedDataset(IterableDataset):
             )
         if len(state["carry"]) > self.seq_len:
             raise ValueError(f"corrupt data state: {len(state['carry'])} carried tokens")
-        self._stream.seek(next_sample, state["epoch"], state["doc_index"], state["token_offset"], state["carry"])
+        stream.seek(next_sample, state["epoch"], state["doc_index"], state["token_offset"], state["carry"])
 
 
 def _collate(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,10 +1142,11 @@ def build_dataloader(
             f"global batch size {global_batch_size} is not a multiple of local_batch_size "
             f"{cfg.local_batch_size} x dp degree {dp_degree}"
         )
-    source = _build_source(cfg)
+    source, shuffle = _build_source(cfg)
     dataset = PackedDataset(
         source, tokenizer, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
         dataset_name=cfg.dataset, dataset_path=cfg.dataset_path or "",
+        shuffle_seed=cfg.seed if shuffle else None,
     )
     with warnings.catch_warnings():
         # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.

@@ -49,7 +49,8 @@ _DEFAULT = "./assets/tokenizer/python_stdlib_4k.model"
 _KINDS_HINT = (
     "point model.tokenizer_path at a Hugging Face tokenizer folder (holding tokenizer.json) or "
     "tokenizer.json, a tiktoken BPE file (Llama 3's original tokenizer.model) or a sentencepiece "
-    f".model file (the default is {_DEFAULT}, made by scripts/train_tokenizer.py)"
+    f".model file (the default is {_DEFAULT}, made by scripts/train_tokenizer.py); a model's tokenizer from "
+    "the Hugging Face hub: python scripts/fetch_tokenizer.py REPO_ID --out FOLDER (e.g. meta-llama/Llama-3.1-8B)"
 )
 
 # Llama 3's pre-tokenizer split, written from its description: English contractions (any case);
