@@ -95,10 +95,10 @@ def tiny_argv(tmp_path, *extra):
 @pytest.mark.parametrize(
     "docs, expected",
     [
-        (["def f(x):\n    return x\n"], "is too small: it holds 0 sequence(s) of validation.seq_len + 1 = 33 tokens, "
+        (["def f(x):\n    return x\n"], "validation set local at {path} is too small: it holds 0 sequence(s) of validation.seq_len + 1 = 33 tokens, "
                                        "fewer than one global validation batch of validation.local_batch_size x "
                                        "data-parallel degree = 8 x 1 = 8 sequences"),
-        (["", ""], "is empty: it holds no text"),
+        (["", ""], "validation: dataset local at {path} is empty: it has no non-empty document"),
     ],
 )
 def test_a_set_smaller_than_one_batch_stops_the_run_before_training(tmp_path, capsys, docs, expected):
@@ -106,7 +106,7 @@ def test_a_set_smaller_than_one_batch_stops_the_run_before_training(tmp_path, ca
     argv = tiny_argv(tmp_path, "--validation.dataset", "local", "--validation.dataset_path", path)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"error: validation set local at {path} {expected}" in err
+    assert "error: " + expected.format(path=path) in err
     assert not (tmp_path / "out").exists()  # nothing started
 
 

@@ -35,9 +35,11 @@ after the run). Training losses with validation on are bitwise those with it off
 (tests/distributed/test_data_parallel_parity.py).
 """
 
+import dataclasses
 import functools
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,7 +52,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components import data as training_data
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import JobConfig, Validation
+from torchtitan.config.job_config import JobConfig, Training, Validation
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.utils import dist_mean
 from torchtitan.distributed.tensor_parallel import loss_parallel_context
@@ -101,24 +103,27 @@ class _StdlibTestSource:
             yield training_data._read_text(path)
 
 
-def build_source(cfg: Validation):
+def build_source(cfg: Validation, training: Training | None = None):
     """The documents of the validation set named by the config (its names are checked by the config
-    validator: a path exactly for local and huggingface)."""
+    validator: a path exactly for local and huggingface). Files are read as training reads them, with
+    training.dataset_text_field, in stored order."""
     if cfg.dataset == "python_stdlib_test":
         return _StdlibTestSource()
     if cfg.dataset == "python_stdlib":
         return training_data._StdlibSource()
     if cfg.dataset == "local" and not os.path.exists(cfg.dataset_path):
         raise UserError(
-            f"validation.dataset_path {cfg.dataset_path} does not exist; set it to a .jsonl or .txt file or a "
-            "folder of them"
+            f"validation.dataset_path {cfg.dataset_path} does not exist; set it to a data file or a folder of them "
+            "(.jsonl, .json, .txt, optionally .gz/.zst; .parquet; .arrow)"
         )
+    as_training = dataclasses.replace(
+        training or Training(), dataset=cfg.dataset, dataset_path=cfg.dataset_path, shuffle_documents=False
+    )
     try:
-        if cfg.dataset == "local":
-            return training_data._LocalSource(cfg.dataset_path)
-        return training_data._HuggingFaceSource(cfg.dataset_path)
+        return training_data._build_source(as_training)[0]
     except UserError as e:  # the training loader's messages name the training keys
-        raise UserError("validation: " + str(e).replace("training.", "validation.")) from None
+        message = str(e).replace("training.dataset_text_field", "training.dataset_text_field (read for validation too)")
+        raise UserError("validation: " + re.sub(r"training\.(dataset_path|dataset|shuffle_documents)", r"validation.\1", message)) from None
 
 
 def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
@@ -183,7 +188,7 @@ def preflight_validation(cfg: JobConfig, dp_degree: int) -> None:
     v = cfg.validation
     if not v.enabled:
         return
-    source = build_source(v)
+    source = build_source(v, cfg.training)
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
     need = v.local_batch_size * dp_degree
     seq_len = v.seq_len if v.seq_len > 0 else cfg.training.seq_len

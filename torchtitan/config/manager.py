@@ -625,7 +625,7 @@ def _check_rules(cfg: JobConfig) -> list[str]:
     return problems
 
 
-VALIDATION_DATASETS = ("python_stdlib_test", "python_stdlib", "local", "huggingface")
+VALIDATION_DATASETS = ("python_stdlib_test", "python_stdlib", "local", "huggingface", "c4_test")
 
 
 def _validation_problems(cfg: JobConfig) -> list[str]:
@@ -651,7 +651,7 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
     )
     if v.dataset in ("local", "huggingface"):
         need(bool(v.dataset_path), f'validation.dataset = "{v.dataset}" needs validation.dataset_path')
-    elif v.dataset in VALIDATION_DATASETS:
+    elif v.dataset in ("python_stdlib_test", "python_stdlib"):
         need(
             v.dataset_path is None,
             f"validation.dataset_path = {v.dataset_path!r} is set but validation.dataset = {v.dataset!r} does not "
