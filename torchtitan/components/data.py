@@ -33,9 +33,18 @@ What is unusual here:
   Data-parallel rank r of D owns the contiguous block [s*G + r*G/D, s*G + (r+1)*G/D), read in
   order and cut into micro-batches of local_batch_size. The samples of a step are thus the same
   for every D and every gradient-accumulation split, so runs of different layouts compare step
-  by step. Every rank tokenizes the whole stream and skips the windows it does not own: simple
-  and deterministic, and cheap at this scale (sentencepiece encodes ~1.5M tokens/s per rank). At
-  thousands of ranks a pre-tokenized, indexable source would be needed instead.
+  by step. With a text source every rank tokenizes the whole stream and skips the windows it does
+  not own: simple and deterministic, and cheap at this scale (sentencepiece encodes ~1.5M tokens/s
+  per rank). At scale, pre-tokenize: `training.dataset = "tokens"` reads a token folder written by
+  scripts/pretokenize.py (torchtitan/components/token_file.py), memory-mapped; a rank reads the
+  tokens of its own windows only and skips the others by document lengths (docs.idx), without
+  reading their tokens.
+
+- Token folders: the same documents (each stored as encode_document frames it, empty ones as no
+  tokens, so the indices are the text source's), the same permutation and the same packing code
+  (`_TokenStream` consumes token lists from either source), hence the same samples, order and
+  resumable state as the text pipeline on the corpus it was written from. By default its documents
+  are shuffled where the text pipeline would shuffle that corpus (recorded in its meta.json).
 
 - Resumable state, independent of the layout: the dataset's state names a position in the
   global stream (the next global sample, the epoch, the position of the document in the epoch's
@@ -905,8 +914,38 @@ def _build_source(cfg: Training):
 # The packed token stream and each rank's view of it.
 
 
+def encode_document(tokenizer, text: str | None) -> list[int]:
+    """The tokens of one document in the packed stream: [BOS] + text + [EOS]; an empty document (or a
+    null text) is no tokens at all. The one definition, shared by the text pipeline and pretokenize."""
+    return tokenizer.encode(text, bos=True, eos=True) if text else []
+
+
+class _TokenizedSource:
+    """A text source seen as documents of tokens (encode_document of each text), with the source's
+    random access and document count."""
+
+    def __init__(self, source, tokenizer):
+        self.source, self.tokenizer = source, tokenizer
+        self.name = source.name
+        self.random_access = source.random_access
+
+    def documents(self, start: int) -> Iterator[list[int]]:
+        for text in self.source.documents(start):
+            yield encode_document(self.tokenizer, text)
+
+    def num_documents(self) -> int:
+        return self.source.num_documents()
+
+    def document(self, index: int) -> list[int]:
+        return encode_document(self.tokenizer, self.source.document(index))
+
+
 class _TokenStream:
     """Windows of window_len tokens cut from the global token stream, one after another.
+
+    `docs` is a source of documents of tokens: `documents(start)` yields token lists in stored order,
+    and with random access `num_documents()` and `document(i)`; a source that also has
+    `document_length(i)` (a token file) is skipped over by lengths alone, without reading tokens.
 
     The position is (epoch, doc_index, offset): the next token is `offset` into the token list of
     the document at position `doc_index` of the epoch's order (stored order, or with a shuffle
@@ -915,10 +954,9 @@ class _TokenStream:
     a saved carry is honoured.
     """
 
-    def __init__(self, source, tokenizer, window_len: int, shuffle_seed: int | None = None,
+    def __init__(self, docs, window_len: int, shuffle_seed: int | None = None,
                  num_documents: int | None = None):
-        self.source = source
-        self.tokenizer = tokenizer
+        self.source = docs
         self.window_len = window_len
         self.shuffle_seed = shuffle_seed  # None: stored order
         self.num_documents = num_documents  # with a shuffle seed: the permutation's size
@@ -927,8 +965,9 @@ class _TokenStream:
         self.doc_index = 0
         self.offset = 0
         self.carry: list[int] = []
-        self._docs: Iterator[str] | None = None  # yields document doc_index next, when _tokens is None
-        self._tokens: list[int] | None = None  # token list of document doc_index
+        self._docs: Iterator | None = None  # yields document doc_index next, when _tokens is None
+        self._tokens = None  # token list of document doc_index
+        self._order: tuple[int, _Permutation] | None = None  # (epoch, its permutation)
 
     def seek(self, next_sample: int, epoch: int, doc_index: int, offset: int, carry: list[int]):
         self._close_documents()
@@ -941,25 +980,26 @@ class _TokenStream:
         self._docs = None
         self._tokens = None
 
-    def _epoch_documents(self, start: int) -> Iterator[str]:
-        """The texts of the documents at positions start, start + 1, ... of this epoch's order."""
+    def _permutation(self) -> _Permutation:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, _Permutation(self.num_documents, self.shuffle_seed, self.epoch))
+        return self._order[1]
+
+    def _epoch_documents(self, start: int) -> Iterator:
+        """The token lists of the documents at positions start, start + 1, ... of this epoch's order."""
         if self.shuffle_seed is None:
             yield from self.source.documents(start)
             return
-        order = _Permutation(self.num_documents, self.shuffle_seed, self.epoch)
+        order = self._permutation()
         for position in range(start, self.num_documents):
             yield self.source.document(order[position])
 
-    def _document_tokens(self) -> list[int] | None:
+    def _document_tokens(self):
         """The token list of document doc_index; None past the last document."""
         if self._tokens is None:
             if self._docs is None:
                 self._docs = self._epoch_documents(self.doc_index)
-            text = next(self._docs, None)
-            if text is None:
-                return None
-            # An empty document carries no text: it adds no BOS/EOS pair either.
-            self._tokens = self.tokenizer.encode(text, bos=True, eos=True) if text else []
+            self._tokens = next(self._docs, None)
         return self._tokens
 
     def _start_epoch(self, tokens_read: int):
@@ -990,7 +1030,7 @@ class _TokenStream:
                 self._start_epoch(len(window))
                 continue
             taken = tokens[self.offset : self.offset + self.window_len - len(window)]
-            window += taken
+            window += taken if isinstance(taken, list) else taken.tolist()
             self.offset += len(taken)
             if self.offset >= len(tokens):
                 self.doc_index += 1
@@ -998,6 +1038,38 @@ class _TokenStream:
                 self._tokens = None
         self.next_sample += 1
         return window
+
+    def skip(self, windows: int):
+        """Move past the next `windows` windows: as many read()s, leaving the same position, but with
+        document lengths alone where the source has them (the tokens are not read)."""
+        length_of = getattr(self.source, "document_length", None)
+        if length_of is None:
+            for _ in range(windows):
+                self.read()
+            return
+        if windows <= 0:
+            return
+        total = self.num_documents if self.shuffle_seed is not None else self.source.num_documents()
+        first, carried = self.next_sample, len(self.carry)
+        need = windows * self.window_len - carried
+        wanted, self.carry = need, []
+        self._close_documents()
+        while need > 0:
+            if self.doc_index >= total:
+                # The sample being passed at the epoch's end, for _start_epoch's "too small" rule.
+                self.next_sample = first + (carried + wanted - need) // self.window_len
+                self._start_epoch(carried + wanted - need)
+                continue
+            index = self.doc_index if self.shuffle_seed is None else self._permutation()[self.doc_index]
+            left = length_of(index) - self.offset
+            if left > need:
+                self.offset += need
+                need = 0
+            else:
+                need -= left
+                self.doc_index += 1
+                self.offset = 0
+        self.next_sample = first + windows
 
 
 def _order_name(seed: int | None) -> str:
@@ -1013,6 +1085,8 @@ class PackedDataset(IterableDataset):
 
     def __init__(self, source, tokenizer, seq_len: int, dp_rank: int, dp_degree: int, global_batch_size: int,
                  dataset_name: str = "", dataset_path: str = "", shuffle_seed: int | None = None):
+        # `source`: a text source, tokenized by `tokenizer`; with tokenizer None, a source of token lists
+        # (a token file). A source of tokens with `check_window` checks each window this rank reads.
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_degree}")
         if global_batch_size < 1 or global_batch_size % dp_degree:
@@ -1024,8 +1098,10 @@ class PackedDataset(IterableDataset):
         self._block_end = (dp_rank + 1) * block
         self.dataset_name = dataset_name or source.name
         self.dataset_path = dataset_path
-        num_documents = source.num_documents() if shuffle_seed is not None else None
-        self._stream = _TokenStream(source, tokenizer, seq_len + 1, shuffle_seed, num_documents)
+        docs = source if tokenizer is None else _TokenizedSource(source, tokenizer)
+        self._check_window = getattr(docs, "check_window", None)
+        num_documents = docs.num_documents() if shuffle_seed is not None else None
+        self._stream = _TokenStream(docs, seq_len + 1, shuffle_seed, num_documents)
 
     def owns(self, sample: int) -> bool:
         return self._block_start <= sample % self.global_batch_size < self._block_end
@@ -1040,15 +1116,17 @@ class PackedDataset(IterableDataset):
         return (step + 1) * self.global_batch_size + self._block_start
 
     def _skip_to(self, sample: int):
-        while self._stream.next_sample < sample:
-            self._stream.read()
+        self._stream.skip(sample - self._stream.next_sample)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         # All progress lives in self._stream, so an abandoned iterator costs nothing and a state
         # loaded (or advanced by state_dict) between two samples is picked up here.
         while True:
             self._skip_to(self._next_owned(self._stream.next_sample))
-            yield torch.tensor(self._stream.read(), dtype=torch.long)
+            window = torch.tensor(self._stream.read(), dtype=torch.long)
+            if self._check_window is not None:
+                self._check_window(window)
+            yield window
 
     def state_dict(self) -> dict:
         stream = self._stream
@@ -1142,7 +1220,15 @@ def build_dataloader(
             f"global batch size {global_batch_size} is not a multiple of local_batch_size "
             f"{cfg.local_batch_size} x dp degree {dp_degree}"
         )
-    source, shuffle = _build_source(cfg)
+    if cfg.dataset == "tokens":
+        from torchtitan.components.token_file import open_token_source
+
+        # Documents already tokenized: shuffled by default where the text pipeline would shuffle their source.
+        source, default_shuffle = open_token_source(cfg.dataset_path, tokenizer)
+        shuffle = default_shuffle if cfg.shuffle_documents is None else cfg.shuffle_documents
+        tokenizer = None
+    else:
+        source, shuffle = _build_source(cfg)
     dataset = PackedDataset(
         source, tokenizer, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
         dataset_name=cfg.dataset, dataset_path=cfg.dataset_path or "",

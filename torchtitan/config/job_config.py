@@ -94,13 +94,14 @@ class LRScheduler:
 
 @dataclass(frozen=True)
 class Training:
-    dataset: Literal["python_stdlib", "local", "huggingface", "c4", "c4_test"] = opt(
+    dataset: Literal["python_stdlib", "local", "huggingface", "c4", "c4_test", "tokens"] = opt(
         "python_stdlib",
         "python_stdlib: the .py files of this interpreter's standard library (embedded, offline); "
         "local: the file or folder at dataset_path (.jsonl/.json/.txt, also .gz/.zst compressed, .parquet, .arrow, "
         "datasets save_to_disk folders); huggingface: datasets.load_dataset(dataset_path, split='train', "
         "streaming=True) (needs the datasets package); c4: allenai/c4 'en' streamed through datasets (needs it and "
-        "the network); c4_test: the reference torchtitan's local C4 sample, tests/assets/c4_test.",
+        "the network); c4_test: the reference torchtitan's local C4 sample, tests/assets/c4_test; tokens: the "
+        "token folder at dataset_path written by scripts/pretokenize.py (the same samples as its source, memory-mapped).",
     )
     dataset_path: str | None = opt(
         None,

@@ -561,12 +561,13 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         m.device_peak_tflops >= 0,
         f"metrics.device_peak_tflops must be 0 (auto) or more, got {m.device_peak_tflops}",
     )
-    if t.dataset in ("local", "huggingface"):
+    if t.dataset in ("local", "huggingface", "tokens"):
         need(
             bool(t.dataset_path),
             f'training.dataset = "{t.dataset}" needs training.dataset_path; set it to the '
-            + ("data file or folder (.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)" if t.dataset == "local"
-               else "dataset name or path"),
+            + {"local": "data file or folder (.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)",
+               "huggingface": "dataset name or path",
+               "tokens": "folder scripts/pretokenize.py wrote"}[t.dataset],
         )
     need(
         bool(t.dataset_text_field),

@@ -1,0 +1,123 @@
+"""Start-up time and tokens/s per rank of training.dataset = "tokens" on a generated token folder.
+
+    python scripts/benchmark_data.py [--size-mb 1024] [--folder /tmp/bench_tokens] [--seq-len 2048]
+
+Generates (once; reused if present with the same size) a token folder of --size-mb MB of random ids
+of the shipped 4k tokenizer's vocabulary (uint16), in documents of 1..4000 tokens, then for several
+data-parallel layouts builds rank (D - 1)'s loader (the rank that skips the most) and prints:
+
+- start-up: build_dataloader (open, checks, memory maps) plus the first batch, fresh and resumed
+  from a state near the end of the first epoch (independent of the corpus size);
+- tokens/s delivered to that rank (inputs, local_batch_size x seq_len per batch), shuffle on.
+
+For scale: the debug model trains at about 2,150 tokens/s on CPU (README, scripts/benchmark.py), so
+the target is at least 100x that, 215,400 tokens/s per rank. Not a test: it prints figures.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.components import token_file  # noqa: E402
+from torchtitan.components.data import build_dataloader  # noqa: E402
+from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.config.job_config import Training  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "python_stdlib_4k.model"
+DEBUG_MODEL_TOKENS_PER_S = 2_154  # README: the debug model on CPU
+
+
+def generate(folder: Path, size_mb: int, tokenizer) -> dict:
+    meta_file = folder / token_file.META
+    num_tokens = size_mb * (1 << 20) // 2
+    if meta_file.is_file() and json.loads(meta_file.read_text())["num_tokens"] == num_tokens:
+        return json.loads(meta_file.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    meta_file.unlink(missing_ok=True)
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    vocab = tokenizer.vocab_size
+    lengths = []
+    with open(folder / token_file.TOKENS, "wb") as f:
+        written = 0
+        while written < num_tokens:
+            n = min(1 << 24, num_tokens - written)
+            f.write(rng.integers(0, vocab, n, dtype=np.uint16).astype("<u2").tobytes())
+            written += n
+    total = 0
+    while total < num_tokens:
+        chunk = rng.integers(1, 4001, 1 << 16)
+        lengths.append(chunk)
+        total += int(chunk.sum())
+    lengths = np.concatenate(lengths)
+    ends = np.cumsum(lengths)
+    keep = int(np.searchsorted(ends, num_tokens))
+    lengths = lengths[: keep + 1]
+    lengths[-1] -= int(ends[keep]) - num_tokens  # the last document ends at the last token
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<u8")
+    offsets.tofile(folder / token_file.INDEX)
+    fingerprint = token_file.tokenizer_fingerprint(tokenizer)
+    meta = {
+        "format": token_file.FORMAT, "version": token_file.FORMAT_VERSION, "dtype": "uint16",
+        "source": {"description": "benchmark: random ids"}, "tokenizer": fingerprint, "vocab_size": vocab,
+        "bos_id": fingerprint["bos_id"], "eos_id": fingerprint["eos_id"], "num_docs": len(lengths),
+        "num_tokens": num_tokens, "max_id": vocab - 1, "source_random_access": True,
+    }
+    meta_file.write_text(json.dumps(meta))
+    print(f"generated {folder}: {num_tokens:,} tokens, {len(lengths):,} documents in "
+          f"{time.perf_counter() - start:.1f} s")
+    return meta
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--folder", default="/tmp/bench_tokens")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--local-batch", type=int, default=8)
+    parser.add_argument("--dp", default="1,8,64", help="data-parallel degrees to measure")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per layout")
+    args = parser.parse_args()
+    tokenizer = Tokenizer(MODEL)
+    folder = Path(args.folder)
+    meta = generate(folder, args.size_mb, tokenizer)
+    print(f"token folder: {meta['num_tokens'] * 2 / (1 << 30):.2f} GiB, {meta['num_tokens']:,} tokens, "
+          f"{meta['num_docs']:,} documents; seq_len {args.seq_len}, local batch {args.local_batch}, shuffle on")
+    target = 100 * DEBUG_MODEL_TOKENS_PER_S
+    for dp in (int(d) for d in args.dp.split(",")):
+        rank = dp - 1
+        cfg = Training(dataset="tokens", dataset_path=str(folder), seq_len=args.seq_len,
+                       local_batch_size=args.local_batch, shuffle_documents=True)
+        gb = args.local_batch * dp
+        start = time.perf_counter()
+        loader = build_dataloader(cfg, tokenizer, rank, dp, gb)
+        it = iter(loader)
+        next(it)
+        startup = time.perf_counter() - start
+        batches, start = 0, time.perf_counter()
+        while time.perf_counter() - start < args.seconds:
+            next(it)
+            batches += 1
+        rate = batches * args.local_batch * args.seq_len / (time.perf_counter() - start)
+        # Resumed near the end of the first epoch: start-up does not depend on the position either.
+        state = loader.state_dict()
+        state["dataset_state"].update(doc_index=meta["num_docs"] - 10, token_offset=0, carry=[])
+        start = time.perf_counter()
+        resumed = build_dataloader(cfg, tokenizer, rank, dp, gb)
+        resumed.load_state_dict(state)
+        next(iter(resumed))
+        resumed_startup = time.perf_counter() - start
+        print(f"dp {dp:3d} rank {rank:3d}: start-up {startup * 1000:6.1f} ms (resumed deep: "
+              f"{resumed_startup * 1000:6.1f} ms), {rate:12,.0f} tokens/s delivered to the rank "
+              f"({rate / DEBUG_MODEL_TOKENS_PER_S:,.0f}x the debug model's ~{DEBUG_MODEL_TOKENS_PER_S:,} tokens/s; "
+              f"target {target:,}: {'met' if rate >= target else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
