@@ -1,30 +1,42 @@
 """Check a job before launching it: config, parallel degrees against WORLD_SIZE, model, tokenizer
-and dataset, with no process group. run_train.sh calls this so that a mistake is reported in about
-a second, once, instead of by every rank after torchrun has started them.
+and dataset, with no process group. The launcher (torchtitan/launch.py, which run_train.sh runs)
+calls `check` in its own process before starting any worker, so that a mistake is reported in about
+a second, once, instead of by every rank after the workers have started.
 
     WORLD_SIZE=4 python -m torchtitan.preflight --job.config_file train_configs/debug_model.toml
+
+Exit status: 0 the job can start, 2 a user mistake (one line on stderr), 3 --help was printed.
 """
 
 import os
 import sys
 
-from torchtitan.config import HelpRequested, UserError, load_config
+from torchtitan.config import HelpRequested, JobConfig, UserError, load_config
+
+
+def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfig:
+    """The resolved config of a job that can start on `world_size` processes. Raises UserError (a
+    mistake) or HelpRequested. `check_lock`: refuse a dump folder that a live run holds; only where
+    no worker of this job can hold it yet (one node, or node rank 0 of several: the others may start
+    after this job's rank 0 took the lock)."""
+    cfg = load_config(argv)
+    from torchtitan.components.data import build_dataloader
+    from torchtitan.components.run_lock import refuse_if_locked
+    from torchtitan.components.tokenizer import Tokenizer
+    from torchtitan.train import preflight
+
+    plan = preflight(cfg, world_size)
+    if check_lock:
+        refuse_if_locked(cfg.job.dump_folder)
+    # Opening the data source as rank 0 finds a missing path or an empty dataset.
+    build_dataloader(cfg.training, Tokenizer(cfg.model.tokenizer_path), 0, plan.parallel_dims.dp_degree,
+                     plan.global_batch_size)
+    return cfg
 
 
 def main(argv: list[str]) -> int:
     try:
-        cfg = load_config(argv)
-        from torchtitan.components.data import build_dataloader
-        from torchtitan.components.tokenizer import Tokenizer
-        from torchtitan.train import preflight
-
-        from torchtitan.components.run_lock import refuse_if_locked
-
-        plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        refuse_if_locked(cfg.job.dump_folder)
-        # Opening the data source as rank 0 finds a missing path or an empty dataset.
-        build_dataloader(cfg.training, Tokenizer(cfg.model.tokenizer_path), 0, plan.parallel_dims.dp_degree,
-                         plan.global_batch_size)
+        check(argv, int(os.environ.get("WORLD_SIZE", "1")))
     except HelpRequested as h:
         print(h.text)
         return 3  # not an error, but nothing to launch

@@ -1,0 +1,204 @@
+"""Several nodes and the launcher's failure handling, on this machine: two "nodes" of two processes
+started by scripts/multinode_trainer.slurm with faked SLURM variables (rendezvous on 127.0.0.1)
+train as one process does; missing SLURM variables and an endpoint nobody answers end with one
+message; a killed worker is restarted (MAX_RESTARTS) and then reported in one line; a stop signal
+sent to the launcher stops the workers without waiting for its shutdown timeout."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, free_port, read_metrics
+
+SLURM = REPO / "scripts" / "multinode_trainer.slurm"
+PYTHON_DIR = str(Path(sys.executable).parent)
+
+
+def env_of(**variables) -> dict:
+    env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
+    for name in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_GPUS_ON_NODE",
+                 "HEAD_NODE_ADDR", "SRUN", "NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_PORT", "RDZV_ID",
+                 "RDZV_TIMEOUT", "MAX_RESTARTS", "LOG_RANK", "LOG_DIR", "WORKER_START", "CONFIG_FILE"):
+        env.pop(name, None)
+    env.update(variables)
+    return env
+
+
+def node_env(node: int, port: int, **extra) -> dict:
+    """This machine as node `node` of a faked 2-node allocation; SRUN="" runs the node's launcher here."""
+    return env_of(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_NODEID=str(node),
+                  HEAD_NODE_ADDR="127.0.0.1", RDZV_PORT=str(port), SRUN="", NGPU="2", **extra)
+
+
+def start(cmd: list, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_train_as_one_process(tmp_path):
+    import torch
+
+    from torchtitan.config import load_config
+    from torchtitan.train import train
+
+    port = free_port()
+    args = [*TINY, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "nodes")]
+    nodes = [start(["bash", str(SLURM), *args], node_env(n, port)) for n in (0, 1)]
+    threads = torch.get_num_threads()
+    try:
+        # The reference, in this process, while the nodes start: FSDP over 4 ranks against 1 process.
+        # One thread, as each worker: a second one only contends for the 2 cores the nodes share.
+        torch.set_num_threads(1)
+        one = train(load_config([*TINY, "--training.local_batch_size", "2",
+                                 "--job.dump_folder", str(tmp_path / "one")]))
+        outs = [p.communicate(timeout=240) for p in nodes]
+    finally:
+        torch.set_num_threads(threads)
+        for p in nodes:
+            p.kill()
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+    logs = [out + err for out, err in outs]
+    assert all("torchtitan: 2 nodes x 2 processes, rendezvous 127.0.0.1:" in log for log in logs)
+    assert all("= 4 ranks on cpu" in log for log in logs)  # one mesh over both nodes
+    # Each node shows its local rank 0, prefixed with its global rank: 0 on one node, 2 on the other.
+    assert sorted(re.search(r"^\[rank(\d)\]:", log, re.M).group(1) for log in logs) == ["0", "2"]
+    two = read_metrics(tmp_path / "nodes")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5, 6]
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two))
+    assert diff < 1e-5, ([r["loss"] for r in one], [r["loss"] for r in two])
+    assert not (tmp_path / "nodes" / ".run.lock").exists()  # rank 0 (on either node) released it
+
+
+@pytest.mark.parametrize(
+    "unset, message",
+    [
+        ("SLURM_JOB_ID", "SLURM_JOB_ID is not set: run this script with sbatch"),
+        ("SLURM_NNODES", "SLURM_NNODES is not set"),
+        ("HEAD_NODE_ADDR SLURM_JOB_NODELIST",
+         "SLURM_JOB_NODELIST is not set: run this script with sbatch, or set HEAD_NODE_ADDR"),
+        ("NGPU", "NGPU is not set: set NGPU .* or allocate GPUs .SLURM_GPUS_ON_NODE."),
+        ("SLURM_NODEID", "SLURM_NODEID is not set on this node"),
+    ],
+)
+def test_missing_slurm_variables_are_named(unset, message):
+    env = node_env(1, 29500)
+    for name in unset.split():
+        env.pop(name)
+    start_time = time.monotonic()
+    proc = subprocess.run(["bash", str(SLURM)], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start_time < 5  # nothing was started
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is not None, reason="a real scontrol would be asked about fake nodes")
+def test_head_node_needs_scontrol_or_an_address():
+    env = node_env(0, 29500)
+    env.pop("HEAD_NODE_ADDR")
+    proc = subprocess.run(["bash", str(SLURM)], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "HEAD_NODE_ADDR is not set: scontrol is not on PATH" in proc.stderr
+
+
+def test_several_nodes_need_an_endpoint():
+    proc = subprocess.run(["./run_train.sh"], cwd=REPO, env=env_of(NNODES="2"), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    assert "NNODES=2 needs RDZV_ENDPOINT=HOST:PORT" in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_endpoint_nobody_answers_ends_within_the_rendezvous_timeout(tmp_path):
+    # Node 1 waits for node 0's store (which never starts) for RDZV_TIMEOUT seconds, while its preflight
+    # runs, then ends with one line (torchrun alone would wait 600 s to join, printing C++ retries).
+    start_time = time.monotonic()
+    proc = subprocess.run(["bash", str(SLURM), *TINY, "--training.local_batch_size", "2",
+                           "--job.dump_folder", str(tmp_path)],
+                          cwd=REPO, env=node_env(1, free_port(), RDZV_TIMEOUT="2"), capture_output=True, text=True,
+                          timeout=60)
+    assert time.monotonic() - start_time < 30
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"error: nothing answers at the rendezvous endpoint 127\.0\.0\.1:\d+ after 2s .RDZV_TIMEOUT.",
+                     proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr and "TCPStore" not in proc.stderr
+
+
+def _pids_named(name: str, folder: Path) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if comm == name and str(folder) in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def _wait_for_pid(name: str, folder: Path, proc: subprocess.Popen, other_than=(), timeout=120) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [p for p in _pids_named(name, folder) if p not in other_than]
+        if pids:
+            return pids[0]
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no process {name}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_then_reported_in_one_line(tmp_path):
+    env = env_of(NGPU="2", MAX_RESTARTS="1")
+    proc = start(["./run_train.sh", *TINY, "--training.steps", "1000", "--job.dump_folder", str(tmp_path)], env)
+    try:
+        first = _wait_for_pid("titan-rank1", tmp_path, proc)
+        os.kill(first, signal.SIGKILL)
+        # MAX_RESTARTS=1: the launcher starts both workers again; killing the new rank 1 ends the job.
+        second = _wait_for_pid("titan-rank1", tmp_path, proc, other_than=(first,))
+        os.kill(second, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL
+    launcher_lines = [line for line in err.splitlines() if not line.startswith("[rank")]
+    match = re.fullmatch(r"error: training failed: rank 1 was killed by SIGKILL; its output: (\S+)",
+                         launcher_lines[-1])
+    assert match, err[-3000:]
+    assert match.group(1).endswith(os.path.join("attempt_1", "1", "stderr.log")) and Path(match.group(1)).is_file()
+    assert "Traceback" not in "\n".join(launcher_lines)
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_the_launcher_stops_the_workers_at_once(tmp_path):
+    # SIGUSR1 (a job.stop_signals default, e.g. sbatch --signal=USR1@120) reaches the launcher only. It
+    # passes the signal on; the workers finish the step and return, and the launcher lets them exit at
+    # once instead of waiting for them until its shutdown timeout (stop_grace_seconds + 15 s) and
+    # killing them.
+    proc = start(["./run_train.sh", *TINY, "--training.steps", "1000", "--job.dump_folder", str(tmp_path)],
+                 env_of(NGPU="2"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").exists():  # rank 0 logged step 1: the handlers are in place
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR1)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    assert re.search(r"stopped by SIGUSR1 after step \d+ of 1000", err), err[-3000:]
+    assert err.rstrip().endswith("stopped: the launcher received SIGUSR1 and passed it to the workers")
+    assert elapsed < 15, elapsed
+    assert "Unable to shutdown" not in err and "Traceback" not in err

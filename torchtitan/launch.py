@@ -1,0 +1,383 @@
+"""One process that checks a job, then starts and watches its workers on this node (run_train.sh
+runs it; so does scripts/multinode_trainer.slurm on every node).
+
+    python -m torchtitan.launch --nproc-per-node 2 [--nnodes 2 --rdzv-endpoint HOST:PORT ...] \\
+        -- --job.config_file train_configs/debug_model.toml [config overrides]
+
+1. Preflight (torchtitan.preflight.check) in this process: a mistake is one line on stderr and exit
+   status 2 before any worker exists. --help prints the options and exits 0.
+2. torchrun in this process: torch.distributed.run's parser and launch config, the elastic agent,
+   c10d rendezvous (several nodes), --max-restarts, tee'd logs of --log-rank.
+3. The workers. On a machine without CUDA they are forked from this process (`--worker-start fork`):
+   torch and the trainer were imported once, by the preflight, so a worker starts in milliseconds
+   instead of importing torch again. With CUDA they run as `python -m torchtitan.train` (`exec`):
+   a CUDA context does not survive fork. Either way a worker runs torchtitan.train.main.
+4. Outcome: a worker that ended with a user mistake (exit status 2, message printed by the ranks)
+   ends the launcher with 2 and nothing more; any other failure prints one line naming the rank,
+   its exit status or signal and its log file, and the launcher exits non-zero. A rendezvous that
+   does not complete (unreachable endpoint, missing nodes) ends with one line within
+   --rdzv-timeout seconds.
+"""
+
+import argparse
+import gc
+import os
+import signal
+import sys
+import traceback
+
+from torchtitan.config import HelpRequested, UserError
+
+# Threads a fresh process would use (torch's default intra-op count), read before the launcher
+# limits itself to one; a forked worker without OMP_NUM_THREADS restores it.
+_default_threads: int | None = None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan.launch",
+        description="Check a training job, then start its workers with torchrun (options before '--', "
+                    "config overrides after it).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers on this node (GPUs, or CPU processes)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's rank (optional with c10d rendezvous; 0 hosts the rendezvous store and checks "
+                        "the dump folder's lock)")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT of the rendezvous store (node 0); required with --nnodes > 1")
+    p.add_argument("--rdzv-id", default="torchtitan", help="rendezvous id, the same on every node of a job")
+    p.add_argument("--rdzv-timeout", type=int, default=600,
+                   help="seconds to wait for node 0's rendezvous store to answer and for all nodes to join")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
+    p.add_argument("--log-rank", default="0", help="comma list of local ranks whose output is shown")
+    p.add_argument("--log-dir", default=None, help="folder for every worker's stdout/stderr (default: a temp folder)")
+    p.add_argument("--worker-start", choices=("auto", "fork", "exec"), default="auto",
+                   help="fork workers from this process (fast; CPU) or exec python -m torchtitan.train (CUDA); "
+                        "auto: fork unless CUDA is available")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher options, training arguments), split at the first '--'."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def check_options(opts: argparse.Namespace):
+    for name in ("nproc_per_node", "nnodes"):
+        if getattr(opts, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(opts, name)}")
+    if opts.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {opts.max_restarts}")
+    if opts.rdzv_timeout < 1:
+        raise UserError(f"--rdzv-timeout must be a positive number of seconds, got {opts.rdzv_timeout}")
+    if opts.node_rank is not None and not 0 <= opts.node_rank < opts.nnodes:
+        raise UserError(f"--node-rank {opts.node_rank} is not in 0..{opts.nnodes - 1} (--nnodes {opts.nnodes})")
+    if opts.nnodes > 1 and not opts.rdzv_endpoint:
+        raise UserError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (RDZV_ENDPOINT), the address of "
+                        f"node 0, where the rendezvous store runs; every node passes the same one")
+    if opts.rdzv_endpoint and opts.nnodes > 1:
+        host, _, port = opts.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise UserError(f"--rdzv-endpoint {opts.rdzv_endpoint!r} is not HOST:PORT")
+    try:
+        ranks = [int(r) for r in opts.log_rank.split(",")]
+    except ValueError:
+        ranks = [-1]
+    if not all(r >= 0 for r in ranks):
+        raise UserError(f"--log-rank (LOG_RANK) {opts.log_rank!r} must be a comma list of local ranks, e.g. 0,1")
+
+
+TORCHRUN_SIGNALS = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]  # torchrun's default --signals-to-handle
+
+
+def torchrun_argv(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> list[str]:
+    """The torch.distributed.run command line of this launch (exec form: -m torchtitan.train). With the
+    job's config: the launcher also passes on the job's stop signals (job.stop_signals, e.g. SIGUSR1,
+    which would otherwise kill it) and gives the workers job.stop_grace_seconds to stop before it
+    kills them (torchrun's default is 30 s)."""
+    endpoint = opts.rdzv_endpoint if opts.nnodes > 1 or opts.rdzv_endpoint else "localhost:0"
+    # join_timeout bounds the wait for the other nodes; read_timeout the connection to the store.
+    conf = f"join_timeout={opts.rdzv_timeout},read_timeout={min(opts.rdzv_timeout, 60)}"
+    if opts.node_rank is not None and opts.nnodes > 1:
+        conf += f",is_host={'true' if opts.node_rank == 0 else 'false'}"
+    argv = [
+        f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts.rdzv_id}", f"--rdzv-conf={conf}",
+        f"--max-restarts={opts.max_restarts}", f"--local-ranks-filter={opts.log_rank}", "--role=rank", "--tee=3",
+    ]
+    if opts.log_dir:
+        argv.append(f"--log-dir={opts.log_dir}")
+    job = getattr(cfg, "job", None)
+    stop_signals = [name for name in getattr(job, "stop_signals", None) or [] if name not in TORCHRUN_SIGNALS]
+    argv.append(f"--signals-to-handle={','.join(TORCHRUN_SIGNALS + stop_signals)}")
+    grace = getattr(job, "stop_grace_seconds", None)
+    if isinstance(grace, (int, float)) and grace > 0:
+        argv.append(f"--shutdown-timeout={int(grace) + 15}")
+    return argv + ["-m", "torchtitan.train", *train_argv]
+
+
+def wait_for_store(endpoint: str, timeout: float) -> bool:
+    """Whether a TCP connection to `endpoint` succeeds within `timeout` seconds (node 0 may start
+    later than this one). Checked here so that an endpoint that never answers ends with one line,
+    not with torch's retry log of C++ stack traces."""
+    import socket
+    import time
+
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, min(left, 5))).close()
+            return True
+        except OSError:
+            if time.monotonic() + 0.25 >= deadline:
+                return False
+            time.sleep(0.25)
+
+
+def worker(*train_argv: str):
+    """A forked worker: undo what it inherited from the launcher, then run the trainer."""
+    import torch
+
+    # torchrun's handlers (raise in the launcher's agent) would otherwise run here.
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(threads) if threads and threads.isdigit() else (_default_threads or 1))
+    for stream in (sys.stdout, sys.stderr):  # as `python -u`: lines reach the log as they are written
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+    try:  # `ps`/`top` show the rank instead of the launcher's name
+        with open("/proc/self/comm", "w") as f:
+            f.write(f"titan-rank{os.environ.get('RANK', '?')}"[:15])
+    except OSError:
+        pass
+
+    from torchtitan import train
+    from torchtitan.distributed import utils as dist_utils
+
+    try:
+        code = train.main(list(train_argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()  # a bug: the traceback belongs in the worker's log
+        code = 1
+    if code:
+        # Without interpreter finalization, as the exec form does (see dist_utils.exit_process).
+        dist_utils.exit_process(code)
+    # Success returns to torchrun's process wrapper, which reports it and exits without finalization.
+
+
+def describe_failure(rank: int, failure) -> str:
+    code = failure.exitcode
+    if code is not None and code < 0:
+        try:
+            what = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            what = f"was killed by signal {-code}"
+    else:
+        what = f"exited with status {code}"
+    return f"rank {rank} {what}"
+
+
+def failure_exit_code(failure) -> int:
+    code = failure.exitcode or 1
+    return code if code > 0 else 128 - code
+
+
+def log_path(root_log_dir: str, local_rank: int) -> str | None:
+    """The stderr log of `local_rank`'s latest attempt (torchrun writes <root>/<run>_*/attempt_N/<rank>/)."""
+    import glob
+
+    logs = glob.glob(os.path.join(root_log_dir, "*", "attempt_*", str(local_rank), "stderr.log"))
+    return max(logs, key=os.path.getmtime) if logs else None
+
+
+class _DropWorkerFailureLines:
+    """torchrun logs a worker's failure (with a traceback when workers are forked), a signal it received
+    and the stopping of each worker; the launcher says it once, in one line, instead."""
+
+    def filter(self, record) -> bool:
+        message = str(record.msg)
+        return not message.startswith(("failed (exitcode", "Sending process", "Terminating process",
+                                        "Closing process", "Received %s death signal"))
+
+
+def _let_finished_workers_exit_on_close():
+    """A worker started as a function (fork) that returns hands its result to the agent and then waits
+    until the agent has read every worker's result. When the agent stops the workers instead (a stop
+    signal: the workers finish their step, save and return), it reads nothing and would wait its
+    whole shutdown timeout for workers that are done, then kill them. Releasing that wait first lets
+    them exit at once."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.MultiprocessContext._close
+    if getattr(close, "_releases_finished_workers", False):
+        return
+
+    def _close(self, *args, **kwargs):
+        finished = getattr(self, "_worker_finished_event", None)
+        if finished is not None:
+            finished.set()
+        return close(self, *args, **kwargs)
+
+    _close._releases_finished_workers = True
+    api.MultiprocessContext._close = _close
+
+
+class StoreProbe:
+    """On a node other than node 0 (NODE_RANK > 0), wait in the background, while the preflight runs,
+    for node 0's rendezvous store to accept connections."""
+
+    def __init__(self, opts: argparse.Namespace):
+        import threading
+
+        self.endpoint, self.timeout = opts.rdzv_endpoint, opts.rdzv_timeout
+        self.reachable: bool | None = None
+        self.thread = None
+        if opts.nnodes > 1 and opts.node_rank is not None and opts.node_rank > 0:
+            self.thread = threading.Thread(target=self._probe, name="rdzv-probe", daemon=True)
+            self.thread.start()
+
+    def _probe(self):
+        self.reachable = wait_for_store(self.endpoint, self.timeout)
+
+    def ok(self) -> bool:
+        if self.thread is None:
+            return True
+        self.thread.join()
+        if not self.reachable:
+            print(f"error: nothing answers at the rendezvous endpoint {self.endpoint} after {self.timeout}s "
+                  f"(RDZV_TIMEOUT): is node 0 running, and is RDZV_ENDPOINT its address and a port it can listen "
+                  f"on?", file=sys.stderr, flush=True)
+        return bool(self.reachable)
+
+
+def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousError,
+        RendezvousTimeoutError,
+    )
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    import logging
+
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn",
+                 "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_DropWorkerFailureLines())
+    # torchrun would set this with a banner; one thread per worker unless the environment says otherwise.
+    if opts.nproc_per_node > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Prefix worker output with the global rank (torchrun's default is the local rank).
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
+
+    config, cmd, cmd_args = config_from_args(parse_args(torchrun_argv(opts, train_argv, cfg)))
+    fork = opts.worker_start == "fork"
+    if opts.worker_start == "auto":
+        import torch
+
+        fork = not torch.cuda.is_available()
+    if fork:
+        config.start_method = "fork"
+        entrypoint, args = worker, list(train_argv)
+        _let_finished_workers_exit_on_close()
+    else:
+        entrypoint, args = cmd, cmd_args
+    endpoint = config.rdzv_endpoint
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        first_rank, first = e.get_first_failure()
+        if first.exitcode == 2:
+            return 2  # a user mistake, already printed by the ranks
+        # Workers the agent stopped because of the first failure end with SIGTERM: not worth naming.
+        others = [describe_failure(rank, f) for rank, f in sorted(e.failures.items())
+                  if rank != first_rank and f.exitcode != -signal.SIGTERM]
+        also = f" (and {', '.join(others)})" if others else ""
+        where = log_path(config.logs_specs.root_log_dir, first.local_rank)
+        logs = f"; its output: {where}" if where else ""
+        print(f"error: training failed: {describe_failure(first_rank, first)}{also}{logs}", file=sys.stderr,
+              flush=True)
+        return failure_exit_code(first)
+    except SignalException as e:
+        print(f"stopped: the launcher received {signal.Signals(e.sigval).name} and passed it to the workers",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except RendezvousTimeoutError:
+        print(f"error: rendezvous '{opts.rdzv_id}' at {endpoint}: not all {opts.nnodes} nodes joined within "
+              f"{opts.rdzv_timeout}s (RDZV_TIMEOUT); start the same command on every node with the same "
+              f"RDZV_ENDPOINT and RDZV_ID", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousConnectionError:
+        hosting = opts.node_rank == 0 and opts.nnodes > 1
+        reason = (f"could not host the rendezvous store on {endpoint} (is the port in use?)" if hosting else
+                  f"could not reach the rendezvous store at {endpoint} within {min(opts.rdzv_timeout, 60)}s: "
+                  f"is node 0 running, and is RDZV_ENDPOINT its address and a port it can listen on?")
+        print(f"error: {reason}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousError as e:
+        print(f"error: rendezvous at {endpoint} failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    global _default_threads
+
+    launcher_argv, train_argv = split_argv(argv)
+    opts = parser().parse_args(launcher_argv)
+    try:
+        check_options(opts)
+        probe = StoreProbe(opts)
+        from torchtitan.config import load_config
+
+        load_config(train_argv)  # a mistake in the arguments or the recipe is found before torch is imported
+        import torch
+
+        # The launcher itself computes nothing; one thread keeps it from creating an OpenMP pool, which
+        # forked workers could not use. They restore their own count.
+        _default_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        from torchtitan.preflight import check
+
+        # Several nodes share the dump folder: only node 0 (which no worker of this job can precede)
+        # checks that no other run holds it; rank 0 takes the lock when the workers start.
+        check_lock = opts.nnodes == 1 or opts.node_rank == 0
+        cfg = check(train_argv, opts.nproc_per_node * opts.nnodes, check_lock=check_lock)
+    except HelpRequested as h:
+        print(h.text)
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    gc.collect()  # the preflight's model and data objects are not worth forking
+    # What the launcher imported is the workers' too: kept out of their garbage collections, which would
+    # otherwise scan it (~0.2 s per full collection) and copy every page it touches.
+    gc.freeze()
+    if not probe.ok():
+        return 1
+    return run(opts, train_argv, cfg)
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # torchrun's store and agent threads need no finalization
