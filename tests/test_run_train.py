@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import processes_naming
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_DIR = str(Path(sys.executable).parent)
 
@@ -129,22 +131,6 @@ def test_readme_lists_every_layout_and_each_passes_preflight(tmp_path):
         assert layout in described, f"no README command for {layout}: {sorted(described)}"
 
 
-def _processes_naming(text: str) -> list[int]:
-    """Pids of live (not zombie) processes whose command line contains `text`."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            pids.append(int(pid))
-    return pids
-
-
 def _start_long_run(folder: Path, *extra: str) -> subprocess.Popen:
     full_env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], NGPU="2", OMP_NUM_THREADS="1")
     args = ["--job.dump_folder", str(folder), "--training.steps", "100000", "--training.seq_len", "64",
@@ -171,24 +157,24 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     proc = _start_long_run(tmp_path)
     try:
         _wait_for_checkpoint(tmp_path, proc)
-        assert len(_processes_naming(str(tmp_path))) >= 3  # the launcher and its two workers
+        assert len(processes_naming(str(tmp_path))) >= 3  # the launcher and its two workers
         os.kill(proc.pid, 9)  # run_train.sh became the launcher; only it is killed
         proc.wait()
         killed = time.monotonic()
-        while _processes_naming(str(tmp_path)) and time.monotonic() - killed < 30:
+        while processes_naming(str(tmp_path)) and time.monotonic() - killed < 30:
             time.sleep(0.1)
-        left = _processes_naming(str(tmp_path))
+        left = processes_naming(str(tmp_path))
         assert not left, f"workers still running after 30 s: {left}"
         assert time.monotonic() - killed < 10
     finally:
-        for pid in _processes_naming(str(tmp_path)):
+        for pid in processes_naming(str(tmp_path)):
             os.kill(pid, 9)
     steps = complete_checkpoints(str(tmp_path / "checkpoint"))
     assert steps and all(verify_checkpoint(str(tmp_path / "checkpoint" / f"step-{s}")) is None for s in steps)
 
 
 def _worker_of_rank(folder: Path, rank: int) -> int:
-    for pid in _processes_naming(str(folder)):
+    for pid in processes_naming(str(folder)):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             name = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -211,13 +197,13 @@ def test_a_stopped_rank_ends_the_job_within_the_train_timeout(tmp_path):
         waiting, stopped = _worker_of_rank(tmp_path, 0), _worker_of_rank(tmp_path, 1)
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
-        while waiting in _processes_naming(str(tmp_path)) and time.monotonic() - start < 90:
+        while waiting in processes_naming(str(tmp_path)) and time.monotonic() - start < 90:
             time.sleep(0.1)
         elapsed = time.monotonic() - start
         os.kill(stopped, signal.SIGCONT)  # lets torchrun's SIGTERM end it without its 30 s grace
         proc.wait(timeout=60)
     finally:
-        for pid in _processes_naming(str(tmp_path)):
+        for pid in processes_naming(str(tmp_path)):
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, 9)
     err = proc.stderr.read()

@@ -14,6 +14,7 @@ optimizer_step, log, checkpoint) that a fork can override one at a time in a sub
 """
 
 import gc
+import importlib.util
 import json
 import logging
 import math
@@ -141,6 +142,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         )
     if spec.validate is not None:
         spec.validate(model_args, dims)
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("metrics.enable_wandb needs the wandb package: pip install wandb (or turn it off)")
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
@@ -248,7 +251,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, write=self.rank == 0, append=start_step > 0,
             color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(), total_steps=t.steps,
-            start_step=start_step,
+            start_step=start_step, run_config=asdict(cfg),
         )
         data_iter = iter(self.dataloader)
         stopped_at = None

@@ -1,5 +1,6 @@
 import glob
 import json
+import re
 
 import pytest
 import torch
@@ -81,3 +82,58 @@ def test_peak_memory_is_resident_set_on_cpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     peak, hwm = map(float, out.split())
     assert abs(peak - hwm) < 0.01 and peak > 1.0, (peak, hwm)
+
+
+def wandb_values(data: bytes, key: str) -> list[float]:
+    """The values logged under `key` in a .wandb file: each history item is a protobuf message of the
+    key (field 2) and its JSON value (field 16), both length-prefixed."""
+    k = key.encode()
+    pattern = re.escape(b"\x12" + bytes([len(k)]) + k + b"\x82\x01")
+    return [float(data[m.end() + 1 : m.end() + 1 + data[m.end()]]) for m in re.finditer(pattern, data)]
+
+
+def test_wandb_offline_run_and_resume(tmp_path, monkeypatch):
+    """Without an API key the run is written offline into the dump folder; a resumed job continues the
+    same wandb run."""
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from torchtitan.components.metrics import wandb_mode
+
+    assert wandb_mode() == "offline"
+    cfg = Metrics(enable_wandb=True)
+    first = MetricsLogger(cfg, str(tmp_path), write=True, run_config={"training": {"steps": 2}})
+    first.log(record(1, 5.0))
+    first.log_validation({"step": 1, "validation_loss": 6.0, "validation_perplexity": 403.4,
+                          "validation_batches": 1, "validation_tokens": 64, "validation_time": 0.1})
+    first.close()
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and glob.glob(f"{runs[0]}/run-{run_id}.wandb")
+    logged = open(f"{runs[0]}/run-{run_id}.wandb", "rb").read()
+    # (in the step's history record, and again in the run's summary)
+    assert set(wandb_values(logged, "loss")) == {5.0} and set(wandb_values(logged, "validation_loss")) == {6.0}
+    assert b'{"steps":2}' in logged  # the run's config
+
+    resumed = MetricsLogger(cfg, str(tmp_path), write=True, append=True)
+    resumed.log(record(2, 4.0))
+    resumed.close()
+    assert (tmp_path / "wandb_run_id").read_text() == run_id
+    fresh = MetricsLogger(cfg, str(tmp_path), write=True)  # a new run in the folder: a new wandb run
+    fresh.close()
+    assert (tmp_path / "wandb_run_id").read_text() != run_id
+
+
+def test_wandb_missing_package_is_refused_before_launch(tmp_path, monkeypatch):
+    import importlib.util
+
+    from torchtitan.config import UserError, load_config
+    from torchtitan.train import preflight
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    cfg = load_config(["--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(UserError, match="metrics.enable_wandb needs the wandb package: pip install wandb"):
+        preflight(cfg, 1)

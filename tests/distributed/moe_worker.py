@@ -46,8 +46,8 @@ class Probe(Trainer):
             }
         return super().optimizer_step()
 
-    def checkpoint(self, step: int):
-        super().checkpoint(step)
+    def checkpoint(self, step: int, stopping: bool = False):
+        super().checkpoint(step, stopping)
         self.memory = getattr(self, "memory", []) + [rss_mib()]
         if step < self.cfg.training.steps:
             return

@@ -107,18 +107,65 @@ def step_line(values: dict, extra: str = "", color: bool = False, total_steps: i
     )
 
 
+def wandb_mode() -> str:
+    """WANDB_MODE if set; else online when an API key is configured and the service answers within 2 s,
+    otherwise offline (the run is written locally; `wandb sync` uploads it later)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    if not has_key:
+        try:
+            import netrc
+
+            has_key = netrc.netrc().authenticators("api.wandb.ai") is not None
+        except (OSError, netrc.NetrcParseError):
+            pass
+    if not has_key:
+        return "offline"
+    import socket
+
+    try:
+        socket.create_connection(("api.wandb.ai", 443), timeout=2).close()
+    except OSError:
+        return "offline"
+    return "online"
+
+
+def start_wandb(dump_folder: str, run_config: dict | None, resume: bool):
+    """A wandb run for this job; a resumed job (resume) continues the run whose id the folder keeps."""
+    import wandb
+
+    id_file = os.path.join(dump_folder, "wandb_run_id")
+    run_id = None
+    if resume and os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip() or None
+    mode = wandb_mode()
+    run = wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=dump_folder, config=run_config, id=run_id,
+        resume="allow" if run_id else None, mode=mode,
+    )
+    with open(id_file, "w") as f:
+        f.write(run.id)
+    where = f"; upload it with: wandb sync {run.dir.rsplit('/files', 1)[0]}" if mode == "offline" else ""
+    logger.info(f"wandb run {run.id} ({mode}){where}")
+    return run
+
+
 class MetricsLogger:
-    """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard and
-    metrics.jsonl. Values must already be global (reduced over ranks) where that matters."""
+    """Writes logged steps to the console (every rank) and, on the writing rank, to TensorBoard,
+    Weights & Biases and metrics.jsonl. Values must already be global (reduced over ranks) where
+    that matters."""
 
     def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False, color: bool = False,
-                 total_steps: int | None = None, start_step: int = 0):
+                 total_steps: int | None = None, start_step: int = 0, run_config: dict | None = None):
         self.write = write
         self.color = color
         self.total_steps = total_steps
         self.last = (start_step, 0.0)  # (step, time) of the previous line, for the time left
         self.jsonl = None
         self.tb = None
+        self.wandb = None
         if write:
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a" if append else "w")
@@ -126,6 +173,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(os.path.join(dump_folder, cfg.save_tb_folder))
+            if cfg.enable_wandb:
+                self.wandb = start_wandb(dump_folder, run_config, resume=append)
 
     def log(self, values: dict):
         step = values["step"]
@@ -140,11 +189,15 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(values) + "\n")
             self.jsonl.flush()
+        self._scalars({k: v for k, v in values.items() if k != "step"}, step)
+
+    def _scalars(self, values: dict, step: int):
         if self.tb is not None:
             for key, value in values.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, step)
+                self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def log_validation(self, values: dict):
         """A validation record (step, validation_loss, validation_perplexity, ...): its own console line,
@@ -157,13 +210,12 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(values) + "\n")
             self.jsonl.flush()
-        if self.tb is not None:
-            for key in ("validation_loss", "validation_perplexity"):
-                self.tb.add_scalar(key, values[key], values["step"])
-            self.tb.flush()
+        self._scalars({k: values[k] for k in ("validation_loss", "validation_perplexity")}, values["step"])
 
     def close(self):
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

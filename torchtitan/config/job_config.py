@@ -244,6 +244,12 @@ class Metrics:
     disable_color_printing: bool = opt(
         False, "Plain console lines; otherwise the step line is colored when the console is a terminal."
     )
+    enable_wandb: bool = opt(
+        False,
+        "Log metrics and the resolved config to Weights & Biases too (the wandb package; project WANDB_PROJECT, "
+        "default torchtitan). Offline, into {dump_folder}/wandb, unless an API key is set and the service answers "
+        "(or as WANDB_MODE says); a resumed run continues the same wandb run.",
+    )
 
 
 @dataclass(frozen=True)
@@ -437,7 +443,7 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     "parallelism": {
         "enable_compiled_autograd": False,
     },
-    "metrics": {"enable_wandb": False, "save_for_all_ranks": False},
+    "metrics": {"save_for_all_ranks": False},
     "memory_estimation": {"enabled": False, "disable_fake_mode": ANY},
     "experimental": {"custom_args_module": ""},
 }
