@@ -130,9 +130,7 @@ def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
     """The packed stream's windows of `length` tokens, from the first document to the end (no wrap)."""
     buffer: list[int] = []
     for text in source.documents(0):
-        if not text:  # an empty document adds no BOS/EOS pair (as in training)
-            continue
-        buffer.extend(tokenizer.encode(text, bos=True, eos=True))
+        buffer.extend(training_data.encode_document(tokenizer, text))  # framed as training frames it
         start = 0
         while len(buffer) - start >= length:
             yield buffer[start : start + length]
