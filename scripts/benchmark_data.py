@@ -10,6 +10,10 @@ data-parallel layouts builds rank (D - 1)'s loader (the rank that skips the most
   from a state near the end of the first epoch (independent of the corpus size);
 - tokens/s delivered to that rank (inputs, local_batch_size x seq_len per batch), shuffle on.
 
+With --text-workers (e.g. 0,1,2), also the text pipeline: tokens/s delivered from the embedded
+python_stdlib corpus, tokenized by the shipped sentencepiece model, with that many
+training.data_workers (0: in the process that trains), shuffle on, dp 1.
+
 For scale: the debug model trains at about 2,150 tokens/s on CPU (README, scripts/benchmark.py), so
 the target is at least 100x that, 215,400 tokens/s per rank. Not a test: it prints figures.
 """
@@ -83,8 +87,20 @@ def main():
     parser.add_argument("--local-batch", type=int, default=8)
     parser.add_argument("--dp", default="1,8,64", help="data-parallel degrees to measure")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per layout")
+    parser.add_argument("--text-workers", default="", help="data_workers counts for the text pipeline, e.g. 0,1,2")
     args = parser.parse_args()
     tokenizer = Tokenizer(MODEL)
+    for workers in (int(w) for w in args.text_workers.split(",") if w):
+        cfg = Training(dataset="python_stdlib", seq_len=args.seq_len, local_batch_size=args.local_batch,
+                       data_workers=workers)
+        it = iter(build_dataloader(cfg, tokenizer, 0, 1, args.local_batch))
+        next(it)  # the workers are started and have read ahead
+        batches, start = 0, time.perf_counter()
+        while time.perf_counter() - start < args.seconds:
+            next(it)
+            batches += 1
+        rate = batches * args.local_batch * args.seq_len / (time.perf_counter() - start)
+        print(f"text pipeline, data_workers {workers}: {rate:12,.0f} tokens/s delivered")
     folder = Path(args.folder)
     meta = generate(folder, args.size_mb, tokenizer)
     print(f"token folder: {meta['num_tokens'] * 2 / (1 << 30):.2f} GiB, {meta['num_tokens']:,} tokens, "

@@ -31,7 +31,9 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     recipe = tmp_path / "short.toml"
     recipe.write_text(
         f'[job]\nbase_config = "{REPO / "train_configs" / "debug_model.toml"}"\n'
-        '[training]\nsteps = 8\nseq_len = 64\n[metrics]\nlog_freq = 4\n'
+        # A data worker per rank: the workers end with their trainer, which exits (a forked child of the
+        # launcher, where no atexit handler runs).
+        '[training]\nsteps = 8\nseq_len = 64\ndata_workers = 1\n[metrics]\nlog_freq = 4\n'
     )
     out = tmp_path / "out"
     proc, _ = run_train("--job.dump_folder", str(out), "--training.local_batch_size=2",
@@ -47,7 +49,7 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     assert [r["step"] for r in records] == [1, 4, 8]  # recipe's steps and log_freq, CLI's batch size
     assert list((out / "tb").glob("events.out.tfevents.*"))
     resolved = (out / "config.toml").read_text()
-    assert "steps = 8" in resolved and "local_batch_size = 2" in resolved and 'flavor = "debugmodel"' in resolved
+    assert "steps = 8" in resolved and "local_batch_size = 2" in resolved and "data_workers = 1" in resolved and 'flavor = "debugmodel"' in resolved
 
 
 def test_help_lists_options():

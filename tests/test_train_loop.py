@@ -236,10 +236,13 @@ def test_data_wait_is_measured_per_step(tmp_path):
         "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
         "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
         "--job.dump_folder", str(tmp_path / "slow"), "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "4", "--metrics.log_freq", "2", "--metrics.device_peak_tflops", "1",
+        "--training.steps", "4", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2",
+        "--metrics.device_peak_tflops", "1",
     ])
     slow = train(cfg, SlowData)
-    normal = short_run(tmp_path / "normal")
+    # Documents tokenized by a worker process: the same batches, so the same losses.
+    normal = short_run(tmp_path / "normal", "--training.data_workers", "1")
     assert [r["step"] for r in slow] == [1, 2, 4]
     assert all(r["data_wait_s"] >= 0.05 for r in slow)  # the mean over the steps since the previous record
     assert all(r["data_wait_s"] < 0.05 for r in normal[1:])
+    assert [r["loss"] for r in normal] == pytest.approx([r["loss"] for r in slow], rel=1e-6)

@@ -10,7 +10,10 @@ Tests of stored-order behaviour turn shuffling off; the shuffle tests state the 
 import gzip
 import json
 import logging
+import multiprocessing
+import os
 import random
+import signal
 import sys
 import sysconfig
 import types
@@ -972,3 +975,85 @@ def test_missing_optional_package(tmp_path, monkeypatch, module, name, writer):
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(UserError, match=rf"{name}.* needs the {module} package: pip install {module}"):
         make_loader(path, 8, 2)
+
+
+# --- data workers: documents read and tokenized in other processes ---------------------------------
+
+
+class PidRecordingTokenizer(CharTokenizer):
+    """CharTokenizer that appends the id of the process encoding each document to a file."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def encode(self, text, bos, eos):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return super().encode(text, bos, eos)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_path, shuffle):
+    docs = random_docs(150, seed=4) + [""] + random_docs(40, seed=5)  # the empty document keeps its index
+    path = write_jsonl(tmp_path / "docs.jsonl", docs)
+    log = tmp_path / "pids"
+    tok = PidRecordingTokenizer(log)
+    loader = make_loader(path, 31, 2, tok=tok, shuffle=shuffle, data_workers=3)
+    log.unlink(missing_ok=True)
+    it = iter(loader)
+    got = take(it, 10)
+    # A scheduler may signal every process of the job: the workers leave that to the trainer.
+    workers = [p for p in multiprocessing.active_children() if p.pid != os.getpid()]
+    assert len(workers) >= 3
+    for worker in workers:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            os.kill(worker.pid, sig)
+    got += take(it, 150)  # 10,240 tokens in all: two epoch boundaries (an epoch is ~4,400)
+    assert got == expected_windows(docs, 31, 0, 320, seed=0 if shuffle else None)
+    pids = set(log.read_text().split())
+    assert str(os.getpid()) not in pids
+    assert len(pids) >= 3  # three workers per epoch
+    assert loader.state_dict()["dataset_state"]["epoch"] == 2
+
+
+def test_with_data_workers_the_state_is_the_streams_and_loads_under_any_worker_count(shuffled_docs):
+    docs, path = shuffled_docs
+    gb, before, after = 8, 5, 4  # 72 windows of 17 tokens: an epoch boundary after the resume
+    reference = expected_windows(docs, 16, 0, (before + after) * gb, seed=0)
+    states = []
+    for workers in (2, 0):
+        for rank in range(2):
+            loader = make_loader(path, 16, 2, 2, rank, gb, shuffle=True, data_workers=workers)
+            it = iter(loader)
+            take(it, before * 2)
+            states.append(json_round_trip(loader.state_dict()))
+    assert states[0] == states[1] == states[2] == states[3]  # the same with and without workers
+    for dp, lb, workers in [(1, 8, 3), (2, 2, 1), (4, 2, 0)]:
+        ranks = []
+        for rank in range(dp):
+            loader = make_loader(path, 16, lb, dp, rank, gb, shuffle=True, data_workers=workers)
+            loader.load_state_dict(states[0])
+            it = iter(loader)
+            ranks.append([take(it, gb // dp // lb) for _ in range(after)])
+        for s in range(after):
+            step = before + s
+            assert [w for r in range(dp) for w in ranks[r][s]] == reference[step * gb : (step + 1) * gb], (dp, s)
+
+
+def test_a_bad_document_read_by_a_worker_fails_with_the_same_message_as_in_the_trainer(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in random_docs(60, seed=2)) + '{"text": oops}\n')
+    messages = []
+    for workers in (0, 2):
+        with pytest.raises(UserError) as caught:
+            take(iter(make_loader(path, 8, 2, data_workers=workers)), 500)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+    assert "bad.jsonl line 61: invalid JSON" in messages[1] and "Traceback" not in messages[1]
+
+
+def test_data_workers_are_refused_for_a_token_folder():
+    from torchtitan.components.data import PackedDataset
+
+    with pytest.raises(ValueError, match="only a text source"):
+        PackedDataset(object(), None, 8, 0, 1, 2, workers=1)

@@ -611,6 +611,9 @@ def test_import_does_not_import_torch():
 def test_dataset_path_rules():
     assert "needs training.dataset_path" in error_of(["--training.dataset", "local"])
     assert "does not read it" in error_of(["--training.dataset_path", "/tmp/x.jsonl"])
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", "/tmp/t"]
+    assert "a token folder has nothing to tokenize" in error_of([*tokens, "--training.data_workers", "1"])
+    assert "data_workers must be 0" in error_of(["--training.data_workers", "-1"])
 
 
 def test_hf_assets_path_is_the_initial_hf_weights_folder_or_refused(tmp_path):

@@ -57,6 +57,13 @@ What is unusual here:
   global sample is, so a state only loads with the values it was saved with. States of version 1
   (before shuffling) load as states of the stored order.
 
+- Worker processes (training.data_workers = W > 0, text sources): the documents of an epoch are
+  read and tokenized in W forked processes, in chunks of 16 consecutive positions of the epoch's
+  order dealt to the workers in turn, and come back in order. Cutting windows stays in the trainer
+  process, so the samples, their order and the state are those of W = 0. Workers ignore the
+  scheduler's signals (the trainer stops on them and shuts the workers down) and end with their
+  trainer. Batches are pinned for CUDA (build_dataloader's pin_memory).
+
 - Empty documents (and null texts) are skipped (no BOS/EOS pair for them), but they keep their
   document index.
 """
@@ -68,7 +75,10 @@ import io
 import itertools
 import json
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
+import signal
 import socket
 import sysconfig
 import urllib.parse
@@ -79,7 +89,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.tokenizer import Tokenizer
@@ -929,15 +939,124 @@ class _TokenizedSource:
         self.name = source.name
         self.random_access = source.random_access
 
-    def documents(self, start: int) -> Iterator[list[int]]:
-        for text in self.source.documents(start):
-            yield encode_document(self.tokenizer, text)
+    def documents(self, start: int, keep: Callable[[int], bool] | None = None) -> Iterator[list[int] | None]:
+        """The documents from position `start` in stored order; with `keep`, the ones it refuses (by
+        position) are read but not tokenized, and come as None."""
+        for position, text in enumerate(self.source.documents(start), start):
+            yield encode_document(self.tokenizer, text) if keep is None or keep(position) else None
 
     def num_documents(self) -> int:
         return self.source.num_documents()
 
     def document(self, index: int) -> list[int]:
         return encode_document(self.tokenizer, self.source.document(index))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and tokenizing documents in worker processes (training.data_workers).
+
+DOCUMENTS_PER_CHUNK = 16  # a worker's unit of work: few enough that the first chunk comes quickly
+CHUNKS_AHEAD = 4  # per worker: how far the workers read ahead of the trainer
+
+
+class _WorkerError:
+    """A UserError raised in a worker, sent to the trainer as an item so that it is raised there with
+    its own message (a DataLoader re-raises a worker's exception with the worker's traceback in it)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _DocumentChunks(IterableDataset):
+    """The tokenized documents at positions start, start + 1, ... of an epoch's order (`order`: the
+    epoch's permutation of `count` documents; None: stored order, to the end of the source), in chunks
+    of DOCUMENTS_PER_CHUNK positions, as arrays of token ids. Worker w of W makes chunks w, w + W,
+    w + 2W, ... A DataLoader asks its workers for items in turn and yields them in that order, so the
+    chunks come in position order. In stored order each worker reads every document but tokenizes only
+    its own; shuffled, it reads only its own."""
+
+    def __init__(self, docs: _TokenizedSource, start: int, order: "_Permutation | None", count: int | None):
+        self.docs, self.start, self.order, self.count = docs, start, order, count
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = info.id, info.num_workers
+        try:
+            yield from self._chunks(worker, workers)
+        except UserError as e:
+            yield _WorkerError(str(e))
+
+    def _chunks(self, worker: int, workers: int):
+        def tokens(doc):
+            return array("i", doc)  # compact to send, and sliced like a list
+
+        if self.order is not None:
+            for lo in range(self.start + worker * DOCUMENTS_PER_CHUNK, self.count, workers * DOCUMENTS_PER_CHUNK):
+                positions = range(lo, min(lo + DOCUMENTS_PER_CHUNK, self.count))
+                yield [tokens(self.docs.document(self.order[p])) for p in positions]
+            return
+
+        def own(position: int) -> bool:
+            return (position - self.start) // DOCUMENTS_PER_CHUNK % workers == worker
+
+        chunk = []
+        for position, doc in enumerate(self.docs.documents(self.start, keep=own), self.start):
+            if doc is not None:
+                chunk.append(tokens(doc))
+                if (position - self.start + 1) % DOCUMENTS_PER_CHUNK == 0:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+
+
+def _as_is(item):
+    return item
+
+
+def _start_worker(worker_id: int):
+    # A scheduler may signal every process of the job (SLURM does). The trainer stops on it after its
+    # step (components/stop_signals.py), and may still read documents to save the data position; a
+    # worker that died of it would fail that step. Workers end when the trainer is done with them.
+    for sig in _WORKER_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _WORKER_SIGNALS)  # blocked from the fork until now
+
+
+_WORKER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+
+
+def _worker_documents(docs: _TokenizedSource, start: int, order, count: int | None, workers: int) -> Iterator:
+    """What `_TokenStream` reads from position `start` of an epoch, tokenized by `workers` processes."""
+    with warnings.catch_warnings():
+        # torch's advice on the worker count against the cores, repeated at every epoch; the user chose it.
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        loader = DataLoader(
+            _DocumentChunks(docs, start, order, count), batch_size=None, num_workers=workers,
+            collate_fn=_as_is, prefetch_factor=CHUNKS_AHEAD, worker_init_fn=_start_worker,
+            # Forked workers share the open source and tokenizer; nothing of torch runs in them.
+            multiprocessing_context="fork" if "fork" in multiprocessing.get_all_start_methods() else None,
+        )
+        # Blocked while the workers fork, so that none dies of a signal before _start_worker.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
+        try:
+            chunks = iter(loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    # The workers are stopped when the stream seeks or starts an epoch, when the stream is collected as
+    # garbage, or when this process exits. The registered finalizer holds the iterator: one collected as
+    # garbage along with its queues loses their feeder threads first, and its workers would never hear
+    # the shutdown. At exit it runs before multiprocessing ends the process's children with SIGTERM,
+    # which the workers ignore, and waits for them (also where this process is a multiprocessing child,
+    # which runs no atexit handlers).
+    stop = multiprocessing.util.Finalize(chunks, chunks._shutdown_workers, exitpriority=100)
+    try:
+        for chunk in chunks:
+            if isinstance(chunk, _WorkerError):
+                raise UserError(chunk.message)
+            yield from chunk
+    finally:
+        stop()
 
 
 class _TokenStream:
@@ -955,8 +1074,9 @@ class _TokenStream:
     """
 
     def __init__(self, docs, window_len: int, shuffle_seed: int | None = None,
-                 num_documents: int | None = None):
+                 num_documents: int | None = None, workers: int = 0):
         self.source = docs
+        self.workers = workers  # > 0: documents are read and tokenized in that many processes
         self.window_len = window_len
         self.shuffle_seed = shuffle_seed  # None: stored order
         self.num_documents = num_documents  # with a shuffle seed: the permutation's size
@@ -987,6 +1107,10 @@ class _TokenStream:
 
     def _epoch_documents(self, start: int) -> Iterator:
         """The token lists of the documents at positions start, start + 1, ... of this epoch's order."""
+        if self.workers:
+            order = None if self.shuffle_seed is None else self._permutation()
+            yield from _worker_documents(self.source, start, order, self.num_documents, self.workers)
+            return
         if self.shuffle_seed is None:
             yield from self.source.documents(start)
             return
@@ -1084,11 +1208,15 @@ class PackedDataset(IterableDataset):
     """
 
     def __init__(self, source, tokenizer, seq_len: int, dp_rank: int, dp_degree: int, global_batch_size: int,
-                 dataset_name: str = "", dataset_path: str = "", shuffle_seed: int | None = None):
+                 dataset_name: str = "", dataset_path: str = "", shuffle_seed: int | None = None,
+                 workers: int = 0):
         # `source`: a text source, tokenized by `tokenizer`; with tokenizer None, a source of token lists
         # (a token file). A source of tokens with `check_window` checks each window this rank reads.
+        # `workers`: processes that read and tokenize the text source's documents (0: this process).
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_degree}")
+        if workers < 0 or (workers and tokenizer is None):
+            raise ValueError(f"{workers} data workers: only a text source (with a tokenizer) has workers")
         if global_batch_size < 1 or global_batch_size % dp_degree:
             raise ValueError(f"global batch size {global_batch_size} is not a positive multiple of {dp_degree}")
         self.seq_len = seq_len
@@ -1101,7 +1229,7 @@ class PackedDataset(IterableDataset):
         docs = source if tokenizer is None else _TokenizedSource(source, tokenizer)
         self._check_window = getattr(docs, "check_window", None)
         num_documents = docs.num_documents() if shuffle_seed is not None else None
-        self._stream = _TokenStream(docs, seq_len + 1, shuffle_seed, num_documents)
+        self._stream = _TokenStream(docs, seq_len + 1, shuffle_seed, num_documents, workers)
 
     def owns(self, sample: int) -> bool:
         return self._block_start <= sample % self.global_batch_size < self._block_end
@@ -1207,9 +1335,11 @@ def _collate(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_dataloader(
-    cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, global_batch_size: int
+    cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, global_batch_size: int,
+    pin_memory: bool = False,
 ) -> StatefulDataLoader:
-    """Batches (inputs, labels), each int64 [local_batch_size, seq_len], of this rank's samples.
+    """Batches (inputs, labels), each int64 [local_batch_size, seq_len], of this rank's samples; in
+    page-locked memory with `pin_memory` (for non-blocking copies to a CUDA device).
 
     `global_batch_size` is resolved: a positive multiple of local_batch_size x dp_degree.
     The loader never ends (the data loops). To resume, call loader.load_state_dict(state) and
@@ -1232,9 +1362,12 @@ def build_dataloader(
     dataset = PackedDataset(
         source, tokenizer, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
         dataset_name=cfg.dataset, dataset_path=cfg.dataset_path or "",
-        shuffle_seed=cfg.seed if shuffle else None,
+        shuffle_seed=cfg.seed if shuffle else None, workers=cfg.data_workers,
     )
     with warnings.catch_warnings():
         # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(dataset, batch_size=cfg.local_batch_size, num_workers=0, collate_fn=_collate)
+        return StatefulDataLoader(
+            # Windows are cut in this process, so the state is the stream's position (workers only tokenize).
+            dataset, batch_size=cfg.local_batch_size, num_workers=0, collate_fn=_collate, pin_memory=pin_memory,
+        )

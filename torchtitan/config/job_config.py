@@ -121,6 +121,12 @@ class Training:
         "(python_stdlib, .txt, uncompressed .jsonl/.json, Arrow), stored order for data read as a stream (compressed "
         "JSON lines, parquet, huggingface, c4). true: shuffle, refusing streamed data; false: stored order.",
     )
+    data_workers: int = opt(
+        0,
+        "Processes per rank that read and tokenize documents ahead of training (text datasets). The samples, "
+        "their order and the resumable state are the same for every count. 0: in the trainer process. A token "
+        "folder (tokens) has nothing to tokenize and is read in the trainer process (memory-mapped).",
+    )
     local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch.")
     global_batch_size: int = opt(
         -1,

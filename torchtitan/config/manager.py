@@ -569,6 +569,12 @@ def _check_rules(cfg: JobConfig) -> list[str]:
                "huggingface": "dataset name or path",
                "tokens": "folder scripts/pretokenize.py wrote"}[t.dataset],
         )
+    need(t.data_workers >= 0, f"training.data_workers must be 0 (read in the trainer) or more, got {t.data_workers}")
+    need(
+        t.dataset != "tokens" or t.data_workers == 0,
+        f'training.data_workers = {t.data_workers} with training.dataset = "tokens": a token folder has nothing to '
+        "tokenize and is read memory-mapped in the trainer; set data_workers = 0",
+    )
     need(
         bool(t.dataset_text_field),
         "training.dataset_text_field is empty; set it to the field or column holding the text (default 'text')",
