@@ -13,6 +13,7 @@ optimizer_step, log, checkpoint) that a fork can override one at a time in a sub
 `main(argv, trainer_cls=MyTrainer)`.
 """
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -77,6 +78,28 @@ class Plan:
     spec: ModelSpec
 
 
+def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
+    """The args of the model this job builds. Its vocabulary is the tokenizer's, padded
+    (spec.args_for_training); where the initial weights come from a Hugging Face folder, that folder's
+    vocab_size (checkpoints pad as they like: Qwen3 has 151,936 rows for 151,669 tokens)."""
+    args = spec.args_for_training(cfg.model.flavor, tokenizer_vocab, cfg.training.seq_len, moe_overrides(cfg.moe))
+    if not cfg.checkpoint.initial_load_in_hf:
+        return args
+    from torchtitan.components.hf_checkpoint import HF_CONFIG, read_hf_config
+
+    where = os.path.join(cfg.checkpoint.initial_load_path, HF_CONFIG)
+    hf_vocab = read_hf_config(cfg.checkpoint.initial_load_path).get("vocab_size")
+    if not isinstance(hf_vocab, int) or isinstance(hf_vocab, bool) or hf_vocab < 1:
+        raise UserError(f"{where} has no positive integer vocab_size (got {hf_vocab!r}); is it a model's config.json?")
+    if hf_vocab < tokenizer_vocab:
+        raise UserError(
+            f"{where} has vocab_size {hf_vocab:,}, fewer than the {tokenizer_vocab:,} tokens of model.tokenizer_path "
+            f"{cfg.model.tokenizer_path}: the tokenizer would produce ids the weights have no row for; use the "
+            "tokenizer that was published with these weights"
+        )
+    return dataclasses.replace(args, vocab_size=hf_vocab)
+
+
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """Checks that need no collectives: degrees against the world size, batch arithmetic, the model
     name and flavor against the parallelisms, the tokenizer file, the dump and checkpoint folders.
@@ -118,9 +141,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 "parallelism.enable_async_tensor_parallel uses CUDA symmetric memory; this job runs on the CPU: "
                 "turn it off"
             )
-        vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
-        sizes = spec.tp_sizes(spec.args_for_training(cfg.model.flavor, vocab, t.seq_len, overrides))
+        sizes = spec.tp_sizes(model_args_for_run(spec, cfg, Tokenizer(cfg.model.tokenizer_path).vocab_size))
         check_tp_divisibility(sizes, dims.tp, t.seq_len)
+    elif cfg.checkpoint.initial_load_in_hf:
+        model_args_for_run(spec, cfg, Tokenizer(cfg.model.tokenizer_path).vocab_size)  # the vocabulary fits
     if dims.cp_enabled and spec.cp_attention is None:
         raise UserError(
             f"model '{spec.name}' does not support context parallel (its spec names no attention to replace); "
@@ -318,14 +342,14 @@ class Trainer:
     def build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
         """This rank's model parts (one, or its pipeline stages), parallelized and initialized."""
         cfg, t = self.cfg, self.cfg.training
-        self.model_args = self.spec.args_for_training(
-            cfg.model.flavor, self.tokenizer.vocab_size, t.seq_len, moe_overrides(cfg.moe)
-        )
+        self.model_args = model_args_for_run(self.spec, cfg, self.tokenizer.vocab_size)
         tokens, vocab = self.tokenizer.vocab_size, self.model_args.vocab_size
         logger.info(
             f"vocab {vocab:,} from the {self.tokenizer.kind} tokenizer ({tokens:,} tokens)" if vocab == tokens else
-            f"vocab {vocab:,}: the {self.tokenizer.kind} tokenizer's {tokens:,} tokens padded to a multiple of "
-            f"{VOCAB_MULTIPLE} (ids {tokens:,}-{vocab - 1:,} are never produced)"
+            f"vocab {vocab:,}: the {self.tokenizer.kind} tokenizer's {tokens:,} tokens padded to "
+            + ("the initial Hugging Face weights' vocab_size" if cfg.checkpoint.initial_load_in_hf
+               else f"a multiple of {VOCAB_MULTIPLE}")
+            + f" (ids {tokens:,}-{vocab - 1:,} are never produced)"
         )
         # Built on the meta device, so even the largest flavor costs nothing until materialized.
         with torch.device("meta"):

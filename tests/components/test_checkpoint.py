@@ -2,6 +2,8 @@
 bad-input path (corrupt, incomplete, foreign, missing, unwritable, full disk)."""
 
 import json
+import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -444,3 +446,29 @@ def test_resume_with_another_global_batch_is_refused_before_training(straight, t
         run(tmp_path, "--training.local_batch_size", "4")
     with pytest.raises(UserError, match="saved with training.seq_len = 32, but this job has 64"):
         run(tmp_path, "--training.seq_len", "64")
+
+
+def test_hf_import_takes_the_folders_vocabulary_which_must_cover_the_tokenizer(tmp_path, caplog):
+    # Published checkpoints pad their vocabulary their own way (Qwen3: 151,936 rows for 151,669 tokens).
+    import dataclasses
+
+    from torchtitan.components.hf_checkpoint import read_dcp_model, save_hf
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("llama3")
+    for vocab in (4160, 4032):  # the tokenizer has 4,096 tokens
+        args = dataclasses.replace(spec.args_for_training("debugmodel", 4096, 32), vocab_size=vocab)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=5)
+        save_hf(tmp_path / f"hf{vocab}", model.state_dict(), spec.hf, args, torch.float32)
+    with caplog.at_level(logging.INFO):
+        history = run(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf4160"),
+                      "--checkpoint.initial_load_in_hf", steps=1)
+    assert "vocab 4,160: the sentencepiece tokenizer's 4,096 tokens padded to the initial Hugging Face" in caplog.text
+    _, saved_args, _ = read_dcp_model(str(tmp_path / "run" / "checkpoint" / "step-1"), spec)
+    assert saved_args.vocab_size == 4160 and math.isfinite(history[0]["loss"])
+    with pytest.raises(UserError, match=r"hf4032/config.json has vocab_size 4,032, fewer than the 4,096 tokens"):
+        run(tmp_path / "narrow", "--checkpoint.initial_load_path", str(tmp_path / "hf4032"),
+            "--checkpoint.initial_load_in_hf", steps=1)
