@@ -690,15 +690,23 @@ def test_shuffled_step_boundary_state_loads_under_other_dp_degrees(shuffled_docs
         states.append(json_round_trip(loader.state_dict()))
     assert states[0] == states[1]
     for dp, lb in [(4, 2), (1, 8), (1, 2)]:
-        ranks = []
-        for rank in range(dp):
-            loader = make_loader(path, 16, lb, dp, rank, gb, shuffle=True)
-            loader.load_state_dict(states[0])
-            it = iter(loader)
-            ranks.append([take(it, gb // dp // lb) for _ in range(after)])
-        for s in range(after):
-            step = before + s
-            assert [w for r in range(dp) for w in ranks[r][s]] == reference[step * gb : (step + 1) * gb], (dp, s)
+        assert shuffled_steps_from(states[0], path, dp, lb, gb, after) == steps_of(reference, gb, before, after), dp
+
+
+def shuffled_steps_from(state, path, dp, lb, gb, steps, **training):
+    """The windows of each of the next `steps` steps, over all ranks, when every rank of layout (dp, lb)
+    loads `state` into a loader of shuffled `path` (seq_len 16)."""
+    ranks = []
+    for rank in range(dp):
+        loader = make_loader(path, 16, lb, dp, rank, gb, shuffle=True, **training)
+        loader.load_state_dict(state)
+        it = iter(loader)
+        ranks.append([take(it, gb // dp // lb) for _ in range(steps)])
+    return [[w for r in range(dp) for w in ranks[r][s]] for s in range(steps)]
+
+
+def steps_of(windows, gb, first, steps):
+    return [windows[step * gb : (step + 1) * gb] for step in range(first, first + steps)]
 
 
 def test_a_state_of_another_order_is_refused_and_version_1_loads_as_stored_order(shuffled_docs):
@@ -1029,15 +1037,8 @@ def test_with_data_workers_the_state_is_the_streams_and_loads_under_any_worker_c
             states.append(json_round_trip(loader.state_dict()))
     assert states[0] == states[1] == states[2] == states[3]  # the same with and without workers
     for dp, lb, workers in [(1, 8, 3), (2, 2, 1), (4, 2, 0)]:
-        ranks = []
-        for rank in range(dp):
-            loader = make_loader(path, 16, lb, dp, rank, gb, shuffle=True, data_workers=workers)
-            loader.load_state_dict(states[0])
-            it = iter(loader)
-            ranks.append([take(it, gb // dp // lb) for _ in range(after)])
-        for s in range(after):
-            step = before + s
-            assert [w for r in range(dp) for w in ranks[r][s]] == reference[step * gb : (step + 1) * gb], (dp, s)
+        got = shuffled_steps_from(states[0], path, dp, lb, gb, after, data_workers=workers)
+        assert got == steps_of(reference, gb, before, after), (dp, workers)
 
 
 def test_a_bad_document_read_by_a_worker_fails_with_the_same_message_as_in_the_trainer(tmp_path):
