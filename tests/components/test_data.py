@@ -1016,8 +1016,14 @@ def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_
     for worker in workers:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             os.kill(worker.pid, sig)
+    state = json_round_trip(loader.state_dict())
     got += take(it, 150)  # 10,240 tokens in all: two epoch boundaries (an epoch is ~4,400)
-    assert got == expected_windows(docs, 31, 0, 320, seed=0 if shuffle else None)
+    expected = expected_windows(docs, 31, 0, 320, seed=0 if shuffle else None)
+    assert got == expected
+    # Resumed mid-epoch, the workers start from the saved document position.
+    resumed = make_loader(path, 31, 2, shuffle=shuffle, data_workers=2)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 40) == expected[20:100]
     pids = set(log.read_text().split())
     assert str(os.getpid()) not in pids
     assert len(pids) >= 3  # three workers per epoch
