@@ -118,8 +118,8 @@ def wandb_mode() -> str:
             import netrc
 
             has_key = netrc.netrc().authenticators("api.wandb.ai") is not None
-        except (OSError, netrc.NetrcParseError):
-            pass
+        except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one wandb cannot read either: no key
+            has_key = False
     if not has_key:
         return "offline"
     import socket
