@@ -131,6 +131,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     # A missing path, a folder without tokenizer.json (cheap; Tokenizer reads the content, which
     # torchtitan.preflight does before launch).
     detect_tokenizer(cfg.model.tokenizer_path)
+    # The model as built, where its vocabulary matters before launch: TP splits it, and Hugging Face
+    # weights must have a row for every token.
+    run_args = (model_args_for_run(spec, cfg, Tokenizer(cfg.model.tokenizer_path).vocab_size)
+                if dims.tp_enabled or cfg.checkpoint.initial_load_in_hf else None)
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise UserError(
@@ -141,10 +145,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 "parallelism.enable_async_tensor_parallel uses CUDA symmetric memory; this job runs on the CPU: "
                 "turn it off"
             )
-        sizes = spec.tp_sizes(model_args_for_run(spec, cfg, Tokenizer(cfg.model.tokenizer_path).vocab_size))
-        check_tp_divisibility(sizes, dims.tp, t.seq_len)
-    elif cfg.checkpoint.initial_load_in_hf:
-        model_args_for_run(spec, cfg, Tokenizer(cfg.model.tokenizer_path).vocab_size)  # the vocabulary fits
+        check_tp_divisibility(spec.tp_sizes(run_args), dims.tp, t.seq_len)
     if dims.cp_enabled and spec.cp_attention is None:
         raise UserError(
             f"model '{spec.name}' does not support context parallel (its spec names no attention to replace); "
