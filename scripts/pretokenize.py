@@ -38,7 +38,7 @@ def open_source(spec: str, text_field: str = "text"):
         cfg = Training(dataset=spec, shuffle_documents=False, dataset_text_field=text_field)
     else:
         cfg = Training(dataset="local", dataset_path=spec, shuffle_documents=False, dataset_text_field=text_field)
-    source, _ = data._build_source(cfg)
+    source, _ = data.build_source(cfg)
     files = getattr(source, "paths", None) or list(getattr(source, "files", []))
     h = hashlib.sha256()
     for f in files:

@@ -4,7 +4,7 @@ formats, document shuffling, errors.
 Most tests use a character-level fake tokenizer, so the expected token stream can be written
 down independently of the code under test: window k of a run must equal stream[k*W:(k+1)*W].
 Tests of stored-order behaviour turn shuffling off; the shuffle tests state the order through
-`_Permutation`, the one definition of the shuffled order.
+`Permutation`, the one definition of the shuffled order.
 """
 
 import gzip
@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components import data as data_module
-from torchtitan.components.data import _Permutation, build_dataloader, stdlib_files
+from torchtitan.components.data import sources as data_sources
+from torchtitan.components.data import build_dataloader, stdlib_files
+from torchtitan.components.data.shuffle import Permutation
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
@@ -44,7 +45,7 @@ CHARS = CharTokenizer()
 
 
 def shuffled(docs, seed, epoch):
-    order = _Permutation(len(docs), seed, epoch)
+    order = Permutation(len(docs), seed, epoch)
     return [docs[order[k]] for k in range(len(docs))]
 
 
@@ -276,7 +277,7 @@ def test_resume_python_stdlib_mid_step():
     resumed.load_state_dict(state)
     assert take(iter(resumed), 3) == uninterrupted
     files = stdlib_files()
-    order = _Permutation(len(files), 0, 0)
+    order = Permutation(len(files), 0, 0)
     texts = [files[order[k]].read_text(encoding="utf-8", errors="replace") for k in range(3)]
     windows = expected_windows(texts, 32, 0, 40, tok)  # the first files are enough for 40 windows
     assert uninterrupted == windows[14:16] + windows[20:24]
@@ -372,7 +373,7 @@ def test_python_stdlib_is_the_default_dataset_and_is_shuffled():
     assert cfg.dataset == "python_stdlib" and cfg.shuffle_documents is None and cfg.seed == 0
     inputs, labels = next(iter(build_dataloader(cfg, tok, 0, 1, 2)))
     files = stdlib_files()
-    first = files[_Permutation(len(files), 0, 0)[0]]
+    first = files[Permutation(len(files), 0, 0)[0]]
     assert first != files[0]
     assert inputs[0].tolist() == tok.encode(first.read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
     # shuffle_documents = false: stored (sorted path) order.
@@ -628,14 +629,14 @@ def test_text_field_option(tmp_path, writer):
 def test_permutation_is_a_seeded_bijection_different_per_epoch_and_seed():
     for n in (1, 2, 3, 5, 16, 17, 100, 1000):
         for epoch in range(3):
-            order = [_Permutation(n, 0, epoch)[i] for i in range(n)]
+            order = [Permutation(n, 0, epoch)[i] for i in range(n)]
             assert sorted(order) == list(range(n))
-    orders = {(seed, epoch): tuple(_Permutation(50, seed, epoch)[i] for i in range(50))
+    orders = {(seed, epoch): tuple(Permutation(50, seed, epoch)[i] for i in range(50))
               for seed in (0, 1, -3, 2**40) for epoch in (0, 1, 2)}
     assert len(set(orders.values())) == len(orders)  # all different
-    assert orders[(0, 0)] == tuple(_Permutation(50, 0, 0)[i] for i in range(50))  # deterministic
+    assert orders[(0, 0)] == tuple(Permutation(50, 0, 0)[i] for i in range(50))  # deterministic
     # Pinned: a change of the order would silently change resumed runs.
-    assert [_Permutation(10, 0, 0)[i] for i in range(10)] == [8, 7, 6, 1, 4, 9, 2, 0, 5, 3]
+    assert [Permutation(10, 0, 0)[i] for i in range(10)] == [8, 7, 6, 1, 4, 9, 2, 0, 5, 3]
 
 
 @pytest.fixture
@@ -839,7 +840,7 @@ def test_c4_offline_is_refused_at_once_with_the_alternatives(monkeypatch):
         make_loader(None, 8, 2, dataset="c4", shuffle=None)
     # A network failure inside the library (found by reading the first document) says the same.
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(data_module, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(data_sources, "_hub_unreachable", lambda: None)
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub (LocalEntryNotFoundError)")
@@ -852,7 +853,7 @@ def test_c4_offline_is_refused_at_once_with_the_alternatives(monkeypatch):
 def test_c4_streams_allenai_c4_en_in_stored_order(monkeypatch):
     docs = random_docs(10, seed=10)
     calls = install_fake_datasets(monkeypatch, [{"text": d, "url": "u"} for d in docs])
-    monkeypatch.setattr(data_module, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(data_sources, "_hub_unreachable", lambda: None)
     loader = make_loader(None, 8, 2, dataset="c4", shuffle=None)
     assert calls == [("allenai/c4", "train", True, ("name", "en"))]
     assert take(iter(loader), 4) == expected_windows(docs, 8, 0, 8)

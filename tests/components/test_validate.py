@@ -77,7 +77,7 @@ def test_python_stdlib_test_is_held_out_from_the_training_corpus():
         pytest.skip("this interpreter ships no standard-library tests")
     training = set(stdlib_files())
     assert not training & set(held_out)
-    root = validate.training_data._stdlib_root()
+    root = validate.sources.stdlib_root()
     for path in held_out:
         rel = path.relative_to(root).as_posix()
         assert "/test/" in f"/{rel}" or "/tests/" in f"/{rel}" or rel.startswith("idlelib/idle_test/")

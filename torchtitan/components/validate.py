@@ -49,7 +49,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components import data as training_data
+from torchtitan.components.data import sources
+from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import JobConfig, Training, Validation
@@ -76,7 +77,7 @@ def _is_stdlib_test_dir(rel_dir: str) -> bool:
 def _stdlib_test_files() -> tuple[Path, ...]:
     """The .py files the python_stdlib training corpus leaves out as tests: those under a folder named
     test or tests, or under idlelib/idle_test (site-packages and dist-packages excluded as there)."""
-    root = training_data._stdlib_root()
+    root = sources.stdlib_root()
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root).as_posix()
@@ -94,13 +95,13 @@ class _StdlibTestSource:
         if not self.files:
             raise UserError(
                 f"validation.dataset python_stdlib_test is empty: this interpreter ships no test files under "
-                f"{training_data._stdlib_root()} (some Linux distributions package them apart); set "
+                f"{sources.stdlib_root()} (some Linux distributions package them apart); set "
                 "validation.dataset = 'local' and validation.dataset_path to held-out .jsonl/.txt data"
             )
 
     def documents(self, start: int) -> Iterator[str]:
         for path in self.files[start:]:
-            yield training_data._read_text(path)
+            yield sources.read_text(path)
 
 
 def build_source(cfg: Validation, training: Training | None = None):
@@ -110,7 +111,7 @@ def build_source(cfg: Validation, training: Training | None = None):
     if cfg.dataset == "python_stdlib_test":
         return _StdlibTestSource()
     if cfg.dataset == "python_stdlib":
-        return training_data._StdlibSource()
+        return sources.StdlibSource()
     if cfg.dataset == "local" and not os.path.exists(cfg.dataset_path):
         raise UserError(
             f"validation.dataset_path {cfg.dataset_path} does not exist; set it to a data file or a folder of them "
@@ -120,7 +121,7 @@ def build_source(cfg: Validation, training: Training | None = None):
         training or Training(), dataset=cfg.dataset, dataset_path=cfg.dataset_path, shuffle_documents=False
     )
     try:
-        return training_data._build_source(as_training)[0]
+        return sources.build_source(as_training)[0]
     except UserError as e:  # the training loader's messages name the training keys
         message = str(e).replace("training.dataset_text_field", "training.dataset_text_field (read for validation too)")
         raise UserError("validation: " + re.sub(r"training\.(dataset_path|dataset|shuffle_documents)", r"validation.\1", message)) from None
@@ -130,7 +131,7 @@ def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
     """The packed stream's windows of `length` tokens, from the first document to the end (no wrap)."""
     buffer: list[int] = []
     for text in source.documents(0):
-        buffer.extend(training_data.encode_document(tokenizer, text))  # framed as training frames it
+        buffer.extend(encode_document(tokenizer, text))  # framed as training frames it
         start = 0
         while len(buffer) - start >= length:
             yield buffer[start : start + length]

@@ -1,0 +1,558 @@
+"""Local data files: one reader per format, and a file or folder of them as a source of documents.
+
+Formats, read by extension: .jsonl / .json (JSON lines, or a .json array, of records with a text
+field), .txt (one document per file), each optionally compressed (.gz, .zst); .parquet and .arrow
+(a text column); and `datasets.save_to_disk` folders (their .arrow shards, in state.json order). A
+folder is read recursively in sorted relative path order.
+"""
+
+import bisect
+import gzip
+import io
+import itertools
+import json
+import os
+import zlib
+from array import array
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from torchtitan.config.errors import UserError
+
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+TEXT_EXTENSIONS = (".jsonl", ".json", ".txt")  # each may also carry a compression suffix
+TABLE_EXTENSIONS = (".parquet", ".arrow")
+SUPPORTED = (
+    ".jsonl / .json (JSON lines, or a .json array, of objects with the text field), .txt (one document per "
+    "file), each also as .gz or .zst; .parquet and .arrow (a text column); a datasets save_to_disk folder"
+)
+INSTALL_DATA = "pip install 'torchtitan[data]'"
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# --- optional packages ---------------------------------------------------------------------------
+
+
+def _import_pyarrow(path: Path, what: str):
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise UserError(
+            f"{path} is {what}: reading it needs the pyarrow package: pip install pyarrow (or {INSTALL_DATA})"
+        ) from None
+    return pyarrow
+
+
+def _import_zstandard(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{path} is zstd-compressed: reading it needs the zstandard package: pip install zstandard "
+            f"(or {INSTALL_DATA}), or decompress it (zstd -d)"
+        ) from None
+    return zstandard
+
+
+# --- reading bytes: plain, gzip, zstd --------------------------------------------------------------
+
+
+def _corrupt(path: Path, compression: str, error: BaseException) -> UserError:
+    tool = "gzip -t" if compression == "gzip" else "zstd -t"
+    return UserError(
+        f"{path} is not a readable {compression} file ({type(error).__name__}: {error}): it is corrupt or "
+        f"truncated (check it with `{tool} {path}`); download or compress it again, or remove it from the dataset"
+    )
+
+
+def _open_raw(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _zstd_chunks(path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of a .zst file (one or more frames), in chunks; a file that ends inside
+    a frame is an error (zstandard's stream reader would end silently)."""
+    zstandard = _import_zstandard(path)
+    dctx = zstandard.ZstdDecompressor()
+    with _open_raw(path) as f:
+        try:
+            d, in_frame = dctx.decompressobj(), False
+            while data := f.read(1 << 20):
+                while data:
+                    out = d.decompress(data)
+                    in_frame = True
+                    if out:
+                        yield out
+                    if not d.eof:
+                        break
+                    data, d, in_frame = d.unused_data, dctx.decompressobj(), False
+        except zstandard.ZstdError as e:
+            raise _corrupt(path, "zstd", e) from None
+        if in_frame:
+            raise _corrupt(path, "zstd", EOFError("the file ends inside a frame"))
+
+
+def _byte_chunks(path: Path, compression: str | None, size: int = 1 << 20) -> Iterator[bytes]:
+    """The (decompressed) bytes of a file, in chunks; decompression errors are UserErrors naming it."""
+    if compression == "zstd":
+        yield from _zstd_chunks(path)
+        return
+    with _open_raw(path) as raw:
+        if compression is None:
+            while chunk := raw.read(size):
+                yield chunk
+            return
+        try:
+            with gzip.GzipFile(fileobj=raw) as f:
+                while chunk := f.read(size):
+                    yield chunk
+        except (OSError, EOFError, zlib.error) as e:
+            raise _corrupt(path, "gzip", e) from None
+
+
+def _byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
+    """The lines of a (decompressed) file, split on b"\\n", without it."""
+    pending: list[bytes] = []  # the start of a line that spans chunks
+    for chunk in _byte_chunks(path, compression):
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            pending.append(chunk)
+            continue
+        if pending:
+            lines[0] = b"".join(pending + [lines[0]])
+        pending = [lines.pop()]
+        yield from lines
+    if pending and any(pending):
+        yield b"".join(pending)
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _whole_text(path: Path, compression: str | None) -> str:
+    if compression is None:
+        return read_text(path)
+    # Decoded as Path.read_text does: UTF-8 with replacement, universal newlines.
+    data = b"".join(_byte_chunks(path, compression))
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace").read()
+
+
+def _file_format(name: str) -> tuple[str, str | None] | None:
+    """(extension, compression) of a data file name, None for an unsupported one."""
+    lower = name.lower()
+    compression = None
+    for ext, kind in COMPRESSIONS.items():
+        if lower.endswith(ext):
+            lower, compression = lower[: -len(ext)], kind
+            break
+    for ext in TEXT_EXTENSIONS + (() if compression else TABLE_EXTENSIONS):
+        if lower.endswith(ext):
+            return ext, compression
+    return None
+
+
+# --- files: one reader per format --------------------------------------------------------------------
+# Each has `random_access`, `known_count()` (the number of documents if known without reading the
+# data), `count()`, `texts(start)` (a generator of the texts of documents start.. that returns the
+# number of documents in the file) and, with random access, `text(i)`.
+
+
+class _TxtFile:
+    """A .txt file (optionally compressed): one document."""
+
+    random_access = True
+
+    def __init__(self, path: Path, compression: str | None):
+        self.path, self.compression = path, compression
+        if compression:  # check the header now: a corrupt file is reported before launch
+            next(_byte_chunks(path, compression, size=1), None)
+
+    def known_count(self) -> int:
+        return 1
+
+    def count(self) -> int:
+        return 1
+
+    def texts(self, start: int):
+        if start == 0:
+            yield self.text(0)
+        return 1
+
+    def text(self, index: int) -> str:
+        return _whole_text(self.path, self.compression)
+
+
+def _record_text(record, field: str, where: str) -> str:
+    fix = f"each record must be a JSON object with a {field!r} string field (training.dataset_text_field)"
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a JSON {type(record).__name__}, not an object; {fix}")
+    if field not in record:
+        fields = ", ".join(repr(k) for k in list(record)[:10])
+        raise UserError(f"{where}: no {field!r} field (it has {fields or 'none'}); {fix}")
+    text = record[field]
+    if text is None:
+        return ""  # a null text is an empty document, as in parquet and Arrow
+    if not isinstance(text, str):
+        raise UserError(f"{where}: {field!r} is a {type(text).__name__}; {fix}")
+    return text
+
+
+def _parse_json_line(line: bytes, field: str, path: Path, lineno: int) -> str:
+    where = f"{path} line {lineno}"
+    try:
+        record = json.loads(_decode(line))
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{where}: invalid JSON ({e.msg}); each line must be a JSON object with a {field!r} string field"
+        ) from None
+    return _record_text(record, field, where)
+
+
+class _JsonFile:
+    """A .jsonl or .json file (optionally compressed): one JSON object per non-blank line, or (.json
+    whose first character is '[') one JSON array of objects, loaded whole. Uncompressed JSON lines
+    are read by random access through an index of line offsets (built by one pass over the file)."""
+
+    def __init__(self, path: Path, ext: str, compression: str | None, field: str):
+        self.path, self.compression, self.field = path, compression, field
+        first = b""
+        for chunk in _byte_chunks(path, compression, size=4096):  # also checks a compressed header now
+            first = chunk.lstrip()
+            if first:
+                break
+        self.array = ext == ".json" and first[:1] == b"["
+        self.random_access = self.array or compression is None
+        self._offsets: array | None = None  # uncompressed JSON lines: byte offset of each document
+        self._records: list[str] | None = None  # arrays: the texts
+
+    # JSON arrays
+    def _array_texts(self) -> list[str]:
+        if self._records is None:
+            data = b"".join(_byte_chunks(self.path, self.compression))
+            try:
+                records = json.loads(_decode(data))
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"{self.path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); a .json file holds "
+                    f"JSON lines or one JSON array of objects with a {self.field!r} field"
+                ) from None
+            self._records = [_record_text(r, self.field, f"{self.path} record {i}") for i, r in enumerate(records)]
+        return self._records
+
+    # JSON lines
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        """(line number, line) of the non-blank lines."""
+        for lineno, line in enumerate(_byte_lines(self.path, self.compression), start=1):
+            if line.strip():
+                yield lineno, line
+
+    def _index(self) -> array:
+        if self._offsets is None:
+            offsets, position = array("q"), 0
+            with _open_raw(self.path) as f:
+                for line in f:
+                    if line.strip():
+                        offsets.append(position)
+                    position += len(line)
+            self._offsets = offsets
+        return self._offsets
+
+    def known_count(self) -> int | None:
+        if self.array:
+            return len(self._records) if self._records is not None else None
+        return len(self._offsets) if self._offsets is not None else None
+
+    def count(self) -> int:
+        if self.array:
+            return len(self._array_texts())
+        if self.compression is None:
+            return len(self._index())
+        return sum(1 for _ in self._lines())
+
+    def texts(self, start: int):
+        if self.array:
+            texts = self._array_texts()
+            yield from texts[start:]
+            return len(texts)
+        n = 0
+        for lineno, line in self._lines():
+            # Skipped lines are counted, not parsed: resuming deep into a file stays cheap.
+            if n >= start:
+                yield _parse_json_line(line, self.field, self.path, lineno)
+            n += 1
+        return n
+
+    def text(self, index: int) -> str:
+        if self.array:
+            return self._array_texts()[index]
+        offset = self._index()[index]
+        with _open_raw(self.path) as f:
+            f.seek(offset)
+            line = f.readline()
+            try:
+                return _parse_json_line(line, self.field, self.path, 0)
+            except UserError:
+                f.seek(0)
+                lineno = f.read(offset).count(b"\n") + 1  # only on the error path
+                return _parse_json_line(line, self.field, self.path, lineno)
+
+
+def _check_column(pa, path: Path, schema, field: str, fix: str):
+    if field not in schema.names:
+        raise UserError(
+            f"{path} has no column {field!r} (its columns: {', '.join(schema.names) or 'none'}); set "
+            f"training.dataset_text_field to the column holding the text{fix}"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        raise UserError(f"{path}: column {field!r} is of type {kind}, not text; set training.dataset_text_field "
+                        "to the column holding the text")
+
+
+class _ParquetFile:
+    """A .parquet file: the text column, read as a stream (row groups are decompressed whole, so it has
+    no cheap random access). Its row count is in the footer: skipping whole row groups is free."""
+
+    random_access = False
+
+    def __init__(self, path: Path, field: str):
+        self.pa = _import_pyarrow(path, "a parquet file")
+        self.path, self.field = path, field
+        try:
+            metadata = self.pa.parquet.read_metadata(path)
+            schema = self.pa.parquet.read_schema(path)
+        except (OSError, self.pa.ArrowException) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e}); it is corrupt or truncated: download or "
+                            "write it again, or remove it from the dataset") from None
+        _check_column(self.pa, path, schema, field, "")
+        self.row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+
+    def known_count(self) -> int:
+        return sum(self.row_groups)
+
+    count = known_count
+
+    def texts(self, start: int):
+        try:
+            with self.pa.parquet.ParquetFile(self.path) as f:
+                for group, rows in enumerate(self.row_groups):
+                    if start >= rows:
+                        start -= rows
+                        continue
+                    for batch in f.iter_batches(batch_size=1024, row_groups=[group], columns=[self.field]):
+                        values = batch.column(0).to_pylist()
+                        if start:
+                            values, start = values[start:], max(0, start - len(values))
+                        for text in values:
+                            yield text or ""
+        except (OSError, self.pa.ArrowException) as e:
+            raise UserError(f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
+                            "write it again, or remove it from the dataset") from None
+        return sum(self.row_groups)
+
+
+class _ArrowFile:
+    """A .arrow file (Arrow IPC stream or file format, as datasets.save_to_disk writes): memory-mapped,
+    the text column read by random access."""
+
+    random_access = True
+
+    def __init__(self, path: Path, field: str):
+        self.pa = _import_pyarrow(path, "an Arrow file")
+        self.path, self.field = path, field
+        self._column = None
+        _check_column(self.pa, path, self._open().schema, field, "")
+
+    def _open(self):
+        try:
+            source = self.pa.memory_map(str(self.path))
+            if source.read(6) == b"ARROW1":
+                return self.pa.ipc.open_file(source)
+            source.seek(0)
+            return self.pa.ipc.open_stream(source)
+        except (OSError, self.pa.ArrowException) as e:
+            raise UserError(f"{self.path} is not a readable Arrow IPC file ({e}); it is corrupt or truncated: write "
+                            "it again, or remove it from the dataset") from None
+
+    def _chunks(self):
+        if self._column is None:
+            reader = self._open()
+            try:
+                table = reader.read_all()  # zero-copy: the buffers stay in the memory map
+            except (OSError, self.pa.ArrowException) as e:
+                raise UserError(f"cannot read Arrow file {self.path} ({e}); it is corrupt or truncated: write it "
+                                "again, or remove it from the dataset") from None
+            chunks = table.column(self.field).chunks
+            self._column = (chunks, list(itertools.accumulate(len(c) for c in chunks)))
+        return self._column
+
+    def count(self) -> int:
+        ends = self._chunks()[1]  # cheap: the table is memory-mapped, not read
+        return ends[-1] if ends else 0
+
+    known_count = count
+
+    def texts(self, start: int):
+        n = self.count()
+        for i in range(start, n):
+            yield self.text(i)
+        return n
+
+    def text(self, index: int) -> str:
+        chunks, ends = self._chunks()
+        c = bisect.bisect_right(ends, index)
+        return chunks[c][index - (ends[c - 1] if c else 0)].as_py() or ""
+
+
+# --- a file, a folder, or a save_to_disk folder ------------------------------------------------------
+
+
+def _save_to_disk_files(folder: Path) -> list[Path] | None:
+    """The .arrow shards of a `datasets` save_to_disk folder, in its state.json order (a DatasetDict
+    folder: those of its train split); None if `folder` is not such a folder."""
+    splits_file = folder / "dataset_dict.json"
+    if splits_file.is_file():
+        try:
+            splits = json.loads(splits_file.read_text())["splits"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(
+                f"cannot read {splits_file} ({type(e).__name__}: {e}): not a datasets DatasetDict folder"
+            ) from None
+        if "train" not in splits:
+            raise UserError(
+                f"{folder} is a datasets DatasetDict folder without a train split (its splits: {', '.join(splits)}); "
+                "set training.dataset_path to the folder of the split to train on"
+            )
+        files = _save_to_disk_files(folder / "train")
+        if files is None:
+            raise UserError(f"{folder / 'train'} is not a datasets save_to_disk folder (no state.json)")
+        return files
+    state_file = folder / "state.json"
+    if not (state_file.is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    try:
+        names = [entry["filename"] for entry in json.loads(state_file.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"cannot read {state_file} ({type(e).__name__}: {e}): not a datasets save_to_disk folder"
+        ) from None
+    files = [folder / name for name in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"datasets folder {folder} lists data files that are missing: {', '.join(missing[:3])}")
+    return files
+
+
+def _is_ignored(name: str) -> bool:
+    """Files a folder of data may hold besides data: hidden files, README.md and the like, licenses."""
+    upper = name.upper()
+    return name.startswith(".") or upper.endswith(".MD") or upper.startswith(("LICENSE", "COPYING", "NOTICE"))
+
+
+class FilesSource:
+    """Local data: a file, or a folder of files read recursively in sorted relative path order (hidden
+    files and folders, *.md and LICENSE files are ignored; any other file must be data), or a
+    `datasets` save_to_disk folder."""
+
+    def __init__(self, path: str, text_field: str = "text", name: str = "local",
+                 include: Callable[[str], bool] | None = None):
+        self.name, self.text_field = name, text_field
+        root = Path(path)
+        self.root = root
+        if not root.exists():
+            raise UserError(
+                f"dataset_path {root} does not exist; set training.dataset_path to a data file ({SUPPORTED}) "
+                "or a folder of them"
+            )
+        if root.is_dir():
+            entries = self._walk(root, include)
+            if not entries:
+                raise UserError(f"dataset folder {root} is empty: it holds no data files (supported: {SUPPORTED})")
+        else:
+            fmt = _file_format(root.name)
+            if fmt is None:
+                raise UserError(
+                    f"dataset_path {root} has unsupported extension {root.suffix!r}; supported: {SUPPORTED}, "
+                    "or a folder of such files"
+                )
+            entries = [(root, *fmt)]
+        self.paths = [p for p, _, _ in entries]
+        self.files = [self._reader(p, ext, compression) for p, ext, compression in entries]
+        self.random_access = all(f.random_access for f in self.files)
+        self._ends: list[int] | None = None
+
+    @staticmethod
+    def _walk(root: Path, include) -> list[tuple[Path, str, str | None]]:
+        found, unknown = [], []  # found: (sort key, entry)
+        for dirpath, dirnames, filenames in os.walk(root):
+            folder = Path(dirpath)
+            rel = folder.relative_to(root).as_posix()
+            arrow_files = _save_to_disk_files(folder)
+            if arrow_files is not None:
+                dirnames[:] = []
+                found.extend(((f"{rel}/", i), (f, ".arrow", None)) for i, f in enumerate(arrow_files))
+                continue
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if _is_ignored(name) or (include is not None and not include(name)):
+                    continue
+                fmt = _file_format(name)
+                if fmt is None:
+                    unknown.append(folder / name)
+                else:
+                    found.append((((folder / name).relative_to(root).as_posix(), 0), (folder / name, *fmt)))
+        if unknown:
+            unknown.sort()
+            shown = ", ".join(str(p.relative_to(root)) for p in unknown[:3])
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise UserError(
+                f"dataset folder {root} holds files of unsupported types: {shown}{more}; supported: {SUPPORTED} "
+                "(hidden files, *.md and LICENSE files are ignored). Move the other files out, or set "
+                "training.dataset_path to a file or a subfolder"
+            )
+        return [entry for _, entry in sorted(found, key=lambda item: item[0])]
+
+    def _reader(self, path: Path, ext: str, compression: str | None):
+        if ext == ".txt":
+            return _TxtFile(path, compression)
+        if ext in (".jsonl", ".json"):
+            return _JsonFile(path, ext, compression, self.text_field)
+        if ext == ".parquet":
+            return _ParquetFile(path, self.text_field)
+        return _ArrowFile(path, self.text_field)
+
+    @property
+    def streamed_files(self) -> list[Path]:
+        return [p for p, f in zip(self.paths, self.files) if not f.random_access]
+
+    def documents(self, start: int) -> Iterator[str]:
+        for f in self.files:
+            known = f.known_count()
+            if known is not None and known <= start:
+                start -= known
+                continue
+            n = yield from f.texts(start)
+            start = max(0, start - n)
+
+    def _file_ends(self) -> list[int]:
+        if self._ends is None:
+            self._ends = list(itertools.accumulate(f.count() for f in self.files))
+        return self._ends
+
+    def num_documents(self) -> int:
+        return self._file_ends()[-1]
+
+    def document(self, index: int) -> str:
+        ends = self._file_ends()
+        k = bisect.bisect_right(ends, index)
+        return self.files[k].text(index - (ends[k - 1] if k else 0))
