@@ -1,6 +1,7 @@
 """Tokenizers behind one interface: the shipped sentencepiece model, a Hugging Face folder and a
 tiktoken BPE file (both built here, offline, from the stdlib corpus), the vocabulary padding, every
-bad-input message, scripts/fetch_tokenizer.py without a network, and two training steps with a
+bad-input message, scripts/fetch_tokenizer.py without a network, a folder whose tokenizer_config.json
+and tokenizer.json disagree (loaded as transformers.AutoTokenizer loads it), and two training steps with a
 Hugging Face tokenizer."""
 
 import base64
@@ -239,6 +240,116 @@ def test_qwen3_like_folder_has_no_bos(hf_folder, tmp_path):
     assert tok.encode("def f(): pass", bos=True, eos=True) == [*plain, BPE_SIZE + 2]  # no BOS prepended
 
 
+# ---- tokenizer_config.json declaring tokens tokenizer.json lacks, or places elsewhere -------------------
+# Such a folder loads as transformers' AutoTokenizer loads it (checked against transformers below):
+# missing tokens are appended after the vocabulary in order of their declared ids, a token tokenizer.json
+# has keeps its id there, and one warning names them.
+
+_SPECIALS_DECODER = {str(BPE_SIZE + i): {"content": t, "special": True} for i, t in enumerate(SPECIALS)}
+# Declared far beyond the 653 tokens of tokenizer.json, with gaps; <|eos|> only as eos_token.
+APPENDED = {
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+    "added_tokens_decoder": {**_SPECIALS_DECODER, "900": {"content": "<|bos|>", "special": True},
+                             "700": {"content": "<|fim|>", "special": True},
+                             "800": {"content": "<tool>", "special": False}},
+}
+APPENDED_IDS = {"<|fim|>": 653, "<tool>": 654, "<|bos|>": 655, "<|eos|>": 656}  # what transformers assigns
+# <|end_of_text|> (651 in tokenizer.json) and the BPE piece "self" declared at other ids.
+MOVED = {
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+    "added_tokens_decoder": {**_SPECIALS_DECODER, "5": {"content": "<|end_of_text|>", "special": True},
+                             "3000": {"content": "self", "special": True}},
+}
+# Compared with transformers: the two above; BOS named only by bos_token; entries without flags (an
+# AddedToken's defaults: not special, unless it is bos/eos); the shared fixture's config.
+AS_TRANSFORMERS = {
+    "appended": APPENDED,
+    "moved": MOVED,
+    "bos only named": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<nope>",
+                       "eos_token": "<|end_of_text|>"},
+    "entries without flags": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eot_id|>",
+                              "added_tokens_decoder": {"650": {"content": "<|begin_of_text|>"},
+                                                       "652": {"content": "<|eot_id|>"},
+                                                       "653": {"content": "<|new|>"}}},
+    "fixture": None,
+}
+
+
+def _config_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "torchtitan.components.tokenizer" and r.levelno == logging.WARNING]
+
+
+@pytest.fixture(scope="module")
+def appended_folder(hf_folder, tmp_path_factory) -> Path:
+    return _hf_with_config(tmp_path_factory.mktemp("appended"), hf_folder, APPENDED)
+
+
+def test_config_tokens_missing_from_tokenizer_json_are_appended(appended_folder, caplog):
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        tok = Tokenizer(appended_folder)  # refused with a UserError before
+    assert {t: tok.token_to_id(t) for t in APPENDED_IDS} == APPENDED_IDS
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (655, 656, 657)
+    assert tok.special_tokens == {**{t: BPE_SIZE + i for i, t in enumerate(SPECIALS)},
+                                  "<|fim|>": 653, "<|bos|>": 655, "<|eos|>": 656}  # <tool> is not special
+    [warning] = _config_warnings(caplog)
+    for token, token_id in APPENDED_IDS.items():
+        assert f"{token!r} as {token_id}" in warning, warning
+    assert "<|eot_id|>" not in warning and "\n" not in warning  # only what was appended
+    text = "x = 1<|fim|>y<tool> z<|bos|><|eos|>"
+    allowed = tok.encode(text, allow_special=True)
+    assert [i for i in allowed if i >= BPE_SIZE] == [653, 654, 655, 656]
+    assert tok.decode(allowed, skip_special_tokens=False) == text
+    assert tok.decode(allowed) == "x = 1y<tool> z"
+    assert tok.encode("x", bos=True, eos=True) == [655, *tok.encode("x"), 656]
+    # By default special-token text is ordinary text; <tool> is an ordinary added token, so it stays whole.
+    plain = tok.encode(text)
+    assert {653, 655, 656}.isdisjoint(plain) and 654 in plain and tok.decode(plain) == text
+
+
+def test_config_placing_a_token_elsewhere_keeps_tokenizer_json_id(hf_folder, tmp_path, caplog):
+    # transformers never moves a token tokenizer.json has: it keeps that id (a vocabulary piece the config
+    # declares special becomes special there), whatever id the config gives.
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        tok = Tokenizer(_hf_with_config(tmp_path, hf_folder, MOVED))
+    self_id = json.loads((hf_folder / "tokenizer.json").read_text())["model"]["vocab"]["self"]
+    assert (tok.eos_id, tok.token_to_id("self"), tok.vocab_size) == (BPE_SIZE + 1, self_id, BPE_SIZE + 3)
+    assert tok.special_tokens == {**{t: BPE_SIZE + i for i, t in enumerate(SPECIALS)}, "self": self_id}
+    [warning] = _config_warnings(caplog)
+    assert f"'<|end_of_text|>' at {BPE_SIZE + 1} (declared 5)" in warning and "'self' at" in warning, warning
+
+
+def test_folder_whose_files_agree_loads_without_warning(hf_folder, tmp_path, caplog):
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+              "added_tokens_decoder": _SPECIALS_DECODER}
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        tok = Tokenizer(_hf_with_config(tmp_path, hf_folder, config))
+    assert _config_warnings(caplog) == []
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (BPE_SIZE, BPE_SIZE + 1, BPE_SIZE + 3)
+    assert tok.special_tokens == {t: BPE_SIZE + i for i, t in enumerate(SPECIALS)}
+
+
+@pytest.mark.parametrize("case", list(AS_TRANSFORMERS))
+def test_disagreeing_config_loads_as_transformers_loads_it(case, hf_folder, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = AS_TRANSFORMERS[case]
+    if config is None:
+        config = {**json.loads((hf_folder / "tokenizer_config.json").read_text())}
+    folder = _hf_with_config(tmp_path, hf_folder, config)
+    ours, theirs = Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    tokens = [e["content"] for e in config.get("added_tokens_decoder", {}).values()]
+    tokens += [config[k] for k in ("bos_token", "eos_token") if config.get(k)]
+    assert {t: ours.token_to_id(t) for t in tokens} == {t: theirs.convert_tokens_to_ids(t) for t in tokens}
+    assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.vocab_size == len(theirs)
+    assert ours.special_tokens == {t.content: i for i, t in theirs.added_tokens_decoder.items() if t.special}
+    # The tokens of a text holding every declared token (transformers matches them: allow_special).
+    text = "def f(self):\n    return x" + "".join(f" {t}y" for t in tokens) + " myself."
+    ids = ours.encode(text, allow_special=True)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ids == theirs.convert_tokens_to_ids(theirs.tokenize(text))
+
+
 def test_tiktoken_file_gets_llama3_specials_after_its_ranks(kinds, tiktoken_file):
     tok = kinds[TIKTOKEN]
     assert (tok.bos_id, tok.eos_id) == (BPE_SIZE, BPE_SIZE + 1)
@@ -321,11 +432,6 @@ def _json_without_configs(tmp, hf, tt):
     return path, ["no EOS token", "set eos_token in tokenizer_config.json"]
 
 
-def _config_id_clash(tmp, hf, tt):
-    config = {"eos_token": "<|end_of_text|>", "added_tokens_decoder": {"5": {"content": "<|end_of_text|>"}}}
-    return _hf_with_config(tmp, hf, config), ["gives '<|end_of_text|>' id 5", "fetch them together"]
-
-
 # case -> (tmp folder, HF folder, tiktoken file) -> (path, parts of the message)
 BAD = {
     "folder without tokenizer.json": _folder_without_tokenizer_json,
@@ -338,14 +444,18 @@ BAD = {
     "none of the three kinds": _text_file,
     "corrupt sentencepiece": _cut_sentencepiece,
     "tokenizer.json without configs": _json_without_configs,
-    "bos not in the vocabulary": lambda tmp, hf, tt: (
-        _hf_with_config(tmp, hf, {"bos_token": "<nope>", "eos_token": "<|end_of_text|>"}),
-        ["bos_token '<nope>' is not a token"]),
     "config not JSON": lambda tmp, hf, tt: (
         _hf_with_config(tmp, hf, "{oops"), ["tokenizer_config.json is not valid JSON"]),
+    "config not UTF-8": lambda tmp, hf, tt: (
+        _hf_with_config(tmp, hf, b'{"eos_token": "\xff"}'), ["tokenizer_config.json cannot be read as UTF-8"]),
+    "added token flag not a bool": lambda tmp, hf, tt: (
+        _hf_with_config(tmp, hf, {"eos_token": "<|end_of_text|>", "added_tokens_decoder": {
+            "700": {"content": "<|x|>", "special": "yes"}}}), ["added_tokens_decoder[700].special is 'yes'"]),
+    "empty added token": lambda tmp, hf, tt: (
+        _hf_with_config(tmp, hf, {"eos_token": "<|end_of_text|>", "added_tokens_decoder": {"700": {"content": ""}}}),
+        ["added_tokens_decoder entry '700' is not"]),
     "invalid tokenizer.json": lambda tmp, hf, tt: (
         _write(tmp / "tokenizer.json", b'{"version": "1.0"}'), ["not a valid Hugging Face tokenizer.json"]),
-    "config id clashes": _config_id_clash,
 }
 
 
@@ -356,7 +466,10 @@ def _write(path: Path, data: bytes) -> Path:
 
 def _hf_with_config(tmp: Path, hf_folder: Path, config) -> Path:
     shutil.copy(hf_folder / "tokenizer.json", tmp / "tokenizer.json")
-    (tmp / "tokenizer_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if isinstance(config, bytes):
+        (tmp / "tokenizer_config.json").write_bytes(config)
+    else:
+        (tmp / "tokenizer_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     return tmp
 
 
@@ -450,3 +563,20 @@ def test_training_runs_with_a_hugging_face_folder(hf_folder, tmp_path, caplog):
     assert [r["step"] for r in history] == [1, 2]
     assert history[0]["loss"] == pytest.approx(math.log(704), abs=1.0)  # about ln(vocabulary) at init, not ln(4096)
     assert "vocab 704: the huggingface tokenizer's 654 tokens padded to a multiple of 64" in caplog.text
+
+
+def test_training_runs_with_a_folder_whose_config_appends_tokens(appended_folder, tmp_path, caplog):
+    from torchtitan.config import load_config
+    from torchtitan.train import train
+
+    cfg = load_config([
+        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path", str(appended_folder), "--job.dump_folder", str(tmp_path),
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
+        "--metrics.no-enable_tensorboard", "--training.mixed_precision_param", "float32",
+    ])
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        history = train(cfg)
+    assert [r["step"] for r in history] == [1, 2] and all(math.isfinite(r["loss"]) for r in history)
+    assert "vocab 704: the huggingface tokenizer's 657 tokens padded to a multiple of 64" in caplog.text

@@ -5,8 +5,10 @@ Three kinds are read:
 - **Hugging Face** (the `tokenizers` library): a folder holding `tokenizer.json`, or a
   `tokenizer.json` file. BOS/EOS come from `tokenizer_config.json` next to it (`bos_token`,
   `eos_token`; a key it lacks is taken from `special_tokens_map.json`; a null `bos_token`, as
-  Qwen3 ships, means no BOS). Tokens in its `added_tokens_decoder` that tokenizer.json lacks are
-  added at their declared ids. This is how Llama 3 and Qwen3 ship on the hub
+  Qwen3 ships, means no BOS). Where the two files disagree the folder loads as transformers'
+  AutoTokenizer loads it: tokens of `added_tokens_decoder`, `bos_token` or `eos_token` that
+  tokenizer.json lacks are appended after its vocabulary (not at the declared id), a token it has
+  keeps its id there, and one warning names them. This is how Llama 3 and Qwen3 ship on the hub
   (scripts/fetch_tokenizer.py fetches those files).
 - **tiktoken**: a text file of `<base64 token> <rank>` lines, as Llama 3's original
   `tokenizer.model`; split with Llama 3's pattern. Special tokens: those of a `tokenizer_config.json`
@@ -36,10 +38,13 @@ Every mistake in the files is a UserError naming the file and the fix.
 import base64
 import binascii
 import json
+import logging
 import re
 from pathlib import Path
 
 from torchtitan.config.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 HF = "huggingface"
 TIKTOKEN = "tiktoken"
@@ -264,7 +269,8 @@ class _SpecialConfig:
     def __init__(self, folder: Path):
         self.files: list[str] = []
         self.bos = self.eos = _UNSET
-        self.added: dict[int, tuple[str, bool]] | None = None  # id -> (text, special)
+        # id -> (text, the AddedToken flags the entry sets: special, lstrip, rstrip, single_word, normalized)
+        self.added: dict[int, tuple[str, dict[str, bool]]] | None = None
         config = self._read(folder / "tokenizer_config.json")
         smap = self._read(folder / "special_tokens_map.json")
         for key in ("bos_token", "eos_token"):
@@ -280,18 +286,30 @@ class _SpecialConfig:
                                 "id -> token; fix the file or fetch it again")
             for key, entry in decoder.items():
                 text = _token_text(entry, "tokenizer_config.json", folder, f"added_tokens_decoder[{key}]")
-                if not str(key).isdigit() or text is None:
+                if not str(key).isdigit() or not text:  # an empty token cannot be added
                     raise UserError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder entry {key!r} is not "
                                     "'<id>': {\"content\": <token>}; fix the file or fetch it again")
-                special = entry.get("special", True) if isinstance(entry, dict) else True
-                self.added[int(key)] = (text, bool(special))
+                # Only the flags the entry sets: the others keep tokenizers.AddedToken's defaults, as in
+                # transformers (which builds AddedToken(**entry)).
+                flags = {f: entry[f] for f in _ADDED_TOKEN_FLAGS if f in entry} if isinstance(entry, dict) else {}
+                for flag, value in flags.items():
+                    if not isinstance(value, bool):
+                        raise UserError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder[{key}].{flag} "
+                                        f"is {value!r}, not true or false; fix the file or fetch it again")
+                self.added[int(key)] = (text, flags)
 
     def _read(self, file: Path) -> dict:
         if not file.is_file():
             return {}
         try:
-            value = json.loads(file.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(
+                f"{file} cannot be read as UTF-8 text ({e}); fix it or fetch it again (scripts/fetch_tokenizer.py)"
+            ) from None
+        try:
+            value = json.loads(text)
+        except ValueError as e:
             raise UserError(
                 f"{file} is not valid JSON ({e}); fix it or fetch it again (scripts/fetch_tokenizer.py)"
             ) from None
@@ -302,6 +320,8 @@ class _SpecialConfig:
 
 
 _UNSET = object()
+# The keys of an added_tokens_decoder entry that transformers passes to tokenizers.AddedToken.
+_ADDED_TOKEN_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
 
 
 def _token_text(value, file: str, folder: Path, key: str) -> str | None:
@@ -346,7 +366,6 @@ def _resolve_bos_eos(config: _SpecialConfig, lookup, where: str, default_bos=_UN
 class _HuggingFace:
     def __init__(self, path: Path):
         try:
-            from tokenizers import AddedToken
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError:
             raise UserError(
@@ -362,19 +381,7 @@ class _HuggingFace:
             ) from None
         tok, folder = self._tok, path.parent
         config = _SpecialConfig(folder)
-        # Tokens the config declares but tokenizer.json lacks are added at their ids (as transformers does).
-        for token_id, (text, special) in sorted((config.added or {}).items()):
-            have = tok.token_to_id(text)
-            if have is None and token_id == max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1:
-                added = AddedToken(text, special=special, normalized=not special)
-                (tok.add_special_tokens if special else tok.add_tokens)([added])
-                have = tok.token_to_id(text)
-            if have != token_id:
-                raise UserError(
-                    f"{folder / 'tokenizer_config.json'}: added_tokens_decoder gives {text!r} id {token_id}, but "
-                    f"{path.name} {'has it as ' + str(have) if have is not None else 'cannot place it there'}; the "
-                    f"files come from different tokenizers: fetch them together (scripts/fetch_tokenizer.py)"
-                )
+        _add_config_tokens(tok, config, path)
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self.special_tokens = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
@@ -392,6 +399,66 @@ class _HuggingFace:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def _add_config_tokens(tok, config: _SpecialConfig, path: Path) -> None:
+    """Add to `tok` (loaded from tokenizer.json at `path`) the tokens tokenizer_config.json declares,
+    the way transformers' AutoTokenizer does (TokenizersBackend / PreTrainedTokenizerFast __init__), so
+    a folder trains with the ids it was published with:
+
+    - every added_tokens_decoder entry, in order of its declared id, is added with the entry's own
+      flags (as tokenizers.AddedToken(**entry); an entry naming bos_token/eos_token is forced special).
+      A token tokenizer.json already has keeps tokenizer.json's id, whatever id the config declares
+      (transformers never moves a token), and takes the entry's flags; a token it lacks is appended
+      after the vocabulary (at the next free id, not the declared one, which may be far off);
+    - then bos_token and eos_token, when not added tokens already, are added as special tokens
+      (appended if missing, as above). transformers appends the other named tokens (unk, pad, the
+      additional special tokens, ...) after these too; the trainer never produces them, so they are
+      left out: coming last, they change no id of the tokens added here.
+
+    For a folder whose files agree (as transformers writes them) this changes nothing. Otherwise
+    one warning names each appended token and each token kept at tokenizer.json's id."""
+    from tokenizers import AddedToken
+
+    named = [text for text in (config.bos, config.eos) if isinstance(text, str)]
+    queued: list[tuple[object, int | None]] = []  # (AddedToken, id the config declares or None)
+    # Every entry, even one tokenizer.json already has with the same flags: transformers means to skip
+    # those but compares against the ids of its added tokens, so it re-adds them all (a no-op when the
+    # flags agree; otherwise the entry's flags win, e.g. an entry without "special" is not special).
+    for declared, (text, flags) in sorted((config.added or {}).items()):
+        if text in named:
+            flags = {**flags, "special": True}
+        queued.append((AddedToken(text, **flags), declared))
+    have = {t.content for t in tok.get_added_tokens_decoder().values()} | {t.content for t, _ in queued}
+    for text in dict.fromkeys(named):
+        if text not in have:
+            queued.append((AddedToken(text, special=True), None))
+    if not queued:
+        return
+    before = {t.content: tok.token_to_id(t.content) for t, _ in queued}
+    tok.add_tokens([t for t, _ in queued])  # AddedToken.special picks special vs ordinary, as in transformers
+    appended, kept = [], []
+    for token, declared in queued:
+        text, now = token.content, tok.token_to_id(token.content)
+        if before[text] is None:
+            where = f"declared {declared}" if declared is not None else (
+                "bos_token" if text == config.bos else "eos_token")
+            appended.append(f"{text!r} as {now} ({where})")
+            before[text] = now  # a repeated entry is reported once
+        elif declared is not None and declared != now:
+            kept.append(f"{text!r} at {now} (declared {declared})")
+    if appended or kept:
+        parts = []
+        if appended:
+            parts.append(f"appended {len(appended)} token(s) that {path.name} lacks after its vocabulary: "
+                         + ", ".join(appended))
+        if kept:
+            parts.append(f"kept {path.name}'s id for {len(kept)} token(s) the config places elsewhere: "
+                         + ", ".join(kept))
+        logger.warning(
+            "%s: tokenizer_config.json and %s disagree; loaded as transformers does: %s. To silence this, fetch "
+            "the files together (scripts/fetch_tokenizer.py) or save the tokenizer again with transformers",
+            path.parent, path.name, "; ".join(parts))
 
 
 # ---- tiktoken ---------------------------------------------------------------------------------
