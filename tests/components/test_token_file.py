@@ -5,11 +5,13 @@ import gzip
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from torchtitan.config.job_config import Training
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "assets" / "tokenizer" / "python_stdlib_4k.model"
 SCRIPT = ROOT / "scripts" / "pretokenize.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import pretokenize as script  # noqa: E402 (scripts/pretokenize.py)
 
 
 class CharTokenizer:
@@ -281,9 +285,6 @@ def test_stopped_pretokenize_resumes_to_the_same_output(tmp_path):
 
 def test_killed_pretokenize_script_resumes_to_the_same_output(tmp_path):
     """SIGKILL the real script mid-way: no meta.json; the same command finishes it, identical to a clean run."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import pretokenize as script
-
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(6000, seed=5, lo=100, hi=400))
     out = tmp_path / "killed"
     cmd = [sys.executable, str(SCRIPT), str(src), str(out), "--tokenizer", str(MODEL), "--workers", "2",
@@ -312,3 +313,203 @@ def test_killed_pretokenize_script_resumes_to_the_same_output(tmp_path):
     assert script.main([str(src), str(tmp_path / "clean")] + args) == 0
     assert _files(out) == _files(tmp_path / "clean")
     assert not (out / "progress.json").exists()
+
+
+# --- the script: every source the trainer reads, OUTPUT checks --------------------------------------
+
+
+def _run(capsys, *argv):
+    """scripts/pretokenize.py in this process: (exit code, stderr)."""
+    rc = script.main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def _tokens(folder):
+    return {n: (folder / n).read_bytes() for n in ("tokens.bin", "docs.idx")}
+
+
+def test_source_names_the_trainers_datasets(tmp_path, monkeypatch):
+    """SOURCE [--dataset NAME] is training.dataset_path [training.dataset]."""
+    monkeypatch.chdir(tmp_path)
+    cases = {
+        ("data.jsonl", None): ("local", "data.jsonl"),
+        ("python_stdlib", None): ("python_stdlib", None),
+        ("c4_test", None): ("c4_test", None),
+        ("c4", None): ("c4", None),
+        ("org/name", "huggingface"): ("huggingface", "org/name"),
+        ("c4", "c4"): ("c4", None),
+        ("clone", "c4"): ("c4", "clone"),
+        ("c4", "local"): ("local", "c4"),
+        ("python_stdlib", "python_stdlib"): ("python_stdlib", None),
+    }
+    for (spec, dataset), expected in cases.items():
+        cfg = script.source_config(spec, dataset, "content")
+        assert (cfg.dataset, cfg.dataset_path) == expected, (spec, dataset)
+        assert cfg.dataset_text_field == "content" and cfg.shuffle_documents is False
+    (tmp_path / "c4").mkdir()  # a folder of that name is data
+    assert script.source_config("c4").dataset == "local"
+    with pytest.raises(UserError, match="python_stdlib is the embedded corpus and takes no path"):
+        script.source_config("other", "python_stdlib")
+
+
+def _write_docs(folder, docs, fmt):
+    """docs in three files (one in a subfolder) of JSON lines or parquet."""
+    parts = [docs[:10], docs[10:25], docs[25:]]
+    names = ["a", "b", "sub/c"]
+    for name, part in zip(names, parts):
+        path = folder / f"{name}.{fmt}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "jsonl":
+            path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(part)))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": part, "id": list(range(len(part)))}), path)
+    return folder
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_datasets_stream_writes_the_tokens_of_the_same_files_read_locally(tmp_path, capsys, fmt):
+    """--dataset huggingface on a local folder (datasets.load_dataset(folder, split="train", streaming=True),
+    as training.dataset = "huggingface" reads it) writes the token folder of the same files read as local
+    data; stopped after 2 chunks, the same command finishes it to the same bytes."""
+    pytest.importorskip("datasets")
+    docs = random_docs(40, seed=6) + ["", None, "déjà vu ✓\n\ttabs", "x"]
+    data = _write_docs(tmp_path / "data", docs, fmt)
+    args = ["--tokenizer", MODEL, "--workers", "2", "--chunk-docs", "7"]
+    assert _run(capsys, data, tmp_path / "local", *args) == (0, "")
+    assert _run(capsys, "--dataset", "huggingface", data, tmp_path / "hf", *args) == (0, "")
+    assert _tokens(tmp_path / "hf") == _tokens(tmp_path / "local")
+    meta = json.loads((tmp_path / "hf" / "meta.json").read_text())
+    assert meta["num_docs"] == len(docs) and meta["source_random_access"] is False
+    assert meta["source"]["dataset"] == "huggingface" and meta["source"]["files"] == 3
+
+    part = tmp_path / "part"
+    assert _run(capsys, "--dataset", "huggingface", data, part, *args, "--max-chunks", "2") == (3, "")
+    assert json.loads((part / "progress.json").read_text())["docs_done"] == 14
+    # The same folder read as local data is another source: refused, the partial folder kept.
+    rc, err = _run(capsys, data, part, *args)
+    assert rc == 2 and "interrupted pretokenize of another source" in err
+    assert f"it is of the source huggingface {data}" in err and f"not local {data}" in err
+    assert _run(capsys, "--dataset", "huggingface", data, part, *args) == (0, "")
+    assert _tokens(part) == _tokens(tmp_path / "local")
+    assert (part / "meta.json").read_bytes() == (tmp_path / "hf" / "meta.json").read_bytes()
+
+
+class _Stream:
+    """A streamed source of documents (as datasets' are: no random access)."""
+
+    random_access = False
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def documents(self, start):
+        yield from self.docs[start:]
+
+
+def test_a_hub_dataset_is_recorded_by_name_config_and_data_files(tmp_path):
+    """No local files: the description is the dataset's name, config and the hf:// URLs it streams (which
+    name the revision); a rerun on another revision or dataset is refused."""
+
+    def hub(name, commit, config="en"):
+        url = f"hf://datasets/{name}@{commit}/{config}/part-0.json.gz"
+        stream = SimpleNamespace(info=SimpleNamespace(config_name=config),
+                                 _ex_iterable=SimpleNamespace(kwargs={"original_files": [url]}))
+        return script.describe_source(script.source_config(name, "huggingface"), SimpleNamespace(path=name,
+                                                                                                  dataset=stream))
+
+    first = hub("org/name", "a" * 40)
+    assert first["path"] == "org/name" and first["stream"] == "org/name"  # not resolved as a local path
+    assert first["config"] == "en" and first["files"] == 1 and first["description"] == "huggingface org/name"
+    assert hub("org/name", "a" * 40) == first
+    assert hub("org/name", "b" * 40)["files_sha256"] != first["files_sha256"]
+    assert hub("org/name", "a" * 40, config="de") != first
+
+    docs = _Stream(random_docs(30, seed=7, lo=1))
+    out = tmp_path / "tok"
+    run = lambda description, **kw: pretokenize(docs, CHARS, out, source_description=description,  # noqa: E731
+                                                workers=1, chunk_docs=7, log=lambda *_: None, **kw)
+    assert run(first, max_chunks=1) is None
+    with pytest.raises(UserError, match=r"huggingface org/name has changed since .*dataset's data files or revision"):
+        run(hub("org/name", "b" * 40))
+    with pytest.raises(UserError, match=r"it is of the source huggingface org/name .*, not huggingface org/other"):
+        run(hub("org/other", "a" * 40))
+    assert run(first)["num_docs"] == 30
+
+
+def test_c4_reads_a_local_clones_training_shards(tmp_path, capsys, monkeypatch):
+    """--dataset c4 CLONE reads en/c4-train.* only (as training.dataset = "c4" does); bare c4 streams the
+    Hub, which offline is one line, and leaves no OUTPUT folder behind."""
+    clone = tmp_path / "c4"
+    (clone / "en").mkdir(parents=True)
+    train = random_docs(12, seed=8, lo=1)
+    write_jsonl(clone / "en" / "c4-train.00000-of-01024.json.gz", train, compress=True)
+    write_jsonl(clone / "en" / "c4-validation.00000-of-00008.json.gz", random_docs(5, seed=9, lo=1), compress=True)
+    write_jsonl(tmp_path / "train.jsonl.gz", train, compress=True)
+    args = ["--tokenizer", MODEL, "--workers", "1"]
+    assert _run(capsys, "--dataset", "c4", clone, tmp_path / "c4tok", *args) == (0, "")
+    assert _run(capsys, tmp_path / "train.jsonl.gz", tmp_path / "ref", *args) == (0, "")
+    assert _tokens(tmp_path / "c4tok") == _tokens(tmp_path / "ref")
+    assert json.loads((tmp_path / "c4tok" / "meta.json").read_text())["source"]["files"] == 1
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, err = _run(capsys, "c4", tmp_path / "new" / "out", *args)
+    assert rc == 2 and err.startswith("error: training.dataset = 'c4' streams allenai/c4 from the Hugging Face Hub")
+    assert "HF_HUB_OFFLINE is set" in err and err.count("\n") == 1
+    assert not (tmp_path / "new").exists()
+
+
+def _unwritable_outputs(tmp):
+    (tmp / "file").write_text("x")
+    cases = [(tmp / "file" / "out", f"{tmp / 'file'} is a file, not a folder"),
+             (tmp / "file", "it is a file, not a folder")]
+    # Pseudo file systems refuse new folders even to root (the reason given varies by kernel).
+    cases += [(Path(root) / sub, "") for root, sub in (("/proc", "pretokenize-test/out"), ("/sys", "pretokenize-test"))
+              if Path(root).is_dir()]
+    return cases
+
+
+def test_an_output_folder_that_cannot_be_created_is_refused_first(tmp_path, capsys):
+    """One line naming the folder, the reason and the fix, before the source is opened (here it does not
+    exist: its error would come first otherwise). Root writes anywhere permissions allow, so the cases are
+    a path below a file, a file, and pseudo file systems."""
+    for out, reason in _unwritable_outputs(tmp_path):
+        rc, err = _run(capsys, tmp_path / "missing.jsonl", out, "--tokenizer", MODEL)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: cannot create the output folder {out}: {reason}"), err
+        assert "give OUTPUT as a new folder in a place you can write to" in err
+
+
+def test_the_script_reports_a_bad_output_folder_without_a_traceback(tmp_path):
+    (tmp_path / "file").write_text("x")
+    src = write_jsonl(tmp_path / "d.jsonl", random_docs(5, seed=10, lo=1))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(src), str(tmp_path / "file" / "out"), "--tokenizer",
+                           str(MODEL)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"error: cannot create the output folder {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} "
+                           "is a file, not a folder; give OUTPUT as a new folder in a place you can write to (or the "
+                           "folder of an interrupted run, to finish it)\n")
+
+
+def test_a_write_error_is_one_line_and_the_rerun_finishes(tmp_path, capsys):
+    """A file size limit (EFBIG, as a full disk's ENOSPC) stops the run mid-way with one line; the same
+    command then continues after the last complete chunk, to the bytes of a clean run."""
+    src = write_jsonl(tmp_path / "d.jsonl", random_docs(300, seed=11, lo=50, hi=120))
+    out = tmp_path / "tok"
+    args = [src, out, "--tokenizer", MODEL, "--workers", "2", "--chunk-docs", "20"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # tokens.bin grows past it mid-way
+    try:
+        rc = script.main([str(a) for a in args])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: could not write the token folder {out}: File too large; free space on it and "
+                          "run the same command again (it continues after the last complete chunk)"), err
+    assert 0 < json.loads((out / "progress.json").read_text())["docs_done"] < 300
+    assert _run(capsys, *args) == (0, "")
+    assert _run(capsys, src, tmp_path / "clean", *args[2:]) == (0, "")
+    assert _files(out) == _files(tmp_path / "clean")

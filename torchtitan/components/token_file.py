@@ -23,6 +23,8 @@ uint16 file with a vocabulary over 65536, the recorded max id; and per window re
 below the vocabulary (a file changed after it was written).
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -249,6 +251,51 @@ def _batches(iterator, size: int):
         yield batch
 
 
+def _write_error(out: Path, e: OSError) -> UserError:
+    """A failed write into the token folder (a full disk, a quota, permissions) as one line: what failed,
+    and that the same command continues after the last complete chunk once it is fixed."""
+    where = f" ({e.filename})" if e.filename else ""
+    fix = "free space on it" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "fix that"
+    return UserError(f"could not write the token folder {out}: {e.strerror or e}{where}; {fix} and run the same "
+                     "command again (it continues after the last complete chunk), or choose another OUTPUT")
+
+
+@contextlib.contextmanager
+def _writing(out: Path):
+    try:
+        yield
+    except OSError as e:
+        raise _write_error(out, e) from None
+
+
+def _read_chunk(docs, count: int, description, done: int) -> list:
+    """The next `count` texts of the source. An OSError here is the source's (a file, the network of a
+    streamed dataset), not the token folder's."""
+    try:
+        return [t for _, t in zip(range(count), docs)]
+    except OSError as e:
+        raise UserError(f"could not read the source {description} after {done:,} documents: {type(e).__name__}: "
+                        f"{e}; run the same command again: it continues after the last complete chunk") from None
+
+
+def _difference(recorded: dict, current: dict) -> str | None:
+    """How a token folder's recorded source and tokenizer differ from this run's (None: the same). The
+    tokenizer is compared by content (kind, vocabulary, BOS/EOS, file hash), not by where it lies."""
+    old, new = recorded.get("source") or {}, current["source"]
+    if old != new:
+        if old.get("description") == new.get("description") and old.get("text_field") == new.get("text_field"):
+            return (f"the source {new.get('description')} has changed since (its files' paths, sizes or modification "
+                    "times, or the dataset's data files or revision)")
+        return (f"it is of the source {old.get('description')} (text field {old.get('text_field')!r}), not "
+                f"{new.get('description')} (text field {new.get('text_field')!r})")
+    if not _same_tokenizer(recorded.get("tokenizer") or {}, current["tokenizer"]):
+        return (f"it is of the {_describe_tokenizer(recorded.get('tokenizer') or {})}, not the "
+                f"{_describe_tokenizer(current['tokenizer'])}")
+    if recorded.get("dtype") != current["dtype"]:
+        return f"it holds {recorded.get('dtype')} ids, this run writes {current['dtype']}"
+    return None
+
+
 def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_description: dict,
                 tokenizer_spec=None, workers: int | None = None, chunk_docs: int = 4096, batch_docs: int = 64,
                 max_chunks: int | None = None, log=print) -> dict | None:
@@ -258,42 +305,47 @@ def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_descript
     pickled). Resumable: each chunk of `chunk_docs` documents is appended, then progress.json records it;
     a rerun continues after the last complete chunk (if the source and tokenizer are the same). meta.json
     is written last. `max_chunks`: stop after that many chunks without finishing (for tests); returns
-    the meta dict when finished, else None.
+    the meta dict when finished, else None. An OSError writing the folder (a full disk) or reading the
+    source is a UserError of one line: the same call then continues after the last complete chunk.
     """
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
     fingerprint = tokenizer_fingerprint(tokenizer)
     vocab = fingerprint["vocab_size"]
     dtype = dtype_for(vocab)
     identity = {"source": source_description, "tokenizer": fingerprint, "dtype": dtype}
-    if (out / META).is_file():
-        meta = read_meta(out)
-        if {k: meta[k] for k in identity} != identity:
-            raise UserError(f"{out} already holds a complete token folder of another source or tokenizer; choose "
-                            "another OUTPUT, or remove it")
-        log(f"{out} is already complete: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens")
-        return meta
-    docs_done, tokens_done, max_id = 0, 0, -1
-    if (out / PROGRESS).is_file():
-        progress = json.loads((out / PROGRESS).read_text())
-        if {k: progress.get(k) for k in identity} != identity:
-            raise UserError(
-                f"{out} holds an interrupted pretokenize of another source or tokenizer ({progress.get('source')}, "
-                f"{_describe_tokenizer(progress.get('tokenizer') or {})}); rerun it with the same SOURCE and "
-                f"--tokenizer, or choose another OUTPUT (or remove it)"
-            )
-        docs_done, tokens_done, max_id = progress["docs_done"], progress["tokens_done"], progress["max_id"]
-        log(f"resuming {out}: {docs_done:,} documents, {tokens_done:,} tokens already written")
-    elif any(out.iterdir()):
-        raise UserError(f"OUTPUT {out} is not empty and is not a token folder; choose an empty or new folder")
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
-    # Cut back to the last complete chunk (a killed run may have appended part of the next one).
-    with open(out / TOKENS, "ab") as f:
-        f.truncate(tokens_done * np_dtype.itemsize)
-    with open(out / INDEX, "ab") as f:
-        f.truncate((docs_done + 1) * 8 if docs_done else 0)
-        if docs_done == 0:
-            f.write(np.zeros(1, dtype="<u8").tobytes())
+    docs_done, tokens_done, max_id = 0, 0, -1
+    # Every OSError of the token folder (mkdir, a full disk, permissions) is one line with its fix: the
+    # writes are in _writing blocks; reading the source is not (its errors are its own).
+    with _writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        if (out / META).is_file():
+            meta = read_meta(out)
+            difference = _difference(meta, identity)
+            if difference:
+                raise UserError(f"{out} already holds a complete token folder of another source or tokenizer: "
+                                f"{difference}; choose another OUTPUT, or remove it")
+            log(f"{out} is already complete: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens")
+            return meta
+        if (out / PROGRESS).is_file():
+            progress = json.loads((out / PROGRESS).read_text())
+            difference = _difference(progress, identity)
+            if difference:
+                raise UserError(
+                    f"{out} holds an interrupted pretokenize of another source or tokenizer: {difference}; rerun it "
+                    "with the same SOURCE and --tokenizer, or choose another OUTPUT (or remove it)"
+                )
+            docs_done, tokens_done, max_id = progress["docs_done"], progress["tokens_done"], progress["max_id"]
+            log(f"resuming {out}: {docs_done:,} documents, {tokens_done:,} tokens already written")
+        elif any(out.iterdir()):
+            raise UserError(f"OUTPUT {out} is not empty and is not a token folder; choose an empty or new folder")
+        # Cut back to the last complete chunk (a killed or failed run may have appended part of the next one).
+        with open(out / TOKENS, "ab") as f:
+            f.truncate(tokens_done * np_dtype.itemsize)
+        with open(out / INDEX, "ab") as f:
+            f.truncate((docs_done + 1) * 8 if docs_done else 0)
+            if docs_done == 0:
+                f.write(np.zeros(1, dtype="<u8").tobytes())
 
     workers = workers or os.cpu_count() or 1
     pool = None
@@ -307,50 +359,53 @@ def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_descript
         _init_worker(tokenizer_spec or tokenizer)
         encode = lambda batches: map(_encode_batch, batches)  # noqa: E731
     chunks = 0
+    description = source_description.get("description")
     try:
-        with open(out / TOKENS, "ab") as tokens_f, open(out / INDEX, "ab") as index_f:
-            docs = source.documents(docs_done)
-            while True:
-                texts = [t for _, t in zip(range(chunk_docs), docs)]
-                if not texts:
-                    break
-                lengths, pieces = [], []
-                for encoded in encode(_batches(texts, batch_docs)):
-                    for ids in encoded:
-                        arr = np.asarray(ids, dtype=np.int64)
-                        if arr.size:
-                            max_id = max(max_id, int(arr.max()))
-                            if arr.min() < 0 or max_id >= vocab:
-                                raise UserError(f"the tokenizer produced id {max_id} outside its vocabulary of {vocab}")
-                        pieces.append(arr.astype(np_dtype))
-                        lengths.append(arr.size)
+        docs = source.documents(docs_done)
+        while True:
+            texts = _read_chunk(docs, chunk_docs, description, docs_done)
+            if not texts:
+                break
+            lengths, pieces = [], []
+            for encoded in encode(_batches(texts, batch_docs)):
+                for ids in encoded:
+                    arr = np.asarray(ids, dtype=np.int64)
+                    if arr.size:
+                        max_id = max(max_id, int(arr.max()))
+                        if arr.min() < 0 or max_id >= vocab:
+                            raise UserError(f"the tokenizer produced id {max_id} outside its vocabulary of {vocab}")
+                    pieces.append(arr.astype(np_dtype))
+                    lengths.append(arr.size)
+            ends = tokens_done + np.cumsum(np.asarray(lengths, dtype=np.uint64), dtype=np.uint64)
+            # Opened per chunk (cheap next to encoding it), so that each write is inside _writing.
+            with _writing(out), open(out / TOKENS, "ab") as tokens_f, open(out / INDEX, "ab") as index_f:
                 tokens_f.write(np.concatenate(pieces).tobytes() if pieces else b"")
-                ends = tokens_done + np.cumsum(np.asarray(lengths, dtype=np.uint64), dtype=np.uint64)
                 index_f.write(ends.astype("<u8").tobytes())
                 tokens_f.flush(); index_f.flush()
                 os.fsync(tokens_f.fileno()); os.fsync(index_f.fileno())
-                docs_done += len(texts)
-                tokens_done = int(ends[-1]) if len(ends) else tokens_done
+            docs_done += len(texts)
+            tokens_done = int(ends[-1]) if len(ends) else tokens_done
+            with _writing(out):
                 _atomic_write_json(out / PROGRESS, {**identity, "docs_done": docs_done, "tokens_done": tokens_done,
                                                     "max_id": max_id})
-                chunks += 1
-                log(f"{docs_done:,} documents, {tokens_done:,} tokens")
-                if max_chunks is not None and chunks >= max_chunks:
-                    return None
-            if hasattr(docs, "close"):
-                docs.close()
+            chunks += 1
+            log(f"{docs_done:,} documents, {tokens_done:,} tokens")
+            if max_chunks is not None and chunks >= max_chunks:
+                return None
+        if hasattr(docs, "close"):
+            docs.close()
     finally:
         if pool is not None:
             pool.terminate()
     if tokens_done == 0:
-        raise UserError(f"the source {source_description.get('description')} has no non-empty document: nothing "
-                        "to train on")
+        raise UserError(f"the source {description} has no non-empty document: nothing to train on")
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, **identity, "vocab_size": vocab,
         "bos_id": fingerprint["bos_id"], "eos_id": fingerprint["eos_id"],
         "num_docs": docs_done, "num_tokens": tokens_done, "max_id": max_id,
         "source_random_access": bool(source.random_access),
     }
-    _atomic_write_json(out / META, meta)
-    (out / PROGRESS).unlink()
+    with _writing(out):
+        _atomic_write_json(out / META, meta)
+        (out / PROGRESS).unlink()
     return meta
