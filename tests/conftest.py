@@ -84,3 +84,39 @@ def worker_pids(text: str) -> dict[int, int]:
         if "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ:
             workers[int(environ["RANK"])] = pid
     return workers
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """One token per character; BOS = 1, EOS = 2: token streams the tests can write down by hand."""
+
+    bos_id, eos_id, vocab_size = 1, 2, 1000
+
+    def encode(self, text, bos, eos):
+        return [1] * bos + [3 + ord(c) % 997 for c in text] + [2] * eos
+
+
+def mixture_corpus(folder: Path, docs: list[list[str]], tokenizer) -> list[Path]:
+    """Three sources as pre-training corpora are published: a folder of two parquet shards (docs[0]), a
+    folder of two jsonl.zst shards (docs[1]) and a token folder written by pretokenize (docs[2])."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from torchtitan.components.data.formats import FilesSource
+    from torchtitan.components.token_file import pretokenize
+
+    parquet, zst, text, tokens = (folder / name for name in ("parquet", "zst", "text", "tokens"))
+    for path in (parquet, zst, text):
+        path.mkdir(parents=True)
+    for shard, part in enumerate((docs[0][::2], docs[0][1::2])):
+        pq.write_table(pa.table({"text": part}), parquet / f"shard-{shard:05d}.parquet", row_group_size=8)
+    for shard, part in enumerate((docs[1][::2], docs[1][1::2])):
+        lines = "".join(json.dumps({"text": d}) + "\n" for d in part).encode()
+        (zst / f"shard-{shard:05d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    (text / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[2]))
+    pretokenize(FilesSource(str(text)), tokenizer, tokens, source_description={"description": str(text)},
+                workers=1, log=lambda *_: None)
+    return [parquet, zst, tokens]

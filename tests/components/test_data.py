@@ -1061,7 +1061,7 @@ def test_a_bad_document_read_by_a_worker_fails_with_the_same_message_as_in_the_t
 
 
 def test_data_workers_are_refused_for_a_token_folder():
-    from torchtitan.components.data import PackedDataset
+    from torchtitan.components.data.loader import open_part
 
     with pytest.raises(ValueError, match="only a text source"):
-        PackedDataset(object(), None, 8, 0, 1, 2, workers=1)
+        open_part(object(), None, 8, "tokens", workers=1)

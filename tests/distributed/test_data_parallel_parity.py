@@ -14,6 +14,9 @@ within BF16_TOL of the fp32 single-process run:
   tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
   PP 2 x FSDP 2 x CP 2 x TP 2 on 16;
+- a mixture of three sources (a parquet folder, a jsonl.zst folder, a token folder; training.dataset_mix)
+  under FSDP 2 within 1e-5 of one process, with the same data_share/I; its FSDP 2 save at step 3
+  resumed under FSDP 4 continues with the single process's losses;
 - validation ([validation], every 3 steps and at the last: 2 global batches of 8 held-out sequences)
   gives the single process's loss within 1e-5 under FSDP 2, TP 2, PP 2 (1F1B, and ZBVZeroBubble's
   two stages per rank), CP 2 and Qwen3-MoE's PP 2 x EP 2, and leaves the training losses and grad
@@ -28,7 +31,9 @@ import math
 import pytest
 import torch
 
-from conftest import launch
+from conftest import REPO, launch, mixture_corpus
+from torchtitan.components.data import stdlib_files
+from torchtitan.components.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -160,13 +165,28 @@ SIXTEEN = {
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
+def mixture_jobs(tmp) -> tuple[dict, dict, dict]:
+    """A recipe mixing a parquet folder, a jsonl.zst folder and a token folder (documents of the standard
+    library, the real tokenizer): one process, FSDP 2 (saving at step 3), and FSDP 4 resumed from that save."""
+    files = stdlib_files()
+    docs = [[f.read_text(errors="replace") for f in files[i * 30:(i + 1) * 30]] for i in range(3)]
+    paths = mixture_corpus(tmp / "mix_corpus", docs, Tokenizer(str(REPO / "assets/tokenizer/python_stdlib_4k.model")))
+    mix = ["--training.dataset_mix", ",".join(f"{w}:{p}" for w, p in zip((0.5, 0.3, 0.2), paths))]
+    save3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
+    copy = {"copy": [str(tmp / "mix_fsdp2" / "checkpoint" / "step-3"), str(tmp / "mix_fsdp4_resumed" / "checkpoint" / "step-3")]}
+    return ({"mix_single": mix + ["--training.local_batch_size", "8"]},
+            {"mix_fsdp2": mix + save3 + ["--training.local_batch_size", "4"]},
+            {"copy_mix": copy, "mix_fsdp4_resumed": mix + save3 + ["--training.local_batch_size", "2"]})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp_parity")
+    mix1, mix2, mix4 = mixture_jobs(tmp)
     results = {}
-    results.update(launch(SINGLE, 1, tmp))
-    results.update(launch(TWO, 2, tmp))
-    results.update(launch(FOUR, 4, tmp))
+    results.update(launch(SINGLE | mix1, 1, tmp))
+    results.update(launch(TWO | mix2, 2, tmp))
+    results.update(launch(FOUR | mix4, 4, tmp))
     results.update(launch(EIGHT, 8, tmp))
     results.update(launch(SIXTEEN, 16, tmp))
     # Validation records (step, validation_loss, ...) apart from the training steps' records.
@@ -306,3 +326,16 @@ def test_validation_does_not_change_training(runs):
     # It measures the model being trained: held-out loss falls from step 3 to step 6 (7.51 -> 6.95 measured).
     assert ref[1]["validation_loss"] < ref[0]["validation_loss"] - 0.3
     assert runs["_validation"]["single_fp32"] == []
+
+
+def test_mixture_fsdp2_and_resumed_under_fsdp4_match_one_process(runs):
+    ref = runs["mix_single"]
+    assert len(ref) == 6 and losses(ref) != losses(runs["single_fp32"])  # other data than the default
+    for got in (runs["mix_fsdp2"], runs["mix_fsdp4_resumed"]):
+        for r, g in zip(ref[-len(got):], got):
+            assert r["step"] == g["step"] and g["loss"] == pytest.approx(r["loss"], rel=FP32_TOL)
+    assert [r["step"] for r in runs["mix_fsdp4_resumed"]] == [4, 5, 6]
+    shares = [[r[f"data_share/{i}"] for i in range(3)] for r in ref]
+    assert shares == [[r[f"data_share/{i}"] for i in range(3)] for r in runs["mix_fsdp2"]]
+    assert shares[-1] == pytest.approx([0.5, 0.3, 0.2], abs=1 / 48)  # 48 sequences: within one of each share
+

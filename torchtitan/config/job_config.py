@@ -8,7 +8,10 @@ message otherwise, so a recipe never silently loses an option.
 """
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Literal
+
+from torchtitan.config.errors import UserError
 
 
 def opt(default, help: str):
@@ -92,6 +95,40 @@ class LRScheduler:
     min_lr_factor: float = opt(0.0, "Final learning rate as a fraction of the peak.")
 
 
+MIX_SYNTAX = "WEIGHT:SOURCE, e.g. 0.6:data/web (a list in TOML, comma-separated on the command line)"
+
+
+def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
+    """The weights (normalized to sum 1) and source specs of a mixture; every problem at once as one UserError."""
+    weights, specs, problems = [], [], []
+    for entry in entries:
+        weight, sep, spec = entry.partition(":")
+        try:
+            value = Fraction(weight.strip())
+        except (ValueError, ZeroDivisionError):
+            value = None
+        if not sep or not spec.strip():
+            problems.append(f"{entry!r} is not {MIX_SYNTAX}")
+        elif value is None:
+            problems.append(f"{entry!r}: the weight {weight.strip()!r} is not a number")
+        elif value < 0:
+            problems.append(f"{entry!r}: the weight is negative")
+        else:
+            weights.append(value)
+            specs.append(spec.strip())
+    if not entries:
+        problems.append(f"it is empty; give one or more {MIX_SYNTAX}")
+    elif not problems and sum(weights) == 0:
+        problems.append("every weight is zero; give at least one source a positive weight")
+    duplicates = sorted({s for s in specs if specs.count(s) > 1})
+    if duplicates:
+        problems.append(f"{', '.join(duplicates)} appears more than once; give each source once with its total weight")
+    if problems:
+        raise UserError(f"{key}: " + "; ".join(problems))
+    total = sum(weights)
+    return [w / total for w in weights], specs
+
+
 @dataclass(frozen=True)
 class Training:
     dataset: Literal["python_stdlib", "local", "huggingface", "c4", "c4_test", "tokens"] = opt(
@@ -108,6 +145,15 @@ class Training:
         "File or folder (local), dataset name or path (huggingface); for c4 another hub name or a local copy "
         "(a clone's en/c4-train.*.json.gz shards are read), for c4_test where the sample is. Relative paths are "
         "relative to the working directory.",
+    )
+    dataset_mix: list[str] = opt(
+        [],
+        "A mixture of sources instead of dataset and dataset_path: WEIGHT:SOURCE entries, e.g. "
+        "[\"0.6:data/web\", \"0.4:python_stdlib\"] (on the command line 0.6:data/web,0.4:python_stdlib). A weight is "
+        "the share of training sequences (hence tokens) its source supplies; weights are normalized. SOURCE: a path (a "
+        "data file or folder of any supported format, or a token folder), python_stdlib, c4, c4_test, or hf:NAME (a "
+        "Hugging Face dataset streamed through datasets). Each source is shuffled, repeats and resumes on its own, "
+        "as training.dataset would; metrics.jsonl logs data_share/I and data_epoch/I per source.",
     )
     dataset_text_field: str = opt(
         "text",

@@ -22,7 +22,7 @@ from torchtitan.config.errors import UserError
 
 # Signals job.stop_signals may name: those schedulers send before a kill, and Ctrl-C's.
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
-from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, ZERO_BUBBLE_SCHEDULES, JobConfig
+from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, ZERO_BUBBLE_SCHEDULES, JobConfig, parse_mix
 
 # Origin of a value given on the command line (file values carry their path instead).
 _CLI = None
@@ -561,7 +561,17 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         m.device_peak_tflops >= 0,
         f"metrics.device_peak_tflops must be 0 (auto) or more, got {m.device_peak_tflops}",
     )
-    if t.dataset in ("local", "huggingface", "tokens"):
+    if t.dataset_mix:
+        try:
+            parse_mix(t.dataset_mix, "training.dataset_mix")
+        except UserError as e:
+            problems.append(str(e))
+        need(
+            t.dataset == "python_stdlib" and t.dataset_path is None,
+            f"training.dataset_mix is set, so training.dataset ({t.dataset!r}) and training.dataset_path "
+            f"({t.dataset_path!r}) are not used; remove them (a mixture names every source itself)",
+        )
+    elif t.dataset in ("local", "huggingface", "tokens"):
         need(
             bool(t.dataset_path),
             f'training.dataset = "{t.dataset}" needs training.dataset_path; set it to the '

@@ -1,0 +1,69 @@
+"""Mixtures: several sources, each supplying a set share of the training sequences (training.dataset_mix).
+
+A mixture is a list of `WEIGHT:SOURCE` entries. SOURCE is a dataset name (python_stdlib, c4, c4_test),
+`hf:NAME` (a Hugging Face dataset streamed through `datasets`, as training.dataset = "huggingface"),
+or a path: a data file or folder of any supported format, or a token folder (scripts/pretokenize.py's tokens.bin is in it).
+
+Which source each global sample comes from is a deterministic schedule, the one Megatron's blended
+datasets use: sample k goes to the source whose count so far lags furthest behind its share of k + 1
+samples, weight_i * (k + 1) - count_i (ties: the earlier source). It is exact integer arithmetic on
+the weights scaled to integers, so every rank, layout and machine computes the same schedule, and
+after k samples each count is within one sample of weight_i * k. Windows are equally long, so the
+share of samples is the share of tokens. The counts are the sources' own positions (how many
+windows each has passed), so the schedule needs no state of its own and resumes exactly.
+"""
+
+import math
+import os
+from fractions import Fraction
+
+from torchtitan.components.token_file import PROGRESS, TOKENS
+from torchtitan.config.errors import UserError
+
+HF_PREFIX = "hf:"
+NAMED_SOURCES = ("python_stdlib", "c4", "c4_test")
+
+
+def integer_weights(weights: list[Fraction]) -> list[int]:
+    """The weights scaled to integers with the same ratios (exact: no rounding in the schedule)."""
+    scale = math.lcm(*(w.denominator for w in weights))
+    return [int(w * scale) for w in weights]
+
+
+def next_source(weights: list[int], counts: list[int]) -> int:
+    """The source of the next sample, given how many samples each source has supplied so far."""
+    k1, total = sum(counts) + 1, sum(weights)
+    best, lag = 0, None
+    for i, (w, c) in enumerate(zip(weights, counts)):
+        d = w * k1 - c * total  # how far source i lags behind its share of k + 1 samples, times total
+        if lag is None or d > lag:
+            best, lag = i, d
+    return best
+
+
+def counts_after(weights: list[int], counts: list[int], samples: int) -> list[int]:
+    """Each source's count after `samples` more samples of the schedule."""
+    counts = list(counts)
+    for _ in range(samples):
+        counts[next_source(weights, counts)] += 1
+    return counts
+
+
+def source_kind(spec: str) -> tuple[str, str | None]:
+    """(training.dataset, dataset_path) that a mixture's SOURCE names: a dataset name, `hf:NAME`, a token
+    folder (a folder with a meta.json) or local files. A path that does not exist is refused."""
+    if spec.startswith(HF_PREFIX):
+        name = spec[len(HF_PREFIX):]
+        if not name:
+            raise UserError(f"mixture source {spec!r} names no dataset; write hf:ORG/NAME or hf:/a/local/folder")
+        return "huggingface", name
+    if spec in NAMED_SOURCES and not os.path.exists(spec):
+        return spec, None
+    if not os.path.exists(spec):
+        raise UserError(
+            f"mixture source {spec!r} does not exist: a source is a path (a data file or folder, or a token folder), "
+            f"a dataset name ({', '.join(NAMED_SOURCES)}) or hf:NAME (a Hugging Face dataset)"
+        )
+    if any(os.path.isfile(os.path.join(spec, name)) for name in (TOKENS, PROGRESS)):
+        return "tokens", spec  # written by scripts/pretokenize.py (complete or not: the token reader explains)
+    return "local", spec
