@@ -413,7 +413,7 @@ class Trainer:
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
         batches = validate.ValidationData(
-            validate.build_source(v, t), self.tokenizer, seq_len, v.local_batch_size, dp_rank, self.dims.dp_degree, v.steps
+            validate.build_source(v, t, self.tokenizer), self.tokenizer, seq_len, v.local_batch_size, dp_rank, self.dims.dp_degree, v.steps
         )
         return validate.Validator(
             v, t.steps, batches, self.parts, self.spec.loss_fn, self.device, self.amp, self.loss_parallel,

@@ -4,12 +4,14 @@ layouts are compared in tests/distributed/test_data_parallel_parity.py)."""
 
 import json
 import math
+from fractions import Fraction
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import CharTokenizer
 from torchtitan.components import validate
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
@@ -19,15 +21,6 @@ from torchtitan.train import main
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"
-
-
-class CharTokenizer:
-    """One token per character; BOS = 1, EOS = 2."""
-
-    bos_id, eos_id, vocab_size = 1, 2, 1000
-
-    def encode(self, text, bos, eos):
-        return [1] * bos + [3 + ord(c) % 997 for c in text] + [2] * eos
 
 
 def write_jsonl(path, docs):
@@ -90,6 +83,40 @@ def tiny_argv(tmp_path, *extra):
         "--model.tokenizer_path", str(MODEL), "--job.dump_folder", str(tmp_path / "out"),
         "--training.seq_len", "32", "--training.steps", "2", "--validation.enabled", *extra,
     ]
+
+
+def test_a_mixture_takes_each_window_from_the_source_its_schedule_picks(tmp_path):
+    from torchtitan.components.data.formats import FilesSource
+    from torchtitan.components.data.mixing import integer_weights, next_source
+    from torchtitan.components.token_file import pretokenize
+
+    other = [f"other {i} " + "q" * (i % 5) for i in range(30)]
+    a = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    b_text = tmp_path / "b"
+    b_text.mkdir()
+    write_jsonl(b_text / "b.jsonl", other)
+    pretokenize(FilesSource(str(b_text)), CharTokenizer(), tmp_path / "b_tokens",
+                source_description={"description": "b"}, workers=1, log=lambda *_: None)
+    cfg = Validation(enabled=True, dataset_mix=[f"0.75:{a}", f"0.25:{tmp_path / 'b_tokens'}"])
+    # The two sources' own windows, interleaved by the schedule until it asks one past its end.
+    own = [expected_windows(DOCS, 16), expected_windows(other, 16)]
+    weights, counts, windows = integer_weights([Fraction(3, 4), Fraction(1, 4)]), [0, 0], []
+    while counts[i := next_source(weights, counts)] < len(own[i]):
+        windows.append(own[i][counts[i]])
+        counts[i] += 1
+    full = len(windows) // 8
+    assert full >= 2 and counts[1] > 0
+    for dp in (1, 2):
+        ranks = [validate.ValidationData(validate.build_source(cfg, None, CharTokenizer()), CharTokenizer(), 15,
+                                         8 // dp, r, dp, -1) for r in range(dp)]
+        got = [torch.cat(parts) for parts in zip(*(read_all(d) for d in ranks))]
+        assert [b.tolist() for b in got] == [windows[8 * b:8 * b + 8] for b in range(full)]
+
+
+def test_a_validation_mixture_with_a_dataset_too_is_refused(tmp_path, capsys):
+    argv = tiny_argv(tmp_path, "--validation.dataset_mix", "1:python_stdlib_test", "--validation.dataset", "local")
+    assert main(argv) == 2
+    assert "validation.dataset_mix is set, so validation.dataset ('local')" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

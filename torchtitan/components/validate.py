@@ -50,10 +50,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.data import sources
+from torchtitan.components.data.mixing import integer_weights, next_source, source_kind
 from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import JobConfig, Training, Validation
+from torchtitan.config.job_config import JobConfig, Training, Validation, parse_mix
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.utils import dist_mean
 from torchtitan.distributed.tensor_parallel import loss_parallel_context
@@ -104,10 +105,26 @@ class _StdlibTestSource:
             yield sources.read_text(path)
 
 
-def build_source(cfg: Validation, training: Training | None = None):
+class Mixture:
+    """validation.dataset_mix: sources (text, or token folders) with integer weights (mixing.integer_weights)."""
+
+    def __init__(self, sources: list, weights: list[int]):
+        self.sources, self.weights = sources, weights
+
+    def documents(self, start: int):
+        # Only asked whether the set holds any document at all (preflight's message).
+        for source in self.sources:
+            yield from source.documents(start)
+
+
+def build_source(cfg: Validation, training: Training | None = None, tokenizer: Tokenizer | None = None):
     """The documents of the validation set named by the config (its names are checked by the config
     validator: a path exactly for local and huggingface). Files are read as training reads them, with
-    training.dataset_text_field, in stored order."""
+    training.dataset_text_field, in stored order. A mixture's token folders are checked against
+    `tokenizer`."""
+    if cfg.dataset_mix:
+        fractions, specs = parse_mix(cfg.dataset_mix, "validation.dataset_mix")
+        return Mixture([_mix_source(cfg, training, tokenizer, spec) for spec in specs], integer_weights(fractions))
     if cfg.dataset == "python_stdlib_test":
         return _StdlibTestSource()
     if cfg.dataset == "python_stdlib":
@@ -127,11 +144,48 @@ def build_source(cfg: Validation, training: Training | None = None):
         raise UserError("validation: " + re.sub(r"training\.(dataset_path|dataset|shuffle_documents)", r"validation.\1", message)) from None
 
 
+def _mix_source(cfg: Validation, training: Training | None, tokenizer: Tokenizer | None, spec: str):
+    """One source of validation.dataset_mix, opened as validation.dataset would open it."""
+    if spec == "python_stdlib_test":
+        return _StdlibTestSource()
+    try:
+        dataset, path = source_kind(spec)
+    except UserError as e:
+        raise UserError(f"validation.dataset_mix: {e}") from None
+    if dataset == "tokens":
+        from torchtitan.components.token_file import open_token_source
+
+        try:
+            return open_token_source(path, tokenizer)[0]
+        except UserError as e:
+            raise UserError(f"validation.dataset_mix source {spec!r}: {e}") from None
+    single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[])
+    try:
+        return build_source(single, training)
+    except UserError as e:
+        raise UserError(f"validation.dataset_mix source {spec!r}: {e}") from None
+
+
+def _token_list(tokens) -> list[int]:
+    return tokens.tolist()  # a token folder's memory-mapped slice, as Python ints
+
+
 def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
-    """The packed stream's windows of `length` tokens, from the first document to the end (no wrap)."""
+    """The packed stream's windows of `length` tokens, from the first document to the end (no wrap). A
+    mixture's window k is the next window of the source its schedule picks; the set ends where the
+    schedule first asks a source past its end."""
+    if isinstance(source, Mixture):
+        streams = [_windows(s, tokenizer, length) for s in source.sources]
+        counts = [0] * len(streams)
+        while (window := next(streams[i := next_source(source.weights, counts)], None)) is not None:
+            counts[i] += 1
+            yield window
+        return
+    # A token folder's documents are framed already; a text source's are framed as training frames them.
+    encode = _token_list if hasattr(source, "document_length") else functools.partial(encode_document, tokenizer)
     buffer: list[int] = []
-    for text in source.documents(0):
-        buffer.extend(encode_document(tokenizer, text))  # framed as training frames it
+    for doc in source.documents(0):
+        buffer.extend(encode(doc))
         start = 0
         while len(buffer) - start >= length:
             yield buffer[start : start + length]
@@ -187,19 +241,20 @@ def preflight_validation(cfg: JobConfig, dp_degree: int) -> None:
     v = cfg.validation
     if not v.enabled:
         return
-    source = build_source(v, cfg.training)
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    source = build_source(v, cfg.training, tokenizer)
     need = v.local_batch_size * dp_degree
     seq_len = v.seq_len if v.seq_len > 0 else cfg.training.seq_len
     windows = _windows(source, tokenizer, seq_len + 1)
     found = sum(1 for _ in zip(range(need), windows))
     if found < need:
         where = f" at {v.dataset_path}" if v.dataset_path else ""
+        name = f"validation.dataset_mix {v.dataset_mix}" if v.dataset_mix else f"validation set {v.dataset}{where}"
         what = "is empty: it holds no text" if found == 0 and not any(source.documents(0)) else (
             f"is too small: it holds {found} sequence(s) of validation.seq_len + 1 = {seq_len + 1} tokens"
         )
         raise UserError(
-            f"validation set {v.dataset}{where} {what}, fewer than one global validation batch of "
+            f"{name} {what}, fewer than one global validation batch of "
             f"validation.local_batch_size x data-parallel degree = {v.local_batch_size} x {dp_degree} = {need} "
             f"sequences; add data, or lower validation.local_batch_size or validation.seq_len"
         )

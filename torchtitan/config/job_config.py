@@ -441,6 +441,12 @@ class Validation:
         "training corpus leaves out (embedded, offline); python_stdlib, local, huggingface: as training.dataset.",
     )
     dataset_path: str | None = opt(None, "File or folder (local) or dataset name/path (huggingface).")
+    dataset_mix: list[str] = opt(
+        [],
+        "A validation mixture instead of dataset and dataset_path: WEIGHT:SOURCE entries as training.dataset_mix "
+        "takes them (paths, token folders, python_stdlib, python_stdlib_test, c4_test, hf:NAME). Each source is read "
+        "in stored order from its first document; the set ends where the schedule first asks a source past its end.",
+    )
     local_batch_size: int = opt(8, "Validation sequences per data-parallel rank per batch.")
     seq_len: int = opt(
         -1,

@@ -661,6 +661,16 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
         v.steps == -1 or v.steps > 0,
         f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {v.steps}",
     )
+    if v.dataset_mix:
+        try:
+            parse_mix(v.dataset_mix, "validation.dataset_mix")
+        except UserError as e:
+            problems.append(str(e))
+        need(
+            v.dataset == "python_stdlib_test" and v.dataset_path is None,
+            f"validation.dataset_mix is set, so validation.dataset ({v.dataset!r}) and validation.dataset_path "
+            f"({v.dataset_path!r}) are not used; remove them (a mixture names every source itself)",
+        )
     need(
         v.dataset in VALIDATION_DATASETS,
         f"validation.dataset = {v.dataset!r} is not available here; choose one of "
