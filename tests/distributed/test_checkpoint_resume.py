@@ -117,12 +117,13 @@ def test_resume_is_bit_identical(runs, layout):
 # DDP all-reduces gradients in buckets where FSDP reduce-scatters them; Adam amplifies that rounding
 # difference step by step (measured: 7e-6 after one step, 2.2e-5 at most over 10), so DDP gets 5e-5.
 # The first resumed step is exact wherever the forward computes the same way: weights and optimizer
-# state load bit for bit. Ring attention (alltoall) merges partial softmaxes and tensor parallel sums
-# row-parallel partial products over ranks: a different rounding (within 1e-6 at the first step).
+# state load bit for bit. Context parallel computes attention per sequence chunk (alltoall merges
+# partial softmaxes) and tensor parallel sums row-parallel partial products over ranks: a different
+# rounding (within 1e-6 at the first step; FSDP 2 x CP 2 measured one float32 ulp of the loss, 4.8e-7).
 @pytest.mark.parametrize(
     "target, tol, exact_first",
     [("fsdp4_to_fsdp2", 1e-5, True), ("fsdp4_to_hsdp", 1e-5, True), ("fsdp4_to_ddp2", 5e-5, True),
-     ("fsdp4_to_fsdp2_tp2", 1e-5, False), ("fsdp4_to_pp2_fsdp2", 1e-5, True), ("fsdp4_to_fsdp2_cp2", 1e-5, True),
+     ("fsdp4_to_fsdp2_tp2", 1e-5, False), ("fsdp4_to_pp2_fsdp2", 1e-5, True), ("fsdp4_to_fsdp2_cp2", 1e-5, False),
      ("fsdp4_to_cp2", 1e-5, False)],
 )
 def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
