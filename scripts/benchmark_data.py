@@ -1,6 +1,7 @@
 """Start-up time and tokens/s per rank of training.dataset = "tokens" on a generated token folder.
 
     python scripts/benchmark_data.py [--size-mb 1024] [--folder /tmp/bench_tokens] [--seq-len 2048]
+    python scripts/benchmark_data.py --mix-mb 32 --dp 1,8,64 --mix-workers 0,1,2
 
 Generates (once; reused if present with the same size) a token folder of --size-mb MB of random ids
 of the shipped 4k tokenizer's vocabulary (uint16), in documents of 1..4000 tokens, then for several
@@ -13,6 +14,12 @@ data-parallel layouts builds rank (D - 1)'s loader (the rank that skips the most
 With --text-workers (e.g. 0,1,2), also the text pipeline: tokens/s delivered from the embedded
 python_stdlib corpus, tokenized by the shipped sentencepiece model, with that many
 training.data_workers (0: in the process that trains), shuffle on, dp 1.
+
+With --mix-mb (e.g. 32), a mixture instead: a folder of 8 parquet shards and a folder of 8 jsonl.zst
+shards (standard library text, --mix-mb MB of text each, generated once), mixed 0.5:0.5, tokenized
+by the shipped sentencepiece model; for each --dp degree and --mix-workers count, rank (D - 1) reads
+until both sources have been passed once, and the line gives the tokens/s delivered to that rank and
+the bytes it read (its process and its data workers, /proc/PID/io rchar) against the corpus's bytes.
 
 For scale: the debug model trains at about 2,150 tokens/s on CPU (README, scripts/benchmark.py), so
 the target is at least 100x that, 215,400 tokens/s per rank. Not a test: it prints figures.
@@ -79,6 +86,79 @@ def generate(folder: Path, size_mb: int, tokenizer) -> dict:
     return meta
 
 
+def generate_mixture(folder: Path, mb: int) -> list[Path]:
+    """A parquet folder and a jsonl.zst folder of 8 shards each, `mb` MB of standard library text each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from torchtitan.components.data import stdlib_files
+
+    marker = folder / f"done-{mb}"
+    parquet, zst = folder / "parquet", folder / "zst"
+    if marker.is_file():
+        return [parquet, zst]
+    texts = [f.read_text(errors="replace") for f in stdlib_files()]
+    for out in (parquet, zst):
+        out.mkdir(parents=True, exist_ok=True)
+        docs, size, k = [], 0, 0
+        while size < mb << 20:  # the library repeated, each copy marked so no two documents are equal
+            docs.append(f"# copy {k // len(texts)}\n" + texts[k % len(texts)])
+            size += len(docs[-1])
+            k += 1
+        for shard in range(8):
+            part = docs[shard::8]
+            if out is parquet:
+                pq.write_table(pa.table({"text": part}), out / f"shard-{shard:05d}.parquet", row_group_size=256)
+            else:
+                lines = "".join(json.dumps({"text": d}) + "\n" for d in part).encode()
+                (out / f"shard-{shard:05d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(lines))
+    marker.write_text("")
+    return [parquet, zst]
+
+
+def bytes_read(pids: list[int]) -> int:
+    """Bytes the processes have read through read() calls so far (/proc/PID/io rchar)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("rchar:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass  # a worker that has ended
+    return total
+
+
+def mixture_benchmark(args, tokenizer):
+    import os
+
+    paths = generate_mixture(Path(args.mix_folder), args.mix_mb)
+    corpus = sum(f.stat().st_size for p in paths for f in p.iterdir())
+    print(f"mixture: {paths[0]} (8 parquet shards) and {paths[1]} (8 jsonl.zst shards), {corpus / 1e6:.1f} MB on "
+          f"disk, 0.5:0.5; seq_len {args.seq_len}, local batch {args.local_batch}; rank D - 1 reads until both "
+          "sources have been passed once")
+    for dp in (int(d) for d in args.dp.split(",")):
+        for workers in (int(w) for w in args.mix_workers.split(",") if w):
+            cfg = Training(dataset_mix=[f"0.5:{paths[0]}", f"0.5:{paths[1]}"], seq_len=args.seq_len,
+                           local_batch_size=args.local_batch, data_workers=workers)
+            loader = build_dataloader(cfg, tokenizer, dp - 1, dp, args.local_batch * dp)
+            read_before = bytes_read([os.getpid()])
+            start, batches = time.perf_counter(), 0
+            it = iter(loader)
+            while min(part.stream.epoch for part in loader.dataset.parts) < 1:
+                next(it)
+                batches += 1
+            seconds = time.perf_counter() - start
+            rate = batches * args.local_batch * args.seq_len / seconds
+            # With workers the trainer also reads their tokens through pipes, which rchar counts too.
+            read = (f"read {(bytes_read([os.getpid()]) - read_before) / 1e6:8.1f} MB of the corpus's "
+                    f"{corpus / 1e6:.1f} MB" if workers == 0 else "(bytes read: measured without workers)")
+            print(f"dp {dp:3d} rank {dp - 1:3d}, data_workers {workers}: {rate:10,.0f} tokens/s delivered, {read} "
+                  f"({seconds:.1f} s)")
+            del it, loader
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
@@ -88,8 +168,14 @@ def main():
     parser.add_argument("--dp", default="1,8,64", help="data-parallel degrees to measure")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per layout")
     parser.add_argument("--text-workers", default="", help="data_workers counts for the text pipeline, e.g. 0,1,2")
+    parser.add_argument("--mix-mb", type=int, default=0, help="MB of text per source of the mixture benchmark")
+    parser.add_argument("--mix-folder", default="/tmp/bench_mix")
+    parser.add_argument("--mix-workers", default="0", help="data_workers counts for the mixture benchmark")
     args = parser.parse_args()
     tokenizer = Tokenizer(MODEL)
+    if args.mix_mb:
+        mixture_benchmark(args, tokenizer)
+        return
     for workers in (int(w) for w in args.text_workers.split(",") if w):
         cfg = Training(dataset="python_stdlib", seq_len=args.seq_len, local_batch_size=args.local_batch,
                        data_workers=workers)
