@@ -616,8 +616,11 @@ class Trainer:
         }
         if self.spec.metrics is not None:
             record.update(self.spec.metrics(self.parts, self.parallelize_inputs))
-        # A mixture's share of each source so far, and the epoch each is in (data_share/I, data_epoch/I).
-        record.update(self.dataloader.dataset.mixture_metrics(step * self.plan.global_batch_size))
+        # A mixture's share of each source so far, and the epoch each is in (data_share/I, data_epoch/I);
+        # a loader of a fork's own (build_dataloader overridden) may have none.
+        mixture_metrics = getattr(getattr(self.dataloader, "dataset", None), "mixture_metrics", None)
+        if mixture_metrics is not None:
+            record.update(mixture_metrics(step * self.plan.global_batch_size))
         self.metrics.log(record)
         self.history.append(record)
         self.last_log_time, self.tokens_since_log = now, 0.0

@@ -7,7 +7,6 @@ folder is read recursively in sorted relative path order.
 """
 
 import bisect
-import gzip
 import io
 import itertools
 import json
@@ -62,12 +61,32 @@ def _import_zstandard(path: Path):
 # --- reading bytes: plain, gzip, zstd --------------------------------------------------------------
 
 
-def _corrupt(path: Path, compression: str, error: BaseException) -> UserError:
+# Compressed bytes are given to the decoder in pieces of this size: neither library says how far into
+# its input it got when it fails, so the piece that failed is where the file is reported corrupt. A
+# zstd block is at most 128 KiB, so the report is about as precise as the decoder's own check.
+_PIECE = 1 << 16
+_UNIT = {"gzip": "member", "zstd": "frame"}  # what a compressed file is a sequence of
+
+
+def _corrupt(path: Path, compression: str, error: BaseException, where: str = "") -> UserError:
     tool = "gzip -t" if compression == "gzip" else "zstd -t"
     return UserError(
-        f"{path} is not a readable {compression} file ({type(error).__name__}: {error}): it is corrupt or "
+        f"{path} is not a readable {compression} file ({type(error).__name__}: {error}){where}: it is corrupt or "
         f"truncated (check it with `{tool} {path}`); download or compress it again, or remove it from the dataset"
     )
+
+
+def _stream_where(compression: str, start: int, end: int, size: int, unit_start: int,
+                  lines: Callable[[], int] | None) -> str:
+    """Where a compressed stream failed: the compressed bytes the decoder was given when it failed
+    (start..end, end excluded), the frame or member they are in and, for a file read as lines, the
+    last complete line read (the documents before it were delivered)."""
+    span = f"at byte {start}" if end <= start else f"in compressed bytes {start}-{end - 1}"
+    where = f" {span} of {size} (in the {_UNIT[compression]} that starts at byte {unit_start})"
+    if lines is not None:
+        n = lines()
+        where += f", after line {n}" if n else ", before the end of line 1"
+    return where
 
 
 def _open_raw(path: Path):
@@ -77,51 +96,78 @@ def _open_raw(path: Path):
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _zstd_chunks(path: Path) -> Iterator[bytes]:
-    """The decompressed bytes of a .zst file (one or more frames), in chunks; a file that ends inside
-    a frame is an error (zstandard's stream reader would end silently)."""
-    zstandard = _import_zstandard(path)
-    dctx = zstandard.ZstdDecompressor()
-    with _open_raw(path) as f:
-        try:
-            d, in_frame = dctx.decompressobj(), False
-            while data := f.read(1 << 20):
-                while data:
-                    out = d.decompress(data)
-                    in_frame = True
-                    if out:
-                        yield out
-                    if not d.eof:
-                        break
-                    data, d, in_frame = d.unused_data, dctx.decompressobj(), False
-        except zstandard.ZstdError as e:
-            raise _corrupt(path, "zstd", e) from None
-        if in_frame:
-            raise _corrupt(path, "zstd", EOFError("the file ends inside a frame"))
+def _gzip_decoder(path: Path):
+    return zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # one gzip member: header, deflate data, CRC check
 
 
-def _byte_chunks(path: Path, compression: str | None, size: int = 1 << 20) -> Iterator[bytes]:
-    """The (decompressed) bytes of a file, in chunks; decompression errors are UserErrors naming it."""
+def _zstd_decoder(path: Path):
+    return _import_zstandard(path).ZstdDecompressor().decompressobj()
+
+
+def _decoded_chunks(path: Path, compression: str, lines: Callable[[], int] | None = None) -> Iterator[bytes]:
+    """The decompressed bytes of a .gz or .zst file (one or more members or frames, as concatenated
+    files and pigz/pzstd make them), in chunks. Decoding is done here rather than by gzip.GzipFile or
+    zstandard's stream reader to know where a failure is: the offset of the piece being decoded and of
+    its frame. A file that ends inside a frame is an error (zstandard's stream reader ends silently).
+    `lines()` is the number of complete lines the caller has read, for the message."""
     if compression == "zstd":
-        yield from _zstd_chunks(path)
+        new_decoder, errors = _zstd_decoder, _import_zstandard(path).ZstdError
+    else:
+        new_decoder, errors = _gzip_decoder, zlib.error
+    with _open_raw(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        offset = 0  # compressed bytes the decoder has taken so far
+        decoder, unit_start = None, 0  # the decoder of the frame being read (None between frames), its start
+        while True:
+            try:
+                data = f.read(_PIECE)
+            except OSError as e:
+                raise UserError(f"cannot read {path} at byte {offset}: {e.strerror or e}") from None
+            if not data:
+                break
+            while data:
+                if decoder is None:
+                    if compression == "gzip":  # zeros may pad a gzip file (GzipFile skips them too)
+                        rest = data.lstrip(b"\0")
+                        offset, data = offset + len(data) - len(rest), rest
+                        if not data:
+                            break
+                    decoder, unit_start = new_decoder(path), offset
+                try:
+                    out = decoder.decompress(data)
+                except errors as e:
+                    where = _stream_where(compression, offset, offset + len(data), size, unit_start, lines)
+                    raise _corrupt(path, compression, e, where) from None
+                if out:
+                    yield out
+                if not decoder.eof:
+                    offset += len(data)
+                    break
+                # The frame ended inside this piece: the rest of it starts the next one.
+                rest = decoder.unused_data
+                offset, data, decoder = offset + len(data) - len(rest), rest, None
+        if decoder is not None:
+            where = _stream_where(compression, size, size, size, unit_start, lines)
+            raise _corrupt(path, compression, EOFError(f"the file ends inside a {_UNIT[compression]}"), where)
+
+
+def _byte_chunks(path: Path, compression: str | None, size: int = 1 << 20,
+                 lines: Callable[[], int] | None = None) -> Iterator[bytes]:
+    """The (decompressed) bytes of a file, in chunks (of `size` bytes for an uncompressed file);
+    decompression errors are UserErrors naming it and where it failed."""
+    if compression is not None:
+        yield from _decoded_chunks(path, compression, lines)
         return
     with _open_raw(path) as raw:
-        if compression is None:
-            while chunk := raw.read(size):
-                yield chunk
-            return
-        try:
-            with gzip.GzipFile(fileobj=raw) as f:
-                while chunk := f.read(size):
-                    yield chunk
-        except (OSError, EOFError, zlib.error) as e:
-            raise _corrupt(path, "gzip", e) from None
+        while chunk := raw.read(size):
+            yield chunk
 
 
 def _byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
     """The lines of a (decompressed) file, split on b"\\n", without it."""
     pending: list[bytes] = []  # the start of a line that spans chunks
-    for chunk in _byte_chunks(path, compression):
+    complete = 0  # lines yielded: a corrupt stream is reported after the last of them
+    for chunk in _byte_chunks(path, compression, lines=lambda: complete):
         lines = chunk.split(b"\n")
         if len(lines) == 1:
             pending.append(chunk)
@@ -130,6 +176,7 @@ def _byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
             lines[0] = b"".join(pending + [lines[0]])
         pending = [lines.pop()]
         yield from lines
+        complete += len(lines)
     if pending and any(pending):
         yield b"".join(pending)
 
@@ -344,21 +391,43 @@ class _ParquetFile:
 
     def texts(self, start: int):
         try:
-            with self.pa.parquet.ParquetFile(self.path) as f:
-                for group, rows in enumerate(self.row_groups):
-                    if start >= rows:
-                        start -= rows
-                        continue
-                    for batch in f.iter_batches(batch_size=1024, row_groups=[group], columns=[self.field]):
-                        values = batch.column(0).to_pylist()
-                        if start:
-                            values, start = values[start:], max(0, start - len(values))
-                        for text in values:
-                            yield text or ""
+            f = self.pa.parquet.ParquetFile(self.path)
         except (OSError, self.pa.ArrowException) as e:
             raise UserError(f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
                             "write it again, or remove it from the dataset") from None
+        with f:
+            first = 0  # the number in the file of the row group's first row
+            for group, rows in enumerate(self.row_groups):
+                if start < rows:
+                    yield from self._group_texts(f, group, first, start)
+                start, first = max(0, start - rows), first + rows
         return sum(self.row_groups)
+
+    def _group_texts(self, f, group: int, first: int, start: int):
+        """The texts of row group `group` (whose first row is row `first` of the file) from its row
+        `start` on; a failure to read it names the row group and its rows."""
+        batches = f.iter_batches(batch_size=1024, row_groups=[group], columns=[self.field])
+        row = first  # the row of the file the next batch starts at
+        while True:
+            # Only the reading is guarded: the yields below hand control to the caller.
+            try:
+                batch = next(batches, None)
+                if batch is None:
+                    return
+                values = batch.column(0).to_pylist()
+            except (OSError, self.pa.ArrowException) as e:
+                rows = self.row_groups[group]
+                at = f", from row {row}" if row > first else ""
+                raise UserError(
+                    f"cannot read parquet file {self.path}: row group {group} of {len(self.row_groups)} (rows "
+                    f"{first}-{first + rows - 1}{at}; both counted from 0) fails ({e}); it is corrupt or truncated: "
+                    "download or write it again, or remove it from the dataset"
+                ) from None
+            row += len(values)
+            if start:
+                values, start = values[start:], max(0, start - len(values))
+            for text in values:
+                yield text or ""
 
 
 class _ArrowFile:
