@@ -92,7 +92,10 @@ def worker_pids(text: str) -> dict[int, int]:
 class CharTokenizer:
     """One token per character; BOS = 1, EOS = 2: token streams the tests can write down by hand."""
 
-    bos_id, eos_id, vocab_size = 1, 2, 1000
+    bos_id, eos_id = 1, 2
+
+    def __init__(self, vocab_size=1000):
+        self.vocab_size = vocab_size
 
     def encode(self, text, bos, eos):
         return [1] * bos + [3 + ord(c) % 997 for c in text] + [2] * eos

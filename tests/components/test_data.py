@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import CharTokenizer
 from torchtitan.components.data import sources as data_sources
 from torchtitan.components.data import build_dataloader, stdlib_files
 from torchtitan.components.data.shuffle import Permutation
@@ -30,15 +31,6 @@ from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
 MODEL = Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "python_stdlib_4k.model"
-
-
-class CharTokenizer:
-    """One token per character; BOS = 1, EOS = 2."""
-
-    bos_id, eos_id, vocab_size = 1, 2, 1000
-
-    def encode(self, text, bos, eos):
-        return [1] * bos + [3 + ord(c) % 997 for c in text] + [2] * eos
 
 
 CHARS = CharTokenizer()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import CharTokenizer
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.token_file import pretokenize
 from torchtitan.config.errors import UserError
@@ -27,18 +28,6 @@ MODEL = ROOT / "assets" / "tokenizer" / "python_stdlib_4k.model"
 SCRIPT = ROOT / "scripts" / "pretokenize.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import pretokenize as script  # noqa: E402 (scripts/pretokenize.py)
-
-
-class CharTokenizer:
-    """One token per character; BOS = 1, EOS = 2 (picklable: module level)."""
-
-    bos_id, eos_id = 1, 2
-
-    def __init__(self, vocab_size=1000):
-        self.vocab_size = vocab_size
-
-    def encode(self, text, bos, eos):
-        return [1] * bos + [3 + ord(c) % 997 for c in text] + [2] * eos
 
 
 CHARS = CharTokenizer()
