@@ -2,6 +2,7 @@
 
     python scripts/benchmark_data.py [--size-mb 1024] [--folder /tmp/bench_tokens] [--seq-len 2048]
     python scripts/benchmark_data.py --mix-mb 32 --dp 1,8,64 --mix-workers 0,1,2
+    python scripts/benchmark_data.py --resume
 
 Generates (once; reused if present with the same size) a token folder of --size-mb MB of random ids
 of the shipped 4k tokenizer's vocabulary (uint16), in documents of 1..4000 tokens, then for several
@@ -20,6 +21,9 @@ shards (standard library text, --mix-mb MB of text each, generated once), mixed 
 by the shipped sentencepiece model; for each --dp degree and --mix-workers count, rank (D - 1) reads
 until both sources have been passed once, and the line gives the tokens/s delivered to that rank and
 the bytes it read (its process and its data workers, /proc/PID/io rchar) against the corpus's bytes.
+
+With --resume, the start-up of a loader resumed 1,000 and 99,500 documents into a folder of 100
+jsonl.zst shards (1,000 documents each), with the documents per shard in its state and without.
 
 For scale: the debug model trains at about 2,150 tokens/s on CPU (README, scripts/benchmark.py), so
 the target is at least 100x that, 215,400 tokens/s per rank. Not a test: it prints figures.
@@ -159,6 +163,43 @@ def mixture_benchmark(args, tokenizer):
             del it, loader
 
 
+def resume_benchmark(args, tokenizer):
+    """Start-up of a run resumed N documents into a folder of 100 jsonl.zst shards of 1,000 documents each,
+    with the documents per shard its state saved (as a run that read them saves them) and without."""
+    import zstandard
+
+    folder = Path(args.resume_folder)
+    if not (folder / ".done").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        texts = [f.read_text(errors="replace")[:2000] for f in stdlib_files_list()]
+        for shard in range(100):
+            lines = "".join(json.dumps({"text": f"# {shard}.{i}\n" + texts[(shard * 1000 + i) % len(texts)]}) + "\n"
+                            for i in range(1000))
+            (folder / f"shard-{shard:03d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+        (folder / ".done").write_text("")  # hidden: not read as data
+    cfg = Training(dataset="local", dataset_path=str(folder), seq_len=args.seq_len, local_batch_size=args.local_batch)
+    names = sorted(p.name for p in folder.glob("*.zst"))
+    print(f"resume: {folder}, 100 jsonl.zst shards of 1,000 documents; time to the first batch of a resumed loader")
+    for n in (1_000, 100_000 - 500):
+        for with_layout in (True, False):
+            layout = {name: [1000, (folder / name).stat().st_size] for name in names[: n // 1000]}
+            state = build_dataloader(cfg, tokenizer, 0, 1, args.local_batch).state_dict()
+            state["dataset_state"].update(doc_index=n, next_sample=n, token_offset=0, carry=[],
+                                          source_layout={"file_documents": layout} if with_layout else None)
+            start = time.perf_counter()
+            loader = build_dataloader(cfg, tokenizer, 0, 1, args.local_batch)
+            loader.load_state_dict(state)
+            next(iter(loader))
+            print(f"  at document {n:7,}, {'with   ' if with_layout else 'without'} the saved documents per shard: "
+                  f"{(time.perf_counter() - start) * 1000:8.1f} ms")
+
+
+def stdlib_files_list():
+    from torchtitan.components.data import stdlib_files
+
+    return stdlib_files()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024)
@@ -171,8 +212,13 @@ def main():
     parser.add_argument("--mix-mb", type=int, default=0, help="MB of text per source of the mixture benchmark")
     parser.add_argument("--mix-folder", default="/tmp/bench_mix")
     parser.add_argument("--mix-workers", default="0", help="data_workers counts for the mixture benchmark")
+    parser.add_argument("--resume", action="store_true", help="start-up of resumed loaders on jsonl.zst shards")
+    parser.add_argument("--resume-folder", default="/tmp/bench_resume")
     args = parser.parse_args()
     tokenizer = Tokenizer(MODEL)
+    if args.resume:
+        resume_benchmark(args, tokenizer)
+        return
     if args.mix_mb:
         mixture_benchmark(args, tokenizer)
         return

@@ -1057,3 +1057,46 @@ def test_data_workers_are_refused_for_a_token_folder():
 
     with pytest.raises(ValueError, match="only a text source"):
         open_part(object(), None, 8, "tokens", workers=1)
+
+
+# --- resume of streamed shards without reading them again ----------------------------------------
+
+
+@pytest.mark.parametrize("data_workers", [0, 2])
+def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, data_workers):
+    """Compressed JSON lines have no document count until read. The state saves the counts learned by
+    reading (with each file's size), so a resume skips those shards: proved by overwriting them with
+    garbage of the same size after the save, which a resume that read them would stop on."""
+    zstandard = pytest.importorskip("zstandard")
+    docs = random_docs(240, seed=9)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for k in range(6):
+        write_zst(folder / f"shard-{k}.jsonl.zst", docs[k * 40:(k + 1) * 40])
+    # ~21 tokens per document, 40 per shard, 32-token windows: 150 windows end in the last shard.
+    loader = make_loader(folder, 31, 2, data_workers=data_workers)
+    it = iter(loader)
+    reference = take(it, 75)
+    later = take(it, 3)
+    fresh = make_loader(folder, 31, 2, data_workers=data_workers)
+    head = take(iter(fresh), 75)
+    state = json_round_trip(fresh.state_dict())
+    assert head == reference
+    layout = state["dataset_state"]["source_layout"]["file_documents"]
+    assert {name: count for name, (count, _) in layout.items()} == {f"shard-{k}.jsonl.zst": 40 for k in range(5)}
+    for k in range(5):  # the shards before the position: same size, the second of their two frames garbage
+        shard = folder / f"shard-{k}.jsonl.zst"  # (the first frame stays: the start-up checks read it)
+        data = shard.read_bytes()
+        first = len(zstandard.ZstdCompressor().compress(
+            "".join(json.dumps({"text": d}) + "\n" for d in docs[k * 40:k * 40 + 20]).encode()))
+        shard.write_bytes(data[:first] + b"\0" * (len(data) - first))
+    resumed = make_loader(folder, 31, 2, data_workers=data_workers)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 3) == later
+    # A shard whose size changed since the save is counted again by reading: here, it stops on the garbage.
+    shard = folder / "shard-0.jsonl.zst"
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    again = make_loader(folder, 31, 2, data_workers=data_workers)
+    again.load_state_dict(state)
+    with pytest.raises(UserError, match="shard-0.jsonl.zst is not a readable zstd file"):
+        take(iter(again), 3)

@@ -62,16 +62,17 @@ def _import_zstandard(path: Path):
 
 
 # Compressed bytes are given to the decoder in pieces of this size: neither library says how far into
-# its input it got when it fails, so the piece that failed is where the file is reported corrupt. A
-# zstd block is at most 128 KiB, so the report is about as precise as the decoder's own check.
-_PIECE = 1 << 16
+# its input it got when it fails, so the piece it failed on is where the file is reported corrupt.
+# Smaller pieces cost nothing measurable (one call per piece) and pin the failure closer.
+_PIECE = 1 << 14
 _UNIT = {"gzip": "member", "zstd": "frame"}  # what a compressed file is a sequence of
 
 
 def _corrupt(path: Path, compression: str, error: BaseException, where: str = "") -> UserError:
     tool = "gzip -t" if compression == "gzip" else "zstd -t"
+    kind = "zlib" if isinstance(error, zlib.error) else type(error).__name__  # zlib's is just "error"
     return UserError(
-        f"{path} is not a readable {compression} file ({type(error).__name__}: {error}){where}: it is corrupt or "
+        f"{path} is not a readable {compression} file ({kind}: {error}){where}: it is corrupt or "
         f"truncated (check it with `{tool} {path}`); download or compress it again, or remove it from the dataset"
     )
 
@@ -127,7 +128,7 @@ def _decoded_chunks(path: Path, compression: str, lines: Callable[[], int] | Non
                 break
             while data:
                 if decoder is None:
-                    if compression == "gzip":  # zeros may pad a gzip file (GzipFile skips them too)
+                    if compression == "gzip" and offset:  # zeros may pad a gzip member (GzipFile skips them)
                         rest = data.lstrip(b"\0")
                         offset, data = offset + len(data) - len(rest), rest
                         if not data:
@@ -353,6 +354,11 @@ class _JsonFile:
                 return _parse_json_line(line, self.field, self.path, lineno)
 
 
+def _one_line(error: BaseException) -> str:
+    """An Arrow error's text on one line (parquet's thrift errors span several)."""
+    return " ".join(str(error).split())
+
+
 def _check_column(pa, path: Path, schema, field: str, fix: str):
     if field not in schema.names:
         raise UserError(
@@ -416,11 +422,13 @@ class _ParquetFile:
                     return
                 values = batch.column(0).to_pylist()
             except (OSError, self.pa.ArrowException) as e:
-                rows = self.row_groups[group]
-                at = f", from row {row}" if row > first else ""
+                # Numbered from 0, as pyarrow's ParquetFile.read_row_group and metadata.row_group number them.
+                last = first + self.row_groups[group] - 1
+                # Rows are read a batch at a time: those of the batch that failed were not delivered.
+                at = f", of which {first}-{row - 1} were read" if row > first else ""
                 raise UserError(
                     f"cannot read parquet file {self.path}: row group {group} of {len(self.row_groups)} (rows "
-                    f"{first}-{first + rows - 1}{at}; both counted from 0) fails ({e}); it is corrupt or truncated: "
+                    f"{first}-{last}{at}; counted from 0) fails ({_one_line(e)}); it is corrupt or truncated: "
                     "download or write it again, or remove it from the dataset"
                 ) from None
             row += len(values)
@@ -453,15 +461,38 @@ class _ArrowFile:
             raise UserError(f"{self.path} is not a readable Arrow IPC file ({e}); it is corrupt or truncated: write "
                             "it again, or remove it from the dataset") from None
 
+    def _batches(self) -> list:
+        """The record batches, read one by one (zero-copy: their buffers stay in the memory map) so that
+        a failure names the batch and the rows before it; each is checked to hold the buffers its
+        metadata claims (cheap: the data is not scanned) so a corrupt one fails here, not on access."""
+        reader, batches, rows = self._open(), [], 0
+        # The file format knows its number of batches; the stream format is read to its end.
+        total = reader.num_record_batches if isinstance(reader, self.pa.ipc.RecordBatchFileReader) else None
+        while total is None or len(batches) < total:
+            try:
+                if total is None:
+                    batch = reader.read_next_batch()
+                else:
+                    batch = reader.get_batch(len(batches))
+                batch.validate()
+            except StopIteration:
+                break
+            except (OSError, self.pa.ArrowException) as e:
+                of = f" of {total}" if total is not None else ""
+                raise UserError(
+                    f"cannot read Arrow file {self.path}: record batch {len(batches)}{of} (counted from 0, after "
+                    f"{rows} rows) fails ({_one_line(e)}); it is corrupt or truncated: write it again, or remove it "
+                    "from the dataset"
+                ) from None
+            batches.append(batch)
+            rows += batch.num_rows
+        return batches
+
     def _chunks(self):
         if self._column is None:
-            reader = self._open()
-            try:
-                table = reader.read_all()  # zero-copy: the buffers stay in the memory map
-            except (OSError, self.pa.ArrowException) as e:
-                raise UserError(f"cannot read Arrow file {self.path} ({e}); it is corrupt or truncated: write it "
-                                "again, or remove it from the dataset") from None
-            chunks = table.column(self.field).chunks
+            batches = self._batches()
+            column = batches[0].schema.names.index(self.field) if batches else None
+            chunks = [b.column(column) for b in batches]
             self._column = (chunks, list(itertools.accumulate(len(c) for c in chunks)))
         return self._column
 
@@ -559,6 +590,7 @@ class FilesSource:
         self.files = [self._reader(p, ext, compression) for p, ext, compression in entries]
         self.random_access = all(f.random_access for f in self.files)
         self._ends: list[int] | None = None
+        self._learned: list[int | None] = [None] * len(self.files)  # documents per file, counted by reading
 
     @staticmethod
     def _walk(root: Path, include) -> list[tuple[Path, str, str | None]]:
@@ -605,13 +637,33 @@ class FilesSource:
         return [p for p, f in zip(self.paths, self.files) if not f.random_access]
 
     def documents(self, start: int) -> Iterator[str]:
-        for f in self.files:
-            known = f.known_count()
+        for i, f in enumerate(self.files):
+            known = f.known_count() if self._learned[i] is None else self._learned[i]
             if known is not None and known <= start:
-                start -= known
+                start -= known  # a file before the position: skipped without reading it
                 continue
             n = yield from f.texts(start)
+            if known is None:
+                self._learned[i] = n  # counted by reading (a stream): remembered, and saved with the position
             start = max(0, start - n)
+
+    def layout(self) -> dict | None:
+        """Documents per file of the streamed files counted so far by reading them, with each file's
+        size: saved with the data position, so that a resume skips those files without reading them."""
+        learned = {self._relative(i): [n, self.paths[i].stat().st_size]
+                   for i, n in enumerate(self._learned) if n is not None}
+        return {"file_documents": learned} if learned else None
+
+    def load_layout(self, layout: dict):
+        """Take the counts of a saved layout for the files that are still there with the same size."""
+        saved = layout.get("file_documents", {})
+        for i, path in enumerate(self.paths):
+            entry = saved.get(self._relative(i))
+            if entry is not None and self._learned[i] is None and entry[1] == path.stat().st_size:
+                self._learned[i] = entry[0]
+
+    def _relative(self, i: int) -> str:
+        return self.paths[i].relative_to(self.root).as_posix() if self.root.is_dir() else self.paths[i].name
 
     def _file_ends(self) -> list[int]:
         if self._ends is None:

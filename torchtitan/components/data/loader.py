@@ -177,7 +177,10 @@ def _mixture_name(entries: list[tuple[int, str]]) -> str:
 
 def _part_state(part: Part) -> dict:
     stream = part.stream
+    layout = getattr(stream.source, "layout", None)
     return {
+        # Documents per file learned by reading: a resume skips those files without reading them.
+        "source_layout": layout() if layout is not None else None,
         "dataset": part.name,
         "dataset_path": part.path,
         "shuffle_seed": stream.shuffle_seed,
@@ -222,6 +225,9 @@ def _load_part(part: Part, state: dict, seq_len: int):
         )
     if len(state["carry"]) > seq_len:
         raise ValueError(f"corrupt data state: {len(state['carry'])} carried tokens")
+    load_layout = getattr(stream.source, "load_layout", None)
+    if load_layout is not None:
+        load_layout(state.get("source_layout"))
     stream.seek(state["next_sample"], state["epoch"], state["doc_index"], state["token_offset"], state["carry"])
 
 

@@ -45,6 +45,17 @@ class TokenizedSource:
     def document(self, index: int) -> list[int]:
         return encode_document(self.tokenizer, self.source.document(index))
 
+    def layout(self) -> dict | None:
+        """What the source has learned of its layout by reading (documents per file), saved with the
+        position so that a resume skips what was read without reading it again; None if it has nothing."""
+        layout = getattr(self.source, "layout", None)
+        return layout() if layout is not None else None
+
+    def load_layout(self, layout: dict | None):
+        load = getattr(self.source, "load_layout", None)
+        if layout and load is not None:
+            load(layout)
+
 
 class TokenStream:
     """Windows of window_len tokens cut from the global token stream, one after another.

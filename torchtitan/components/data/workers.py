@@ -59,24 +59,37 @@ class _DocumentChunks(IterableDataset):
         def tokens(doc):
             return array("i", doc)  # compact to send, and sliced like a list
 
+        # Each item is (layout, chunk): what the worker's copy of the source learned of its layout by
+        # reading (documents per file), when it changed, rides with the chunk back to the trainer, whose
+        # state saves it. A separate item would break the turn-by-turn order of the workers' items.
         if self.order is not None:
             for lo in range(self.start + worker * DOCUMENTS_PER_CHUNK, self.count, workers * DOCUMENTS_PER_CHUNK):
                 positions = range(lo, min(lo + DOCUMENTS_PER_CHUNK, self.count))
-                yield [tokens(self.docs.document(self.order[p])) for p in positions]
+                yield None, [tokens(self.docs.document(self.order[p])) for p in positions]
             return
 
         def own(position: int) -> bool:
             return (position - self.start) // DOCUMENTS_PER_CHUNK % workers == worker
+
+        sent = self.docs.layout()
+
+        def learned():
+            nonlocal sent
+            layout = self.docs.layout()
+            if layout == sent:
+                return None
+            sent = layout
+            return layout
 
         chunk = []
         for position, doc in enumerate(self.docs.documents(self.start, keep=own), self.start):
             if doc is not None:
                 chunk.append(tokens(doc))
                 if (position - self.start + 1) % DOCUMENTS_PER_CHUNK == 0:
-                    yield chunk
+                    yield learned(), chunk
                     chunk = []
         if chunk:
-            yield chunk
+            yield learned(), chunk
 
 
 def _as_is(item):
@@ -120,9 +133,11 @@ def worker_documents(docs: "TokenizedSource", start: int, order, count: int | No
     # which runs no atexit handlers).
     stop = multiprocessing.util.Finalize(chunks, chunks._shutdown_workers, exitpriority=100)
     try:
-        for chunk in chunks:
-            if isinstance(chunk, _WorkerError):
-                raise UserError(chunk.message)
+        for item in chunks:
+            if isinstance(item, _WorkerError):
+                raise UserError(item.message)
+            layout, chunk = item
+            docs.load_layout(layout)
             yield from chunk
     finally:
         stop()

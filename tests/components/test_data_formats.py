@@ -1,0 +1,299 @@
+"""Data files corrupt in the middle: the loader delivers the documents before the damage, then stops
+with one UserError (printed without a traceback, exit 2) naming the file and where: the compressed
+bytes being decoded and the last complete line read (gzip, zstd), the row group and its rows
+(parquet), the record batch (Arrow). The files are real bytes, damaged where a decoder must notice."""
+
+import json
+import random
+import re
+import string
+import zlib
+
+import pytest
+
+from conftest import CharTokenizer
+from torchtitan.components.data import build_dataloader, formats
+from torchtitan.config.errors import UserError
+from torchtitan.config.job_config import Training
+
+SEQ_LEN, BATCH = 255, 4
+WINDOW = SEQ_LEN + 1
+TOK = CharTokenizer()
+
+
+def documents(n, seed):
+    # Random letters and digits compress little: a few hundred documents span several of the pieces
+    # the readers decode at a time, so a failure has pieces (and documents) before it.
+    rng = random.Random(seed)
+    letters = string.ascii_letters + string.digits + " "
+    return [f"doc {i} " + "".join(rng.choice(letters) for _ in range(rng.randint(80, 160))) for i in range(n)]
+
+
+def jsonl(docs):
+    return "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+
+
+def read_until_error(path):
+    """The windows the loader delivers from `path` before it fails, and the failure's message."""
+    cfg = Training(dataset="local", dataset_path=str(path), seq_len=SEQ_LEN, local_batch_size=BATCH,
+                   shuffle_documents=False)
+    windows = []
+    with pytest.raises(UserError) as failure:
+        for inputs, labels in build_dataloader(cfg, TOK, 0, 1, BATCH):
+            windows += [row + [last] for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
+    message = str(failure.value)
+    assert "Traceback" not in message and "\n" not in message, message  # one line, as the user sees it
+    assert str(path) in message
+    return windows, message
+
+
+def assert_delivered(windows, docs, n):
+    """The windows are the start of the token stream of `docs` and hold docs[:n], all of it but the
+    tail that does not fill a batch: the run got as far as the message says."""
+    stream = [t for d in docs for t in TOK.encode(d, bos=True, eos=True)]
+    assert windows == [stream[k * WINDOW:(k + 1) * WINDOW] for k in range(len(windows))]
+    tokens = sum(len(d) + 2 for d in docs[:n])
+    assert tokens - BATCH * WINDOW < len(windows) * WINDOW <= tokens
+
+
+def stream_failure(message):
+    """(first byte, last byte, file size, frame start, lines read) of a compressed file's message."""
+    m = re.search(r" (?:in compressed bytes (\d+)-(\d+)|at byte (\d+)) of (\d+) \(in the (?:frame|member) that "
+                  r"starts at byte (\d+)\), (?:after line (\d+)|before the end of line 1): it is corrupt", message)
+    assert m, message
+    first, last, at, size, start, lines = m.groups()
+    first, last = (int(at), int(at)) if at else (int(first), int(last))
+    return first, last, int(size), int(start), int(lines or 0)
+
+
+# --- zstd ----------------------------------------------------------------------------------------
+
+
+def zstd_frame(docs, lines_per_block):
+    """One zstd frame of the JSON lines of `docs`, a block ended every `lines_per_block` lines (as a
+    streaming compressor flushing makes them)."""
+    zstandard = pytest.importorskip("zstandard")
+    c = zstandard.ZstdCompressor().compressobj()
+    parts = [c.compress(jsonl(docs[i:i + lines_per_block])) + c.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+             for i in range(0, len(docs), lines_per_block)]
+    return b"".join(parts) + c.flush()
+
+
+def zstd_blocks(frame):
+    """The offsets of a zstd frame's block headers (RFC 8878 3.1.1)."""
+    descriptor = frame[4]
+    single_segment = descriptor >> 5 & 1
+    position = 4 + 1 + (1 - single_segment) + (0, 1, 2, 4)[descriptor & 3] + (single_segment, 2, 4, 8)[descriptor >> 6]
+    blocks = []
+    while True:
+        header = int.from_bytes(frame[position:position + 3], "little")
+        blocks.append(position)
+        kind, size = header >> 1 & 3, header >> 3
+        position += 3 + (1 if kind == 1 else size)  # an RLE block holds its one byte
+        if header & 1:  # the last block
+            return blocks
+
+
+@pytest.fixture
+def zstd_file(tmp_path):
+    """A .jsonl.zst of three frames of 300 lines, a block per 20 lines: (path, docs, frames)."""
+    docs = documents(900, seed=1)
+    frames = [zstd_frame(docs[i:i + 300], 20) for i in range(0, 900, 300)]
+    path = tmp_path / "shard.jsonl.zst"
+    path.write_bytes(b"".join(frames))
+    return path, docs, frames
+
+
+def test_zstd_block_corrupt_in_a_middle_frame_names_the_bytes_the_frame_and_the_line(zstd_file):
+    path, docs, frames = zstd_file
+    start = len(frames[0])  # of the middle frame
+    blocks = zstd_blocks(frames[1])
+    block = next(b for b in blocks if b >= formats._PIECE)  # a piece after the one the first frame ends in
+    assert block < blocks[-2], "the frame is too small for a block in its middle"
+    data = bytearray(path.read_bytes())
+    data[start + block] |= 0b110  # block type 3: reserved, which a decoder must reject
+    path.write_bytes(bytes(data))
+
+    windows, message = read_until_error(path)
+    assert re.search(r"shard.jsonl.zst is not a readable zstd file \(ZstdError: .*\) in compressed bytes", message)
+    first, last, size, frame_start, lines = stream_failure(message)
+    assert (size, frame_start) == (len(data), start)
+    # The decoder checks a block header once it has its 3 bytes: the piece that holds the last one.
+    assert first <= start + block + 2 <= last and last - first < formats._PIECE
+    lines_before_block = 300 + blocks.index(block) * 20
+    assert 300 <= lines <= lines_before_block  # the first frame and more were read
+    assert_delivered(windows, docs, lines)
+
+
+def test_zstd_file_cut_inside_a_frame_names_where_it_ends_and_the_line(zstd_file):
+    path, docs, frames = zstd_file
+    start = len(frames[0])
+    blocks = zstd_blocks(frames[1])
+    cut = start + blocks[len(blocks) // 2] + 7  # a few bytes into a block in the middle of the frame
+    path.write_bytes(path.read_bytes()[:cut])
+
+    windows, message = read_until_error(path)
+    assert "shard.jsonl.zst is not a readable zstd file (EOFError: the file ends inside a frame) at byte" in message
+    assert stream_failure(message) == (cut, cut, cut, start, 300 + len(blocks) // 2 * 20)  # the blocks before it
+    assert_delivered(windows, docs, 300 + len(blocks) // 2 * 20)
+
+
+# --- gzip ----------------------------------------------------------------------------------------
+
+
+def gzip_member(docs, lines_per_flush):
+    """A gzip member of the JSON lines of `docs`, flushed every `lines_per_flush` lines (as pigz does):
+    each flush ends the deflate data so far with an empty stored block, 00 00 ff ff. Returns the
+    member and the offsets of those markers in it."""
+    c = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    member, markers = b"", []
+    for i in range(0, len(docs), lines_per_flush):
+        member += c.compress(jsonl(docs[i:i + lines_per_flush])) + c.flush(zlib.Z_FULL_FLUSH)
+        assert member.endswith(b"\x00\x00\xff\xff")
+        markers.append(len(member) - 4)
+    return member + c.flush(), markers
+
+
+@pytest.fixture
+def gzip_file(tmp_path):
+    """A .jsonl.gz of three members of 300 lines, flushed every 20 lines: (path, docs, members, markers)."""
+    docs = documents(900, seed=2)
+    members, markers = zip(*(gzip_member(docs[i:i + 300], 20) for i in range(0, 900, 300)))
+    path = tmp_path / "shard.jsonl.gz"
+    path.write_bytes(b"".join(members))
+    return path, docs, members, markers
+
+
+def test_gzip_data_corrupt_in_a_middle_member_names_the_bytes_the_member_and_the_line(gzip_file):
+    path, docs, members, markers = gzip_file
+    start = len(members[0])
+    k = next(k for k, m in enumerate(markers[1]) if m >= formats._PIECE)  # a piece after the first member's end
+    assert k < len(markers[1]) - 2, "the member is too small for a marker in its middle"
+    at = start + markers[1][k] + 3  # the stored block's NLEN, no longer the complement of its LEN
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    windows, message = read_until_error(path)
+    assert "shard.jsonl.gz is not a readable gzip file (zlib: Error -3 while decompressing data: invalid stored " \
+           "block lengths) in compressed bytes" in message
+    first, last, size, member_start, lines = stream_failure(message)
+    assert (size, member_start) == (len(data), start)
+    assert first <= at <= last and last - first < formats._PIECE  # inflate checks NLEN once it has it all
+    assert 300 <= lines <= 300 + (k + 1) * 20  # the first member and more were read, not past the damage
+    assert_delivered(windows, docs, lines)
+
+
+def test_gzip_member_header_corrupt_names_the_member_and_the_line(gzip_file):
+    path, docs, members, _ = gzip_file
+    start = len(members[0]) + len(members[1])  # the last member
+    data = bytearray(path.read_bytes())
+    data[start:start + 2] = b"PK"  # not the gzip magic
+    path.write_bytes(bytes(data))
+
+    windows, message = read_until_error(path)
+    assert "shard.jsonl.gz is not a readable gzip file (zlib: Error -3 while decompressing data: incorrect header " \
+           "check) in compressed bytes" in message
+    first, last, size, member_start, lines = stream_failure(message)
+    assert (size, member_start, lines) == (len(data), start, 600)  # all of the first two members was read
+    assert first <= start <= last
+    assert_delivered(windows, docs, 600)
+
+
+def test_gzip_file_cut_inside_a_member_names_where_it_ends_and_the_line(gzip_file):
+    path, docs, members, markers = gzip_file
+    start = len(members[0])
+    cut = start + markers[1][len(markers[1]) // 2] + 4 + 100  # 100 bytes past the flush after line 300 + 20 k
+    path.write_bytes(path.read_bytes()[:cut])
+
+    windows, message = read_until_error(path)
+    assert "shard.jsonl.gz is not a readable gzip file (EOFError: the file ends inside a member) at byte" in message
+    first, last, size, member_start, lines = stream_failure(message)
+    # All that was flushed before the cut was read (deflate yields what it can of the rest).
+    flushed = 300 + (len(markers[1]) // 2 + 1) * 20
+    assert (first, last, size, member_start) == (cut, cut, cut, start) and flushed <= lines < flushed + 20
+    assert_delivered(windows, docs, lines)
+
+
+def test_good_multi_member_gzip_with_zero_padding_reads_every_document(tmp_path):
+    # gzip -c a b > ab and padded tape images: members one after another, zeros between them.
+    docs = documents(200, seed=3)
+    path = tmp_path / "shard.jsonl.gz"
+    path.write_bytes(gzip_member(docs[:120], 7)[0] + bytes(16) + gzip_member(docs[120:], 9)[0] + bytes(5))
+    cfg = Training(dataset="local", dataset_path=str(path), seq_len=SEQ_LEN, local_batch_size=BATCH,
+                   shuffle_documents=False)
+    windows = []
+    for inputs, labels in build_dataloader(cfg, TOK, 0, 1, BATCH):
+        windows += [row + [last] for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
+        if len(windows) * WINDOW > sum(len(d) + 2 for d in docs):
+            break  # into the second epoch: every document was read
+    stream = [t for d in docs + docs for t in TOK.encode(d, bos=True, eos=True)]
+    assert windows == [stream[k * WINDOW:(k + 1) * WINDOW] for k in range(len(windows))]
+
+
+# --- parquet -------------------------------------------------------------------------------------
+
+
+def test_parquet_row_group_corrupt_in_the_middle_names_the_group_and_its_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = documents(800, seed=4)
+    path = tmp_path / "shard.parquet"
+    pq.write_table(pa.table({"id": range(800), "text": docs}), path, row_group_size=100)
+    text = pq.ParquetFile(path).metadata.row_group(3).column(1)
+    data = bytearray(path.read_bytes())
+    # The header of the group's first data page: its footer (and metadata) still read.
+    data[text.data_page_offset:text.data_page_offset + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+    windows, message = read_until_error(path)
+    assert re.search(r"cannot read parquet file \S*shard.parquet: row group 3 of 8 \(rows 300-399; counted from 0\) "
+                     r"fails \(.+\); it is corrupt or truncated", message), message
+    assert_delivered(windows, docs, 300)
+
+
+def test_parquet_failure_deep_in_a_large_row_group_names_the_rows_read(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = [f"document {i:05d} " + "x" * (i % 7) for i in range(6000)]
+    path = tmp_path / "shard.parquet"
+    pq.write_table(pa.table({"text": docs}), path, row_group_size=3000, use_dictionary=False, compression="none")
+    data = bytearray(path.read_bytes())
+    at = data.index(docs[5500].encode())  # plain encoding: each value after its 4-byte length
+    data[at - 4:at] = (0x7FFFFFFF).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+    windows, message = read_until_error(path)
+    # Rows are read 1024 at a time: those of the batch that failed were not delivered.
+    assert re.search(r"shard.parquet: row group 1 of 2 \(rows 3000-5999, of which 3000-5047 were read; counted from "
+                     r"0\) fails \(.+\); it is corrupt", message), message
+    assert_delivered(windows, docs, 5048)
+
+
+# --- Arrow ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("file_format", [False, True], ids=["stream", "file"])
+def test_arrow_record_batch_corrupt_names_the_batch(tmp_path, file_format):
+    pa = pytest.importorskip("pyarrow")
+    docs = documents(100, seed=5)
+    table = pa.table({"id": range(100), "text": docs})
+    path = tmp_path / "data" / "b.arrow"
+    path.parent.mkdir()
+    sink = pa.OSFile(str(path), "wb")
+    starts = []
+    with (pa.ipc.new_file if file_format else pa.ipc.new_stream)(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=10):
+            starts.append(sink.tell())
+            writer.write_batch(batch)
+    sink.close()
+    data = bytearray(path.read_bytes())
+    data[starts[5] + 8:starts[5] + 40] = b"\x7f" * 32  # batch 5's metadata (after its marker and length)
+    path.write_bytes(bytes(data))
+    (tmp_path / "data" / "a.jsonl").write_bytes(jsonl(docs[:40]))  # read first: a folder is read in path order
+
+    windows, message = read_until_error(path.parent)
+    of = " of 10" if file_format else ""  # a stream does not say how many batches it has
+    assert re.search(rf"cannot read Arrow file \S*b.arrow: record batch 5{of} \(counted from 0, after 50 rows\) "
+                     r"fails \(.+\); it is corrupt or truncated", message), message
+    assert_delivered(windows, docs[:40], 40)
