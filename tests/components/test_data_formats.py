@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from conftest import CharTokenizer
-from torchtitan.components.data import build_dataloader, formats
+from torchtitan.components.data import build_dataloader, compression
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
@@ -108,7 +108,7 @@ def test_zstd_block_corrupt_in_a_middle_frame_names_the_bytes_the_frame_and_the_
     path, docs, frames = zstd_file
     start = len(frames[0])  # of the middle frame
     blocks = zstd_blocks(frames[1])
-    block = next(b for b in blocks if b >= formats._PIECE)  # a piece after the one the first frame ends in
+    block = next(b for b in blocks if b >= compression._PIECE)  # a piece after the one the first frame ends in
     assert block < blocks[-2], "the frame is too small for a block in its middle"
     data = bytearray(path.read_bytes())
     data[start + block] |= 0b110  # block type 3: reserved, which a decoder must reject
@@ -119,7 +119,7 @@ def test_zstd_block_corrupt_in_a_middle_frame_names_the_bytes_the_frame_and_the_
     first, last, size, frame_start, lines = stream_failure(message)
     assert (size, frame_start) == (len(data), start)
     # The decoder checks a block header once it has its 3 bytes: the piece that holds the last one.
-    assert first <= start + block + 2 <= last and last - first < formats._PIECE
+    assert first <= start + block + 2 <= last and last - first < compression._PIECE
     lines_before_block = 300 + blocks.index(block) * 20
     assert 300 <= lines <= lines_before_block  # the first frame and more were read
     assert_delivered(windows, docs, lines)
@@ -167,7 +167,7 @@ def gzip_file(tmp_path):
 def test_gzip_data_corrupt_in_a_middle_member_names_the_bytes_the_member_and_the_line(gzip_file):
     path, docs, members, markers = gzip_file
     start = len(members[0])
-    k = next(k for k, m in enumerate(markers[1]) if m >= formats._PIECE)  # a piece after the first member's end
+    k = next(k for k, m in enumerate(markers[1]) if m >= compression._PIECE)  # a piece after the first member's end
     assert k < len(markers[1]) - 2, "the member is too small for a marker in its middle"
     at = start + markers[1][k] + 3  # the stored block's NLEN, no longer the complement of its LEN
     data = bytearray(path.read_bytes())
@@ -179,7 +179,7 @@ def test_gzip_data_corrupt_in_a_middle_member_names_the_bytes_the_member_and_the
            "block lengths) in compressed bytes" in message
     first, last, size, member_start, lines = stream_failure(message)
     assert (size, member_start) == (len(data), start)
-    assert first <= at <= last and last - first < formats._PIECE  # inflate checks NLEN once it has it all
+    assert first <= at <= last and last - first < compression._PIECE  # inflate checks NLEN once it has it all
     assert 300 <= lines <= 300 + (k + 1) * 20  # the first member and more were read, not past the damage
     assert_delivered(windows, docs, lines)
 

@@ -2,6 +2,7 @@
 
 The modules, in the order data flows through them:
 
+- compression.py: a file's bytes, plain, gzip or zstd, in chunks or lines; where a corrupt one fails.
 - formats.py: local files, one reader per format (JSON lines/arrays, .txt, each plain, .gz or .zst;
   parquet; Arrow; save_to_disk folders), and a file or folder of them as a source of documents.
 - sources.py: every source by name: the embedded python_stdlib corpus, local files, Hugging Face

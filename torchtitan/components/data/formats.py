@@ -7,15 +7,14 @@ folder is read recursively in sorted relative path order.
 """
 
 import bisect
-import io
 import itertools
 import json
 import os
-import zlib
 from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from torchtitan.components.data.compression import INSTALL_DATA, byte_chunks, byte_lines, decode, open_raw, whole_text
 from torchtitan.config.errors import UserError
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -25,12 +24,6 @@ SUPPORTED = (
     ".jsonl / .json (JSON lines, or a .json array, of objects with the text field), .txt (one document per "
     "file), each also as .gz or .zst; .parquet and .arrow (a text column); a datasets save_to_disk folder"
 )
-INSTALL_DATA = "pip install 'torchtitan[data]'"
-
-
-def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
 
 # --- optional packages ---------------------------------------------------------------------------
 
@@ -47,151 +40,6 @@ def _import_pyarrow(path: Path, what: str):
     return pyarrow
 
 
-def _import_zstandard(path: Path):
-    try:
-        import zstandard
-    except ImportError:
-        raise UserError(
-            f"{path} is zstd-compressed: reading it needs the zstandard package: pip install zstandard "
-            f"(or {INSTALL_DATA}), or decompress it (zstd -d)"
-        ) from None
-    return zstandard
-
-
-# --- reading bytes: plain, gzip, zstd --------------------------------------------------------------
-
-
-# Compressed bytes are given to the decoder in pieces of this size: neither library says how far into
-# its input it got when it fails, so the piece it failed on is where the file is reported corrupt.
-# Smaller pieces cost nothing measurable (one call per piece) and pin the failure closer.
-_PIECE = 1 << 14
-_UNIT = {"gzip": "member", "zstd": "frame"}  # what a compressed file is a sequence of
-
-
-def _corrupt(path: Path, compression: str, error: BaseException, where: str = "") -> UserError:
-    tool = "gzip -t" if compression == "gzip" else "zstd -t"
-    kind = "zlib" if isinstance(error, zlib.error) else type(error).__name__  # zlib's is just "error"
-    return UserError(
-        f"{path} is not a readable {compression} file ({kind}: {error}){where}: it is corrupt or "
-        f"truncated (check it with `{tool} {path}`); download or compress it again, or remove it from the dataset"
-    )
-
-
-def _stream_where(compression: str, start: int, end: int, size: int, unit_start: int,
-                  lines: Callable[[], int] | None) -> str:
-    """Where a compressed stream failed: the compressed bytes the decoder was given when it failed
-    (start..end, end excluded), the frame or member they are in and, for a file read as lines, the
-    last complete line read (the documents before it were delivered)."""
-    span = f"at byte {start}" if end <= start else f"in compressed bytes {start}-{end - 1}"
-    where = f" {span} of {size} (in the {_UNIT[compression]} that starts at byte {unit_start})"
-    if lines is not None:
-        n = lines()
-        where += f", after line {n}" if n else ", before the end of line 1"
-    return where
-
-
-def _open_raw(path: Path):
-    try:
-        return open(path, "rb")
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-
-
-def _gzip_decoder(path: Path):
-    return zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # one gzip member: header, deflate data, CRC check
-
-
-def _zstd_decoder(path: Path):
-    return _import_zstandard(path).ZstdDecompressor().decompressobj()
-
-
-def _decoded_chunks(path: Path, compression: str, lines: Callable[[], int] | None = None) -> Iterator[bytes]:
-    """The decompressed bytes of a .gz or .zst file (one or more members or frames, as concatenated
-    files and pigz/pzstd make them), in chunks. Decoding is done here rather than by gzip.GzipFile or
-    zstandard's stream reader to know where a failure is: the offset of the piece being decoded and of
-    its frame. A file that ends inside a frame is an error (zstandard's stream reader ends silently).
-    `lines()` is the number of complete lines the caller has read, for the message."""
-    if compression == "zstd":
-        new_decoder, errors = _zstd_decoder, _import_zstandard(path).ZstdError
-    else:
-        new_decoder, errors = _gzip_decoder, zlib.error
-    with _open_raw(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        offset = 0  # compressed bytes the decoder has taken so far
-        decoder, unit_start = None, 0  # the decoder of the frame being read (None between frames), its start
-        while True:
-            try:
-                data = f.read(_PIECE)
-            except OSError as e:
-                raise UserError(f"cannot read {path} at byte {offset}: {e.strerror or e}") from None
-            if not data:
-                break
-            while data:
-                if decoder is None:
-                    if compression == "gzip" and offset:  # zeros may pad a gzip member (GzipFile skips them)
-                        rest = data.lstrip(b"\0")
-                        offset, data = offset + len(data) - len(rest), rest
-                        if not data:
-                            break
-                    decoder, unit_start = new_decoder(path), offset
-                try:
-                    out = decoder.decompress(data)
-                except errors as e:
-                    where = _stream_where(compression, offset, offset + len(data), size, unit_start, lines)
-                    raise _corrupt(path, compression, e, where) from None
-                if out:
-                    yield out
-                if not decoder.eof:
-                    offset += len(data)
-                    break
-                # The frame ended inside this piece: the rest of it starts the next one.
-                rest = decoder.unused_data
-                offset, data, decoder = offset + len(data) - len(rest), rest, None
-        if decoder is not None:
-            where = _stream_where(compression, size, size, size, unit_start, lines)
-            raise _corrupt(path, compression, EOFError(f"the file ends inside a {_UNIT[compression]}"), where)
-
-
-def _byte_chunks(path: Path, compression: str | None, size: int = 1 << 20,
-                 lines: Callable[[], int] | None = None) -> Iterator[bytes]:
-    """The (decompressed) bytes of a file, in chunks (of `size` bytes for an uncompressed file);
-    decompression errors are UserErrors naming it and where it failed."""
-    if compression is not None:
-        yield from _decoded_chunks(path, compression, lines)
-        return
-    with _open_raw(path) as raw:
-        while chunk := raw.read(size):
-            yield chunk
-
-
-def _byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
-    """The lines of a (decompressed) file, split on b"\\n", without it."""
-    pending: list[bytes] = []  # the start of a line that spans chunks
-    complete = 0  # lines yielded: a corrupt stream is reported after the last of them
-    for chunk in _byte_chunks(path, compression, lines=lambda: complete):
-        lines = chunk.split(b"\n")
-        if len(lines) == 1:
-            pending.append(chunk)
-            continue
-        if pending:
-            lines[0] = b"".join(pending + [lines[0]])
-        pending = [lines.pop()]
-        yield from lines
-        complete += len(lines)
-    if pending and any(pending):
-        yield b"".join(pending)
-
-
-def _decode(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
-
-
-def _whole_text(path: Path, compression: str | None) -> str:
-    if compression is None:
-        return read_text(path)
-    # Decoded as Path.read_text does: UTF-8 with replacement, universal newlines.
-    data = b"".join(_byte_chunks(path, compression))
-    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace").read()
 
 
 def _file_format(name: str) -> tuple[str, str | None] | None:
@@ -222,7 +70,7 @@ class _TxtFile:
     def __init__(self, path: Path, compression: str | None):
         self.path, self.compression = path, compression
         if compression:  # check the header now: a corrupt file is reported before launch
-            next(_byte_chunks(path, compression, size=1), None)
+            next(byte_chunks(path, compression, size=1), None)
 
     def known_count(self) -> int:
         return 1
@@ -236,7 +84,7 @@ class _TxtFile:
         return 1
 
     def text(self, index: int) -> str:
-        return _whole_text(self.path, self.compression)
+        return whole_text(self.path, self.compression)
 
 
 def _record_text(record, field: str, where: str) -> str:
@@ -257,7 +105,7 @@ def _record_text(record, field: str, where: str) -> str:
 def _parse_json_line(line: bytes, field: str, path: Path, lineno: int) -> str:
     where = f"{path} line {lineno}"
     try:
-        record = json.loads(_decode(line))
+        record = json.loads(decode(line))
     except json.JSONDecodeError as e:
         raise UserError(
             f"{where}: invalid JSON ({e.msg}); each line must be a JSON object with a {field!r} string field"
@@ -273,7 +121,7 @@ class _JsonFile:
     def __init__(self, path: Path, ext: str, compression: str | None, field: str):
         self.path, self.compression, self.field = path, compression, field
         first = b""
-        for chunk in _byte_chunks(path, compression, size=4096):  # also checks a compressed header now
+        for chunk in byte_chunks(path, compression, size=4096):  # also checks a compressed header now
             first = chunk.lstrip()
             if first:
                 break
@@ -285,9 +133,9 @@ class _JsonFile:
     # JSON arrays
     def _array_texts(self) -> list[str]:
         if self._records is None:
-            data = b"".join(_byte_chunks(self.path, self.compression))
+            data = b"".join(byte_chunks(self.path, self.compression))
             try:
-                records = json.loads(_decode(data))
+                records = json.loads(decode(data))
             except json.JSONDecodeError as e:
                 raise UserError(
                     f"{self.path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); a .json file holds "
@@ -299,14 +147,14 @@ class _JsonFile:
     # JSON lines
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """(line number, line) of the non-blank lines."""
-        for lineno, line in enumerate(_byte_lines(self.path, self.compression), start=1):
+        for lineno, line in enumerate(byte_lines(self.path, self.compression), start=1):
             if line.strip():
                 yield lineno, line
 
     def _index(self) -> array:
         if self._offsets is None:
             offsets, position = array("q"), 0
-            with _open_raw(self.path) as f:
+            with open_raw(self.path) as f:
                 for line in f:
                     if line.strip():
                         offsets.append(position)
@@ -343,7 +191,7 @@ class _JsonFile:
         if self.array:
             return self._array_texts()[index]
         offset = self._index()[index]
-        with _open_raw(self.path) as f:
+        with open_raw(self.path) as f:
             f.seek(offset)
             line = f.readline()
             try:

@@ -24,7 +24,8 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from torchtitan.components.data.formats import INSTALL_DATA, FilesSource, read_text
+from torchtitan.components.data.compression import INSTALL_DATA, read_text
+from torchtitan.components.data.formats import FilesSource
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
