@@ -579,9 +579,9 @@ def test_each_format_reads_as_the_jsonl_of_the_same_texts(tmp_path, fmt):
     # The default: shuffled wherever the format has random access, stored order for streams.
     got = take(iter(make_loader(path, 8, 2, shuffle=None)), 30)
     assert got == expected_windows(docs, 8, 0, 60, seed=None if streamed else 0)
-    if streamed:
-        with pytest.raises(UserError, match="shuffle_documents = true needs random access.*read as a stream"):
-            make_loader(path, 8, 2, shuffle=True)
+    if streamed:  # shuffled on request: the one file's documents in blocks (test_shuffled_streams below)
+        got = take(iter(make_loader(path, 8, 2, shuffle=True, shuffle_buffer=5)), 30)
+        assert got == stream_windows([docs], 8, 60, seed=0, block=5) != reference
 
 
 def test_real_datasets_save_to_disk_folder_if_datasets_is_installed(tmp_path):
@@ -1100,3 +1100,64 @@ def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, da
     again.load_state_dict(state)
     with pytest.raises(UserError, match="shard-0.jsonl.zst is not a readable zstd file"):
         take(iter(again), 3)
+
+
+# --- shuffled streams ------------------------------------------------------------------------------
+
+
+def stream_order(files_docs, seed, epoch, block):
+    """A streamed source's documents in epoch `epoch`: the files in the order of Permutation(files, seed,
+    epoch), their documents in blocks of `block` positions, block b in the order of Permutation(block
+    length, derived_seed(seed, epoch), b)."""
+    from torchtitan.components.data.shuffle import derived_seed
+
+    files = Permutation(len(files_docs), seed, epoch)
+    docs = [d for i in range(len(files_docs)) for d in files_docs[files[i]]]
+    out = []
+    for b in range(0, len(docs), block):
+        part = docs[b:b + block]
+        order = Permutation(len(part), derived_seed(seed, epoch), b // block)
+        out += [part[order[j]] for j in range(len(part))]
+    return out
+
+
+def stream_windows(files_docs, seq_len, n, seed, block):
+    w, stream, epoch = seq_len + 1, [], 0
+    while len(stream) < n * w:
+        stream += [t for d in stream_order(files_docs, seed, epoch, block) if d for t in CHARS.encode(d, True, True)]
+        epoch += 1
+    return [stream[k * w:(k + 1) * w] for k in range(n)]
+
+
+def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
+    files_docs = [random_docs(9 + k, seed=20 + k) for k in range(4)]
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for k, docs in enumerate(files_docs):
+        data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+        (folder / f"part-{k}.jsonl.gz").write_bytes(gzip.compress(data))
+    expected = stream_windows(files_docs, 15, 60, seed=3, block=7)  # 60 windows of 16: over two epochs
+    assert expected != stream_windows(files_docs, 15, 60, seed=4, block=7)
+    loader = make_loader(folder, 15, 2, shuffle=True, shuffle_buffer=7, seed=3)
+    assert loader.state_dict()["dataset_state"]["shuffle_block"] == 7
+    it = iter(loader)
+    assert take(it, 30) == expected
+    # The same global samples at dp 2 with 2 data workers; a state saved there mid-block continues at dp 1.
+    ranks = [make_loader(folder, 15, 1, dp_degree=2, dp_rank=r, shuffle=True, shuffle_buffer=7, seed=3,
+                         data_workers=2) for r in range(2)]
+    its = [iter(r) for r in ranks]
+    got = []
+    for _ in range(11):
+        for r_it in its:
+            got += take(r_it, 1)
+    assert got == expected[:22]
+    state = json_round_trip(ranks[0].state_dict())
+    assert state == json_round_trip(ranks[1].state_dict())
+    resumed = make_loader(folder, 15, 2, shuffle=True, shuffle_buffer=7, seed=3)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 19) == expected[22:60]
+    other = make_loader(folder, 15, 2, shuffle=True, shuffle_buffer=8, seed=3)
+    other.load_state_dict(state)
+    with pytest.raises(UserError, match="shuffled in blocks of 7 documents, but this job would use 8"):
+        iter(other)
+

@@ -165,7 +165,14 @@ class Training:
         "Read each epoch's documents in the order of a permutation seeded by (training.seed, epoch): the same on "
         "every rank and layout, restored exactly on resume. Unset: shuffle wherever the data has random access "
         "(python_stdlib, .txt, uncompressed .jsonl/.json, Arrow), stored order for data read as a stream (compressed "
-        "JSON lines, parquet, huggingface, c4). true: shuffle, refusing streamed data; false: stored order.",
+        "JSON lines, parquet, huggingface, c4). true: shuffle; local files read as streams then shuffle their file "
+        "order per epoch and their documents within blocks of shuffle_buffer (huggingface and c4 are refused); "
+        "false: stored order.",
+    )
+    shuffle_buffer: int = opt(
+        10_000,
+        "With shuffle_documents = true on local files read as streams (compressed JSON lines, parquet): documents "
+        "are shuffled within consecutive blocks of this many (held in memory, read again on resume).",
     )
     data_workers: int = opt(
         0,

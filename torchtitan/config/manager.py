@@ -579,6 +579,7 @@ def _check_rules(cfg: JobConfig) -> list[str]:
                "huggingface": "dataset name or path",
                "tokens": "folder scripts/pretokenize.py wrote"}[t.dataset],
         )
+    need(t.shuffle_buffer >= 1, f"training.shuffle_buffer must be 1 or more documents, got {t.shuffle_buffer}")
     need(t.data_workers >= 0, f"training.data_workers must be 0 (read in the trainer) or more, got {t.data_workers}")
     need(
         t.dataset != "tokens" or t.data_workers == 0,

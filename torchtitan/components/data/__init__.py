@@ -8,7 +8,8 @@ The modules, in the order data flows through them:
 - sources.py: every source by name: the embedded python_stdlib corpus, local files, Hugging Face
   datasets streamed through `datasets`, c4 and c4_test. A source is a list of documents with a
   stable index; with random access it can be shuffled. (Token folders: token_file.py, beside.)
-- shuffle.py: the per-epoch document order, a seeded permutation computed per index in O(1).
+- shuffle.py: the per-epoch document order, a seeded permutation computed per index in O(1) (files
+  read as streams permute their file order and blocks of documents with it: formats.FilesSource).
 - packing.py: documents framed as [BOS] + text + [EOS], concatenated into one token stream per
   source and cut into windows of seq_len + 1 tokens; the stream's position (epoch, document,
   token offset) is what a checkpoint saves.

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from torchtitan.components.data.compression import INSTALL_DATA, byte_chunks, byte_lines, decode, open_raw, whole_text
+from torchtitan.components.data.shuffle import Permutation, derived_seed
 from torchtitan.config.errors import UserError
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -439,6 +440,7 @@ class FilesSource:
         self.random_access = all(f.random_access for f in self.files)
         self._ends: list[int] | None = None
         self._learned: list[int | None] = [None] * len(self.files)  # documents per file, counted by reading
+        self._stream_order: tuple[int, int, int] | None = None  # (seed, epoch, block): see set_stream_order
 
     @staticmethod
     def _walk(root: Path, include) -> list[tuple[Path, str, str | None]]:
@@ -480,12 +482,34 @@ class FilesSource:
             return _ParquetFile(path, self.text_field)
         return _ArrowFile(path, self.text_field)
 
-    @property
-    def streamed_files(self) -> list[Path]:
-        return [p for p, f in zip(self.paths, self.files) if not f.random_access]
+    def set_stream_order(self, seed: int, epoch: int, block: int):
+        """Read `documents` in epoch `epoch`'s shuffled order, for files read as streams: the files in the
+        order of a permutation seeded by (seed, epoch), and their documents in consecutive blocks of
+        `block` positions, each read in the order of a permutation of the block seeded by ((seed, epoch),
+        the block's index). A resume reads its block again: the order needs no state of its own."""
+        self._stream_order = (seed, epoch, block)
 
     def documents(self, start: int) -> Iterator[str]:
-        for i, f in enumerate(self.files):
+        if self._stream_order is None:
+            yield from self._documents_of(range(len(self.files)), start)
+            return
+        seed, epoch, block = self._stream_order
+        files = Permutation(len(self.files), seed, epoch)
+        first = start // block
+        docs = self._documents_of([files[i] for i in range(len(self.files))], first * block)
+        block_seed = derived_seed(seed, epoch)
+        for b in itertools.count(first):
+            texts = list(itertools.islice(docs, block))
+            if not texts:
+                return
+            order = Permutation(len(texts), block_seed, b)
+            for j in range(start - first * block if b == first else 0, len(texts)):
+                yield texts[order[j]]
+
+    def _documents_of(self, indices, start: int) -> Iterator[str]:
+        """The documents of the files at `indices`, in that order, from position `start`."""
+        for i in indices:
+            f = self.files[i]
             known = f.known_count() if self._learned[i] is None else self._learned[i]
             if known is not None and known <= start:
                 start -= known  # a file before the position: skipped without reading it

@@ -40,16 +40,19 @@ class Part:
 
 
 def open_part(source, tokenizer, seq_len: int, name: str, path: str = "", shuffle_seed: int | None = None,
-              workers: int = 0) -> Part:
+              workers: int = 0, shuffle_block: int = 10_000) -> Part:
     """`source`: a text source, tokenized by `tokenizer`; with tokenizer None, a source of token lists (a
     token file). `shuffle_seed`: read each epoch's documents in the order of a permutation seeded by
-    (shuffle_seed, epoch) (the source needs random access); None: in stored order. `workers`: processes
+    (shuffle_seed, epoch), or for local files read as streams their files permuted and their documents
+    permuted in blocks of `shuffle_block` positions; None: in stored order. `workers`: processes
     that read and tokenize the text source's documents (0: this process)."""
     if workers < 0 or (workers and tokenizer is None):
         raise ValueError(f"{workers} data workers: only a text source (with a tokenizer) has workers")
     docs = source if tokenizer is None else TokenizedSource(source, tokenizer)
-    num_documents = docs.num_documents() if shuffle_seed is not None else None
-    stream = TokenStream(docs, seq_len + 1, shuffle_seed, num_documents, workers)
+    streamed = shuffle_seed is not None and not docs.random_access
+    num_documents = docs.num_documents() if shuffle_seed is not None and not streamed else None
+    stream = TokenStream(docs, seq_len + 1, shuffle_seed, num_documents, workers,
+                         shuffle_block if streamed else None)
     return Part(stream, name or source.name, path, getattr(docs, "check_window", None))
 
 
@@ -185,6 +188,7 @@ def _part_state(part: Part) -> dict:
         "dataset_path": part.path,
         "shuffle_seed": stream.shuffle_seed,
         "num_documents": stream.num_documents,
+        "shuffle_block": stream.shuffle_block,
         "next_sample": stream.next_sample,
         "epoch": stream.epoch,
         "doc_index": stream.doc_index,
@@ -215,6 +219,13 @@ def _load_part(part: Part, state: dict, seq_len: int):
         raise UserError(
             f"the checkpoint's data state reads documents of {part.name} in {_order_name(saved_seed)}, but this job "
             f"would read them in {_order_name(stream.shuffle_seed)}: its position means nothing in another order; {fix}"
+        )
+    saved_block = state.get("shuffle_block")
+    if saved_block != stream.shuffle_block:
+        raise UserError(
+            f"the checkpoint's data state reads the streamed files of {part.name} shuffled in blocks of {saved_block} "
+            f"documents, but this job would use {stream.shuffle_block}: its position means nothing in another order; "
+            f"resume with training.shuffle_buffer = {saved_block}"
         )
     saved_count = state.get("num_documents")
     if saved_count is not None and saved_count != stream.num_documents:
@@ -260,7 +271,7 @@ def build_dataloader(
     else:
         source, text_tokenizer, shuffle = open_source(cfg, tokenizer)
         part = open_part(source, text_tokenizer, cfg.seq_len, cfg.dataset, cfg.dataset_path or "",
-                         cfg.seed if shuffle else None, cfg.data_workers)
+                         cfg.seed if shuffle else None, cfg.data_workers, cfg.shuffle_buffer)
         dataset = PackedDataset([part], cfg.seq_len, dp_rank, dp_degree, global_batch_size)
     with warnings.catch_warnings():
         # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.
@@ -294,7 +305,7 @@ def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str) -> Part:
         source, text_tokenizer, shuffle = open_source(as_single, tokenizer)
         workers = cfg.data_workers if text_tokenizer is not None else 0  # a token folder has nothing to tokenize
         return open_part(source, text_tokenizer, cfg.seq_len, spec, path or "", cfg.seed if shuffle else None,
-                         workers)
+                         workers, cfg.shuffle_buffer)
     except UserError as e:
         message = str(e).replace("set training.dataset_path to", "change it to").replace(
             "training.dataset_path", "the path")

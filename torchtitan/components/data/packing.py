@@ -51,6 +51,9 @@ class TokenizedSource:
         layout = getattr(self.source, "layout", None)
         return layout() if layout is not None else None
 
+    def set_stream_order(self, seed: int, epoch: int, block: int):
+        self.source.set_stream_order(seed, epoch, block)
+
     def load_layout(self, layout: dict | None):
         load = getattr(self.source, "load_layout", None)
         if layout and load is not None:
@@ -72,12 +75,15 @@ class TokenStream:
     """
 
     def __init__(self, docs, window_len: int, shuffle_seed: int | None = None,
-                 num_documents: int | None = None, workers: int = 0):
+                 num_documents: int | None = None, workers: int = 0, shuffle_block: int | None = None):
         self.source = docs
         self.workers = workers  # > 0: documents are read and tokenized in that many processes
         self.window_len = window_len
         self.shuffle_seed = shuffle_seed  # None: stored order
         self.num_documents = num_documents  # with a shuffle seed: the permutation's size
+        # With a shuffle seed, a source read as a stream orders each epoch itself (set_stream_order): its
+        # files permuted, its documents permuted within blocks of this many positions.
+        self.shuffle_block = shuffle_block
         self.next_sample = 0  # global index of the window read next
         self.epoch = 0
         self.doc_index = 0
@@ -105,14 +111,15 @@ class TokenStream:
 
     def _epoch_documents(self, start: int) -> Iterator:
         """The token lists of the documents at positions start, start + 1, ... of this epoch's order."""
+        if self.shuffle_block is not None:  # set before the workers fork: they read in this order too
+            self.source.set_stream_order(self.shuffle_seed, self.epoch, self.shuffle_block)
+        order = None if self.shuffle_seed is None or self.shuffle_block is not None else self._permutation()
         if self.workers:
-            order = None if self.shuffle_seed is None else self._permutation()
             yield from worker_documents(self.source, start, order, self.num_documents, self.workers)
             return
-        if self.shuffle_seed is None:
+        if order is None:
             yield from self.source.documents(start)
             return
-        order = self._permutation()
         for position in range(start, self.num_documents):
             yield self.source.document(order[position])
 

@@ -43,3 +43,8 @@ class Permutation:
         while x >= self.n:
             x = self._encrypt(x)
         return x
+
+
+def derived_seed(seed: int, epoch: int) -> int:
+    """A seed for permutations nested inside epoch `epoch` of `seed` (a streamed source's blocks)."""
+    return _mix64((_mix64((seed + _GOLDEN) & _M64) ^ (epoch * _GOLDEN)) & _M64)

@@ -203,17 +203,6 @@ def _c4_test_source(cfg: Training):
     return FilesSource(path, cfg.dataset_text_field, name="c4_test")
 
 
-def _streamed_reason(source) -> str:
-    if isinstance(source, FilesSource):
-        files = source.streamed_files
-        more = f" and {len(files) - 1} more" if len(files) > 1 else ""
-        return (
-            f"{files[0]}{more} can only be read as a stream (compressed JSON lines, parquet); decompress them, "
-            "or convert them to an Arrow folder (datasets' save_to_disk)"
-        )
-    return f"dataset {source.name} is streamed through the datasets package"
-
-
 def build_source(cfg: Training):
     """The source named by the config and whether to shuffle it, checked now: every rank fails the same
     way at start (and run_train.sh's preflight before launch). Which dataset names take a dataset_path
@@ -231,10 +220,12 @@ def build_source(cfg: Training):
     else:
         raise ValueError(f"unvalidated data config: dataset {cfg.dataset!r}, dataset_path {cfg.dataset_path!r}")
     shuffle = source.random_access if cfg.shuffle_documents is None else cfg.shuffle_documents
-    if shuffle and not source.random_access:
+    # Local files read as streams shuffle their file order and blocks of documents (set_stream_order).
+    if shuffle and not source.random_access and not isinstance(source, FilesSource):
         raise UserError(
             "training.shuffle_documents = true needs random access to the documents, but "
-            f"{_streamed_reason(source)}; or set training.shuffle_documents = false (read in stored order), or leave "
+            f"dataset {source.name} is streamed through the datasets package; download it as files (parquet or "
+            "JSON lines, which shuffle), or set training.shuffle_documents = false (read in stored order), or leave "
             "it unset (shuffle where the data allows it)"
         )
     # Finding one non-empty document is enough: a source too small for one sequence is caught
