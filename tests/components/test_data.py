@@ -1161,3 +1161,33 @@ def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
     with pytest.raises(UserError, match="shuffled in blocks of 7 documents, but this job would use 8"):
         iter(other)
 
+
+
+def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_before_it(tmp_path):
+    """datasets' own position (IterableDataset.state_dict) is saved with the data state: the resume starts
+    at the saved shard. Proved by overwriting the shards passed before the save, except the first (every
+    start reads the first document), with text that is not JSON: reading them would fail."""
+    pytest.importorskip("datasets")
+    docs = random_docs(150, seed=13)
+    folder = tmp_path / "hub_like"
+    folder.mkdir()
+    for k in range(5):
+        write_jsonl(folder / f"part-{k}.jsonl", docs[k * 30:(k + 1) * 30])
+    loader = make_loader(folder, 31, 2, dataset="huggingface")
+    it = iter(loader)
+    reference = take(it, 55)  # 110 windows of 32 tokens: into the fourth file
+    later = take(it, 3)
+    fresh = make_loader(folder, 31, 2, dataset="huggingface")
+    assert take(iter(fresh), 55) == reference
+    state = json_round_trip(fresh.state_dict())
+    assert state["dataset_state"]["source_layout"]["hf_index"] >= 90
+    for k in (1, 2):
+        (folder / f"part-{k}.jsonl").write_text("not json\n" * 30)
+    resumed = make_loader(folder, 31, 2, dataset="huggingface")
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 3) == later
+    del state["dataset_state"]["source_layout"]  # without it, the resume reads the documents before it
+    again = make_loader(folder, 31, 2, dataset="huggingface")
+    again.load_state_dict(state)
+    with pytest.raises(UserError, match=r"huggingface dataset .*: reading up to document \d+ failed \(ArrowInvalid: JSON parse"):
+        take(iter(again), 3)

@@ -113,10 +113,40 @@ class HuggingFaceSource:
                 f"check training.dataset_path{hint}"
             ) from None
 
+        # datasets' own resumable position (IterableDataset.state_dict, datasets >= 2.18; None without
+        # it): the one to read from the start, and (document index, state that resumes at it) of the last
+        # document read, or of a loaded layout.
+        state_dict = getattr(self.dataset, "state_dict", None)
+        self._initial = state_dict() if state_dict is not None else None
+        self._position: tuple[int, dict] | None = None
+
+    def layout(self) -> dict | None:
+        """Where datasets resumes at the last document read: saved with the data position, so that a
+        resume starts there (datasets skips whole shards) instead of reading every document before it."""
+        return None if self._position is None else {"hf_index": self._position[0], "hf_state": self._position[1]}
+
+    def load_layout(self, layout: dict):
+        if "hf_index" in layout and self._initial is not None:
+            self._position = (layout["hf_index"], layout["hf_state"])
+
     def documents(self, start: int) -> Iterator[str]:
-        # Streaming datasets cannot seek: resuming skips the documents before `start`.
+        rows, index = self._rows_from(start)
         field = self.text_field
-        for index, row in enumerate(itertools.islice(self.dataset, start, None), start=start):
+        while True:
+            before = self.dataset.state_dict() if self._initial is not None else None
+            try:
+                row = next(rows, None)
+            except Exception as e:  # the library and its readers raise many types for a bad file or network
+                message = " ".join(str(e).split())
+                raise UserError(
+                    f"huggingface dataset {self.path!r}: reading up to document {index} failed ({type(e).__name__}: "
+                    f"{message}); its data is corrupt or could not be fetched: fix or remove that file, or check "
+                    "the network"
+                ) from None
+            if row is None:
+                return
+            if before is not None:
+                self._position = (index, before)
             if field not in row:
                 raise UserError(
                     f"huggingface dataset {self.path!r} row {index} has no {field!r} column "
@@ -129,6 +159,16 @@ class HuggingFaceSource:
                     "not a string; set training.dataset_text_field to the text column"
                 )
             yield text or ""
+            index += 1
+
+    def _rows_from(self, start: int) -> tuple[Iterator[dict], int]:
+        """An iterator of the rows from document `start`, and `start`. A stream cannot seek: from a saved
+        datasets position at or before `start` it skips the rest, else it skips from the first row."""
+        if self._initial is None:
+            return itertools.islice(iter(self.dataset), start, None), start
+        index, state = self._position if self._position and self._position[0] <= start else (0, self._initial)
+        self.dataset.load_state_dict(state)
+        return itertools.islice(iter(self.dataset), start - index, None), start
 
 
 # --- the reference schema's names: c4, c4_test --------------------------------------------------
