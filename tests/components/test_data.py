@@ -1191,3 +1191,26 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     again.load_state_dict(state)
     with pytest.raises(UserError, match=r"huggingface dataset .*: reading up to document \d+ failed \(ArrowInvalid: JSON parse"):
         take(iter(again), 3)
+
+
+def test_workers_do_not_collect_an_abandoned_loader_they_inherit(tmp_path):
+    """A loader dropped without being closed is garbage that the workers of the next one inherit by fork;
+    had they collected it, its reader would run its shutdown in their process ("can only test a child
+    process", and a shutdown sent to workers that are not theirs). In a fresh interpreter, where the
+    collector runs as it would in a script (it printed that error 4 times before the fix)."""
+    import subprocess
+
+    path = write_jsonl(tmp_path / "a.jsonl", random_docs(400, seed=1))
+    script = f"""
+import sys
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+from test_data import make_loader, take
+for _ in range(3):
+    loader = make_loader({str(path)!r}, 31, 2, data_workers=2)
+    it = iter(loader)
+    take(it, 5)
+    del it, loader
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "can only test a child process" not in proc.stderr

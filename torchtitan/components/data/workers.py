@@ -7,6 +7,7 @@ of W = 0. Workers ignore the scheduler's signals (the trainer stops on them and 
 down) and end with their trainer.
 """
 
+import gc
 import multiprocessing
 import multiprocessing.util
 import signal
@@ -121,9 +122,13 @@ def worker_documents(docs: "TokenizedSource", start: int, order, count: int | No
         )
         # Blocked while the workers fork, so that none dies of a signal before _start_worker.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
+        # Frozen while they fork, so that a worker never garbage-collects what it inherits: its copy of
+        # another stream's abandoned reader would run that reader's shutdown from the wrong process.
+        gc.freeze()
         try:
             chunks = iter(loader)
         finally:
+            gc.unfreeze()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     # The workers are stopped when the stream seeks or starts an epoch, when the stream is collected as
     # garbage, or when this process exits. The registered finalizer holds the iterator: one collected as
