@@ -995,7 +995,9 @@ class PidRecordingTokenizer(CharTokenizer):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_path, shuffle):
-    docs = random_docs(150, seed=4) + [""] + random_docs(40, seed=5)  # the empty document keeps its index
+    # The empty document keeps its index. 24 chunks of 16 documents, 8 per worker: more than a worker is
+    # asked for ahead (CHUNKS_AHEAD + 1), so none has finished its share and exited when they are signalled.
+    docs = random_docs(300, seed=4) + [""] + random_docs(80, seed=5)
     path = write_jsonl(tmp_path / "docs.jsonl", docs)
     log = tmp_path / "pids"
     tok = PidRecordingTokenizer(log)
@@ -1010,8 +1012,8 @@ def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             os.kill(worker.pid, sig)
     state = json_round_trip(loader.state_dict())
-    got += take(it, 150)  # 10,240 tokens in all: two epoch boundaries (an epoch is ~4,400)
-    expected = expected_windows(docs, 31, 0, 320, seed=0 if shuffle else None)
+    got += take(it, 310)  # 20,480 tokens in all: two epoch boundaries (an epoch is ~8,900)
+    expected = expected_windows(docs, 31, 0, 640, seed=0 if shuffle else None)
     assert got == expected
     # Resumed mid-epoch, the workers start from the saved document position.
     resumed = make_loader(path, 31, 2, shuffle=shuffle, data_workers=2)
