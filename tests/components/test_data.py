@@ -1216,3 +1216,36 @@ for _ in range(3):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "can only test a child process" not in proc.stderr
+
+
+# --- training.skip_corrupt_files ------------------------------------------------------------------
+
+
+def test_skip_corrupt_files_reads_past_a_bad_shard_and_logs_the_count(tmp_path, caplog):
+    shards = [random_docs(12, seed=30 + k) for k in range(3)]
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for k, docs in enumerate(shards):
+        lines = [json.dumps({"text": d}) for d in docs]
+        if k == 1:
+            lines[5] = "{not json"  # documents 0-4 of this shard are good, the rest are not read
+        (folder / f"part-{k}.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    with pytest.raises(UserError, match="part-1.jsonl.gz line 6: invalid JSON"):
+        take(iter(make_loader(folder, 15, 2)), 40)
+    kept = shards[0] + shards[1][:5] + shards[2]
+    with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
+        got = take(iter(make_loader(folder, 15, 2, skip_corrupt_files=True)), 40)  # over two epochs
+    assert got == expected_windows(kept, 15, 0, 80)
+    skips = [r.getMessage() for r in caplog.records if "skip_corrupt_files" in r.getMessage()]
+    assert len(skips) >= 2 and "part-1.jsonl.gz" in skips[0] and "after document 5" in skips[0]
+    assert "in 1 file(s)" in skips[0] and "skipped so far: 2" in skips[1]
+
+
+def test_skip_corrupt_files_reads_a_bad_line_by_index_as_an_empty_document(tmp_path):
+    docs = random_docs(30, seed=40)
+    lines = [json.dumps({"text": d}) for d in docs]
+    lines[7] = "{not json"
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    got = take(iter(make_loader(path, 15, 2, shuffle=True, skip_corrupt_files=True)), 30)
+    assert got == expected_windows(docs[:7] + [""] + docs[8:], 15, 0, 60, seed=0)

@@ -174,6 +174,13 @@ class Training:
         "With shuffle_documents = true on local files read as streams (compressed JSON lines, parquet): documents "
         "are shuffled within consecutive blocks of this many (held in memory, read again on resume).",
     )
+    skip_corrupt_files: bool = opt(
+        False,
+        "Local files: a file that fails to read past its start (corrupt compression, an invalid JSON line, a "
+        "failing parquet row group) is read no further, and a document read by index from it is taken as empty, "
+        "each with a warning naming the file and a running count, instead of stopping the run. The same on every "
+        "rank and layout, and on resume. A file unreadable from its start is still refused before launch.",
+    )
     data_workers: int = opt(
         0,
         "Processes per rank that read and tokenize documents ahead of training (text datasets). The samples, "

@@ -7,6 +7,7 @@ folder is read recursively in sorted relative path order.
 """
 
 import bisect
+import logging
 import itertools
 import json
 import os
@@ -17,6 +18,8 @@ from pathlib import Path
 from torchtitan.components.data.compression import INSTALL_DATA, byte_chunks, byte_lines, decode, open_raw, whole_text
 from torchtitan.components.data.shuffle import Permutation, derived_seed
 from torchtitan.config.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 TEXT_EXTENSIONS = (".jsonl", ".json", ".txt")  # each may also carry a compression suffix
@@ -414,8 +417,12 @@ class FilesSource:
     `datasets` save_to_disk folder."""
 
     def __init__(self, path: str, text_field: str = "text", name: str = "local",
-                 include: Callable[[str], bool] | None = None):
+                 include: Callable[[str], bool] | None = None, skip_corrupt: bool = False):
         self.name, self.text_field = name, text_field
+        # training.skip_corrupt_files: a file that fails past its start is read no further (a document
+        # read by index: taken as empty), with a warning and a running count, instead of stopping the run.
+        self.skip_corrupt = skip_corrupt
+        self.skipped: dict[Path, int] = {}  # file -> how many times it failed (its rest, or documents read by index)
         root = Path(path)
         self.root = root
         if not root.exists():
@@ -514,10 +521,34 @@ class FilesSource:
             if known is not None and known <= start:
                 start -= known  # a file before the position: skipped without reading it
                 continue
-            n = yield from f.texts(start)
+            n = yield from self._texts(i, start)
             if known is None:
                 self._learned[i] = n  # counted by reading (a stream): remembered, and saved with the position
             start = max(0, start - n)
+
+    def _texts(self, i: int, start: int):
+        """The texts of file i from its document `start`; returns the file's document count. With
+        skip_corrupt, a file that fails ends there: its count is the documents before the failure."""
+        texts = self.files[i].texts(start)
+        if not self.skip_corrupt:
+            return (yield from texts)
+        read = 0
+        while True:
+            try:
+                text = next(texts)
+            except StopIteration as end:
+                return end.value
+            except UserError as e:
+                self._skip(i, e, f"the rest of it, after document {start + read}")
+                return start + read
+            read += 1
+            yield text
+
+    def _skip(self, i: int, error: UserError, what: str):
+        path = self.paths[i]
+        self.skipped[path] = self.skipped.get(path, 0) + 1
+        logger.warning("training.skip_corrupt_files: skipping %s of %s (%s); skipped so far: %d document(s) or "
+                       "file rest(s) in %d file(s)", what, path, error, sum(self.skipped.values()), len(self.skipped))
 
     def layout(self) -> dict | None:
         """Documents per file of the streamed files counted so far by reading them, with each file's
@@ -548,4 +579,10 @@ class FilesSource:
     def document(self, index: int) -> str:
         ends = self._file_ends()
         k = bisect.bisect_right(ends, index)
-        return self.files[k].text(index - (ends[k - 1] if k else 0))
+        try:
+            return self.files[k].text(index - (ends[k - 1] if k else 0))
+        except UserError as e:
+            if not self.skip_corrupt:
+                raise
+            self._skip(k, e, f"document {index - (ends[k - 1] if k else 0)} (read as empty)")
+            return ""

@@ -213,7 +213,8 @@ def _c4_source(cfg: Training):
     path = cfg.dataset_path or C4_HUB
     if os.path.exists(path):
         root, include = _c4_local_include(Path(path)) if os.path.isdir(path) else (Path(path), None)
-        return FilesSource(str(root), cfg.dataset_text_field, name="c4", include=include)
+        return FilesSource(str(root), cfg.dataset_text_field, name="c4", include=include,
+                           skip_corrupt=cfg.skip_corrupt_files)
     hint = _offline_alternatives()
     try:
         import datasets  # noqa: F401
@@ -240,7 +241,7 @@ def _c4_test_source(cfg: Training):
             f"to {path}, or set training.dataset_path to where it is; or train on training.dataset = 'python_stdlib' "
             "(embedded) or 'local' files"
         )
-    return FilesSource(path, cfg.dataset_text_field, name="c4_test")
+    return FilesSource(path, cfg.dataset_text_field, name="c4_test", skip_corrupt=cfg.skip_corrupt_files)
 
 
 def build_source(cfg: Training):
@@ -250,7 +251,7 @@ def build_source(cfg: Training):
     if cfg.dataset == "python_stdlib":
         source = StdlibSource()
     elif cfg.dataset == "local" and cfg.dataset_path:
-        source = FilesSource(cfg.dataset_path, cfg.dataset_text_field)
+        source = FilesSource(cfg.dataset_path, cfg.dataset_text_field, skip_corrupt=cfg.skip_corrupt_files)
     elif cfg.dataset == "huggingface" and cfg.dataset_path:
         source = HuggingFaceSource(cfg.dataset_path, cfg.dataset_text_field)
     elif cfg.dataset == "c4":
