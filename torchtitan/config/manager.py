@@ -562,15 +562,7 @@ def _check_rules(cfg: JobConfig) -> list[str]:
         f"metrics.device_peak_tflops must be 0 (auto) or more, got {m.device_peak_tflops}",
     )
     if t.dataset_mix:
-        try:
-            parse_mix(t.dataset_mix, "training.dataset_mix")
-        except UserError as e:
-            problems.append(str(e))
-        need(
-            t.dataset == "python_stdlib" and t.dataset_path is None,
-            f"training.dataset_mix is set, so training.dataset ({t.dataset!r}) and training.dataset_path "
-            f"({t.dataset_path!r}) are not used; remove them (a mixture names every source itself)",
-        )
+        problems += _mix_problems("training", t.dataset_mix, t.dataset, "python_stdlib", t.dataset_path)
     elif t.dataset in ("local", "huggingface", "tokens"):
         need(
             bool(t.dataset_path),
@@ -646,6 +638,21 @@ def _check_rules(cfg: JobConfig) -> list[str]:
 VALIDATION_DATASETS = ("python_stdlib_test", "python_stdlib", "local", "huggingface", "c4_test")
 
 
+def _mix_problems(section: str, mix: list[str], dataset: str, default: str, dataset_path: str | None) -> list[str]:
+    """A [training] or [validation] dataset_mix: its syntax, and no dataset or dataset_path beside it."""
+    problems = []
+    try:
+        parse_mix(mix, f"{section}.dataset_mix")
+    except UserError as e:
+        problems.append(str(e))
+    if dataset != default or dataset_path is not None:
+        problems.append(
+            f"{section}.dataset_mix is set, so {section}.dataset ({dataset!r}) and {section}.dataset_path "
+            f"({dataset_path!r}) are not used; remove them (a mixture names every source itself)"
+        )
+    return problems
+
+
 def _validation_problems(cfg: JobConfig) -> list[str]:
     """[validation] is checked only when enabled: a disabled section loads with any values."""
     v, t, p = cfg.validation, cfg.training, cfg.parallelism
@@ -663,15 +670,7 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
         f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {v.steps}",
     )
     if v.dataset_mix:
-        try:
-            parse_mix(v.dataset_mix, "validation.dataset_mix")
-        except UserError as e:
-            problems.append(str(e))
-        need(
-            v.dataset == "python_stdlib_test" and v.dataset_path is None,
-            f"validation.dataset_mix is set, so validation.dataset ({v.dataset!r}) and validation.dataset_path "
-            f"({v.dataset_path!r}) are not used; remove them (a mixture names every source itself)",
-        )
+        problems += _mix_problems("validation", v.dataset_mix, v.dataset, "python_stdlib_test", v.dataset_path)
     need(
         v.dataset in VALIDATION_DATASETS,
         f"validation.dataset = {v.dataset!r} is not available here; choose one of "
