@@ -101,6 +101,28 @@ class CharTokenizer:
         return [1] * bos + [3 + ord(c) % 997 for c in text] + [2] * eos
 
 
+def lane_streams(windows: list[list[int]], lanes: int) -> list[list[int]]:
+    """Each lane's token stream from windows in global sample order: sample k is lane k % lanes's
+    sample k // lanes (torchtitan/components/data/lanes.py)."""
+    return [[t for w in windows[p::lanes] for t in w] for p in range(lanes)]
+
+
+def framed_documents(tokens: list[int]) -> list[str]:
+    """The complete documents ([BOS] text [EOS] of CharTokenizer, ASCII text) in a token stream, in
+    order; a document cut by the start or the end of the stream is left out."""
+    docs, current = [], None
+    for t in tokens:
+        if t == CharTokenizer.bos_id:
+            current = []
+        elif t == CharTokenizer.eos_id:
+            if current is not None:
+                docs.append("".join(chr(c - 3) for c in current))
+            current = None
+        elif current is not None:
+            current.append(t)
+    return docs
+
+
 def mixture_corpus(folder: Path, docs: list[list[str]], tokenizer) -> list[Path]:
     """Three sources as pre-training corpora are published: a folder of two parquet shards (docs[0]), a
     folder of two jsonl.zst shards (docs[1]) and a token folder written by pretokenize (docs[2])."""

@@ -338,7 +338,8 @@ class Trainer:
     def build_dataloader(self):
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         return build_dataloader(self.cfg.training, self.tokenizer, dp_rank, self.dims.dp_degree,
-                                self.plan.global_batch_size, pin_memory=self.device.type == "cuda")
+                                self.plan.global_batch_size, pin_memory=self.device.type == "cuda",
+                                gather=dist_utils.gather_objects)
 
     def build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
         """This rank's model parts (one, or its pipeline stages), parallelized and initialized."""

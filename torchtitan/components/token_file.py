@@ -188,9 +188,8 @@ class TokenFile:
             )
 
 
-def open_token_source(path: str | None, tokenizer) -> tuple[TokenFile, bool]:
-    """The token folder of training.dataset = "tokens", checked against the job's tokenizer, and whether
-    the text pipeline shuffles its source by default (so the default samples are the same)."""
+def open_token_source(path: str | None, tokenizer) -> TokenFile:
+    """The token folder of training.dataset = "tokens", checked against the job's tokenizer."""
     if not path:
         raise UserError('training.dataset = "tokens" needs training.dataset_path: the folder written by '
                         f"{PRETOKENIZE}")
@@ -205,7 +204,7 @@ def open_token_source(path: str | None, tokenizer) -> tuple[TokenFile, bool]:
                 f"model.tokenizer_path is the {_describe_tokenizer(current)}; set model.tokenizer_path to the "
                 f"tokenizer it was written with, or pretokenize again with this one"
             )
-    return source, bool(source.meta.get("source_random_access", True))
+    return source
 
 
 # ---------------------------------------------------------------------------------------------

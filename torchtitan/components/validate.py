@@ -156,7 +156,7 @@ def _mix_source(cfg: Validation, training: Training | None, tokenizer: Tokenizer
         from torchtitan.components.token_file import open_token_source
 
         try:
-            return open_token_source(path, tokenizer)[0]
+            return open_token_source(path, tokenizer)
         except UserError as e:
             raise UserError(f"validation.dataset_mix source {spec!r}: {e}") from None
     single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[])

@@ -7,6 +7,7 @@ they load while they hold a value that asks for nothing, and are rejected with a
 message otherwise, so a recipe never silently loses an option.
 """
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
@@ -95,6 +96,7 @@ class LRScheduler:
     min_lr_factor: float = opt(0.0, "Final learning rate as a fraction of the peak.")
 
 
+MAX_MIX_PERIOD = 1_000_000  # a mixture's schedule is a pattern of this many samples at most (data/mixing.py)
 MIX_SYNTAX = "WEIGHT:SOURCE, e.g. 0.6:data/web (a list in TOML, comma-separated on the command line)"
 
 
@@ -123,6 +125,14 @@ def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
     duplicates = sorted({s for s in specs if specs.count(s) > 1})
     if duplicates:
         problems.append(f"{', '.join(duplicates)} appears more than once; give each source once with its total weight")
+    if not problems:
+        total = sum(weights)
+        period = math.lcm(*((w / total).denominator for w in weights))
+        if period > MAX_MIX_PERIOD:
+            problems.append(
+                f"the weights' schedule would repeat only every {period:,} samples (the common denominator of the "
+                f"normalized weights; at most {MAX_MIX_PERIOD:,}); round the weights to fewer digits"
+            )
     if problems:
         raise UserError(f"{key}: " + "; ".join(problems))
     total = sum(weights)
@@ -162,17 +172,18 @@ class Training:
     )
     shuffle_documents: bool | None = opt(
         None,
-        "Read each epoch's documents in the order of a permutation seeded by (training.seed, epoch): the same on "
-        "every rank and layout, restored exactly on resume. Unset: shuffle wherever the data has random access "
-        "(python_stdlib, .txt, uncompressed .jsonl/.json, Arrow), stored order for data read as a stream (compressed "
-        "JSON lines, parquet, huggingface, c4). true: shuffle; local files read as streams then shuffle their file "
-        "order per epoch and their documents within blocks of shuffle_buffer (huggingface and c4 are refused); "
-        "false: stored order.",
+        "Shuffle the data each epoch, seeded by training.seed: the same on every rank and layout, restored exactly "
+        "on resume. Each sample position of the global batch is a lane that reads its own share of every source "
+        "(components/data/lanes.py); shuffled, the units (files, pieces of files, ranges of documents) are dealt "
+        "to the lanes in a new order each epoch, and each lane reads its documents in a seeded order (with random "
+        "access: a permutation; read as a stream: within blocks of shuffle_buffer). Unset: shuffle, except "
+        "datasets streams (huggingface, c4 from the Hub), which are read in stored order and refuse true. false: "
+        "stored order.",
     )
     shuffle_buffer: int = opt(
         10_000,
-        "With shuffle_documents = true on local files read as streams (compressed JSON lines, parquet): documents "
-        "are shuffled within consecutive blocks of this many (held in memory, read again on resume).",
+        "Shuffled local files read as streams (JSON lines, parquet): each lane shuffles its documents within "
+        "consecutive blocks of this many, held in memory per lane and source (read again on resume).",
     )
     skip_corrupt_files: bool = opt(
         False,
@@ -183,9 +194,10 @@ class Training:
     )
     data_workers: int = opt(
         0,
-        "Processes per rank that read and tokenize documents ahead of training (text datasets). The samples, "
-        "their order and the resumable state are the same for every count. 0: in the trainer process. A token "
-        "folder (tokens) has nothing to tokenize and is read in the trainer process (memory-mapped).",
+        "Processes per rank that read, tokenize and pack this rank's lanes ahead of training (each worker some of "
+        "the lanes; at most one per lane). The samples, their order and the resumable state are the same for "
+        "every count. 0: in the trainer process. A token folder alone (tokens) has nothing to tokenize and is "
+        "read in the trainer process (memory-mapped).",
     )
     local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch.")
     global_batch_size: int = opt(

@@ -169,6 +169,15 @@ def max_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank; [obj] without a process group."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def dist_mean(x: torch.Tensor, mesh) -> float:
     """Mean of a scalar over the ranks of `mesh` (the value itself without a mesh)."""
     if mesh is None:

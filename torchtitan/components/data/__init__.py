@@ -7,26 +7,26 @@ The modules, in the order data flows through them:
   parquet; Arrow; save_to_disk folders), and a file or folder of them as a source of documents.
 - sources.py: every source by name: the embedded python_stdlib corpus, local files, Hugging Face
   datasets streamed through `datasets`, c4 and c4_test. A source is a list of documents with a
-  stable index; with random access it can be shuffled. (Token folders: token_file.py, beside.)
-- shuffle.py: the per-epoch document order, a seeded permutation computed per index in O(1) (files
-  read as streams permute their file order and blocks of documents with it: formats.FilesSource).
+  stable index, read whole (documents(start)) or in units. (Token folders: token_file.py, beside.)
+- shuffle.py: seeded permutations computed per index in O(1).
+- lanes.py: the split that lets each rank read only its share. Sample position p of every step is
+  lane p; each source is cut into units (files, pieces of files, ranges of documents) dealt to the
+  lanes, a new deal each epoch; a lane reads its units' documents, shuffled within the lane.
 - packing.py: documents framed as [BOS] + text + [EOS], concatenated into one token stream per
-  source and cut into windows of seq_len + 1 tokens; the stream's position (epoch, document,
-  token offset) is what a checkpoint saves.
-- workers.py: documents read and tokenized in forked processes (training.data_workers), in order.
+  lane and source and cut into windows of seq_len + 1 tokens; the stream's position (epoch,
+  document, token offset) is what a checkpoint saves.
 - mixing.py: several sources with weights (training.dataset_mix): which source each global sample
-  comes from, a deterministic schedule whose counts are the sources' own positions.
-- loader.py: ownership and state. Optimizer step s consumes global samples [s*G, (s+1)*G), G =
-  global batch size; data-parallel rank r of D owns the contiguous block [s*G + r*G/D, s*G +
-  (r+1)*G/D), cut into micro-batches of local_batch_size. The samples of a step are thus the same
-  for every D and every gradient-accumulation split. Every rank walks every source's stream and
-  skips the windows it does not own (a token folder by document lengths alone, without reading
-  tokens). At the end of its block a rank's state_dict() reads ahead to the step boundary, so at
-  step boundaries every rank holds the same state and it loads under another data-parallel degree;
-  a state saved mid-step resumes exactly for the layout it was saved under. seq_len and the global
-  batch size define what a global sample is, so a state only loads with the values it was saved
-  with. States of version 1 (before shuffling) load as states of the stored order, and version 2
-  (before mixtures) as one source.
+  comes from, a fixed periodic schedule, so each lane knows its own.
+- workers.py: lanes read in forked processes (training.data_workers), in the trainer's order.
+- loader.py: the lanes of a rank and their state. Optimizer step s consumes global samples [s*G,
+  (s+1)*G), G = global batch size; sample s*G + p is lane p's sample s; data-parallel rank r of D
+  owns lanes [r*G/D, (r+1)*G/D), cut into micro-batches of local_batch_size. The samples of a step
+  are thus the same for every D and every gradient-accumulation split, and a rank reads only its
+  lanes' data. The state holds every lane's position (gathered from the ranks), so a state saved
+  at a step boundary loads under another data-parallel degree; one saved mid-step resumes exactly
+  for the layout it was saved under. seq_len and the global batch size define what a sample and a
+  lane are, so a state only loads with the values it was saved with. States of versions 1-3 (one
+  stream per source) are refused with the fix.
 """
 
 from torchtitan.components.data.loader import PackedDataset, build_dataloader

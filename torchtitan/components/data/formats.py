@@ -4,6 +4,11 @@ Formats, read by extension: .jsonl / .json (JSON lines, or a .json array, of rec
 field), .txt (one document per file), each optionally compressed (.gz, .zst); .parquet and .arrow
 (a text column); and `datasets.save_to_disk` folders (their .arrow shards, in state.json order). A
 folder is read recursively in sorted relative path order.
+
+A source is also read in units (components/data/lanes.py): its files, or when a folder has fewer files
+than it is asked for, pieces of them: a parquet file's row groups, an uncompressed JSON lines file's
+byte ranges (a line belongs to the piece its first byte is in), an Arrow file's ranges of rows. A
+compressed file, a JSON array and a .txt file are one piece.
 """
 
 import bisect
@@ -16,7 +21,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from torchtitan.components.data.compression import INSTALL_DATA, byte_chunks, byte_lines, decode, open_raw, whole_text
-from torchtitan.components.data.shuffle import Permutation, derived_seed
 from torchtitan.config.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -61,9 +65,10 @@ def _file_format(name: str) -> tuple[str, str | None] | None:
 
 
 # --- files: one reader per format --------------------------------------------------------------------
-# Each has `random_access`, `known_count()` (the number of documents if known without reading the
-# data), `count()`, `texts(start)` (a generator of the texts of documents start.. that returns the
-# number of documents in the file) and, with random access, `text(i)`.
+# Each has `random_access`, `max_pieces(k)` (how many pieces of at most k it splits into), and for
+# piece j of n: `known_count(j, n)` (its number of documents if known without reading the data, else
+# None) and `texts(start, j, n)` (a generator of the texts of its documents start.. that returns the
+# number of documents in the piece); with random access also `count()` and `text(i)`.
 
 
 class _TxtFile:
@@ -76,13 +81,16 @@ class _TxtFile:
         if compression:  # check the header now: a corrupt file is reported before launch
             next(byte_chunks(path, compression, size=1), None)
 
-    def known_count(self) -> int:
+    def max_pieces(self, k: int) -> int:
+        return 1
+
+    def known_count(self, piece: int = 0, pieces: int = 1) -> int:
         return 1
 
     def count(self) -> int:
         return 1
 
-    def texts(self, start: int):
+    def texts(self, start: int, piece: int = 0, pieces: int = 1):
         if start == 0:
             yield self.text(0)
         return 1
@@ -106,8 +114,7 @@ def _record_text(record, field: str, where: str) -> str:
     return text
 
 
-def _parse_json_line(line: bytes, field: str, path: Path, lineno: int) -> str:
-    where = f"{path} line {lineno}"
+def _parse_json_line(line: bytes, field: str, where: str) -> str:
     try:
         record = json.loads(decode(line))
     except json.JSONDecodeError as e:
@@ -119,8 +126,10 @@ def _parse_json_line(line: bytes, field: str, path: Path, lineno: int) -> str:
 
 class _JsonFile:
     """A .jsonl or .json file (optionally compressed): one JSON object per non-blank line, or (.json
-    whose first character is '[') one JSON array of objects, loaded whole. Uncompressed JSON lines
-    are read by random access through an index of line offsets (built by one pass over the file)."""
+    whose first character is '[') one JSON array of objects, loaded whole. JSON lines are read as a
+    stream; uncompressed, the file splits into byte ranges."""
+
+    random_access = False
 
     def __init__(self, path: Path, ext: str, compression: str | None, field: str):
         self.path, self.compression, self.field = path, compression, field
@@ -130,11 +139,12 @@ class _JsonFile:
             if first:
                 break
         self.array = ext == ".json" and first[:1] == b"["
-        self.random_access = self.array or compression is None
-        self._offsets: array | None = None  # uncompressed JSON lines: byte offset of each document
+        self.size = path.stat().st_size
         self._records: list[str] | None = None  # arrays: the texts
 
-    # JSON arrays
+    def max_pieces(self, k: int) -> int:
+        return max(1, min(k, self.size)) if not self.array and self.compression is None else 1
+
     def _array_texts(self) -> list[str]:
         if self._records is None:
             data = b"".join(byte_chunks(self.path, self.compression))
@@ -148,62 +158,43 @@ class _JsonFile:
             self._records = [_record_text(r, self.field, f"{self.path} record {i}") for i, r in enumerate(records)]
         return self._records
 
-    # JSON lines
-    def _lines(self) -> Iterator[tuple[int, bytes]]:
-        """(line number, line) of the non-blank lines."""
-        for lineno, line in enumerate(byte_lines(self.path, self.compression), start=1):
-            if line.strip():
-                yield lineno, line
+    def _lines(self, piece: int, pieces: int) -> Iterator[tuple[str, bytes]]:
+        """(where, line) of the piece's non-blank lines; where names the line or its byte offset."""
+        if pieces == 1:
+            for lineno, line in enumerate(byte_lines(self.path, self.compression), start=1):
+                if line.strip():
+                    yield f"{self.path} line {lineno}", line
+            return
+        lo, hi = piece * self.size // pieces, (piece + 1) * self.size // pieces
+        with open_raw(self.path) as f:
+            if lo:
+                f.seek(lo - 1)
+                if f.read(1) != b"\n":
+                    f.readline()  # the line that started in the piece before
+            position = f.tell()
+            while position < hi:
+                line = f.readline()
+                if not line:
+                    return
+                if line.strip():
+                    yield f"{self.path} line at byte {position}", line
+                position += len(line)
 
-    def _index(self) -> array:
-        if self._offsets is None:
-            offsets, position = array("q"), 0
-            with open_raw(self.path) as f:
-                for line in f:
-                    if line.strip():
-                        offsets.append(position)
-                    position += len(line)
-            self._offsets = offsets
-        return self._offsets
+    def known_count(self, piece: int = 0, pieces: int = 1) -> int | None:
+        return len(self._records) if self.array and self._records is not None else None
 
-    def known_count(self) -> int | None:
-        if self.array:
-            return len(self._records) if self._records is not None else None
-        return len(self._offsets) if self._offsets is not None else None
-
-    def count(self) -> int:
-        if self.array:
-            return len(self._array_texts())
-        if self.compression is None:
-            return len(self._index())
-        return sum(1 for _ in self._lines())
-
-    def texts(self, start: int):
+    def texts(self, start: int, piece: int = 0, pieces: int = 1):
         if self.array:
             texts = self._array_texts()
             yield from texts[start:]
             return len(texts)
         n = 0
-        for lineno, line in self._lines():
+        for where, line in self._lines(piece, pieces):
             # Skipped lines are counted, not parsed: resuming deep into a file stays cheap.
             if n >= start:
-                yield _parse_json_line(line, self.field, self.path, lineno)
+                yield _parse_json_line(line, self.field, where)
             n += 1
         return n
-
-    def text(self, index: int) -> str:
-        if self.array:
-            return self._array_texts()[index]
-        offset = self._index()[index]
-        with open_raw(self.path) as f:
-            f.seek(offset)
-            line = f.readline()
-            try:
-                return _parse_json_line(line, self.field, self.path, 0)
-            except UserError:
-                f.seek(0)
-                lineno = f.read(offset).count(b"\n") + 1  # only on the error path
-                return _parse_json_line(line, self.field, self.path, lineno)
 
 
 def _one_line(error: BaseException) -> str:
@@ -242,24 +233,33 @@ class _ParquetFile:
         _check_column(self.pa, path, schema, field, "")
         self.row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
-    def known_count(self) -> int:
-        return sum(self.row_groups)
+    def max_pieces(self, k: int) -> int:
+        return max(1, min(k, len(self.row_groups)))
 
-    count = known_count
+    def _groups(self, piece: int, pieces: int) -> range:
+        n = len(self.row_groups)
+        return range(piece * n // pieces, (piece + 1) * n // pieces)
 
-    def texts(self, start: int):
+    def known_count(self, piece: int = 0, pieces: int = 1) -> int:
+        return sum(self.row_groups[g] for g in self._groups(piece, pieces))
+
+    def texts(self, start: int, piece: int = 0, pieces: int = 1):
+        groups = self._groups(piece, pieces)
+        if start >= self.known_count(piece, pieces):
+            return self.known_count(piece, pieces)  # nothing to read: the file is not opened
         try:
             f = self.pa.parquet.ParquetFile(self.path)
         except (OSError, self.pa.ArrowException) as e:
             raise UserError(f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
                             "write it again, or remove it from the dataset") from None
         with f:
-            first = 0  # the number in the file of the row group's first row
-            for group, rows in enumerate(self.row_groups):
+            first = sum(self.row_groups[: groups.start])  # the number in the file of the row group's first row
+            for group in groups:
+                rows = self.row_groups[group]
                 if start < rows:
                     yield from self._group_texts(f, group, first, start)
                 start, first = max(0, start - rows), first + rows
-        return sum(self.row_groups)
+        return self.known_count(piece, pieces)
 
     def _group_texts(self, f, group: int, first: int, start: int):
         """The texts of row group `group` (whose first row is row `first` of the file) from its row
@@ -352,13 +352,21 @@ class _ArrowFile:
         ends = self._chunks()[1]  # cheap: the table is memory-mapped, not read
         return ends[-1] if ends else 0
 
-    known_count = count
+    def max_pieces(self, k: int) -> int:
+        return max(1, min(k, self.count()))
 
-    def texts(self, start: int):
+    def _rows(self, piece: int, pieces: int) -> range:
         n = self.count()
-        for i in range(start, n):
+        return range(piece * n // pieces, (piece + 1) * n // pieces)
+
+    def known_count(self, piece: int = 0, pieces: int = 1) -> int:
+        return len(self._rows(piece, pieces))
+
+    def texts(self, start: int, piece: int = 0, pieces: int = 1):
+        rows = self._rows(piece, pieces)
+        for i in rows[start:]:
             yield self.text(i)
-        return n
+        return len(rows)
 
     def text(self, index: int) -> str:
         chunks, ends = self._chunks()
@@ -446,8 +454,8 @@ class FilesSource:
         self.files = [self._reader(p, ext, compression) for p, ext, compression in entries]
         self.random_access = all(f.random_access for f in self.files)
         self._ends: list[int] | None = None
-        self._learned: list[int | None] = [None] * len(self.files)  # documents per file, counted by reading
-        self._stream_order: tuple[int, int, int] | None = None  # (seed, epoch, block): see set_stream_order
+        self._learned: dict[tuple[int, int, int], int] = {}  # documents per unit, counted by reading
+        self._by_name: dict[str, int] | None = None  # a file's index by its layout name
 
     @staticmethod
     def _walk(root: Path, include) -> list[tuple[Path, str, str | None]]:
@@ -489,47 +497,45 @@ class FilesSource:
             return _ParquetFile(path, self.text_field)
         return _ArrowFile(path, self.text_field)
 
-    def set_stream_order(self, seed: int, epoch: int, block: int):
-        """Read `documents` in epoch `epoch`'s shuffled order, for files read as streams: the files in the
-        order of a permutation seeded by (seed, epoch), and their documents in consecutive blocks of
-        `block` positions, each read in the order of a permutation of the block seeded by ((seed, epoch),
-        the block's index). A resume reads its block again: the order needs no state of its own."""
-        self._stream_order = (seed, epoch, block)
+    def units(self, target: int) -> list[tuple[int, int, int]]:
+        """The source cut into units (file, piece, pieces) of which there are about `target`: one per
+        file, or with fewer files than `target` each file in as many pieces as it splits into."""
+        if len(self.files) >= target:
+            return [(i, 0, 1) for i in range(len(self.files))]
+        k = -(-target // len(self.files))
+        return [(i, j, n) for i, f in enumerate(self.files) for n in [f.max_pieces(k)] for j in range(n)]
+
+    def unit_count(self, unit: tuple[int, int, int]) -> int | None:
+        """The unit's number of documents: known without reading it (parquet, Arrow), or counted when it
+        was read (or loaded with a saved layout); None if not known yet."""
+        learned = self._learned.get(unit)
+        return learned if learned is not None else self.files[unit[0]].known_count(unit[1], unit[2])
+
+    def unit_texts(self, unit: tuple[int, int, int], start: int):
+        """The texts of the unit from its document `start`; returns its number of documents, which is
+        remembered (and saved with the position) when it was not known."""
+        known = self.unit_count(unit)
+        n = yield from self._texts(unit, start)
+        if known is None:
+            self._learned[unit] = n
+        return n
 
     def documents(self, start: int) -> Iterator[str]:
-        if self._stream_order is None:
-            yield from self._documents_of(range(len(self.files)), start)
-            return
-        seed, epoch, block = self._stream_order
-        files = Permutation(len(self.files), seed, epoch)
-        first = start // block
-        docs = self._documents_of([files[i] for i in range(len(self.files))], first * block)
-        block_seed = derived_seed(seed, epoch)
-        for b in itertools.count(first):
-            texts = list(itertools.islice(docs, block))
-            if not texts:
-                return
-            order = Permutation(len(texts), block_seed, b)
-            for j in range(start - first * block if b == first else 0, len(texts)):
-                yield texts[order[j]]
-
-    def _documents_of(self, indices, start: int) -> Iterator[str]:
-        """The documents of the files at `indices`, in that order, from position `start`."""
-        for i in indices:
-            f = self.files[i]
-            known = f.known_count() if self._learned[i] is None else self._learned[i]
+        """The documents in stored order from position `start`, files before it skipped by their counts
+        where known."""
+        for i in range(len(self.files)):
+            known = self.unit_count((i, 0, 1))
             if known is not None and known <= start:
                 start -= known  # a file before the position: skipped without reading it
                 continue
-            n = yield from self._texts(i, start)
-            if known is None:
-                self._learned[i] = n  # counted by reading (a stream): remembered, and saved with the position
+            n = yield from self.unit_texts((i, 0, 1), start)
             start = max(0, start - n)
 
-    def _texts(self, i: int, start: int):
-        """The texts of file i from its document `start`; returns the file's document count. With
-        skip_corrupt, a file that fails ends there: its count is the documents before the failure."""
-        texts = self.files[i].texts(start)
+    def _texts(self, unit: tuple[int, int, int], start: int):
+        """The texts of a unit from its document `start`; returns the unit's document count. With
+        skip_corrupt, a unit that fails ends there: its count is the documents before the failure."""
+        i = unit[0]
+        texts = self.files[i].texts(start, unit[1], unit[2])
         if not self.skip_corrupt:
             return (yield from texts)
         read = 0
@@ -551,19 +557,25 @@ class FilesSource:
                        "file rest(s) in %d file(s)", what, path, error, sum(self.skipped.values()), len(self.skipped))
 
     def layout(self) -> dict | None:
-        """Documents per file of the streamed files counted so far by reading them, with each file's
-        size: saved with the data position, so that a resume skips those files without reading them."""
-        learned = {self._relative(i): [n, self.paths[i].stat().st_size]
-                   for i, n in enumerate(self._learned) if n is not None}
-        return {"file_documents": learned} if learned else None
+        """Documents per unit of the units counted so far by reading them, with the file's size: saved
+        with the data position, so that a resume skips those units without reading them."""
+        learned = {self._unit_key(unit): [n, self.paths[unit[0]].stat().st_size] for unit, n in self._learned.items()}
+        return {"unit_documents": learned} if learned else None
 
     def load_layout(self, layout: dict):
-        """Take the counts of a saved layout for the files that are still there with the same size."""
-        saved = layout.get("file_documents", {})
-        for i, path in enumerate(self.paths):
-            entry = saved.get(self._relative(i))
-            if entry is not None and self._learned[i] is None and entry[1] == path.stat().st_size:
-                self._learned[i] = entry[0]
+        """Take the counts of a saved layout for the units of files still there with the same size."""
+        if self._by_name is None:
+            self._by_name = {self._relative(i): i for i in range(len(self.paths))}
+        for key, (n, size) in layout.get("unit_documents", {}).items():
+            name, _, piece = key.rpartition("#")
+            i = self._by_name.get(name)
+            j, _, pieces = piece.partition("/")
+            unit = (i, int(j), int(pieces)) if i is not None else None
+            if unit is not None and unit not in self._learned and size == self.paths[i].stat().st_size:
+                self._learned[unit] = n
+
+    def _unit_key(self, unit: tuple[int, int, int]) -> str:
+        return f"{self._relative(unit[0])}#{unit[1]}/{unit[2]}"
 
     def _relative(self, i: int) -> str:
         return self.paths[i].relative_to(self.root).as_posix() if self.root.is_dir() else self.paths[i].name

@@ -2,27 +2,29 @@
 
 import dataclasses
 import logging
-from fractions import Fraction
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components.data.mixing import counts_after, integer_weights, next_source, source_kind
+from torchtitan.components.data.lanes import LaneView, source_units
+from torchtitan.components.data.mixing import counts_at, integer_weights, schedule, source_kind
 from torchtitan.components.data.packing import TokenizedSource, TokenStream
 from torchtitan.components.data.sources import build_source
+from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training, parse_mix
 
 logger = logging.getLogger(__name__)
 
-# Version 2 added the document order (shuffle_seed, num_documents), version 3 mixtures (a state with a
-# "mixture" list of the sources' states); version 1 states are in stored order.
-STATE_VERSION = 3
+# Version 4: every lane's position (components/data/lanes.py). Version 2 added the document order,
+# version 3 mixtures; their positions are in one stream per source, which lanes do not read.
+STATE_VERSION = 4
 
 
 def _order_name(seed: int | None) -> str:
@@ -31,120 +33,179 @@ def _order_name(seed: int | None) -> str:
 
 @dataclass
 class Part:
-    """One source of the packed stream: its windows, and what names it in a saved state."""
+    """One source of the packed stream, and what names it in a saved state."""
 
-    stream: TokenStream
+    source: object  # documents: text (with a tokenizer), or token lists (a token folder)
+    tokenizer: Tokenizer | None
     name: str  # training.dataset, or a mixture's SOURCE
     path: str
-    check_window: Callable | None  # a token file's per-window id check
+    shuffle_seed: int | None  # None: stored order
+    shuffle_block: int  # a streamed lane's shuffle block
+    _units: dict = field(default_factory=dict)  # lanes -> the source's units for them
+    _logged_epoch: int = 0
+
+    def stream(self, lane: int, lanes: int, seq_len: int) -> TokenStream:
+        """The token stream of lane `lane` of `lanes` of this source."""
+        if lanes not in self._units:
+            self._units[lanes] = source_units(self.source, lanes)
+        view = LaneView(self.source, self._units[lanes], lane, lanes, self.shuffle_seed, self.shuffle_block)
+        stream = TokenStream(view if self.tokenizer is None else TokenizedSource(view, self.tokenizer), seq_len + 1)
+        stream.on_new_epoch = self._log_epoch
+        return stream
+
+    def check_window(self, window: torch.Tensor):
+        check = getattr(self.source, "check_window", None)  # a token file's id check
+        if check is not None:
+            check(window)
+
+    def layout(self) -> dict | None:
+        layout = getattr(self.source, "layout", None)
+        return layout() if layout is not None else None
+
+    def load_layout(self, layout: dict | None):
+        load = getattr(self.source, "load_layout", None)
+        if layout and load is not None:
+            load(layout)
+
+    def _log_epoch(self, name: str, epoch: int, documents: int):
+        if epoch > self._logged_epoch:  # once per epoch and process, by its first lane there
+            self._logged_epoch = epoch
+            logger.warning(
+                "dataset %s: a lane read its share of epoch %d (%d documents) and starts epoch %d (the data "
+                "repeats%s)", self.name, epoch - 1, documents, epoch,
+                ", in a new order" if self.shuffle_seed is not None else "",
+            )
 
 
-def open_part(source, tokenizer, seq_len: int, name: str, path: str = "", shuffle_seed: int | None = None,
-              workers: int = 0, shuffle_block: int = 10_000) -> Part:
+def open_part(source, tokenizer, name: str, path: str = "", shuffle_seed: int | None = None,
+              shuffle_block: int = 10_000) -> Part:
     """`source`: a text source, tokenized by `tokenizer`; with tokenizer None, a source of token lists (a
-    token file). `shuffle_seed`: read each epoch's documents in the order of a permutation seeded by
-    (shuffle_seed, epoch), or for local files read as streams their files permuted and their documents
-    permuted in blocks of `shuffle_block` positions; None: in stored order. `workers`: processes
-    that read and tokenize the text source's documents (0: this process)."""
-    if workers < 0 or (workers and tokenizer is None):
-        raise ValueError(f"{workers} data workers: only a text source (with a tokenizer) has workers")
-    docs = source if tokenizer is None else TokenizedSource(source, tokenizer)
-    streamed = shuffle_seed is not None and not docs.random_access
-    num_documents = docs.num_documents() if shuffle_seed is not None and not streamed else None
-    stream = TokenStream(docs, seq_len + 1, shuffle_seed, num_documents, workers,
-                         shuffle_block if streamed else None)
-    return Part(stream, name or source.name, path, getattr(docs, "check_window", None))
+    token file). `shuffle_seed`: each lane reads its share of each epoch shuffled (lanes.py); None: in
+    stored order."""
+    return Part(source, tokenizer, name or source.name, path, shuffle_seed, shuffle_block)
+
+
+class Lane:
+    """Lane `index` of `lanes`: one token stream per source, and which source each sample comes from
+    (sample s of the lane is global sample s * lanes + index; `pattern`: mixing.schedule)."""
+
+    def __init__(self, index: int, streams: list[TokenStream], lanes: int, pattern=None):
+        self.index, self.streams, self.lanes, self.pattern = index, streams, lanes, pattern
+
+    @property
+    def next_sample(self) -> int:
+        return sum(stream.next_sample for stream in self.streams)
+
+    def read(self) -> tuple[int, list[int]]:
+        """(source index, window) of the lane's next sample."""
+        k = self.next_sample * self.lanes + self.index
+        i = 0 if self.pattern is None else self.pattern[k % len(self.pattern)]
+        return i, self.streams[i].read()
+
+    def position(self) -> list[dict]:
+        return [stream.position() for stream in self.streams]
+
+    def seek(self, position: list[dict]):
+        for stream, p in zip(self.streams, position):
+            stream.seek(p)
 
 
 class PackedDataset(IterableDataset):
     """This rank's samples of the packed stream, as tensors of seq_len + 1 token ids.
 
-    `parts`: one source, or with `weights` (integers, mixing.integer_weights) a mixture, whose sample k
-    comes from the source mixing.next_source picks. Each part's stream counts the windows it has passed
-    (read, or skipped as another rank's), so the global position is their sum.
+    `parts`: one source, or with `weights` (integers, mixing.integer_weights) and `specs` a mixture.
+    The rank reads its lanes (lanes.py): of each step, positions [r*G/D, (r+1)*G/D). `workers`: processes
+    that read the lanes (0: this one). `gather`: all ranks' objects from each rank's (an all-gather),
+    for a state that holds every lane; None: the state holds this rank's lanes.
     """
 
     def __init__(self, parts: list[Part], seq_len: int, dp_rank: int, dp_degree: int, global_batch_size: int,
-                 weights: list[int] | None = None, specs: list[str] | None = None):
+                 weights: list[int] | None = None, specs: list[str] | None = None, workers: int = 0,
+                 gather: Callable[[object], list] | None = None):
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_degree}")
         if global_batch_size < 1 or global_batch_size % dp_degree:
             raise ValueError(f"global batch size {global_batch_size} is not a positive multiple of {dp_degree}")
         if (weights is None) != (len(parts) == 1 and specs is None):
             raise ValueError("one part without weights, or a mixture with weights and specs")
-        self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
-        block = global_batch_size // dp_degree
-        self._block_start = dp_rank * block  # this rank's block, as offsets inside a step
-        self._block_end = (dp_rank + 1) * block
+        if workers < 0:
+            raise ValueError(f"{workers} data workers")
+        self.seq_len, self.global_batch_size, self.dp_degree = seq_len, global_batch_size, dp_degree
         self.parts, self.weights, self.specs = parts, weights, specs
-
-    @property
-    def next_sample(self) -> int:
-        return sum(part.stream.next_sample for part in self.parts)
-
-    def _counts(self) -> list[int]:
-        return [part.stream.next_sample for part in self.parts]
-
-    def owns(self, sample: int) -> bool:
-        return self._block_start <= sample % self.global_batch_size < self._block_end
-
-    def _next_owned(self, sample: int) -> int:
-        """The first global sample >= `sample` that this rank owns."""
-        step, pos = divmod(sample, self.global_batch_size)
-        if pos < self._block_start:
-            return step * self.global_batch_size + self._block_start
-        if pos < self._block_end:
-            return sample
-        return (step + 1) * self.global_batch_size + self._block_start
-
-    def _skip_to(self, sample: int):
-        if self.weights is None:
-            self.parts[0].stream.skip(sample - self.next_sample)
-            return
-        before = self._counts()
-        after = counts_after(self.weights, before, sample - sum(before))
-        for part, a, b in zip(self.parts, after, before):
-            part.stream.skip(a - b)
+        self.pattern = schedule(weights) if weights is not None else None
+        per_rank = global_batch_size // dp_degree
+        self.lanes = [
+            Lane(p, [part.stream(p, global_batch_size, seq_len) for part in parts], global_batch_size, self.pattern)
+            for p in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        ]
+        self.workers, self.gather = workers, gather
+        self._pool: LaneWorkers | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        # All progress lives in the parts' streams, so an abandoned iterator costs nothing and a state
-        # loaded (or advanced by state_dict) between two samples is picked up here.
+        # All progress lives in the lanes, so an abandoned iterator costs nothing and a state loaded
+        # between two samples is picked up here.
         while True:
-            self._skip_to(self._next_owned(self.next_sample))
-            part = self.parts[0 if self.weights is None else next_source(self.weights, self._counts())]
-            window = torch.tensor(part.stream.read(), dtype=torch.long)
-            if part.check_window is not None:
-                part.check_window(window)
+            lane = next_lane(self.lanes)
+            if self.workers:
+                if self._pool is None:
+                    self._pool = LaneWorkers(self.lanes, self.parts, self.workers)
+                i, tokens = self._pool.read(lane)
+            else:
+                i, tokens = lane.read()
+            window = torch.tensor(tokens, dtype=torch.long)
+            self.parts[i].check_window(window)
             yield window
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.pids() if self._pool is not None else []
+
+    def _stop_workers(self):
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool = None
 
     def mixture_metrics(self, samples: int) -> dict[str, float]:
         """A mixture's share of each source over the first `samples` global samples (data_share/I) and the
-        epoch each source is in (data_epoch/I); nothing for one source."""
+        epoch this rank's lanes are in at least, per source (data_epoch/I); nothing for one source."""
         if self.weights is None:
             return {}
-        counts = counts_after(self.weights, self._counts(), max(0, samples - self.next_sample))
+        counts = counts_at(self.weights, self.pattern, samples)
         metrics = {f"data_share/{i}": c / max(samples, 1) for i, c in enumerate(counts)}
-        metrics.update({f"data_epoch/{i}": part.stream.epoch for i, part in enumerate(self.parts)})
+        metrics.update({f"data_epoch/{i}": min(lane.streams[i].epoch for lane in self.lanes)
+                        for i in range(len(self.parts))})
         return metrics
 
     def state_dict(self) -> dict:
-        # Past the end of this rank's block: read ahead to the step boundary, so that the state is
-        # the same on every rank and loads under any data-parallel layout.
-        if self.next_sample % self.global_batch_size >= self._block_end:
-            self._skip_to((self.next_sample // self.global_batch_size + 1) * self.global_batch_size)
-        state = {"version": STATE_VERSION, "seq_len": self.seq_len, "global_batch_size": self.global_batch_size}
+        local = {"lanes": {lane.index: lane.position() for lane in self.lanes},
+                 "layouts": [part.layout() for part in self.parts]}
+        lanes, layouts = {}, [None] * len(self.parts)
+        for share in self.gather(local) if self.gather is not None else [local]:
+            lanes.update(share["lanes"])
+            layouts = [_merge_layouts(a, b) for a, b in zip(layouts, share["layouts"])]
+        state = {
+            "version": STATE_VERSION, "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
+            "dp_degree": self.dp_degree,
+            "next_sample": sum(stream["next_sample"] for position in lanes.values() for stream in position),
+            "lanes": [[p, lanes[p]] for p in sorted(lanes)],
+        }
+        sources = [_part_state(part, layout) for part, layout in zip(self.parts, layouts)]
         if self.weights is None:
-            return {**state, **_part_state(self.parts[0])}
-        mixture = [{"source": spec, "weight": w, **_part_state(part)}
-                   for spec, w, part in zip(self.specs, self.weights, self.parts)]
-        return {**state, "next_sample": self.next_sample, "mixture": mixture}
+            return {**state, **sources[0]}
+        mixture = [{"source": spec, "weight": w, **src} for spec, w, src in zip(self.specs, self.weights, sources)]
+        return {**state, "mixture": mixture}
 
     def load_state_dict(self, state: dict):
         version = state.get("version")
-        if version not in (1, 2, STATE_VERSION):
+        if version in (1, 2, 3):
             raise UserError(
-                f"the checkpoint's data loader state has version {version}; this torchtitan reads versions 1 to "
+                f"the checkpoint's data loader state has version {version}, from before each rank read only its "
+                f"share of the data (version {STATE_VERSION}): its positions are in another sample order; resume "
+                "with the torchtitan that wrote it, or start the data from the beginning with "
+                "checkpoint.exclude_from_loading = ['dataloader']"
+            )
+        if version != STATE_VERSION:
+            raise UserError(
+                f"the checkpoint's data loader state has version {version}; this torchtitan reads version "
                 f"{STATE_VERSION}: resume with the torchtitan that wrote it"
             )
         for key in ("seq_len", "global_batch_size"):
@@ -159,18 +220,44 @@ class PackedDataset(IterableDataset):
                 "in the other; resume with the data it was saved with, or start the data from the beginning with "
                 "checkpoint.exclude_from_loading = ['dataloader']"
             )
-        next_sample = state["next_sample"]
-        if next_sample % self.global_batch_size and not self.owns(next_sample):
+        lanes = {p: position for p, position in state["lanes"]}
+        missing = [lane.index for lane in self.lanes if lane.index not in lanes]
+        if missing:
             raise UserError(
-                f"the data state was saved in the middle of a step (at global sample {next_sample}) by "
-                "another data-parallel rank or layout; only states saved at step boundaries load "
-                "under a different layout"
+                f"the data state holds the positions of lanes {_ranges(sorted(lanes))}, but this rank reads lanes "
+                f"{_ranges([lane.index for lane in self.lanes])}: it was saved by one rank of another layout; "
+                "resume from a checkpoint the trainer saved"
+            )
+        if len({sum(s["next_sample"] for s in position) for position in lanes.values()}) > 1 and (
+                state["dp_degree"] != self.dp_degree):
+            raise UserError(
+                f"the data state was saved in the middle of a step (its lanes are at different samples) under "
+                f"data-parallel degree {state['dp_degree']}; only states saved at step boundaries load under a "
+                "different layout"
             )
         for part, part_state in zip(self.parts, [state] if saved_mix is None else saved_mix):
-            _load_part(part, part_state, self.seq_len)
+            _check_part(part, part_state)
+            part.load_layout(part_state.get("source_layout"))
+        for lane in self.lanes:
+            position = lanes[lane.index]
+            if any(len(p["carry"]) > self.seq_len for p in position):
+                raise ValueError("corrupt data state: more carried tokens than a window")
+            lane.seek(position)
+        self._stop_workers()
 
     def _describe_mixture(self) -> str:
         return "one dataset" if self.weights is None else _mixture_name(list(zip(self.weights, self.specs)))
+
+
+def _ranges(indices: list[int]) -> str:
+    return f"{indices[0]}-{indices[-1]}" if indices else "none"
+
+
+def _merge_layouts(a: dict | None, b: dict | None) -> dict | None:
+    """Two ranks' layouts of one source: each section's entries together."""
+    if not a or not b:
+        return a or b
+    return {key: {**a.get(key, {}), **b.get(key, {})} for key in a.keys() | b.keys()}
 
 
 def _mixture_name(entries: list[tuple[int, str]]) -> str:
@@ -178,26 +265,18 @@ def _mixture_name(entries: list[tuple[int, str]]) -> str:
     return "the mixture " + ", ".join(f"{Fraction(w, total)}:{spec}" for w, spec in entries)
 
 
-def _part_state(part: Part) -> dict:
-    stream = part.stream
-    layout = getattr(stream.source, "layout", None)
+def _part_state(part: Part, layout: dict | None) -> dict:
     return {
-        # Documents per file learned by reading: a resume skips those files without reading them.
-        "source_layout": layout() if layout is not None else None,
+        # Documents per unit learned by reading: a resume skips those units without reading them.
+        "source_layout": layout,
         "dataset": part.name,
         "dataset_path": part.path,
-        "shuffle_seed": stream.shuffle_seed,
-        "num_documents": stream.num_documents,
-        "shuffle_block": stream.shuffle_block,
-        "next_sample": stream.next_sample,
-        "epoch": stream.epoch,
-        "doc_index": stream.doc_index,
-        "token_offset": stream.offset,
-        "carry": list(stream.carry),
+        "shuffle_seed": part.shuffle_seed,
+        "shuffle_block": part.shuffle_block,
     }
 
 
-def _load_part(part: Part, state: dict, seq_len: int):
+def _check_part(part: Part, state: dict):
     if state["dataset"] != part.name:
         raise UserError(
             f"the checkpoint's data state is for dataset {state['dataset']!r}, but training.dataset "
@@ -208,38 +287,23 @@ def _load_part(part: Part, state: dict, seq_len: int):
             "resuming data of %s from a state saved for %s: document positions are only "
             "meaningful if the data is the same", part.path, state["dataset_path"],
         )
-    stream = part.stream
-    saved_seed = state.get("shuffle_seed")  # version 1: stored order
-    if saved_seed != stream.shuffle_seed:
+    saved_seed = state["shuffle_seed"]
+    if saved_seed != part.shuffle_seed:
         if saved_seed is None:
             fix = "resume with training.shuffle_documents = false"
         else:
             fix = f"resume with training.seed = {saved_seed}" + (
-                " and training.shuffle_documents = true" if stream.shuffle_seed is None else "")
+                " and training.shuffle_documents = true" if part.shuffle_seed is None else "")
         raise UserError(
             f"the checkpoint's data state reads documents of {part.name} in {_order_name(saved_seed)}, but this job "
-            f"would read them in {_order_name(stream.shuffle_seed)}: its position means nothing in another order; {fix}"
+            f"would read them in {_order_name(part.shuffle_seed)}: its position means nothing in another order; {fix}"
         )
-    saved_block = state.get("shuffle_block")
-    if saved_block != stream.shuffle_block:
+    if part.shuffle_seed is not None and state["shuffle_block"] != part.shuffle_block and not part.source.random_access:
         raise UserError(
-            f"the checkpoint's data state reads the streamed files of {part.name} shuffled in blocks of {saved_block} "
-            f"documents, but this job would use {stream.shuffle_block}: its position means nothing in another order; "
-            f"resume with training.shuffle_buffer = {saved_block}"
+            f"the checkpoint's data state reads the streamed files of {part.name} shuffled in blocks of "
+            f"{state['shuffle_block']} documents, but this job would use {part.shuffle_block}: its position means "
+            f"nothing in another order; resume with training.shuffle_buffer = {state['shuffle_block']}"
         )
-    saved_count = state.get("num_documents")
-    if saved_count is not None and saved_count != stream.num_documents:
-        logger.warning(
-            "resuming shuffled data saved for %d documents with %d documents: the data changed, so the rest of "
-            "epoch %d is in another order (documents may repeat or be left out)",
-            saved_count, stream.num_documents, state["epoch"],
-        )
-    if len(state["carry"]) > seq_len:
-        raise ValueError(f"corrupt data state: {len(state['carry'])} carried tokens")
-    load_layout = getattr(stream.source, "load_layout", None)
-    if load_layout is not None:
-        load_layout(state.get("source_layout"))
-    stream.seek(state["next_sample"], state["epoch"], state["doc_index"], state["token_offset"], state["carry"])
 
 
 def _collate(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,10 +313,12 @@ def _collate(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_dataloader(
     cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, global_batch_size: int,
-    pin_memory: bool = False,
+    pin_memory: bool = False, gather: Callable[[object], list] | None = None,
 ) -> StatefulDataLoader:
     """Batches (inputs, labels), each int64 [local_batch_size, seq_len], of this rank's samples; in
-    page-locked memory with `pin_memory` (for non-blocking copies to a CUDA device).
+    page-locked memory with `pin_memory` (for non-blocking copies to a CUDA device). `gather`: an
+    all-gather of objects over the ranks, so that state_dict() holds every rank's lanes (None: this
+    rank's, as for one process).
 
     `global_batch_size` is resolved: a positive multiple of local_batch_size x dp_degree.
     The loader never ends (the data loops). To resume, call loader.load_state_dict(state) and
@@ -267,17 +333,19 @@ def build_dataloader(
         fractions, specs = parse_mix(cfg.dataset_mix, "training.dataset_mix")
         parts = [_open_mix_part(cfg, tokenizer, spec) for spec in specs]
         dataset = PackedDataset(parts, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
-                                weights=integer_weights(fractions), specs=specs)
+                                weights=integer_weights(fractions), specs=specs, workers=cfg.data_workers,
+                                gather=gather)
     else:
         source, text_tokenizer, shuffle = open_source(cfg, tokenizer)
-        part = open_part(source, text_tokenizer, cfg.seq_len, cfg.dataset, cfg.dataset_path or "",
-                         cfg.seed if shuffle else None, cfg.data_workers, cfg.shuffle_buffer)
-        dataset = PackedDataset([part], cfg.seq_len, dp_rank, dp_degree, global_batch_size)
+        part = open_part(source, text_tokenizer, cfg.dataset, cfg.dataset_path or "", cfg.seed if shuffle else None,
+                         cfg.shuffle_buffer)
+        dataset = PackedDataset([part], cfg.seq_len, dp_rank, dp_degree, global_batch_size,
+                                workers=cfg.data_workers, gather=gather)
     with warnings.catch_warnings():
         # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(
-            # Windows are cut in this process, so the state is the stream's position (workers only tokenize).
+            # The dataset's own workers read the lanes (workers.py), and its state is the lanes' positions.
             dataset, batch_size=cfg.local_batch_size, num_workers=0, collate_fn=_collate, pin_memory=pin_memory,
         )
 
@@ -291,9 +359,8 @@ def open_source(cfg: Training, tokenizer: Tokenizer):
         return source, tokenizer, shuffle
     from torchtitan.components.token_file import open_token_source
 
-    # Documents already tokenized: shuffled by default where the text pipeline would shuffle their source.
-    source, default_shuffle = open_token_source(cfg.dataset_path, tokenizer)
-    return source, None, default_shuffle if cfg.shuffle_documents is None else cfg.shuffle_documents
+    source = open_token_source(cfg.dataset_path, tokenizer)
+    return source, None, True if cfg.shuffle_documents is None else cfg.shuffle_documents
 
 
 def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str) -> Part:
@@ -303,9 +370,7 @@ def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str) -> Part:
         dataset, path = source_kind(spec)
         as_single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[])
         source, text_tokenizer, shuffle = open_source(as_single, tokenizer)
-        workers = cfg.data_workers if text_tokenizer is not None else 0  # a token folder has nothing to tokenize
-        return open_part(source, text_tokenizer, cfg.seq_len, spec, path or "", cfg.seed if shuffle else None,
-                         workers, cfg.shuffle_buffer)
+        return open_part(source, text_tokenizer, spec, path or "", cfg.seed if shuffle else None, cfg.shuffle_buffer)
     except UserError as e:
         message = str(e).replace("set training.dataset_path to", "change it to").replace(
             "training.dataset_path", "the path")

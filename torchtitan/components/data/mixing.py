@@ -8,13 +8,16 @@ Which source each global sample comes from is a deterministic schedule, the one 
 datasets use: sample k goes to the source whose count so far lags furthest behind its share of k + 1
 samples, weight_i * (k + 1) - count_i (ties: the earlier source). It is exact integer arithmetic on
 the weights scaled to integers, so every rank, layout and machine computes the same schedule, and
-after k samples each count is within one sample of weight_i * k. Windows are equally long, so the
-share of samples is the share of tokens. The counts are the sources' own positions (how many
-windows each has passed), so the schedule needs no state of its own and resumes exactly.
+after k samples each count is within one sample of weight_i * k. With integer weights summing to T
+the schedule repeats every T samples (after T samples every count equals its weight), so the source
+of global sample k is pattern[k mod T] for the first T samples' pattern: a lane (lanes.py) knows the
+source of each of its samples without the others' counts, and the schedule needs no state. Windows
+are equally long, so the share of samples is the share of tokens.
 """
 
 import math
 import os
+from array import array
 from fractions import Fraction
 
 from torchtitan.components.token_file import PROGRESS, TOKENS
@@ -47,6 +50,23 @@ def counts_after(weights: list[int], counts: list[int], samples: int) -> list[in
     for _ in range(samples):
         counts[next_source(weights, counts)] += 1
     return counts
+
+
+def schedule(weights: list[int]) -> array:
+    """The source of global samples 0 .. T-1 (T = sum(weights)); sample k's is schedule[k % T]."""
+    counts, pattern = [0] * len(weights), array("H")
+    for _ in range(sum(weights)):
+        i = next_source(weights, counts)
+        counts[i] += 1
+        pattern.append(i)
+    return pattern
+
+
+def counts_at(weights: list[int], pattern: array, samples: int) -> list[int]:
+    """Each source's count among global samples 0 .. samples-1."""
+    periods, rest = divmod(samples, len(pattern))
+    head = pattern[:rest]
+    return [periods * w + head.count(i) for i, w in enumerate(weights)]
 
 
 def source_kind(spec: str) -> tuple[str, str | None]:

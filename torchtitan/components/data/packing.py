@@ -8,14 +8,11 @@ for them), but they keep their document index.
 """
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from torchtitan.components.data.shuffle import Permutation
-from torchtitan.components.data.workers import worker_documents
 from torchtitan.config.errors import UserError
 
 logger = logging.getLogger(__name__)
-
 
 
 def encode_document(tokenizer, text: str | None) -> list[int]:
@@ -25,78 +22,52 @@ def encode_document(tokenizer, text: str | None) -> list[int]:
 
 
 class TokenizedSource:
-    """A text source seen as documents of tokens (encode_document of each text), with the source's
-    random access and document count."""
+    """A lane's share of a text source (lanes.LaneView) seen as documents of tokens (encode_document
+    of each text)."""
 
-    def __init__(self, source, tokenizer):
-        self.source, self.tokenizer = source, tokenizer
-        self.name = source.name
-        self.random_access = source.random_access
+    def __init__(self, view, tokenizer):
+        self.view, self.tokenizer = view, tokenizer
+        self.name, self.lanes = view.name, view.lanes
 
-    def documents(self, start: int, keep: Callable[[int], bool] | None = None) -> Iterator[list[int] | None]:
-        """The documents from position `start` in stored order; with `keep`, the ones it refuses (by
-        position) are read but not tokenized, and come as None."""
-        for position, text in enumerate(self.source.documents(start), start):
-            yield encode_document(self.tokenizer, text) if keep is None or keep(position) else None
-
-    def num_documents(self) -> int:
-        return self.source.num_documents()
-
-    def document(self, index: int) -> list[int]:
-        return encode_document(self.tokenizer, self.source.document(index))
-
-    def layout(self) -> dict | None:
-        """What the source has learned of its layout by reading (documents per file), saved with the
-        position so that a resume skips what was read without reading it again; None if it has nothing."""
-        layout = getattr(self.source, "layout", None)
-        return layout() if layout is not None else None
-
-    def set_stream_order(self, seed: int, epoch: int, block: int):
-        self.source.set_stream_order(seed, epoch, block)
-
-    def load_layout(self, layout: dict | None):
-        load = getattr(self.source, "load_layout", None)
-        if layout and load is not None:
-            load(layout)
+    def documents(self, epoch: int, start: int) -> Iterator[list[int]]:
+        for text in self.view.documents(epoch, start):
+            yield encode_document(self.tokenizer, text)
 
 
 class TokenStream:
-    """Windows of window_len tokens cut from the global token stream, one after another.
+    """Windows of window_len tokens cut from one lane's token stream of one source, one after another.
 
-    `docs` is a source of documents of tokens: `documents(start)` yields token lists in stored order,
-    and with random access `num_documents()` and `document(i)`; a source that also has
-    `document_length(i)` (a token file) is skipped over by lengths alone, without reading tokens.
+    `docs`: the lane's documents of tokens, epoch by epoch (`documents(epoch, start)`: a lanes.LaneView
+    of a token folder, or a TokenizedSource over a text source's).
 
-    The position is (epoch, doc_index, offset): the next token is `offset` into the token list of
-    the document at position `doc_index` of the epoch's order (stored order, or with a shuffle
-    seed the permutation of the document indices for the epoch). `carry` holds tokens read but not
-    yet part of an emitted window; it is always empty between reads, as the position is exact, but
-    a saved carry is honoured.
+    The position is (epoch, doc_index, offset): the next token is `offset` into the token list of the
+    document at position `doc_index` of the lane's epoch. `carry` holds tokens read but not yet part of
+    an emitted window; it is always empty between reads, as the position is exact, but a saved carry
+    is honoured.
     """
 
-    def __init__(self, docs, window_len: int, shuffle_seed: int | None = None,
-                 num_documents: int | None = None, workers: int = 0, shuffle_block: int | None = None):
+    def __init__(self, docs, window_len: int):
         self.source = docs
-        self.workers = workers  # > 0: documents are read and tokenized in that many processes
         self.window_len = window_len
-        self.shuffle_seed = shuffle_seed  # None: stored order
-        self.num_documents = num_documents  # with a shuffle seed: the permutation's size
-        # With a shuffle seed, a source read as a stream orders each epoch itself (set_stream_order): its
-        # files permuted, its documents permuted within blocks of this many positions.
-        self.shuffle_block = shuffle_block
-        self.next_sample = 0  # global index of the window read next
+        self.next_sample = 0  # the lane's windows of this source read so far
         self.epoch = 0
         self.doc_index = 0
         self.offset = 0
         self.carry: list[int] = []
         self._docs: Iterator | None = None  # yields document doc_index next, when _tokens is None
         self._tokens = None  # token list of document doc_index
-        self._order: tuple[int, Permutation] | None = None  # (epoch, its permutation)
+        self._empty_epochs = 0  # epochs in a row without a document
+        self.on_new_epoch = None  # called with (name, epoch, documents of the epoch ended)
 
-    def seek(self, next_sample: int, epoch: int, doc_index: int, offset: int, carry: list[int]):
+    def position(self) -> dict:
+        return {"next_sample": self.next_sample, "epoch": self.epoch, "doc_index": self.doc_index,
+                "token_offset": self.offset, "carry": list(self.carry)}
+
+    def seek(self, position: dict):
         self._close_documents()
-        self.next_sample, self.epoch, self.doc_index, self.offset = next_sample, epoch, doc_index, offset
-        self.carry = list(carry)
+        self.next_sample, self.epoch = position["next_sample"], position["epoch"]
+        self.doc_index, self.offset = position["doc_index"], position["token_offset"]
+        self.carry = list(position["carry"])
 
     def _close_documents(self):
         if self._docs is not None and hasattr(self._docs, "close"):
@@ -104,52 +75,36 @@ class TokenStream:
         self._docs = None
         self._tokens = None
 
-    def _permutation(self) -> Permutation:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, Permutation(self.num_documents, self.shuffle_seed, self.epoch))
-        return self._order[1]
-
-    def _epoch_documents(self, start: int) -> Iterator:
-        """The token lists of the documents at positions start, start + 1, ... of this epoch's order."""
-        if self.shuffle_block is not None:  # set before the workers fork: they read in this order too
-            self.source.set_stream_order(self.shuffle_seed, self.epoch, self.shuffle_block)
-        order = None if self.shuffle_seed is None or self.shuffle_block is not None else self._permutation()
-        if self.workers:
-            yield from worker_documents(self.source, start, order, self.num_documents, self.workers)
-            return
-        if order is None:
-            yield from self.source.documents(start)
-            return
-        for position in range(start, self.num_documents):
-            yield self.source.document(order[position])
-
     def _document_tokens(self):
-        """The token list of document doc_index; None past the last document."""
+        """The token list of document doc_index; None past the lane's last document of the epoch."""
         if self._tokens is None:
             if self._docs is None:
-                self._docs = self._epoch_documents(self.doc_index)
+                self._docs = iter(self.source.documents(self.epoch, self.doc_index))
             self._tokens = next(self._docs, None)
         return self._tokens
 
     def _start_epoch(self, tokens_read: int):
-        if self.epoch == 0 and self.next_sample == 0:
+        # A lane visits every position class of the units in `lanes` epochs (lanes.lane_share), so a lane
+        # that has read nothing, or not one window, in twice that many is on a source too small for it.
+        self._empty_epochs = self._empty_epochs + 1 if self.doc_index == 0 else 0
+        if self.next_sample == 0 and self.epoch + 1 >= 2 * self.source.lanes:
+            if tokens_read == 0:
+                raise UserError(f"dataset {self.source.name} is empty: it has no document")
             raise UserError(
-                f"dataset {self.source.name} is too small: all of it tokenizes to {tokens_read} tokens, "
-                f"fewer than one sequence of seq_len + 1 = {self.window_len}; add data or lower "
-                "training.seq_len"
+                f"dataset {self.source.name} is too small: one lane's share of {self.epoch + 1} epochs tokenizes to "
+                f"{tokens_read} tokens, fewer than one sequence of seq_len + 1 = {self.window_len} (the source is "
+                f"split into {self.source.lanes} lanes, one per sample of the global batch); add data, or lower "
+                "training.seq_len or the global batch size"
             )
-        documents = self.doc_index
-        if documents == 0:  # a whole pass without a document: wrapping again would spin forever
+        if self._empty_epochs >= 2 * self.source.lanes:
             raise UserError(f"dataset {self.source.name} is empty: it has no document")
+        documents = self.doc_index
         self._close_documents()
         self.epoch += 1
         self.doc_index = 0
         self.offset = 0
-        logger.warning(
-            "dataset %s exhausted after %d documents: starting epoch %d (the data repeats%s)",
-            self.source.name, documents, self.epoch,
-            ", in a new order" if self.shuffle_seed is not None else "",
-        )
+        if self.on_new_epoch is not None:
+            self.on_new_epoch(self.source.name, self.epoch, documents)
 
     def read(self) -> list[int]:
         window, self.carry = self.carry, []
@@ -167,35 +122,3 @@ class TokenStream:
                 self._tokens = None
         self.next_sample += 1
         return window
-
-    def skip(self, windows: int):
-        """Move past the next `windows` windows: as many read()s, leaving the same position, but with
-        document lengths alone where the source has them (the tokens are not read)."""
-        length_of = getattr(self.source, "document_length", None)
-        if length_of is None:
-            for _ in range(windows):
-                self.read()
-            return
-        if windows <= 0:
-            return
-        total = self.num_documents if self.shuffle_seed is not None else self.source.num_documents()
-        first, carried = self.next_sample, len(self.carry)
-        need = windows * self.window_len - carried
-        wanted, self.carry = need, []
-        self._close_documents()
-        while need > 0:
-            if self.doc_index >= total:
-                # The sample being passed at the epoch's end, for _start_epoch's "too small" rule.
-                self.next_sample = first + (carried + wanted - need) // self.window_len
-                self._start_epoch(carried + wanted - need)
-                continue
-            index = self.doc_index if self.shuffle_seed is None else self._permutation()[self.doc_index]
-            left = length_of(index) - self.offset
-            if left > need:
-                self.offset += need
-                need = 0
-            else:
-                need -= left
-                self.doc_index += 1
-                self.offset = 0
-        self.next_sample = first + windows

@@ -16,7 +16,6 @@ machine, and it is deterministic for a given interpreter (~730 files, ~12 MB on 
 """
 
 import functools
-import itertools
 import os
 import socket
 import sysconfig
@@ -113,27 +112,68 @@ class HuggingFaceSource:
                 f"check training.dataset_path{hint}"
             ) from None
 
-        # datasets' own resumable position (IterableDataset.state_dict, datasets >= 2.18; None without
-        # it): the one to read from the start, and (document index, state that resumes at it) of the last
-        # document read, or of a loaded layout.
-        state_dict = getattr(self.dataset, "state_dict", None)
-        self._initial = state_dict() if state_dict is not None else None
-        self._position: tuple[int, dict] | None = None
+        # datasets' own resumable positions (IterableDataset.state_dict, datasets >= 2.18), per unit: the
+        # state that reads the unit from its start, and (document index, state that resumes at it) of the
+        # last document read, or of a loaded layout. Without state_dict a resume skips from the start.
+        self._resumable = hasattr(self.dataset, "state_dict")
+        self._splits: dict[tuple[int, int], tuple[object, dict | None]] = {}  # unit -> (stream, initial state)
+        self._positions: dict[tuple[int, int], tuple[int, dict]] = {}
+        self._learned: dict[tuple[int, int], int] = {}  # documents per unit, counted by reading
+
+    def units(self, target: int) -> list[tuple[int, int]]:
+        """Unit (i, n) is the stream split i of n by datasets.distributed.split_dataset_by_node: whole
+        shards when the dataset has a multiple of n shards, else every n-th row of a full read."""
+        return [(i, target) for i in range(target)]
+
+    def unit_count(self, unit: tuple[int, int]) -> int | None:
+        return self._learned.get(unit)
+
+    def _split(self, unit: tuple[int, int]):
+        if unit not in self._splits:
+            stream = self.dataset
+            if unit[1] > 1:
+                from datasets.distributed import split_dataset_by_node
+
+                stream = split_dataset_by_node(self.dataset, rank=unit[0], world_size=unit[1])
+            self._splits[unit] = (stream, stream.state_dict() if self._resumable else None)
+        return self._splits[unit]
 
     def layout(self) -> dict | None:
-        """Where datasets resumes at the last document read: saved with the data position, so that a
-        resume starts there (datasets skips whole shards) instead of reading every document before it."""
-        return None if self._position is None else {"hf_index": self._position[0], "hf_state": self._position[1]}
+        """Where datasets resumes each unit at its last document read, and the units' counts: saved with
+        the data position, so that a resume starts there (datasets skips whole shards) instead of
+        reading every document before it."""
+        layout = {}
+        if self._positions:
+            layout["hf_states"] = {f"{i}/{n}": [index, state] for (i, n), (index, state) in self._positions.items()}
+        if self._learned:
+            layout["unit_documents"] = {f"{i}/{n}": count for (i, n), count in self._learned.items()}
+        return layout or None
 
     def load_layout(self, layout: dict):
-        if "hf_index" in layout and self._initial is not None:
-            self._position = (layout["hf_index"], layout["hf_state"])
+        for key, (index, state) in layout.get("hf_states", {}).items():
+            unit = tuple(int(x) for x in key.split("/"))
+            if self._resumable and unit not in self._positions:
+                self._positions[unit] = (index, state)
+        for key, count in layout.get("unit_documents", {}).items():
+            self._learned.setdefault(tuple(int(x) for x in key.split("/")), count)
 
     def documents(self, start: int) -> Iterator[str]:
-        rows, index = self._rows_from(start)
+        yield from self.unit_texts((0, 1), start)
+
+    def unit_texts(self, unit: tuple[int, int], start: int):
+        """The texts of the unit from its document `start`; returns its number of documents. A stream
+        cannot seek: from a saved datasets position at or before `start` it skips the rest, else it skips
+        from the unit's first row."""
+        stream, initial = self._split(unit)
+        saved = self._positions.get(unit)
+        index = 0
+        if initial is not None:
+            index, state = saved if saved and saved[0] <= start else (0, initial)
+            stream.load_state_dict(state)
+        rows = iter(stream)
         field = self.text_field
         while True:
-            before = self.dataset.state_dict() if self._initial is not None else None
+            before = stream.state_dict() if initial is not None else None
             try:
                 row = next(rows, None)
             except Exception as e:  # the library and its readers raise many types for a bad file or network
@@ -144,9 +184,13 @@ class HuggingFaceSource:
                     "the network"
                 ) from None
             if row is None:
-                return
+                self._learned[unit] = index
+                return index
+            if index < start:
+                index += 1
+                continue
             if before is not None:
-                self._position = (index, before)
+                self._positions[unit] = (index, before)
             if field not in row:
                 raise UserError(
                     f"huggingface dataset {self.path!r} row {index} has no {field!r} column "
@@ -160,15 +204,6 @@ class HuggingFaceSource:
                 )
             yield text or ""
             index += 1
-
-    def _rows_from(self, start: int) -> tuple[Iterator[dict], int]:
-        """An iterator of the rows from document `start`, and `start`. A stream cannot seek: from a saved
-        datasets position at or before `start` it skips the rest, else it skips from the first row."""
-        if self._initial is None:
-            return itertools.islice(iter(self.dataset), start, None), start
-        index, state = self._position if self._position and self._position[0] <= start else (0, self._initial)
-        self.dataset.load_state_dict(state)
-        return itertools.islice(iter(self.dataset), start - index, None), start
 
 
 # --- the reference schema's names: c4, c4_test --------------------------------------------------
@@ -260,9 +295,11 @@ def build_source(cfg: Training):
         source = _c4_test_source(cfg)
     else:
         raise ValueError(f"unvalidated data config: dataset {cfg.dataset!r}, dataset_path {cfg.dataset_path!r}")
-    shuffle = source.random_access if cfg.shuffle_documents is None else cfg.shuffle_documents
-    # Local files read as streams shuffle their file order and blocks of documents (set_stream_order).
-    if shuffle and not source.random_access and not isinstance(source, FilesSource):
+    # Local files read as streams shuffle their units and blocks of documents (lanes.py); a datasets stream
+    # reads in stored order.
+    shufflable = source.random_access or isinstance(source, FilesSource)
+    shuffle = shufflable if cfg.shuffle_documents is None else cfg.shuffle_documents
+    if shuffle and not shufflable:
         raise UserError(
             "training.shuffle_documents = true needs random access to the documents, but "
             f"dataset {source.name} is streamed through the datasets package; download it as files (parquet or "
