@@ -1,10 +1,12 @@
 """The data pipeline: packing, sample ownership across layouts, resumable state, sources, file
 formats, document shuffling, errors.
 
-Most tests use a character-level fake tokenizer, so the expected token stream can be written
-down independently of the code under test: window k of a run must equal stream[k*W:(k+1)*W].
-Tests of stored-order behaviour turn shuffling off; the shuffle tests state the order through
-`Permutation`, the one definition of the shuffled order.
+Most tests use a character-level fake tokenizer, so the expected token streams can be written
+down independently of the code under test. With a global batch of one sequence there is one lane,
+and window k of a run must equal stream[k*W:(k+1)*W] of the stored order; with more, `lane_windows`
+states the order of torchtitan/components/data/lanes.py from the units' documents. Tests of
+stored-order behaviour turn shuffling off; the shuffle tests state the order through `Permutation`,
+the one definition of a shuffled order.
 """
 
 import gzip
@@ -25,7 +27,7 @@ import torch
 from conftest import CharTokenizer
 from torchtitan.components.data import sources as data_sources
 from torchtitan.components.data import build_dataloader, stdlib_files
-from torchtitan.components.data.shuffle import Permutation
+from torchtitan.components.data.shuffle import Permutation, derived_seed
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
@@ -36,27 +38,81 @@ MODEL = Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "python_s
 CHARS = CharTokenizer()
 
 
-def shuffled(docs, seed, epoch):
-    order = Permutation(len(docs), seed, epoch)
-    return [docs[order[k]] for k in range(len(docs))]
-
-
-def expected_stream(docs, n_tokens, tok=CHARS, seed=None):
-    """The global token stream: framed non-empty documents, concatenated, looped (with a seed: epoch e
-    in the order of the permutation seeded by (seed, e))."""
-    out, epoch = [], 0
+def expected_stream(docs, n_tokens, tok=CHARS):
+    """One lane's token stream in stored order: framed non-empty documents, concatenated, looped."""
+    out = []
     while len(out) < n_tokens:
-        for doc in docs if seed is None else shuffled(docs, seed, epoch):
-            if doc:
-                out += tok.encode(doc, bos=True, eos=True)
-        epoch += 1
+        out += [t for doc in docs if doc for t in tok.encode(doc, bos=True, eos=True)]
     return out[:n_tokens]
 
 
-def expected_windows(docs, seq_len, start, stop, tok=CHARS, seed=None):
+def expected_windows(docs, seq_len, start, stop, tok=CHARS):
+    """Windows start..stop-1 of one lane (a global batch of one sequence) in stored order."""
     w = seq_len + 1
-    stream = expected_stream(docs, stop * w, tok, seed)
+    stream = expected_stream(docs, stop * w, tok)
     return [stream[k * w : (k + 1) * w] for k in range(start, stop)]
+
+
+def document_units(docs, lanes):
+    """A random-access source's units: its documents in min(n, 16 x lanes) consecutive ranges."""
+    k = min(len(docs), 16 * lanes)
+    return [docs[i * len(docs) // k : (i + 1) * len(docs) // k] for i in range(k)]
+
+
+def lane_documents(units, lane, lanes, epoch, seed=None, random_access=False, block=10_000):
+    """The documents lane `lane` of `lanes` reads in `epoch`, in order, as torchtitan/components/data/lanes.py
+    states it: the units at positions q, q + lanes, ... (q = (lane + epoch) % lanes) of the epoch's unit
+    order, or with fewer units than lanes every stride-th document of one unit; shuffled, in the order
+    of a permutation (random access) or of permuted blocks (streams)."""
+    n, q = len(units), (lane + epoch) % lanes
+    order = [Permutation(n, seed, epoch)[j] for j in range(n)] if seed is not None else list(range(n))
+    if n >= lanes:
+        docs = [d for j in range(q, n, lanes) for d in units[order[j]]]
+    else:
+        docs = units[order[q % n]][q // n :: len(range(q % n, lanes, n))]
+    if seed is None or not docs:
+        return docs
+    lane_seed = derived_seed(derived_seed(seed, epoch), lane)
+    if random_access:
+        perm = Permutation(len(docs), lane_seed, 0)
+        return [docs[perm[j]] for j in range(len(docs))]
+    out = []
+    for b, first in enumerate(range(0, len(docs), block)):
+        chunk = docs[first : first + block]
+        perm = Permutation(len(chunk), lane_seed, b)
+        out += [chunk[perm[j]] for j in range(len(chunk))]
+    return out
+
+
+def lane_windows(units, lanes, seq_len, stop, tok=CHARS, text=lambda d: d, **order):
+    """Global samples 0..stop-1: sample k is window k // lanes of lane k % lanes's token stream (its
+    documents of epoch 0, 1, ..., framed and concatenated). `text`: a unit entry's text."""
+    w, per_lane = seq_len + 1, -(-stop // lanes)
+    windows = []
+    for lane in range(lanes):
+        tokens, epoch = [], 0
+        while len(tokens) < per_lane * w and epoch < 100:
+            for d in lane_documents(units, lane, lanes, epoch, **order):
+                if len(tokens) >= per_lane * w:
+                    break
+                if text(d):
+                    tokens += tok.encode(text(d), bos=True, eos=True)
+            epoch += 1
+        windows.append([tokens[s * w : (s + 1) * w] for s in range(per_lane)])
+    return [windows[k % lanes][k // lanes] for k in range(stop)]
+
+
+def merged(states):
+    """One state from single-process loaders of several ranks: each holds its own lanes."""
+    out = json_round_trip(states[0])
+    lanes = {p: pos for state in states for p, pos in state["dataset_state"]["lanes"]}
+    out["dataset_state"]["lanes"] = [[p, lanes[p]] for p in sorted(lanes)]
+    out["dataset_state"]["next_sample"] = sum(pos["next_sample"] for ps in lanes.values() for pos in ps)
+    return out
+
+
+def lane_position(state, lane=0, source=0):
+    return dict(state["dataset_state"]["lanes"])[lane][source]
 
 
 def random_docs(n, seed=0, lo=3, hi=40):
@@ -102,9 +158,9 @@ def take(it, n_batches):
 def test_packing_frames_documents_and_cuts_consecutive_windows(tmp_path):
     docs = ["hello world", "", "a", "x" * 50, "second to last", "end"]  # "" is skipped
     path = write_jsonl(tmp_path / "d.jsonl", docs)
-    it = iter(make_loader(path, seq_len=7, local_batch=2))
+    it = iter(make_loader(path, seq_len=7, local_batch=1))  # one lane: the stored order
     inputs, labels = next(it)
-    assert inputs.shape == labels.shape == (2, 7)
+    assert inputs.shape == labels.shape == (1, 7)
     assert inputs[0].tolist() == [1] + CHARS.encode("hello ", False, False)
     assert labels[0].tolist() == CHARS.encode("hello w", False, False)
     windows = [row + [last] for row, last in zip(inputs.tolist(), labels[:, -1].tolist())] + take(it, 10)
@@ -118,7 +174,7 @@ def test_packing_with_the_real_tokenizer(tmp_path):
     tok = Tokenizer(MODEL)
     docs = ["import os\n\n\ndef main():\n    print(os.getcwd())\n", "x = 1\n", "class A:\n    pass\n"]
     path = write_jsonl(tmp_path / "d.jsonl", docs)
-    windows = take(iter(make_loader(path, seq_len=16, local_batch=2, tok=tok)), 4)
+    windows = take(iter(make_loader(path, seq_len=16, local_batch=1, tok=tok)), 8)
     assert all(len(w) == 17 for w in windows)
     got = [t for w in windows for t in w]
     assert got == expected_stream(docs, len(got), tok)
@@ -144,20 +200,20 @@ def test_folder_reads_jsonl_and_txt_recursively_in_path_order(tmp_path):
     (tmp_path / ".gitattributes").write_text("ignored")
     (tmp_path / "LICENSE").write_text("ignored")
     docs = ["top-a", "b-a-0", "b-a-1", "zzz"]
-    got = [t for w in take(iter(make_loader(tmp_path, seq_len=5, local_batch=2)), 5) for t in w]
+    got = [t for w in take(iter(make_loader(tmp_path, seq_len=5, local_batch=1)), 10) for t in w]
     assert got == expected_stream(docs, len(got))
 
 
 def test_epoch_wrap_continues_the_stream_and_warns_once_per_epoch(tmp_path, caplog):
     docs = ["abc", "defgh"]  # 12 tokens per epoch
     path = write_jsonl(tmp_path / "tiny.jsonl", docs)
-    loader = make_loader(path, seq_len=4, local_batch=2)
+    loader = make_loader(path, seq_len=4, local_batch=1)
     with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
-        got = [t for w in take(iter(loader), 6) for t in w]  # 60 tokens: 5 epochs
+        got = [t for w in take(iter(loader), 12) for t in w]  # 60 tokens: 5 epochs
     assert got == expected_stream(docs, 60)
-    warnings = [r for r in caplog.records if "starting epoch" in r.getMessage()]
-    assert [r.getMessage().split("starting epoch ")[1].split()[0] for r in warnings] == ["1", "2", "3", "4"]
-    assert loader.state_dict()["dataset_state"]["epoch"] == 4
+    warnings = [r for r in caplog.records if "starts epoch" in r.getMessage()]
+    assert [r.getMessage().split("starts epoch ")[1].split()[0] for r in warnings] == ["1", "2", "3", "4"]
+    assert lane_position(loader.state_dict())["epoch"] == 4
 
 
 # --- sample ownership --------------------------------------------------------------------------
@@ -172,8 +228,12 @@ LAYOUTS = [  # (dp_degree, local_batch_size, global_batch_size)
 
 @pytest.fixture
 def docs_path(tmp_path):
+    """A folder of 10 JSON lines shards of 6 documents: 10 units, one per shard."""
     docs = random_docs(60)
-    return docs, write_jsonl(tmp_path / "docs.jsonl", docs)
+    (tmp_path / "docs").mkdir()
+    for i in range(10):
+        write_jsonl(tmp_path / "docs" / f"shard-{i:02d}.jsonl", docs[6 * i : 6 * i + 6])
+    return [docs[6 * i : 6 * i + 6] for i in range(10)], tmp_path / "docs"
 
 
 def run_steps(path, dp, lb, gb, steps, seq_len=16, shuffle=False):
@@ -187,9 +247,9 @@ def run_steps(path, dp, lb, gb, steps, seq_len=16, shuffle=False):
 
 @pytest.mark.parametrize("dp,lb,gb", LAYOUTS)
 def test_each_rank_reads_its_contiguous_block_of_each_step(docs_path, dp, lb, gb):
-    docs, path = docs_path
+    units, path = docs_path
     steps = 3
-    reference = expected_windows(docs, 16, 0, steps * gb)
+    reference = lane_windows(units, gb, 16, steps * gb)
     block = gb // dp
     for s, ranks in enumerate(run_steps(path, dp, lb, gb, steps)):
         for r, samples in enumerate(ranks):
@@ -213,16 +273,18 @@ def test_state_is_plain_and_small(docs_path):
     state = loader.state_dict()
     ds = state["dataset_state"]
     assert json_round_trip(state) == state
-    assert {"next_sample", "epoch", "doc_index", "token_offset", "carry"} <= set(ds)
-    assert ds["next_sample"] == 6
-    assert ds["shuffle_seed"] is None and ds["num_documents"] is None  # stored order
-    assert all(isinstance(v, (int, str, list)) or v is None for v in ds.values())
-    assert len(ds["carry"]) < 17
+    assert ds["version"] == 4 and ds["next_sample"] == 6
+    assert [p for p, _ in ds["lanes"]] == [0, 1]  # a lane per sample of the global batch of 2
+    for _, (position,) in ds["lanes"]:  # one source
+        assert set(position) == {"next_sample", "epoch", "doc_index", "token_offset", "carry"}
+        assert position["next_sample"] == 3 and position["carry"] == []
+    assert ds["shuffle_seed"] is None  # stored order
+    assert len(json.dumps(state)) < 2000
 
 
 @pytest.mark.parametrize("dp,lb,gb,rank,n", [(1, 2, 2, 0, 3), (2, 2, 8, 1, 3), (2, 2, 8, 0, 2)])
 def test_resume_jsonl_continues_exactly(docs_path, dp, lb, gb, rank, n):
-    docs, path = docs_path
+    units, path = docs_path
     first = make_loader(path, 16, lb, dp, rank, gb)
     it = iter(first)
     take(it, n)
@@ -235,7 +297,7 @@ def test_resume_jsonl_continues_exactly(docs_path, dp, lb, gb, rank, n):
     # ... and both are the right samples (state_dict must not disturb the loader it reads).
     block = gb // dp
     owned = [k for k in range(200) if rank * block <= k % gb < (rank + 1) * block]
-    windows = expected_windows(docs, 16, 0, 200)
+    windows = lane_windows(units, gb, 16, 200)
     assert uninterrupted == [windows[k] for k in owned[n * lb : n * lb + 6 * lb]]
 
 
@@ -246,13 +308,13 @@ def test_resume_deep_into_a_folder_and_after_a_wrap(tmp_path):
     write_jsonl(tmp_path / "d" / "b.jsonl", docs_b)
     first = make_loader(tmp_path / "d", 8, 2)
     it = iter(first)
-    take(it, 15)  # 270 tokens, more than one epoch
+    take(it, 15)  # 270 tokens, more than one epoch (each lane reads one file per epoch)
     state = json_round_trip(first.state_dict())
-    assert state["dataset_state"]["epoch"] >= 1
+    assert lane_position(state, 0)["epoch"] >= 1 and lane_position(state, 1)["epoch"] >= 1
     uninterrupted = take(it, 10)
     resumed = make_loader(tmp_path / "d", 8, 2)
     resumed.load_state_dict(state)
-    assert take(iter(resumed), 10) == uninterrupted == expected_windows(docs_a + docs_b, 8, 30, 50)
+    assert take(iter(resumed), 10) == uninterrupted == lane_windows([docs_a, docs_b], 2, 8, 50)[30:]
 
 
 def test_resume_python_stdlib_mid_step():
@@ -262,53 +324,58 @@ def test_resume_python_stdlib_mid_step():
     it = iter(first)
     take(it, 3)
     state = json_round_trip(first.state_dict())
-    assert state["dataset_state"]["next_sample"] == 8 + 4 + 2
+    # Rank 1 holds lanes 4-7: the first micro-batch of step 1 took lanes 4 and 5.
+    assert [[p, pos["next_sample"]] for p, (pos,) in state["dataset_state"]["lanes"]] == [[4, 2], [5, 2], [6, 1], [7, 1]]
     assert state["dataset_state"]["shuffle_seed"] == 0  # shuffled by default, with training.seed
     uninterrupted = take(it, 3)
     resumed = make_loader(None, 32, 2, 2, 1, 8, tok=tok, dataset="python_stdlib", shuffle=None)
     resumed.load_state_dict(state)
     assert take(iter(resumed), 3) == uninterrupted
-    files = stdlib_files()
-    order = Permutation(len(files), 0, 0)
-    texts = [files[order[k]].read_text(encoding="utf-8", errors="replace") for k in range(3)]
-    windows = expected_windows(texts, 32, 0, 40, tok)  # the first files are enough for 40 windows
+    windows = lane_windows(document_units(stdlib_files(), 8), 8, 32, 40, tok, seed=0, random_access=True,
+                           text=lambda f: f.read_text(encoding="utf-8", errors="replace"))
     assert uninterrupted == windows[14:16] + windows[20:24]
 
 
 def test_carried_tokens_come_before_the_source_position(docs_path):
-    docs, path = docs_path
-    loader = make_loader(path, 16, 2)
+    units, path = docs_path
+    docs = [d for unit in units for d in unit]
+    loader = make_loader(path, 16, 1)
     state = loader.state_dict()  # before any batch: the start of the stream
-    assert state["dataset_state"]["carry"] == [] and state["dataset_state"]["token_offset"] == 0
+    position = lane_position(state)
+    assert position["carry"] == [] and position["token_offset"] == 0
     # The same position, expressed as 3 tokens already read from document 0.
-    state["dataset_state"]["carry"] = CHARS.encode(docs[0], bos=True, eos=True)[:3]
-    state["dataset_state"]["token_offset"] = 3
-    resumed = make_loader(path, 16, 2)
+    position["carry"] = CHARS.encode(docs[0], bos=True, eos=True)[:3]
+    position["token_offset"] = 3
+    resumed = make_loader(path, 16, 1)
     resumed.load_state_dict(state)
-    assert take(iter(resumed), 3) == expected_windows(docs, 16, 0, 6)
+    assert take(iter(resumed), 6) == expected_windows(docs, 16, 0, 6)
 
 
 def test_step_boundary_state_loads_under_other_dp_degrees(docs_path):
-    docs, path = docs_path
+    units, path = docs_path
     gb, steps_before, steps_after = 8, 3, 3
-    reference = expected_windows(docs, 16, 0, (steps_before + steps_after) * gb)
+    reference = lane_windows(units, gb, 16, (steps_before + steps_after) * gb)
 
-    # Save under dp 2 with accumulation, at a step boundary, on both ranks.
+    # Save under dp 2 with accumulation, at a step boundary: each rank's loader holds its lanes, which
+    # the trainer gathers into one state (merged here).
     states = []
     for rank in range(2):
         loader = make_loader(path, 16, 2, 2, rank, gb)
         it = iter(loader)
         take(it, steps_before * 2)
         states.append(json_round_trip(loader.state_dict()))
-    # Every rank holds the same state at a step boundary: any rank's checkpoint will do.
-    assert states[0] == states[1]
-    assert states[0]["dataset_state"]["next_sample"] == steps_before * gb
+    assert [[p for p, _ in state["dataset_state"]["lanes"]] for state in states] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    state = merged(states)
+    assert state["dataset_state"]["next_sample"] == steps_before * gb
+    with pytest.raises(UserError, match="holds the positions of lanes 0-3, but this rank reads lanes 4-7"):
+        loader.load_state_dict(states[0])
+        next(iter(loader))
 
     for dp, lb in [(4, 2), (1, 8), (1, 2), (2, 4)]:
         ranks = []
         for rank in range(dp):
             loader = make_loader(path, 16, lb, dp, rank, gb)
-            loader.load_state_dict(states[rank % 2])
+            loader.load_state_dict(state)
             it = iter(loader)
             ranks.append([take(it, gb // dp // lb) for _ in range(steps_after)])
         for s in range(steps_after):
@@ -319,10 +386,15 @@ def test_step_boundary_state_loads_under_other_dp_degrees(docs_path):
 
 def test_mid_step_state_does_not_load_under_another_layout(docs_path):
     _, path = docs_path
-    loader = make_loader(path, 16, 2, 2, 0, 8)
-    it = iter(loader)
-    take(it, 1)  # rank 0 is half way through its block of step 0
-    state = loader.state_dict()
+    states = []
+    for rank in range(2):
+        loader = make_loader(path, 16, 2, 2, rank, 8)
+        take(iter(loader), 1)  # each rank is half way through its block of step 0
+        states.append(loader.state_dict())
+    state = merged(states)
+    same = make_loader(path, 16, 2, 2, 1, 8)
+    same.load_state_dict(state)
+    assert take(iter(same), 1) == take(iter(loader), 1)  # resumes exactly under its own layout
     other = make_loader(path, 16, 2, 4, 3, 8)
     other.load_state_dict(state)
     with pytest.raises(UserError, match="middle of a step"):
@@ -365,7 +437,7 @@ def test_python_stdlib_is_the_default_dataset_and_is_shuffled():
     assert cfg.dataset == "python_stdlib" and cfg.shuffle_documents is None and cfg.seed == 0
     inputs, labels = next(iter(build_dataloader(cfg, tok, 0, 1, 2)))
     files = stdlib_files()
-    first = files[Permutation(len(files), 0, 0)[0]]
+    first = lane_documents(document_units(files, 2), 0, 2, 0, seed=0, random_access=True)[0]
     assert first != files[0]
     assert inputs[0].tolist() == tok.encode(first.read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
     # shuffle_documents = false: stored (sorted path) order.
@@ -380,9 +452,15 @@ def install_fake_datasets(monkeypatch, rows):
         calls.append((path, split, streaming, *kwargs.items()))
         return list(rows)
 
+    def split_dataset_by_node(dataset, rank, world_size):
+        return dataset[rank::world_size]  # as datasets splits a stream of too few shards: every n-th row
+
     module = types.ModuleType("datasets")
     module.load_dataset = load_dataset
+    module.distributed = types.ModuleType("datasets.distributed")
+    module.distributed.split_dataset_by_node = split_dataset_by_node
     monkeypatch.setitem(sys.modules, "datasets", module)
+    monkeypatch.setitem(sys.modules, "datasets.distributed", module.distributed)
     return calls
 
 
@@ -392,12 +470,14 @@ def test_huggingface_source_reads_the_text_column_and_resumes(monkeypatch):
     loader = make_loader("org/corpus", 8, 2, dataset="huggingface")
     assert calls == [("org/corpus", "train", True)]
     it = iter(loader)
-    assert take(it, 4) == expected_windows(docs, 8, 0, 8)
+    units = [docs[0::2], docs[1::2]]  # a lane per sample of the batch of 2, each on a split of the stream
+    expected = lane_windows(units, 2, 8, 16)
+    assert take(it, 4) == expected[:8]
     state = json_round_trip(loader.state_dict())
-    assert state["dataset_state"]["doc_index"] > 0
+    assert lane_position(state, 0)["doc_index"] > 0 and lane_position(state, 1)["doc_index"] > 0
     resumed = make_loader("org/corpus", 8, 2, dataset="huggingface")
     resumed.load_state_dict(state)
-    assert take(iter(resumed), 4) == take(it, 4) == expected_windows(docs, 8, 8, 16)
+    assert take(iter(resumed), 4) == take(it, 4) == expected[8:]
 
 
 def test_huggingface_row_without_text_is_a_user_error(monkeypatch):
@@ -443,10 +523,14 @@ def test_bad_json_on_the_first_line_fails_when_the_loader_is_built(tmp_path):
 
 def test_bad_json_later_fails_naming_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "a fine first document"}\n\n{"text": oops}\n')
-    it = iter(make_loader(path, 8, 2))
+    first = '{"text": "a fine first document"}\n'
+    path.write_text(first + '\n{"text": oops}\n')
     with pytest.raises(UserError, match=r"bad.jsonl line 3: invalid JSON"):
-        take(it, 5)
+        take(iter(make_loader(path, 8, 1)), 10)
+    # Two lanes read the file in two byte ranges: the second names where its bad line starts.
+    assert path.stat().st_size // 2 <= len(first) + 1
+    with pytest.raises(UserError, match=rf"bad.jsonl line at byte {len(first) + 1}: invalid JSON"):
+        take(iter(make_loader(path, 8, 2)), 5)
 
 
 @pytest.mark.parametrize("line", ['{"content": "x"}', '["text"]', '{"text": 5}'])
@@ -466,9 +550,11 @@ def test_unsupported_extension(tmp_path):
 
 def test_dataset_smaller_than_one_sequence(tmp_path):
     path = write_jsonl(tmp_path / "small.jsonl", ["abc", "de"])  # 9 tokens < 17
-    it = iter(make_loader(path, 16, 2))
     with pytest.raises(UserError, match="too small.*9 tokens.*17"):
-        next(it)
+        next(iter(make_loader(path, 16, 1)))
+    # Two lanes: each reads its byte range of the file in each of 2 epochs, the other's in the other.
+    with pytest.raises(UserError, match="too small: one lane's share of 2 epochs tokenizes to 9 tokens.*17.*2 lanes"):
+        next(iter(make_loader(path, 16, 2)))
 
 
 # --- file formats ------------------------------------------------------------------------------
@@ -547,41 +633,59 @@ def write_dataset_dict(path, docs):
     return path
 
 
+def jsonl_pieces(path, docs, pieces):
+    """The units of an uncompressed JSON lines file cut into byte ranges: a line belongs to the range
+    its first byte is in."""
+    data, size = path.read_bytes(), path.stat().st_size
+    starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")][:-1]
+    units = [[] for _ in range(pieces)]
+    for start, doc in zip(starts, docs):
+        units[next(j for j in range(pieces) if start < (j + 1) * size // pieces)].append(doc)
+    return units
+
+
+# (writer, file name, its units for 2 lanes, random access)
 FORMATS = {
-    "jsonl.gz": (write_gz, "d.jsonl.gz", True),
-    "jsonl.zst": (write_zst, "d.jsonl.zst", True),
-    "json array": (write_json_array, "d.json", False),
-    "txt folder": (write_txt_folder, "docs", False),
-    "parquet": (write_parquet, "d.parquet", True),
-    "arrow stream": (write_arrow, "d.arrow", False),
-    "arrow file": (lambda p, d: write_arrow(p, d, file_format=True), "d.arrow", False),
-    "save_to_disk": (write_save_to_disk, "ds", False),
-    "DatasetDict": (write_dataset_dict, "dd", False),
+    "jsonl.gz": (write_gz, "d.jsonl.gz", lambda docs: [docs], False),  # compressed: one unit
+    "jsonl.zst": (write_zst, "d.jsonl.zst", lambda docs: [docs], False),
+    "json array": (write_json_array, "d.json", lambda docs: [docs], False),
+    "txt folder": (write_txt_folder, "docs", lambda docs: document_units(docs, 2), True),
+    "parquet": (write_parquet, "d.parquet", lambda docs: [docs[:14], docs[14:]], False),  # 2 row groups each
+    "arrow stream": (write_arrow, "d.arrow", lambda docs: document_units(docs, 2), True),
+    "arrow file": (lambda p, d: write_arrow(p, d, file_format=True), "d.arrow", lambda docs: document_units(docs, 2),
+                   True),
+    "save_to_disk": (write_save_to_disk, "ds", lambda docs: document_units(docs, 2), True),
+    "DatasetDict": (write_dataset_dict, "dd", lambda docs: document_units(docs, 2), True),
 }
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_each_format_reads_as_the_jsonl_of_the_same_texts(tmp_path, fmt):
-    writer, name, streamed = FORMATS[fmt]
+    writer, name, units_of, random_access = FORMATS[fmt]
     docs = random_docs(23, seed=5)
     docs[4] = ""  # an empty document keeps its index
-    reference_loader = make_loader(write_jsonl(tmp_path / "ref.jsonl", docs), 8, 2)
-    reference = take(iter(reference_loader), 30)  # 60 windows of 9 tokens: two epochs and more
+    jsonl = write_jsonl(tmp_path / "ref.jsonl", docs)
     path = writer(tmp_path / name, docs)
+    # One lane: stored order, as the JSON lines file of the same texts reads.
+    reference = take(iter(make_loader(jsonl, 8, 1)), 60)  # 60 windows of 9 tokens: two epochs and more
+    assert take(iter(make_loader(path, 8, 1)), 60) == reference == expected_windows(docs, 8, 0, 60)
+    # Two lanes: each reads its units (the JSON lines file: two byte ranges).
+    assert take(iter(make_loader(jsonl, 8, 2)), 30) == lane_windows(jsonl_pieces(jsonl, docs, 2), 2, 8, 60)
+    units = units_of(docs)
     loader = make_loader(path, 8, 2)
     it = iter(loader)
-    assert take(it, 30) == reference == expected_windows(docs, 8, 0, 60)
+    assert take(it, 30) == lane_windows(units, 2, 8, 60)
     # Resume deep into the data (parquet skips whole row groups, the others count documents).
     state = json_round_trip(loader.state_dict())
     resumed = make_loader(path, 8, 2)
     resumed.load_state_dict(state)
     assert take(iter(resumed), 5) == take(it, 5)
-    # The default: shuffled wherever the format has random access, stored order for streams.
+    # The default: shuffled (streams in blocks of shuffle_buffer documents).
     got = take(iter(make_loader(path, 8, 2, shuffle=None)), 30)
-    assert got == expected_windows(docs, 8, 0, 60, seed=None if streamed else 0)
-    if streamed:  # shuffled on request: the one file's documents in blocks (test_shuffled_streams below)
+    assert got == lane_windows(units, 2, 8, 60, seed=0, random_access=random_access) != reference[:60]
+    if not random_access:  # a smaller shuffle block
         got = take(iter(make_loader(path, 8, 2, shuffle=True, shuffle_buffer=5)), 30)
-        assert got == stream_windows([docs], 8, 60, seed=0, block=5) != reference
+        assert got == lane_windows(units, 2, 8, 60, seed=0, block=5)
 
 
 def test_real_datasets_save_to_disk_folder_if_datasets_is_installed(tmp_path):
@@ -589,7 +693,7 @@ def test_real_datasets_save_to_disk_folder_if_datasets_is_installed(tmp_path):
     pa = pytest.importorskip("pyarrow")
     docs = random_docs(12, seed=6)
     datasets.Dataset(pa.table({"text": docs}), fingerprint="f").save_to_disk(str(tmp_path / "ds"), num_shards=2)
-    assert take(iter(make_loader(tmp_path / "ds", 8, 2)), 10) == expected_windows(docs, 8, 0, 20)
+    assert take(iter(make_loader(tmp_path / "ds", 8, 1)), 20) == expected_windows(docs, 8, 0, 20)
 
 
 def test_a_folder_mixes_formats_in_path_order(tmp_path):
@@ -600,7 +704,10 @@ def test_a_folder_mixes_formats_in_path_order(tmp_path):
     write_save_to_disk(tmp_path / "d" / "c", docs[8:10], shards=2)
     (tmp_path / "d" / "d.txt").write_text(docs[10])
     write_jsonl(tmp_path / "d" / "e.jsonl", docs[11:])
-    assert take(iter(make_loader(tmp_path / "d", 8, 2)), 10) == expected_windows(docs, 8, 0, 20)
+    assert take(iter(make_loader(tmp_path / "d", 8, 1)), 20) == expected_windows(docs, 8, 0, 20)
+    # Files read as streams and files with random access together: units are files (6 for 2 lanes).
+    units = [docs[:4], docs[4:8], docs[8:9], docs[9:10], docs[10:11], docs[11:]]
+    assert take(iter(make_loader(tmp_path / "d", 8, 2)), 10) == lane_windows(units, 2, 8, 20)
 
 
 @pytest.mark.parametrize("writer", [write_parquet, write_arrow, "jsonl"])
@@ -611,8 +718,8 @@ def test_text_field_option(tmp_path, writer):
         path.write_text("".join(json.dumps({"content": d, "text": 0}) + "\n" for d in docs))
     else:
         path = writer(tmp_path / f"d.{'parquet' if writer is write_parquet else 'arrow'}", docs, field="content")
-    loader = make_loader(path, 8, 2, dataset_text_field="content")
-    assert take(iter(loader), 5) == expected_windows(docs, 8, 0, 10)
+    loader = make_loader(path, 8, 1, dataset_text_field="content")
+    assert take(iter(loader), 10) == expected_windows(docs, 8, 0, 10)
 
 
 # --- shuffled documents --------------------------------------------------------------------------
@@ -633,57 +740,61 @@ def test_permutation_is_a_seeded_bijection_different_per_epoch_and_seed():
 
 @pytest.fixture
 def shuffled_docs(tmp_path):
+    """A folder of 10 JSON lines shards of 4 documents: 10 units."""
     docs = random_docs(40, seed=9)
-    return docs, write_jsonl(tmp_path / "docs.jsonl", docs)
+    (tmp_path / "docs").mkdir()
+    for i in range(10):
+        write_jsonl(tmp_path / "docs" / f"part-{i}.jsonl", docs[4 * i : 4 * i + 4])
+    return [docs[4 * i : 4 * i + 4] for i in range(10)], tmp_path / "docs"
 
 
 @pytest.mark.parametrize("dp,lb,gb", LAYOUTS)
 def test_shuffled_samples_are_the_same_under_every_layout(shuffled_docs, dp, lb, gb):
-    docs, path = shuffled_docs
+    units, path = shuffled_docs
     steps = 12  # 96 windows of 17 tokens: more than two epochs
-    reference = expected_windows(docs, 16, 0, steps * gb, seed=0)
+    reference = lane_windows(units, gb, 16, steps * gb, seed=0)
     for s, ranks in enumerate(run_steps(path, dp, lb, gb, steps, shuffle=True)):
         assert [w for samples in ranks for w in samples] == reference[s * gb : (s + 1) * gb], (s, dp)
 
 
 def test_each_epoch_has_its_own_order_and_the_seed_sets_it(shuffled_docs, caplog):
-    docs, path = shuffled_docs
-    assert shuffled(docs, 0, 0) != shuffled(docs, 0, 1) != docs
+    units, path = shuffled_docs
+    assert lane_documents(units, 0, 2, 0, seed=0) != lane_documents(units, 0, 2, 2, seed=0)
     loader = make_loader(path, 16, 2, shuffle=True, seed=7)
     with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
-        got = take(iter(loader), 60)  # 120 windows of 17 tokens; an epoch is ~920 tokens
-    assert got == expected_windows(docs, 16, 0, 120, seed=7) != expected_windows(docs, 16, 0, 120, seed=0)
-    assert "starting epoch 1 (the data repeats, in a new order)" in caplog.text
-    assert loader.state_dict()["dataset_state"]["epoch"] >= 2
+        got = take(iter(loader), 60)  # 120 windows of 17 tokens; an epoch is ~920 tokens, ~460 per lane
+    assert got == lane_windows(units, 2, 16, 120, seed=7) != lane_windows(units, 2, 16, 120, seed=0)
+    assert "starts epoch 1 (the data repeats, in a new order)" in caplog.text
+    assert lane_position(loader.state_dict(), 0)["epoch"] >= 2
 
 
 @pytest.mark.parametrize("n", [3, 17, 25])  # mid epoch 0, across the first wrap, in epoch 1
 def test_shuffled_resume_is_exact_mid_epoch(shuffled_docs, n):
-    docs, path = shuffled_docs
+    units, path = shuffled_docs
     first = make_loader(path, 16, 2, shuffle=True)
     it = iter(first)
     take(it, n)
     state = json_round_trip(first.state_dict())
-    assert state["dataset_state"]["shuffle_seed"] == 0 and state["dataset_state"]["num_documents"] == 40
+    assert state["dataset_state"]["shuffle_seed"] == 0
     uninterrupted = take(it, 8)
     resumed = make_loader(path, 16, 2, shuffle=True)
     resumed.load_state_dict(state)
-    assert take(iter(resumed), 8) == uninterrupted == expected_windows(docs, 16, 2 * n, 2 * n + 16, seed=0)
+    assert take(iter(resumed), 8) == uninterrupted == lane_windows(units, 2, 16, 2 * n + 16, seed=0)[2 * n:]
 
 
 def test_shuffled_step_boundary_state_loads_under_other_dp_degrees(shuffled_docs):
-    docs, path = shuffled_docs
+    units, path = shuffled_docs
     gb, before, after = 8, 5, 4  # 72 windows: crosses an epoch boundary after the resume
-    reference = expected_windows(docs, 16, 0, (before + after) * gb, seed=0)
+    reference = lane_windows(units, gb, 16, (before + after) * gb, seed=0)
     states = []
     for rank in range(2):
         loader = make_loader(path, 16, 2, 2, rank, gb, shuffle=True)
         it = iter(loader)
         take(it, before * 2)
         states.append(json_round_trip(loader.state_dict()))
-    assert states[0] == states[1]
+    state = merged(states)
     for dp, lb in [(4, 2), (1, 8), (1, 2)]:
-        assert shuffled_steps_from(states[0], path, dp, lb, gb, after) == steps_of(reference, gb, before, after), dp
+        assert shuffled_steps_from(state, path, dp, lb, gb, after) == steps_of(reference, gb, before, after), dp
 
 
 def shuffled_steps_from(state, path, dp, lb, gb, steps, **training):
@@ -702,8 +813,8 @@ def steps_of(windows, gb, first, steps):
     return [windows[step * gb : (step + 1) * gb] for step in range(first, first + steps)]
 
 
-def test_a_state_of_another_order_is_refused_and_version_1_loads_as_stored_order(shuffled_docs):
-    docs, path = shuffled_docs
+def test_a_state_of_another_order_or_an_earlier_version_is_refused(shuffled_docs):
+    _, path = shuffled_docs
     loader = make_loader(path, 16, 2, shuffle=True, seed=3)
     take(iter(loader), 2)
     state = json_round_trip(loader.state_dict())
@@ -713,19 +824,21 @@ def test_a_state_of_another_order_is_refused_and_version_1_loads_as_stored_order
         other.load_state_dict(state)
         with pytest.raises(UserError, match=f"shuffled with seed 3, but this job .*{fix}"):
             next(iter(other))
-    # A version-1 state (written before shuffling existed) is a position in stored order.
     plain = make_loader(path, 16, 2)
     take(iter(plain), 3)
-    v1 = json_round_trip(plain.state_dict())
-    v1["dataset_state"]["version"] = 1
-    del v1["dataset_state"]["shuffle_seed"], v1["dataset_state"]["num_documents"]
-    resumed = make_loader(path, 16, 2)
-    resumed.load_state_dict(v1)
-    assert take(iter(resumed), 2) == expected_windows(docs, 16, 6, 10)
+    stored = json_round_trip(plain.state_dict())
     refused = make_loader(path, 16, 2, shuffle=None)
-    refused.load_state_dict(v1)
+    refused.load_state_dict(stored)
     with pytest.raises(UserError, match="stored order, but .*shuffle_documents = false"):
         next(iter(refused))
+    # A state of version 1-3 (one stream per source, before lanes) is a position in another sample order.
+    old = {"version": 3, "seq_len": 16, "global_batch_size": 2, "next_sample": 6, "dataset": "local",
+           "dataset_path": str(path), "shuffle_seed": None, "num_documents": None, "shuffle_block": None,
+           "epoch": 0, "doc_index": 2, "token_offset": 5, "carry": []}
+    resumed = make_loader(path, 16, 2)
+    resumed.load_state_dict({**stored, "dataset_state": old})
+    with pytest.raises(UserError, match="version 3, from before each rank read only its share.*exclude_from_loading"):
+        next(iter(resumed))
 
 
 # --- the reference schema's names: c4, c4_test ------------------------------------------------------
@@ -848,7 +961,7 @@ def test_c4_streams_allenai_c4_en_in_stored_order(monkeypatch):
     monkeypatch.setattr(data_sources, "_hub_unreachable", lambda: None)
     loader = make_loader(None, 8, 2, dataset="c4", shuffle=None)
     assert calls == [("allenai/c4", "train", True, ("name", "en"))]
-    assert take(iter(loader), 4) == expected_windows(docs, 8, 0, 8)
+    assert take(iter(loader), 4) == lane_windows([docs[0::2], docs[1::2]], 2, 8, 8)
     with pytest.raises(UserError, match="shuffle_documents = true needs random access.*c4 is streamed"):
         make_loader(None, 8, 2, dataset="c4", shuffle=True)
 
@@ -861,8 +974,11 @@ def test_c4_local_copy_reads_the_english_training_shards(tmp_path):
     write_gz(en / "c4-train.00001-of-01024.json.gz", docs[5:])
     write_gz(en / "c4-validation.00000-of-00008.json.gz", ["held out"])
     (tmp_path / "c4" / "README.md").write_text("ignored")
+    loader = make_loader(tmp_path / "c4", 8, 1, dataset="c4", shuffle=False)
+    assert take(iter(loader), 8) == expected_windows(docs, 8, 0, 8)
+    # Local shards shuffle by default: each of 2 lanes reads one shard per epoch, shuffled.
     loader = make_loader(tmp_path / "c4", 8, 2, dataset="c4", shuffle=None)
-    assert take(iter(loader), 4) == expected_windows(docs, 8, 0, 8)
+    assert take(iter(loader), 4) == lane_windows([docs[:5], docs[5:]], 2, 8, 8, seed=0)
 
 
 def test_c4_test_reads_the_reference_sample_where_the_user_has_it(tmp_path, monkeypatch):
@@ -871,11 +987,12 @@ def test_c4_test_reads_the_reference_sample_where_the_user_has_it(tmp_path, monk
                                         r"copy tests/assets/c4_test from a checkout"):
         make_loader(None, 8, 2, dataset="c4_test")
     docs = random_docs(15, seed=12)
-    write_c4_test(tmp_path, docs)
-    assert take(iter(make_loader(None, 8, 2, dataset="c4_test")), 5) == expected_windows(docs, 8, 0, 10)
-    # Shuffled by default (an uncompressed JSON lines file has random access).
+    folder = write_c4_test(tmp_path, docs)
+    pieces = jsonl_pieces(folder / "data.json", docs, 2)  # one file, two lanes: two byte ranges
+    assert take(iter(make_loader(None, 8, 2, dataset="c4_test")), 5) == lane_windows(pieces, 2, 8, 10)
+    # Shuffled by default.
     loader = make_loader(None, 8, 2, dataset="c4_test", shuffle=None, seed=1)
-    assert take(iter(loader), 5) == expected_windows(docs, 8, 0, 10, seed=1)
+    assert take(iter(loader), 5) == lane_windows(pieces, 2, 8, 10, seed=1)
     assert loader.state_dict()["dataset_state"]["dataset"] == "c4_test"
 
 
@@ -904,14 +1021,14 @@ def test_arrow_column_that_is_not_text(tmp_path):
         make_loader(path, 8, 2, dataset_text_field="id")
 
 
-def test_bad_line_found_by_random_access_names_its_line(tmp_path):
+def test_bad_line_found_in_a_shuffled_file_names_its_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     lines = [json.dumps({"text": d}) for d in random_docs(6, seed=13)]
     lines[4] = '{"text": oops}'
     path.write_text("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n")  # a blank line 3
-    it = iter(make_loader(path, 8, 2, shuffle=True))
+    it = iter(make_loader(path, 8, 1, shuffle=True))
     with pytest.raises(UserError, match=r"bad.jsonl line 6: invalid JSON"):
-        take(it, 40)
+        take(it, 80)
 
 
 def test_bad_line_in_a_compressed_file_names_its_line(tmp_path):
@@ -995,16 +1112,15 @@ class PidRecordingTokenizer(CharTokenizer):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_path, shuffle):
-    # The empty document keeps its index. 24 chunks of 16 documents, 8 per worker: more than a worker is
-    # asked for ahead (CHUNKS_AHEAD + 1), so none has finished its share and exited when they are signalled.
+    # The empty document keeps its index. Four lanes (four byte ranges of the file), three workers.
     docs = random_docs(300, seed=4) + [""] + random_docs(80, seed=5)
     path = write_jsonl(tmp_path / "docs.jsonl", docs)
     log = tmp_path / "pids"
     tok = PidRecordingTokenizer(log)
-    loader = make_loader(path, 31, 2, tok=tok, shuffle=shuffle, data_workers=3)
+    loader = make_loader(path, 31, 4, tok=tok, shuffle=shuffle, data_workers=3)
     log.unlink(missing_ok=True)
     it = iter(loader)
-    got = take(it, 10)
+    got = take(it, 5)
     # A scheduler may signal every process of the job: the workers leave that to the trainer.
     workers = [p for p in multiprocessing.active_children() if p.pid != os.getpid()]
     assert len(workers) >= 3
@@ -1012,23 +1128,23 @@ def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             os.kill(worker.pid, sig)
     state = json_round_trip(loader.state_dict())
-    got += take(it, 310)  # 20,480 tokens in all: two epoch boundaries (an epoch is ~8,900)
-    expected = expected_windows(docs, 31, 0, 640, seed=0 if shuffle else None)
+    got += take(it, 155)  # 20,480 tokens in all: two epoch boundaries per lane (an epoch is ~8,900)
+    expected = lane_windows(jsonl_pieces(path, docs, 4), 4, 31, 640, seed=0 if shuffle else None)
     assert got == expected
     # Resumed mid-epoch, the workers start from the saved document position.
-    resumed = make_loader(path, 31, 2, shuffle=shuffle, data_workers=2)
+    resumed = make_loader(path, 31, 4, shuffle=shuffle, data_workers=2)
     resumed.load_state_dict(state)
-    assert take(iter(resumed), 40) == expected[20:100]
+    assert take(iter(resumed), 20) == expected[20:100]
     pids = set(log.read_text().split())
     assert str(os.getpid()) not in pids
-    assert len(pids) >= 3  # three workers per epoch
-    assert loader.state_dict()["dataset_state"]["epoch"] == 2
+    assert len(pids) >= 3  # three workers
+    assert all(lane_position(loader.state_dict(), p)["epoch"] == 2 for p in range(4))
 
 
 def test_with_data_workers_the_state_is_the_streams_and_loads_under_any_worker_count(shuffled_docs):
-    docs, path = shuffled_docs
+    units, path = shuffled_docs
     gb, before, after = 8, 5, 4  # 72 windows of 17 tokens: an epoch boundary after the resume
-    reference = expected_windows(docs, 16, 0, (before + after) * gb, seed=0)
+    reference = lane_windows(units, gb, 16, (before + after) * gb, seed=0)
     states = []
     for workers in (2, 0):
         for rank in range(2):
@@ -1036,29 +1152,32 @@ def test_with_data_workers_the_state_is_the_streams_and_loads_under_any_worker_c
             it = iter(loader)
             take(it, before * 2)
             states.append(json_round_trip(loader.state_dict()))
-    assert states[0] == states[1] == states[2] == states[3]  # the same with and without workers
+    assert states[0] == states[2] and states[1] == states[3]  # the same with and without workers
     for dp, lb, workers in [(1, 8, 3), (2, 2, 1), (4, 2, 0)]:
-        got = shuffled_steps_from(states[0], path, dp, lb, gb, after, data_workers=workers)
+        got = shuffled_steps_from(merged(states[:2]), path, dp, lb, gb, after, data_workers=workers)
         assert got == steps_of(reference, gb, before, after), (dp, workers)
 
 
 def test_a_bad_document_read_by_a_worker_fails_with_the_same_message_as_in_the_trainer(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in random_docs(60, seed=2)) + '{"text": oops}\n')
+    good = "".join(json.dumps({"text": d}) + "\n" for d in random_docs(60, seed=2))
+    path.write_text(good + '{"text": oops}\n')
     messages = []
     for workers in (0, 2):
         with pytest.raises(UserError) as caught:
             take(iter(make_loader(path, 8, 2, data_workers=workers)), 500)
         messages.append(str(caught.value))
     assert messages[0] == messages[1]
-    assert "bad.jsonl line 61: invalid JSON" in messages[1] and "Traceback" not in messages[1]
+    # The second lane's byte range holds the bad line.
+    assert f"bad.jsonl line at byte {len(good)}: invalid JSON" in messages[1] and "Traceback" not in messages[1]
 
 
-def test_data_workers_are_refused_for_a_token_folder():
-    from torchtitan.components.data.loader import open_part
+def test_data_workers_are_refused_for_a_token_folder(tmp_path):
+    from torchtitan.config import load_config
 
-    with pytest.raises(ValueError, match="only a text source"):
-        open_part(object(), None, 8, "tokens", workers=1)
+    with pytest.raises(UserError, match="a token folder has nothing to tokenize"):
+        load_config(["--training.dataset", "tokens", "--training.dataset_path", str(tmp_path),
+                     "--training.data_workers", "1"])
 
 
 # --- resume of streamed shards without reading them again ----------------------------------------
@@ -1084,9 +1203,10 @@ def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, da
     head = take(iter(fresh), 75)
     state = json_round_trip(fresh.state_dict())
     assert head == reference
-    layout = state["dataset_state"]["source_layout"]["file_documents"]
-    assert {name: count for name, (count, _) in layout.items()} == {f"shard-{k}.jsonl.zst": 40 for k in range(5)}
-    for k in range(5):  # the shards before the position: same size, the second of their two frames garbage
+    # Two lanes: lane 0 reads shards 0, 2, 4 in epoch 0, lane 1 shards 1, 3, 5; each is in its third.
+    layout = state["dataset_state"]["source_layout"]["unit_documents"]
+    assert {name: count for name, (count, _) in layout.items()} == {f"shard-{k}.jsonl.zst#0/1": 40 for k in range(4)}
+    for k in range(4):  # the shards before the position: same size, the second of their two frames garbage
         shard = folder / f"shard-{k}.jsonl.zst"  # (the first frame stays: the start-up checks read it)
         data = shard.read_bytes()
         first = len(zstandard.ZstdCompressor().compress(
@@ -1107,30 +1227,6 @@ def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, da
 # --- shuffled streams ------------------------------------------------------------------------------
 
 
-def stream_order(files_docs, seed, epoch, block):
-    """A streamed source's documents in epoch `epoch`: the files in the order of Permutation(files, seed,
-    epoch), their documents in blocks of `block` positions, block b in the order of Permutation(block
-    length, derived_seed(seed, epoch), b)."""
-    from torchtitan.components.data.shuffle import derived_seed
-
-    files = Permutation(len(files_docs), seed, epoch)
-    docs = [d for i in range(len(files_docs)) for d in files_docs[files[i]]]
-    out = []
-    for b in range(0, len(docs), block):
-        part = docs[b:b + block]
-        order = Permutation(len(part), derived_seed(seed, epoch), b // block)
-        out += [part[order[j]] for j in range(len(part))]
-    return out
-
-
-def stream_windows(files_docs, seq_len, n, seed, block):
-    w, stream, epoch = seq_len + 1, [], 0
-    while len(stream) < n * w:
-        stream += [t for d in stream_order(files_docs, seed, epoch, block) if d for t in CHARS.encode(d, True, True)]
-        epoch += 1
-    return [stream[k * w:(k + 1) * w] for k in range(n)]
-
-
 def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
     files_docs = [random_docs(9 + k, seed=20 + k) for k in range(4)]
     folder = tmp_path / "gz"
@@ -1138,8 +1234,8 @@ def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
     for k, docs in enumerate(files_docs):
         data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
         (folder / f"part-{k}.jsonl.gz").write_bytes(gzip.compress(data))
-    expected = stream_windows(files_docs, 15, 60, seed=3, block=7)  # 60 windows of 16: over two epochs
-    assert expected != stream_windows(files_docs, 15, 60, seed=4, block=7)
+    expected = lane_windows(files_docs, 2, 15, 60, seed=3, block=7)  # 60 windows of 16: over two epochs
+    assert expected != lane_windows(files_docs, 2, 15, 60, seed=4, block=7)
     loader = make_loader(folder, 15, 2, shuffle=True, shuffle_buffer=7, seed=3)
     assert loader.state_dict()["dataset_state"]["shuffle_block"] == 7
     it = iter(loader)
@@ -1153,8 +1249,7 @@ def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
         for r_it in its:
             got += take(r_it, 1)
     assert got == expected[:22]
-    state = json_round_trip(ranks[0].state_dict())
-    assert state == json_round_trip(ranks[1].state_dict())
+    state = merged([ranks[0].state_dict(), ranks[1].state_dict()])
     resumed = make_loader(folder, 15, 2, shuffle=True, shuffle_buffer=7, seed=3)
     resumed.load_state_dict(state)
     assert take(iter(resumed), 19) == expected[22:60]
@@ -1170,20 +1265,24 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     at the saved shard. Proved by overwriting the shards passed before the save, except the first (every
     start reads the first document), with text that is not JSON: reading them would fail."""
     pytest.importorskip("datasets")
-    docs = random_docs(150, seed=13)
+    docs = random_docs(240, seed=13)
     folder = tmp_path / "hub_like"
     folder.mkdir()
-    for k in range(5):
+    for k in range(8):
         write_jsonl(folder / f"part-{k}.jsonl", docs[k * 30:(k + 1) * 30])
+    # Two lanes, each on a split of the stream: datasets deals the 8 shards, lane 0 reading 0, 2, 4, 6.
     loader = make_loader(folder, 31, 2, dataset="huggingface")
     it = iter(loader)
-    reference = take(it, 55)  # 110 windows of 32 tokens: into the fourth file
+    reference = take(it, 75)  # 150 windows of 32 tokens, 75 per lane: into each lane's fourth shard
+    lanes = [[d for k in range(p, 8, 2) for d in docs[k * 30:(k + 1) * 30]] for p in range(2)]
+    assert reference == lane_windows(lanes, 2, 31, 150)
     later = take(it, 3)
     fresh = make_loader(folder, 31, 2, dataset="huggingface")
-    assert take(iter(fresh), 55) == reference
+    assert take(iter(fresh), 75) == reference
     state = json_round_trip(fresh.state_dict())
-    assert state["dataset_state"]["source_layout"]["hf_index"] >= 90
-    for k in (1, 2):
+    positions = state["dataset_state"]["source_layout"]["hf_states"]
+    assert positions["0/2"][0] >= 90 and positions["1/2"][0] >= 90  # lane p's split: unit p of 2
+    for k in (2, 3):  # each lane's second shard (datasets resumes from the start of the previous chunk)
         (folder / f"part-{k}.jsonl").write_text("not json\n" * 30)
     resumed = make_loader(folder, 31, 2, dataset="huggingface")
     resumed.load_state_dict(state)
@@ -1232,20 +1331,38 @@ def test_skip_corrupt_files_reads_past_a_bad_shard_and_logs_the_count(tmp_path, 
         (folder / f"part-{k}.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     with pytest.raises(UserError, match="part-1.jsonl.gz line 6: invalid JSON"):
         take(iter(make_loader(folder, 15, 2)), 40)
-    kept = shards[0] + shards[1][:5] + shards[2]
+    kept = [shards[0], shards[1][:5], shards[2]]
     with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
         got = take(iter(make_loader(folder, 15, 2, skip_corrupt_files=True)), 40)  # over two epochs
-    assert got == expected_windows(kept, 15, 0, 80)
+    assert got == lane_windows(kept, 2, 15, 80)
     skips = [r.getMessage() for r in caplog.records if "skip_corrupt_files" in r.getMessage()]
     assert len(skips) >= 2 and "part-1.jsonl.gz" in skips[0] and "after document 5" in skips[0]
     assert "in 1 file(s)" in skips[0] and "skipped so far: 2" in skips[1]
 
 
-def test_skip_corrupt_files_reads_a_bad_line_by_index_as_an_empty_document(tmp_path):
+def test_skip_corrupt_files_in_a_byte_range_skips_the_rest_of_that_range(tmp_path):
     docs = random_docs(30, seed=40)
     lines = [json.dumps({"text": d}) for d in docs]
     lines[7] = "{not json"
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
+    first, second = jsonl_pieces(path, docs, 2)  # two lanes: two byte ranges; the bad line is in the first
+    assert len(first) > 8
     got = take(iter(make_loader(path, 15, 2, shuffle=True, skip_corrupt_files=True)), 30)
-    assert got == expected_windows(docs[:7] + [""] + docs[8:], 15, 0, 60, seed=0)
+    assert got == lane_windows([first[:7], second], 2, 15, 60, seed=0)
+
+
+def test_skip_corrupt_files_reads_a_document_read_by_index_as_empty(tmp_path):
+    docs = random_docs(12, seed=41, lo=200, hi=400)
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"{i:02d}.txt").write_text(d)
+    data = gzip.compress(docs[5].encode())
+    (folder / "05.txt").unlink()
+    (folder / "05.txt.gz").write_bytes(data[: len(data) // 2])  # its header is fine, its data ends early
+    with pytest.raises(UserError, match="05.txt.gz is not a readable gzip file"):
+        take(iter(make_loader(folder, 15, 2, shuffle=True)), 200)
+    got = take(iter(make_loader(folder, 15, 2, shuffle=True, skip_corrupt_files=True)), 200)
+    kept = docs[:5] + [""] + docs[6:]
+    assert got == lane_windows(document_units(kept, 2), 2, 15, 400, seed=0, random_access=True)

@@ -137,7 +137,8 @@ def byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
     """The lines of a (decompressed) file, split on b"\\n", without it."""
     pending: list[bytes] = []  # the start of a line that spans chunks
     complete = 0  # lines yielded: a corrupt stream is reported after the last of them
-    for chunk in byte_chunks(path, compression, lines=lambda: complete):
+    # 64 KiB at a time: reading a document or a line costs little more than it.
+    for chunk in byte_chunks(path, compression, size=1 << 16, lines=lambda: complete):
         lines = chunk.split(b"\n")
         if len(lines) == 1:
             pending.append(chunk)

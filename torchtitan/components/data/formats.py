@@ -225,13 +225,13 @@ class _ParquetFile:
         self.pa = _import_pyarrow(path, "a parquet file")
         self.path, self.field = path, field
         try:
-            metadata = self.pa.parquet.read_metadata(path)
-            schema = self.pa.parquet.read_schema(path)
+            with self.pa.parquet.ParquetFile(path) as f:  # its footer: read once, kept for every later open
+                self.metadata, schema = f.metadata, f.schema_arrow
         except (OSError, self.pa.ArrowException) as e:
             raise UserError(f"{path} is not a readable parquet file ({e}); it is corrupt or truncated: download or "
                             "write it again, or remove it from the dataset") from None
         _check_column(self.pa, path, schema, field, "")
-        self.row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        self.row_groups = [self.metadata.row_group(i).num_rows for i in range(self.metadata.num_row_groups)]
 
     def max_pieces(self, k: int) -> int:
         return max(1, min(k, len(self.row_groups)))
@@ -248,7 +248,7 @@ class _ParquetFile:
         if start >= self.known_count(piece, pieces):
             return self.known_count(piece, pieces)  # nothing to read: the file is not opened
         try:
-            f = self.pa.parquet.ParquetFile(self.path)
+            f = self.pa.parquet.ParquetFile(self.path, metadata=self.metadata)
         except (OSError, self.pa.ArrowException) as e:
             raise UserError(f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
                             "write it again, or remove it from the dataset") from None

@@ -56,7 +56,6 @@ class TokenStream:
         self.carry: list[int] = []
         self._docs: Iterator | None = None  # yields document doc_index next, when _tokens is None
         self._tokens = None  # token list of document doc_index
-        self._empty_epochs = 0  # epochs in a row without a document
         self.on_new_epoch = None  # called with (name, epoch, documents of the epoch ended)
 
     def position(self) -> dict:
@@ -85,9 +84,8 @@ class TokenStream:
 
     def _start_epoch(self, tokens_read: int):
         # A lane visits every position class of the units in `lanes` epochs (lanes.lane_share), so a lane
-        # that has read nothing, or not one window, in twice that many is on a source too small for it.
-        self._empty_epochs = self._empty_epochs + 1 if self.doc_index == 0 else 0
-        if self.next_sample == 0 and self.epoch + 1 >= 2 * self.source.lanes:
+        # that has read nothing, or not one window, in that many is on a source too small for it.
+        if self.next_sample == 0 and self.epoch + 1 >= self.source.lanes:
             if tokens_read == 0:
                 raise UserError(f"dataset {self.source.name} is empty: it has no document")
             raise UserError(
@@ -96,8 +94,6 @@ class TokenStream:
                 f"split into {self.source.lanes} lanes, one per sample of the global batch); add data, or lower "
                 "training.seq_len or the global batch size"
             )
-        if self._empty_epochs >= 2 * self.source.lanes:
-            raise UserError(f"dataset {self.source.name} is empty: it has no document")
         documents = self.doc_index
         self._close_documents()
         self.epoch += 1

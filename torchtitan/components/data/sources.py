@@ -116,7 +116,6 @@ class HuggingFaceSource:
         # state that reads the unit from its start, and (document index, state that resumes at it) of the
         # last document read, or of a loaded layout. Without state_dict a resume skips from the start.
         self._resumable = hasattr(self.dataset, "state_dict")
-        self._splits: dict[tuple[int, int], tuple[object, dict | None]] = {}  # unit -> (stream, initial state)
         self._positions: dict[tuple[int, int], tuple[int, dict]] = {}
         self._learned: dict[tuple[int, int], int] = {}  # documents per unit, counted by reading
 
@@ -128,15 +127,12 @@ class HuggingFaceSource:
     def unit_count(self, unit: tuple[int, int]) -> int | None:
         return self._learned.get(unit)
 
-    def _split(self, unit: tuple[int, int]):
-        if unit not in self._splits:
-            stream = self.dataset
-            if unit[1] > 1:
-                from datasets.distributed import split_dataset_by_node
+    def _open_unit(self, unit: tuple[int, int]):
+        """A new stream of the unit (two lanes may read one unit at once), and its starting state."""
+        from datasets.distributed import split_dataset_by_node
 
-                stream = split_dataset_by_node(self.dataset, rank=unit[0], world_size=unit[1])
-            self._splits[unit] = (stream, stream.state_dict() if self._resumable else None)
-        return self._splits[unit]
+        stream = split_dataset_by_node(self.dataset, rank=unit[0], world_size=unit[1])
+        return stream, stream.state_dict() if self._resumable else None
 
     def layout(self) -> dict | None:
         """Where datasets resumes each unit at its last document read, and the units' counts: saved with
@@ -164,7 +160,7 @@ class HuggingFaceSource:
         """The texts of the unit from its document `start`; returns its number of documents. A stream
         cannot seek: from a saved datasets position at or before `start` it skips the rest, else it skips
         from the unit's first row."""
-        stream, initial = self._split(unit)
+        stream, initial = self._open_unit(unit)
         saved = self._positions.get(unit)
         index = 0
         if initial is not None:

@@ -1,0 +1,189 @@
+"""Lanes: each data-parallel rank reads only its share of every source (torchtitan/components/data/lanes.py).
+
+The bytes a rank reads are counted by the kernel (/proc/self/io rchar: every byte passed through
+read(), cached or not) in a process of its own that builds the rank's loader and trains through most
+of an epoch of a mixture of a parquet folder, a jsonl.zst folder and one plain JSON lines file.
+"""
+
+import base64
+import json
+import random
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CharTokenizer
+from torchtitan.components.data import build_dataloader
+from torchtitan.components.data.formats import FilesSource
+from torchtitan.components.data.lanes import document_ranges, lane_share
+from torchtitan.config.job_config import Training
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def random_text(rng, lo, hi):
+    letters = string.ascii_letters + string.digits + " "  # compresses little: compressed bytes ~ text bytes
+    return "".join(rng.choice(letters) for _ in range(rng.randint(lo, hi)))
+
+
+@pytest.mark.parametrize("units,lanes", [(20, 8), (8, 8), (3, 8), (1, 4), (5, 1)])
+@pytest.mark.parametrize("seed", [None, 7])
+def test_every_document_is_dealt_to_one_lane_per_epoch(units, lanes, seed):
+    sizes = [3 + (u * 5) % 7 for u in range(units)]  # documents per unit
+    for epoch in range(2 * lanes):
+        dealt = []
+        for lane in range(lanes):
+            share = lane_share(lane, lanes, epoch, units, seed)
+            dealt += [(u, d) for u in share.units for d in range(share.phase, sizes[u], share.stride)]
+        assert sorted(dealt) == [(u, d) for u in range(units) for d in range(sizes[u])], epoch
+    # Stored order: in `lanes` epochs a lane takes every position class once.
+    if seed is None and units >= lanes:
+        for lane in range(lanes):
+            seen = sorted(u for e in range(lanes) for u in lane_share(lane, lanes, e, units, None).units)
+            assert seen == list(range(units))
+
+
+def test_document_ranges_cover_the_documents_in_order():
+    for n, target in [(1, 16), (10, 3), (730, 128), (5, 5)]:
+        ranges = document_ranges(n, target)
+        assert len(ranges) == min(n, target)
+        assert [i for r in ranges for i in r] == list(range(n))
+
+
+def test_fewer_files_than_lanes_split_parquet_by_row_group_and_json_lines_by_byte_range(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    zstandard = pytest.importorskip("zstandard")
+    rng = random.Random(0)
+    docs = [random_text(rng, 20, 60) for _ in range(40)]
+    (tmp_path / "pq").mkdir()
+    for k in range(2):
+        pq.write_table(pa.table({"text": docs[20 * k : 20 * k + 20]}), tmp_path / "pq" / f"{k}.parquet",
+                       row_group_size=5)  # 4 row groups each
+    source = FilesSource(str(tmp_path / "pq"))
+    assert source.units(8) == [(f, j, 4) for f in range(2) for j in range(4)]  # a row group each
+    assert source.units(16) == source.units(8)  # no finer than row groups
+    assert source.units(2) == [(0, 0, 1), (1, 0, 1)]  # enough files: one unit each
+    assert [list(source.unit_texts(u, 0)) for u in source.units(8)] == [docs[5 * i : 5 * i + 5] for i in range(8)]
+
+    (tmp_path / "jl").mkdir()
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    (tmp_path / "jl" / "a.jsonl").write_text(lines)
+    (tmp_path / "jl" / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    source = FilesSource(str(tmp_path / "jl"))
+    units = source.units(8)
+    assert units == [(0, j, 4) for j in range(4)] + [(1, 0, 1)]  # byte ranges; a compressed file is whole
+    pieces = [list(source.unit_texts(u, 0)) for u in units[:4]]
+    assert [d for piece in pieces for d in piece] == docs and all(pieces)
+    assert list(source.unit_texts(units[4], 0)) == docs
+
+
+RANK_SCRIPT = """
+import hashlib, json, sys
+sys.path[:0] = {paths!r}
+from conftest import CharTokenizer
+from torchtitan.components.data import build_dataloader
+from torchtitan.config.job_config import Training
+import pyarrow.parquet, zstandard  # imported before counting: their modules are read from disk too
+
+def rchar():
+    return int(next(l for l in open("/proc/self/io") if l.startswith("rchar")).split()[1])
+
+cfg = Training(dataset_mix={mix!r}, seq_len={seq_len}, local_batch_size={local_batch})
+before = rchar()
+it = iter(build_dataloader(cfg, CharTokenizer(), {rank}, {dp}, {global_batch}))
+windows = []
+for _ in range({steps}):
+    inputs, labels = next(it)
+    windows += [hashlib.sha1(str(row + [last]).encode()).hexdigest()
+                for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
+print(json.dumps({{"bytes": rchar() - before, "windows": windows}}))
+"""
+
+
+def read_as_rank(mix, rank, dp, global_batch, steps, seq_len):
+    """What rank `rank` of `dp` reads, in a process of its own: the bytes, and a digest of each window."""
+    script = RANK_SCRIPT.format(paths=[str(TESTS), str(TESTS.parent)], mix=mix, seq_len=seq_len,
+                                local_batch=global_batch // dp, rank=rank, dp=dp, global_batch=global_batch,
+                                steps=steps)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    zstandard = pytest.importorskip("zstandard")
+    rng = random.Random(1)
+
+    def docs(n):  # random base64 text: compresses little, so a file's bytes are about its text's
+        return [base64.b64encode(rng.randbytes(rng.randint(1000, 3000))).decode() for _ in range(n)]
+
+    # A rank also reads a little of every file it does not train on: a parquet footer (64 KiB), a zstd
+    # file's first block (up to 128 KiB), checked before training. Shards of a few MB keep that small
+    # (real shards are hundreds of MB).
+    web, code, books = docs(4 * 1600), docs(4 * 1600), docs(4 * 1600)  # equal sizes for equal weights
+    (tmp_path / "web").mkdir()  # 4 parquet shards of ~4.5 MB, 8 row groups each
+    for k in range(4):
+        pq.write_table(pa.table({"text": web[1600 * k : 1600 * k + 1600]}), tmp_path / "web" / f"{k}.parquet",
+                       row_group_size=200)
+    (tmp_path / "code").mkdir()  # 4 jsonl.zst shards of ~3 MB
+    for k in range(4):
+        data = "".join(json.dumps({"text": d}) + "\n" for d in code[1600 * k : 1600 * k + 1600]).encode()
+        (tmp_path / "code" / f"{k}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    # One plain JSON lines file of ~17 MB: fewer files than the 4 lanes, read in byte ranges.
+    (tmp_path / "books.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in books))
+    files = [*(tmp_path / "web").iterdir(), *(tmp_path / "code").iterdir(), tmp_path / "books.jsonl"]
+    corpus = sum(f.stat().st_size for f in files)
+    mix = [f"1:{tmp_path / 'web'}", f"1:{tmp_path / 'code'}", f"1:{tmp_path / 'books.jsonl'}"]
+    tokens = sum(len(d) + 2 for d in web + code + books)
+    seq_len, gb = 4095, 4  # a lane per rank at dp 4
+    steps = int(0.7 * tokens / (gb * (seq_len + 1)))  # 70% of an epoch of every source
+    whole = read_as_rank(mix, 0, 1, gb, steps, seq_len)
+    ranks = [read_as_rank(mix, r, 4, gb, steps, seq_len) for r in range(4)]
+    shares = [r["bytes"] / corpus for r in ranks]
+    assert whole["bytes"] / corpus >= 0.7, (whole["bytes"] / corpus, shares)  # one rank reads nearly everything
+    assert all(share <= 0.30 for share in shares), shares
+    assert sum(r["bytes"] for r in ranks) >= 0.7 * corpus  # and together they read what one rank did
+    # The same samples: rank r's windows are position r of each step of the single rank.
+    for r, rank in enumerate(ranks):
+        assert rank["windows"] == whole["windows"][r::gb]
+
+
+def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch):
+    from torchtitan.components import token_file
+    from torchtitan.components.token_file import pretokenize
+    from torchtitan.components.data.formats import FilesSource as Files
+
+    rng = random.Random(2)
+    docs = [random_text(rng, 20, 80) for _ in range(640)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = CharTokenizer()
+    pretokenize(Files(str(tmp_path / "d.jsonl")), tok, tmp_path / "tok", source_description={"path": "d.jsonl"})
+    read: dict[int, set] = {}
+    original = token_file.TokenFile.document
+
+    def recording(self, index):
+        read.setdefault(self.rank, set()).add(index)
+        return original(self, index)
+
+    monkeypatch.setattr(token_file.TokenFile, "document", recording)
+    cfg = Training(dataset="tokens", dataset_path=str(tmp_path / "tok"), seq_len=63, local_batch_size=2)
+    tokens = sum(len(d) + 2 for d in docs)
+    steps = int(0.8 * tokens / (8 * 64))
+    for rank in range(4):
+        monkeypatch.setattr(token_file.TokenFile, "rank", rank, raising=False)
+        it = iter(build_dataloader(cfg, tok, rank, 4, 8))
+        for _ in range(steps):
+            next(it)
+    assert all(len(read[r]) <= 0.3 * len(docs) for r in range(4)), [len(read[r]) for r in range(4)]
+    assert all(read[a].isdisjoint(read[b]) for a in range(4) for b in range(a + 1, 4))
+    # Each rank's documents lie in few ranges of the file (its units), not all over it.
+    for r in range(4):
+        indices = sorted(read[r])
+        runs = 1 + sum(1 for a, b in zip(indices, indices[1:]) if b != a + 1)
+        assert runs <= 2 * 16 * 2  # 16 units per lane, 2 lanes per rank (adjacent units may join)
