@@ -61,11 +61,11 @@ def document_units(docs, lanes):
 
 def lane_documents(units, lane, lanes, epoch, seed=None, random_access=False, block=10_000):
     """The documents lane `lane` of `lanes` reads in `epoch`, in order, as torchtitan/components/data/lanes.py
-    states it: the units at positions q, q + lanes, ... (q = (lane + epoch) % lanes) of the epoch's unit
-    order, or with fewer units than lanes every stride-th document of one unit; shuffled, in the order
-    of a permutation (random access) or of permuted blocks (streams)."""
+    states it: the units at positions q, q + lanes, ... (q = (lane + epoch) % lanes) of the unit order of
+    the epoch's cycle of `lanes` epochs, or with fewer units than lanes every stride-th document of one
+    unit; shuffled, in the order of a permutation (random access) or of permuted blocks (streams)."""
     n, q = len(units), (lane + epoch) % lanes
-    order = [Permutation(n, seed, epoch)[j] for j in range(n)] if seed is not None else list(range(n))
+    order = [Permutation(n, seed, epoch // lanes)[j] for j in range(n)] if seed is not None else list(range(n))
     if n >= lanes:
         docs = [d for j in range(q, n, lanes) for d in units[order[j]]]
     else:
@@ -962,8 +962,10 @@ def test_c4_streams_allenai_c4_en_in_stored_order(monkeypatch):
     loader = make_loader(None, 8, 2, dataset="c4", shuffle=None)
     assert calls == [("allenai/c4", "train", True, ("name", "en"))]
     assert take(iter(loader), 4) == lane_windows([docs[0::2], docs[1::2]], 2, 8, 8)
-    with pytest.raises(UserError, match="shuffle_documents = true needs random access.*c4 is streamed"):
-        make_loader(None, 8, 2, dataset="c4", shuffle=True)
+    # Shuffled on request: its units (here the 2 splits of a stream that does not say its shards) are
+    # dealt in a new order each epoch, and each lane shuffles its documents in blocks.
+    loader = make_loader(None, 8, 2, dataset="c4", shuffle=True, shuffle_buffer=3)
+    assert take(iter(loader), 4) == lane_windows([docs[0::2], docs[1::2]], 2, 8, 8, seed=0, block=3)
 
 
 def test_c4_local_copy_reads_the_english_training_shards(tmp_path):
@@ -1270,7 +1272,7 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     folder.mkdir()
     for k in range(8):
         write_jsonl(folder / f"part-{k}.jsonl", docs[k * 30:(k + 1) * 30])
-    # Two lanes, each on a split of the stream: datasets deals the 8 shards, lane 0 reading 0, 2, 4, 6.
+    # Two lanes: a unit per shard of the stream, lane 0 reading shards 0, 2, 4, 6 in epoch 0.
     loader = make_loader(folder, 31, 2, dataset="huggingface")
     it = iter(loader)
     reference = take(it, 75)  # 150 windows of 32 tokens, 75 per lane: into each lane's fourth shard
@@ -1280,9 +1282,12 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     fresh = make_loader(folder, 31, 2, dataset="huggingface")
     assert take(iter(fresh), 75) == reference
     state = json_round_trip(fresh.state_dict())
-    positions = state["dataset_state"]["source_layout"]["hf_states"]
-    assert positions["0/2"][0] >= 90 and positions["1/2"][0] >= 90  # lane p's split: unit p of 2
-    for k in (2, 3):  # each lane's second shard (datasets resumes from the start of the previous chunk)
+    # A unit per shard (split_dataset_by_node(stream, k, 8)): the lanes are in shards 6 and 7, and know
+    # how many documents the shards before them hold.
+    layout = state["dataset_state"]["source_layout"]
+    assert set(layout["hf_states"]) >= {"6/8", "7/8"}
+    assert layout["unit_documents"] == {f"{k}/8": 30 for k in range(6)}
+    for k in (2, 3):  # each lane's second shard: skipped by its count
         (folder / f"part-{k}.jsonl").write_text("not json\n" * 30)
     resumed = make_loader(folder, 31, 2, dataset="huggingface")
     resumed.load_state_dict(state)

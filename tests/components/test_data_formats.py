@@ -1,7 +1,11 @@
 """Data files corrupt in the middle: the loader delivers the documents before the damage, then stops
 with one UserError (printed without a traceback, exit 2) naming the file and where: the compressed
 bytes being decoded and the last complete line read (gzip, zstd), the row group and its rows
-(parquet), the record batch (Arrow). The files are real bytes, damaged where a decoder must notice."""
+(parquet), the record batch (Arrow). The files are real bytes, damaged where a decoder must notice.
+
+The loader reads one lane (a global batch of one sequence, components/data/lanes.py) in stored order:
+the lane reads the whole file as one token stream, so what it delivers before the failure is the start
+of the file's stream."""
 
 import json
 import random
@@ -16,7 +20,7 @@ from torchtitan.components.data import build_dataloader, compression
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
-SEQ_LEN, BATCH = 255, 4
+SEQ_LEN, BATCH = 255, 1  # one lane: the file's own token stream
 WINDOW = SEQ_LEN + 1
 TOK = CharTokenizer()
 

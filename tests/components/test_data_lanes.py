@@ -39,11 +39,14 @@ def test_every_document_is_dealt_to_one_lane_per_epoch(units, lanes, seed):
             share = lane_share(lane, lanes, epoch, units, seed)
             dealt += [(u, d) for u in share.units for d in range(share.phase, sizes[u], share.stride)]
         assert sorted(dealt) == [(u, d) for u in range(units) for d in range(sizes[u])], epoch
-    # Stored order: in `lanes` epochs a lane takes every position class once.
-    if seed is None and units >= lanes:
+    # In each cycle of `lanes` epochs a lane reads every document once (shuffled or not).
+    for cycle in range(2):
         for lane in range(lanes):
-            seen = sorted(u for e in range(lanes) for u in lane_share(lane, lanes, e, units, None).units)
-            assert seen == list(range(units))
+            seen = []
+            for e in range(cycle * lanes, (cycle + 1) * lanes):
+                share = lane_share(lane, lanes, e, units, seed)
+                seen += [(u, d) for u in share.units for d in range(share.phase, sizes[u], share.stride)]
+            assert sorted(seen) == [(u, d) for u in range(units) for d in range(sizes[u])], (cycle, lane)
 
 
 def test_document_ranges_cover_the_documents_in_order():
@@ -187,3 +190,15 @@ def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch)
         indices = sorted(read[r])
         runs = 1 + sum(1 for a, b in zip(indices, indices[1:]) if b != a + 1)
         assert runs <= 2 * 16 * 2  # 16 units per lane, 2 lanes per rank (adjacent units may join)
+
+
+def test_a_small_shuffled_source_is_not_taken_for_too_small(tmp_path):
+    """31 tokens in 3 documents, 8 lanes of 9-token windows: each lane needs documents from several
+    epochs. In a cycle of 8 epochs every lane reads the whole source once, shuffled or not, so none
+    is refused as empty or too small (with a new unit order every epoch, 16 of 40 seeds were)."""
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in ["abcdefghij", "", "KLMNOP klm", "abc"]))
+    for seed in range(40):
+        cfg = Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl"), seq_len=8, local_batch_size=8,
+                       shuffle_documents=True, seed=seed)
+        inputs, _ = next(iter(build_dataloader(cfg, CharTokenizer(), 0, 1, 8)))
+        assert inputs.shape == (8, 8)

@@ -633,3 +633,13 @@ def test_only_switched_off_sections_accept_any_value():
     for section, keys in PLANNED_KEYS.items():
         if any(v is ANY for v in keys.values()):
             assert keys.get("enabled") is False, f"[{section}] accepts any value but has no planned enabled = false"
+
+
+def test_a_mixture_whose_schedule_would_not_repeat_soon_is_refused():
+    from torchtitan.config.job_config import parse_mix
+
+    # The source of global sample k is the schedule's pattern at k mod T, T the weights' common denominator.
+    weights, specs = parse_mix(["0.123456:a", "0.876544:b"], "training.dataset_mix")
+    assert sum(weights) == 1 and specs == ["a", "b"]
+    with pytest.raises(UserError, match=r"repeat only every 10,000,000 samples .*round the weights to fewer digits"):
+        parse_mix(["0.1234567:a", "0.8765433:b"], "training.dataset_mix")

@@ -176,14 +176,15 @@ class Training:
         "on resume. Each sample position of the global batch is a lane that reads its own share of every source "
         "(components/data/lanes.py); shuffled, the units (files, pieces of files, ranges of documents) are dealt "
         "to the lanes in a new order each epoch, and each lane reads its documents in a seeded order (with random "
-        "access: a permutation; read as a stream: within blocks of shuffle_buffer). Unset: shuffle, except "
-        "datasets streams (huggingface, c4 from the Hub), which are read in stored order and refuse true. false: "
-        "stored order.",
+        "access: a permutation; read as a stream: within blocks of shuffle_buffer; a datasets stream's units are "
+        "its shards). Unset: shuffle, except datasets streams (huggingface, c4 from the Hub), read in the order "
+        "datasets gives. false: stored order.",
     )
     shuffle_buffer: int = opt(
         10_000,
-        "Shuffled local files read as streams (JSON lines, parquet): each lane shuffles its documents within "
-        "consecutive blocks of this many, held in memory per lane and source (read again on resume).",
+        "Shuffled sources read as streams (JSON lines, parquet, datasets streams): each lane shuffles its "
+        "documents within consecutive blocks of this many, held in memory per lane and source (read again on "
+        "resume).",
     )
     skip_corrupt_files: bool = opt(
         False,

@@ -9,10 +9,11 @@ any of them.
 Each source is cut into units: a source read as a stream, into its files, or into pieces of them when
 there are fewer files than lanes (formats.FilesSource.units; a datasets stream into G splits); a source
 with random access, into UNITS_PER_LANE x G ranges of documents, so that a lane's share is spread over
-the whole source while the bytes it touches stay its own. In epoch e the units are permuted (seeded by
-(seed, e); stored order without a shuffle) and lane p takes those at positions q, q + G, q + 2G, ...,
-q = (p + e) mod G: each unit is read by one lane per epoch, and a lane visits every position class in
-G epochs. With fewer units than lanes, the lanes on one unit share its documents round robin.
+the whole source while the bytes it touches stay its own. The units are permuted once per cycle of G
+epochs (seeded by (seed, e // G); stored order without a shuffle), and in epoch e lane p takes those
+at positions q, q + G, q + 2G, ..., q = (p + e) mod G: each unit is read by one lane per epoch, and
+in a cycle a lane takes every position class once, so it reads the whole source once. With fewer
+units than lanes, the lanes on one unit share its documents round robin.
 
 A lane's documents in an epoch are its units' documents in order. Shuffled, a lane with random access
 reads them in the order of a seeded permutation; a streamed one in consecutive blocks of shuffle_block
@@ -48,7 +49,9 @@ class Share:
 
 def lane_share(lane: int, lanes: int, epoch: int, num_units: int, seed: int | None) -> Share:
     q = (lane + epoch) % lanes
-    order = Permutation(num_units, seed, epoch) if seed is not None else range(num_units)
+    # One order per cycle of `lanes` epochs: in a cycle each lane takes every position class once, so it
+    # reads the whole source once (what packing's "too small" rule relies on).
+    order = Permutation(num_units, seed, epoch // lanes) if seed is not None else range(num_units)
     if num_units >= lanes:
         return Share(tuple(order[j] for j in range(q, num_units, lanes)))
     return Share((order[q % num_units],), len(range(q % num_units, lanes, num_units)), q // num_units)

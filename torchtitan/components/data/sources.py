@@ -120,9 +120,11 @@ class HuggingFaceSource:
         self._learned: dict[tuple[int, int], int] = {}  # documents per unit, counted by reading
 
     def units(self, target: int) -> list[tuple[int, int]]:
-        """Unit (i, n) is the stream split i of n by datasets.distributed.split_dataset_by_node: whole
-        shards when the dataset has a multiple of n shards, else every n-th row of a full read."""
-        return [(i, target) for i in range(target)]
+        """Unit (i, n) is the stream split i of n by datasets.distributed.split_dataset_by_node: with n
+        the dataset's number of shards (files), shard i; for a stream that does not say, n = target, and
+        a split is every n-th row of a full read."""
+        n = getattr(self.dataset, "n_shards", None) or target
+        return [(i, n) for i in range(n)]
 
     def unit_count(self, unit: tuple[int, int]) -> int | None:
         return self._learned.get(unit)
@@ -291,17 +293,10 @@ def build_source(cfg: Training):
         source = _c4_test_source(cfg)
     else:
         raise ValueError(f"unvalidated data config: dataset {cfg.dataset!r}, dataset_path {cfg.dataset_path!r}")
-    # Local files read as streams shuffle their units and blocks of documents (lanes.py); a datasets stream
-    # reads in stored order.
-    shufflable = source.random_access or isinstance(source, FilesSource)
-    shuffle = shufflable if cfg.shuffle_documents is None else cfg.shuffle_documents
-    if shuffle and not shufflable:
-        raise UserError(
-            "training.shuffle_documents = true needs random access to the documents, but "
-            f"dataset {source.name} is streamed through the datasets package; download it as files (parquet or "
-            "JSON lines, which shuffle), or set training.shuffle_documents = false (read in stored order), or leave "
-            "it unset (shuffle where the data allows it)"
-        )
+    # Every source shuffles its units and, in each lane, its documents (lanes.py). A datasets stream reads
+    # in the order datasets gives unless asked (the reference framework's order for c4).
+    default = not isinstance(source, HuggingFaceSource)
+    shuffle = default if cfg.shuffle_documents is None else cfg.shuffle_documents
     # Finding one non-empty document is enough: a source too small for one sequence is caught
     # when its first epoch ends.
     where = f" at {cfg.dataset_path}" if cfg.dataset_path else ""
