@@ -202,3 +202,24 @@ def test_a_small_shuffled_source_is_not_taken_for_too_small(tmp_path):
                        shuffle_documents=True, seed=seed)
         inputs, _ = next(iter(build_dataloader(cfg, CharTokenizer(), 0, 1, 8)))
         assert inputs.shape == (8, 8)
+
+
+def test_rank_0_checks_every_file_and_other_ranks_open_only_the_files_of_their_lanes(tmp_path):
+    import gzip
+
+    from torchtitan.config.errors import UserError
+
+    rng = random.Random(3)
+    for k in range(8):
+        lines = "".join(json.dumps({"text": random_text(rng, 50, 100)}) + "\n" for _ in range(20))
+        (tmp_path / f"{k}.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "5.jsonl.gz").write_bytes(b"not gzip at all\n")
+    cfg = Training(dataset="local", dataset_path=str(tmp_path), seq_len=31, local_batch_size=2, shuffle_documents=False)
+    with pytest.raises(UserError, match=r"5.jsonl.gz is not a readable gzip file"):
+        build_dataloader(cfg, CharTokenizer(), 0, 4, 8)  # rank 0 (and the preflight) check every file
+    loader = build_dataloader(cfg, CharTokenizer(), 1, 4, 8)  # lanes 2 and 3: files 2 and 3 in epoch 0
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    opened = [k for k, reader in enumerate(loader.dataset.parts[0].source._readers) if reader is not None]
+    assert opened == [0, 2, 3]  # the first file is checked by every rank

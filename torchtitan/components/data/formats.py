@@ -425,7 +425,7 @@ class FilesSource:
     `datasets` save_to_disk folder."""
 
     def __init__(self, path: str, text_field: str = "text", name: str = "local",
-                 include: Callable[[str], bool] | None = None, skip_corrupt: bool = False):
+                 include: Callable[[str], bool] | None = None, skip_corrupt: bool = False, check_all: bool = True):
         self.name, self.text_field = name, text_field
         # training.skip_corrupt_files: a file that fails past its start is read no further (a document
         # read by index: taken as empty), with a warning and a running count, instead of stopping the run.
@@ -451,11 +451,21 @@ class FilesSource:
                 )
             entries = [(root, *fmt)]
         self.paths = [p for p, _, _ in entries]
-        self.files = [self._reader(p, ext, compression) for p, ext, compression in entries]
-        self.random_access = all(f.random_access for f in self.files)
+        self._entries = entries
+        self._readers: list = [None] * len(entries)
+        # Random access by kind: .txt files and Arrow (JSON lines and parquet are read as streams).
+        self.random_access = all(ext in (".txt", ".arrow") for _, ext, _ in entries)
+        # Opening a file checks it (its header, footer or first record). `check_all`: every file now, so that
+        # a bad one is refused before training (run_train.sh's preflight, and data-parallel rank 0); else only
+        # the first, and each other file when a lane first reads it: a rank reads nothing of the files of
+        # other ranks' lanes, not even their footers.
+        for i in range(len(entries) if check_all else 1):
+            self.file(i)
         self._ends: list[int] | None = None
         self._learned: dict[tuple[int, int, int], int] = {}  # documents per unit, counted by reading
         self._by_name: dict[str, int] | None = None  # a file's index by its layout name
+        self._sizes: list[int | None] = [None] * len(self.paths)
+        self._layout: tuple[int, dict | None] | None = None  # (counts it was built from, layout())
 
     @staticmethod
     def _walk(root: Path, include) -> list[tuple[Path, str, str | None]]:
@@ -488,6 +498,12 @@ class FilesSource:
             )
         return [entry for _, entry in sorted(found, key=lambda item: item[0])]
 
+    def file(self, i: int):
+        """The reader of file i, opened (and checked) on first use."""
+        if self._readers[i] is None:
+            self._readers[i] = self._reader(*self._entries[i])
+        return self._readers[i]
+
     def _reader(self, path: Path, ext: str, compression: str | None):
         if ext == ".txt":
             return _TxtFile(path, compression)
@@ -500,16 +516,17 @@ class FilesSource:
     def units(self, target: int) -> list[tuple[int, int, int]]:
         """The source cut into units (file, piece, pieces) of which there are about `target`: one per
         file, or with fewer files than `target` each file in as many pieces as it splits into."""
-        if len(self.files) >= target:
-            return [(i, 0, 1) for i in range(len(self.files))]
-        k = -(-target // len(self.files))
-        return [(i, j, n) for i, f in enumerate(self.files) for n in [f.max_pieces(k)] for j in range(n)]
+        files = len(self.paths)
+        if files >= target:
+            return [(i, 0, 1) for i in range(files)]
+        k = -(-target // files)
+        return [(i, j, n) for i in range(files) for n in [self.file(i).max_pieces(k)] for j in range(n)]
 
     def unit_count(self, unit: tuple[int, int, int]) -> int | None:
         """The unit's number of documents: known without reading it (parquet, Arrow), or counted when it
         was read (or loaded with a saved layout); None if not known yet."""
         learned = self._learned.get(unit)
-        return learned if learned is not None else self.files[unit[0]].known_count(unit[1], unit[2])
+        return learned if learned is not None else self.file(unit[0]).known_count(unit[1], unit[2])
 
     def unit_texts(self, unit: tuple[int, int, int], start: int):
         """The texts of the unit from its document `start`; returns its number of documents, which is
@@ -523,7 +540,7 @@ class FilesSource:
     def documents(self, start: int) -> Iterator[str]:
         """The documents in stored order from position `start`, files before it skipped by their counts
         where known."""
-        for i in range(len(self.files)):
+        for i in range(len(self.paths)):
             known = self.unit_count((i, 0, 1))
             if known is not None and known <= start:
                 start -= known  # a file before the position: skipped without reading it
@@ -535,7 +552,7 @@ class FilesSource:
         """The texts of a unit from its document `start`; returns the unit's document count. With
         skip_corrupt, a unit that fails ends there: its count is the documents before the failure."""
         i = unit[0]
-        texts = self.files[i].texts(start, unit[1], unit[2])
+        texts = self.file(i).texts(start, unit[1], unit[2])
         if not self.skip_corrupt:
             return (yield from texts)
         read = 0
@@ -558,9 +575,17 @@ class FilesSource:
 
     def layout(self) -> dict | None:
         """Documents per unit of the units counted so far by reading them, with the file's size: saved
-        with the data position, so that a resume skips those units without reading them."""
-        learned = {self._unit_key(unit): [n, self.paths[unit[0]].stat().st_size] for unit, n in self._learned.items()}
-        return {"unit_documents": learned} if learned else None
+        with the data position, so that a resume skips those units without reading them. Built again
+        only when a count was added (a worker asks after every window)."""
+        if self._layout is None or self._layout[0] != len(self._learned):
+            learned = {self._unit_key(unit): [n, self._size(unit[0])] for unit, n in self._learned.items()}
+            self._layout = (len(self._learned), {"unit_documents": learned} if learned else None)
+        return self._layout[1]
+
+    def _size(self, i: int) -> int:
+        if self._sizes[i] is None:
+            self._sizes[i] = self.paths[i].stat().st_size
+        return self._sizes[i]
 
     def load_layout(self, layout: dict):
         """Take the counts of a saved layout for the units of files still there with the same size."""
@@ -571,7 +596,7 @@ class FilesSource:
             i = self._by_name.get(name)
             j, _, pieces = piece.partition("/")
             unit = (i, int(j), int(pieces)) if i is not None else None
-            if unit is not None and unit not in self._learned and size == self.paths[i].stat().st_size:
+            if unit is not None and unit not in self._learned and size == self._size(i):
                 self._learned[unit] = n
 
     def _unit_key(self, unit: tuple[int, int, int]) -> str:
@@ -582,7 +607,7 @@ class FilesSource:
 
     def _file_ends(self) -> list[int]:
         if self._ends is None:
-            self._ends = list(itertools.accumulate(f.count() for f in self.files))
+            self._ends = list(itertools.accumulate(self.file(i).count() for i in range(len(self.paths))))
         return self._ends
 
     def num_documents(self) -> int:
@@ -592,7 +617,7 @@ class FilesSource:
         ends = self._file_ends()
         k = bisect.bisect_right(ends, index)
         try:
-            return self.files[k].text(index - (ends[k - 1] if k else 0))
+            return self.file(k).text(index - (ends[k - 1] if k else 0))
         except UserError as e:
             if not self.skip_corrupt:
                 raise

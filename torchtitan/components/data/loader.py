@@ -331,12 +331,12 @@ def build_dataloader(
         )
     if cfg.dataset_mix:
         fractions, specs = parse_mix(cfg.dataset_mix, "training.dataset_mix")
-        parts = [_open_mix_part(cfg, tokenizer, spec) for spec in specs]
+        parts = [_open_mix_part(cfg, tokenizer, spec, dp_rank == 0) for spec in specs]
         dataset = PackedDataset(parts, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
                                 weights=integer_weights(fractions), specs=specs, workers=cfg.data_workers,
                                 gather=gather)
     else:
-        source, text_tokenizer, shuffle = open_source(cfg, tokenizer)
+        source, text_tokenizer, shuffle = open_source(cfg, tokenizer, dp_rank == 0)
         part = open_part(source, text_tokenizer, cfg.dataset, cfg.dataset_path or "", cfg.seed if shuffle else None,
                          cfg.shuffle_buffer)
         dataset = PackedDataset([part], cfg.seq_len, dp_rank, dp_degree, global_batch_size,
@@ -350,12 +350,13 @@ def build_dataloader(
         )
 
 
-def open_source(cfg: Training, tokenizer: Tokenizer):
+def open_source(cfg: Training, tokenizer: Tokenizer, check_all: bool = True):
     """(source, the tokenizer to encode it with or None for a token folder, whether to shuffle it) for
     training.dataset and dataset_path, checked now: every rank fails the same way at start (and
-    run_train.sh's preflight before launch)."""
+    run_train.sh's preflight before launch). `check_all`: every file of local data (data-parallel rank
+    0 and the preflight), else the first and the others when read."""
     if cfg.dataset != "tokens":
-        source, shuffle = build_source(cfg)
+        source, shuffle = build_source(cfg, check_all)
         return source, tokenizer, shuffle
     from torchtitan.components.token_file import open_token_source
 
@@ -363,13 +364,13 @@ def open_source(cfg: Training, tokenizer: Tokenizer):
     return source, None, True if cfg.shuffle_documents is None else cfg.shuffle_documents
 
 
-def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str) -> Part:
+def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str, check_all: bool) -> Part:
     """One source of training.dataset_mix, opened as training.dataset would open it; its messages name
     the mixture's entry instead of the keys a mixture does not use."""
     try:
         dataset, path = source_kind(spec)
         as_single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[])
-        source, text_tokenizer, shuffle = open_source(as_single, tokenizer)
+        source, text_tokenizer, shuffle = open_source(as_single, tokenizer, check_all)
         return open_part(source, text_tokenizer, spec, path or "", cfg.seed if shuffle else None, cfg.shuffle_buffer)
     except UserError as e:
         message = str(e).replace("set training.dataset_path to", "change it to").replace(

@@ -242,12 +242,12 @@ def _c4_local_include(folder: Path) -> tuple[Path, Callable[[str], bool] | None]
     return folder, None
 
 
-def _c4_source(cfg: Training):
+def _c4_source(cfg: Training, check_all: bool):
     path = cfg.dataset_path or C4_HUB
     if os.path.exists(path):
         root, include = _c4_local_include(Path(path)) if os.path.isdir(path) else (Path(path), None)
         return FilesSource(str(root), cfg.dataset_text_field, name="c4", include=include,
-                           skip_corrupt=cfg.skip_corrupt_files)
+                           skip_corrupt=cfg.skip_corrupt_files, check_all=check_all)
     hint = _offline_alternatives()
     try:
         import datasets  # noqa: F401
@@ -264,7 +264,7 @@ def _c4_source(cfg: Training):
     return HuggingFaceSource(path, cfg.dataset_text_field, config_name="en", name="c4", hint=hint)
 
 
-def _c4_test_source(cfg: Training):
+def _c4_test_source(cfg: Training, check_all: bool):
     path = cfg.dataset_path or C4_TEST_PATH
     if not os.path.exists(path):
         raise UserError(
@@ -274,23 +274,26 @@ def _c4_test_source(cfg: Training):
             f"to {path}, or set training.dataset_path to where it is; or train on training.dataset = 'python_stdlib' "
             "(embedded) or 'local' files"
         )
-    return FilesSource(path, cfg.dataset_text_field, name="c4_test", skip_corrupt=cfg.skip_corrupt_files)
+    return FilesSource(path, cfg.dataset_text_field, name="c4_test", skip_corrupt=cfg.skip_corrupt_files,
+                       check_all=check_all)
 
 
-def build_source(cfg: Training):
+def build_source(cfg: Training, check_all: bool = True):
     """The source named by the config and whether to shuffle it, checked now: every rank fails the same
-    way at start (and run_train.sh's preflight before launch). Which dataset names take a dataset_path
-    is the config validator's rule (torchtitan/config/manager.py)."""
+    way at start (and run_train.sh's preflight before launch). `check_all`: open and check every file of
+    local data now (else the first, and the others when read). Which dataset names take a dataset_path
+    is the config validator's rule (torchtitan/config/rules.py)."""
     if cfg.dataset == "python_stdlib":
         source = StdlibSource()
     elif cfg.dataset == "local" and cfg.dataset_path:
-        source = FilesSource(cfg.dataset_path, cfg.dataset_text_field, skip_corrupt=cfg.skip_corrupt_files)
+        source = FilesSource(cfg.dataset_path, cfg.dataset_text_field, skip_corrupt=cfg.skip_corrupt_files,
+                             check_all=check_all)
     elif cfg.dataset == "huggingface" and cfg.dataset_path:
         source = HuggingFaceSource(cfg.dataset_path, cfg.dataset_text_field)
     elif cfg.dataset == "c4":
-        source = _c4_source(cfg)
+        source = _c4_source(cfg, check_all)
     elif cfg.dataset == "c4_test":
-        source = _c4_test_source(cfg)
+        source = _c4_test_source(cfg, check_all)
     else:
         raise ValueError(f"unvalidated data config: dataset {cfg.dataset!r}, dataset_path {cfg.dataset_path!r}")
     # Every source shuffles its units and, in each lane, its documents (lanes.py). A datasets stream reads
