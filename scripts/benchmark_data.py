@@ -42,11 +42,13 @@ Each line gives:
   windows); tokens/s: delivered after the first batch, until the rank's share is delivered;
 - the bytes the rank read (/proc/PID/io rchar: read() calls, page cache hits included) as a share of
   the corpus's bytes on disk, against the rank's share of the data, 1/D:
-  - opening: read by the process that trains during build_dataloader: the start-up checks, on every
-    rank, whatever its share: pyarrow reads the last 64 KiB of every parquet file for its footer,
-    and the first 16 KiB of every compressed file is decoded; also given per file of the corpus. The
-    generated files are small (about 9 KiB of jsonl.zst, 100 KiB of parquet at M = 16), so this is most
-    of them;
+  - opening: read by the process that trains during build_dataloader: the start-up checks. Rank 0
+    opens every file (pyarrow reads the last 64 KiB of a parquet file for its footer; a compressed
+    file's first block is decoded); the other ranks open the first file, and every parquet file's
+    footer when there are fewer parquet files than lanes (its row groups make the pieces). Also
+    given per file of the corpus. The generated files are small (about 9 KiB of jsonl.zst, 100 KiB
+    of parquet at M = 16), so a footer is a large part of a parquet file: a lane's first read of its
+    parquet file (counted under reading) reads its footer too;
   - reading: the data itself: without workers, read by the process that trains; with workers, by the
     forked workers (read from loader.dataset.worker_pids() before they are stopped: the trainer then
     reads only the windows they send it through pipes, which are not counted). Compressed bytes are
