@@ -11,9 +11,10 @@ from fractions import Fraction
 
 import pytest
 
-from conftest import CharTokenizer, mixture_corpus
+from conftest import CharTokenizer, framed_documents, lane_streams, mixture_corpus
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.data.mixing import counts_after, integer_weights, next_source
+from torchtitan.components.data.shuffle import derived_seed
+from torchtitan.components.data.mixing import counts_after, integer_weights, next_source, schedule
 from torchtitan.config import load_config
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training, parse_mix
@@ -85,43 +86,79 @@ def test_schedule_keeps_every_count_within_one_sample_of_its_weight():
         assert counts == counts_after(weights, [0] * len(weights), 1999)
 
 
+def sources_of_samples(weights: list[int], n: int) -> list[int]:
+    """The source of global samples 0 .. n-1: the Megatron greedy schedule's first T = sum(weights)
+    picks (computed here), block b = k // T of samples reading them rotated by derived_seed(b, 0) % T."""
+    counts, period = [0] * len(weights), []
+    for _ in range(sum(weights)):
+        period.append(next_source(weights, counts))
+        counts[period[-1]] += 1
+    assert list(schedule(weights)) == period
+    T = len(period)
+    return [period[(k % T + derived_seed(k // T, 0) % T) % T] for k in range(n)]
+
+
 def test_windows_follow_the_schedule_each_from_its_own_source(corpus):
-    """Sample k is the next window of the source the schedule picks, as that source alone would give it."""
+    """Global sample k is lane k % G's next sample; it comes from the source the schedule picks for k,
+    and is that lane's next window of that source, as the source alone (same G) would give it to the lane."""
+    G = 4
     cfg = mix_cfg(corpus)
-    got = windows(build_dataloader(cfg, CHARS, 0, 1, 4), 30)
+    got = windows(build_dataloader(cfg, CHARS, 0, 1, G), 30)
     weights = integer_weights([Fraction(5, 10), Fraction(3, 10), Fraction(2, 10)])
-    counts = [0, 0, 0]
-    alone = [iter(build_dataloader(Training(dataset="tokens" if i == 2 else "local", dataset_path=str(p), seq_len=16,
-                                            local_batch_size=1), CHARS, 0, 1, 1)) for i, p in enumerate(corpus)]
-    for window in got:
-        i = next_source(weights, counts)
-        counts[i] += 1
-        assert source_of(window) == i
-        assert window == windows(alone[i], 1)[0]
+    picks = sources_of_samples(weights, len(got))
+    # Every block of T = 10 global samples holds each source's exact count, seen in the windows' alphabets.
+    for b in range(0, len(got), 10):
+        assert [[source_of(w) for w in got[b : b + 10]].count(i) for i in range(3)] == weights, b
+    alone = []  # alone[i][p]: lane p's windows of source i read alone
+    for i, p in enumerate(corpus):
+        single = Training(dataset="tokens" if i == 2 else "local", dataset_path=str(p), seq_len=16, local_batch_size=G)
+        read = windows(build_dataloader(single, CHARS, 0, 1, G), 30)
+        alone.append([read[lane::G] for lane in range(G)])
+    used = [[0] * G for _ in corpus]
+    for k, window in enumerate(got):
+        i, lane = picks[k], k % G
+        assert source_of(window) == i, k
+        assert window == alone[i][lane][used[i][lane]], (k, i, lane)
+        used[i][lane] += 1
+    assert all(used[i][lane] for i in range(3) for lane in range(G))  # every lane read every source here
 
 
 def test_shares_within_one_point_of_the_weights_after_10k_sequences(corpus):
-    cfg = mix_cfg(corpus, seq_len=8, local_batch=100)
-    loader = build_dataloader(cfg, CHARS, 0, 1, 100)
+    # A global batch coprime with the schedule's period (10): every lane reads every source. (With G a
+    # multiple of 10 each lane reads one source only, and data_epoch/I, the minimum over the rank's
+    # lanes, stays 0 on the lanes that never read source I.)
+    cfg = mix_cfg(corpus, seq_len=8, local_batch=101)
+    loader = build_dataloader(cfg, CHARS, 0, 1, 101)
     got = windows(loader, 100)
     measured = [sum(source_of(w) == i for w in got) / len(got) for i in range(3)]
     for share, weight in zip(measured, (0.5, 0.3, 0.2)):
         assert abs(share - weight) < 0.01
     metrics = loader.dataset.mixture_metrics(len(got))
     assert [metrics[f"data_share/{i}"] for i in range(3)] == pytest.approx(measured, abs=1e-12)
-    # 10k windows of 9 tokens from 40 short documents each: every source went round several times.
-    assert all(metrics[f"data_epoch/{i}"] >= 3 for i in range(3))
+    # 10k windows of 9 tokens from 40 short documents each: every lane went round its share of every
+    # source more than once (the fewest: 13 windows of source 2 over 2 epochs of its share).
+    assert all(metrics[f"data_epoch/{i}"] >= 2 for i in range(3))
 
 
 def test_a_source_that_runs_out_starts_its_next_epoch_in_a_new_order(corpus):
+    G = 4
     cfg = mix_cfg(corpus, weights=("0.1", "0.1", "0.8"))  # the token folder is shuffled by default
-    loader = build_dataloader(cfg, CHARS, 0, 1, 4)
-    from_tokens = [w for w in windows(loader, 120) if source_of(w) == 2]
-    metrics = loader.dataset.mixture_metrics(480)
+    loader = build_dataloader(cfg, CHARS, 0, 1, G)
+    got = windows(loader, 120)
+    metrics = loader.dataset.mixture_metrics(len(got))
     assert metrics["data_epoch/2"] >= 1 and metrics["data_epoch/0"] == 0
-    per_epoch = sum(len(d) + 2 for d in docs_in(ALPHABETS[2], 40, seed=2)) // 17
-    first, second = from_tokens[:per_epoch - 1], from_tokens[per_epoch + 1:2 * per_epoch - 1]
-    assert first != second  # epoch 1 is not epoch 0 again
+    # Each lane's documents of the token folder, in the order it read them. 40 documents in 40 units of
+    # one document, 4 lanes: a lane reads 10 documents of each epoch, and the lanes together all 40.
+    picks = [source_of(w) for w in got]
+    from_tokens = [w if i == 2 else [] for w, i in zip(got, picks)]
+    lanes = [framed_documents(stream) for stream in lane_streams(from_tokens, G)]
+    docs = docs_in(ALPHABETS[2], 40, seed=2)
+    assert all(len(read) > 20 for read in lanes)  # two whole epochs and a document of the third
+    epochs = [[read[10 * e : 10 * e + 10] for read in lanes] for e in range(2)]
+    for e in range(2):
+        assert sorted(d for read in epochs[e] for d in read) == sorted(docs), e  # each document once an epoch
+    # Epoch 1 is not epoch 0 again: no lane reads in epoch 1 what any lane read, in that order, in epoch 0.
+    assert not {tuple(read) for read in epochs[1]} & {tuple(read) for read in epochs[0]}
 
 
 # --- layouts, workers, resume ----------------------------------------------------------------------
@@ -133,6 +170,22 @@ def test_same_samples_under_every_layout_and_worker_count(corpus):
     assert global_samples(mix_cfg(corpus, local_batch=1, data_workers=2), 4, 6, 8) == reference  # accumulation 2
 
 
+def merged(states: list[dict]) -> dict:
+    """One state with every lane, from the states of ranks simulated in one process (each holds its own
+    lanes), as a multi-process run's all-gather makes it."""
+    out = json.loads(json.dumps(states[0]))
+    data = out["dataset_state"]
+    lanes = {p: position for state in states for p, position in state["dataset_state"]["lanes"]}
+    data["lanes"] = [[p, lanes[p]] for p in sorted(lanes)]
+    data["next_sample"] = sum(state["dataset_state"]["next_sample"] for state in states)
+    for i, source in enumerate(data["mixture"]):
+        layouts = [state["dataset_state"]["mixture"][i]["source_layout"] or {} for state in states]
+        sections = {key for layout in layouts for key in layout}
+        source["source_layout"] = {key: {k: v for layout in layouts for k, v in layout.get(key, {}).items()}
+                                   for key in sections} or None
+    return out
+
+
 def test_resume_under_another_data_parallel_degree(corpus):
     reference = global_samples(mix_cfg(corpus, local_batch=8), 1, 8, 8)
     cfg = mix_cfg(corpus, local_batch=4)
@@ -142,12 +195,19 @@ def test_resume_under_another_data_parallel_degree(corpus):
         for it in its:
             windows(it, 1)
     states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
-    assert states[0] == states[1]  # at a step boundary every rank holds the same state
-    assert [m["source"] for m in states[0]["dataset_state"]["mixture"]] == [str(p) for p in corpus]
+    # One process per rank without an all-gather: each rank's state holds its own lanes.
+    assert [[p for p, _ in state["dataset_state"]["lanes"]] for state in states] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    state = merged(states)
+    assert state["dataset_state"]["next_sample"] == 24  # 3 steps of 8 samples, at a step boundary
+    assert [m["source"] for m in state["dataset_state"]["mixture"]] == [str(p) for p in corpus]
+    with pytest.raises(UserError, match="holds the positions of lanes 4-7, but this rank reads lanes 0-7"):
+        one = build_dataloader(mix_cfg(corpus, local_batch=8), CHARS, 0, 1, 8)
+        one.load_state_dict(states[1])
+        iter(one)  # a loader applies a loaded state when its next iterator is made
     for dp, local in ((1, 8), (4, 2)):
         resumed = [build_dataloader(mix_cfg(corpus, local_batch=local), CHARS, r, dp, 8) for r in range(dp)]
         for loader in resumed:
-            loader.load_state_dict(states[0])
+            loader.load_state_dict(state)
         its = [iter(loader) for loader in resumed]
         got = []
         for _ in range(5):
@@ -215,3 +275,17 @@ def test_bad_sources_name_the_entry(corpus, tmp_path):
         cfg = Training(dataset_mix=[f"1:{corpus[0]}", f"1:{path}"], seq_len=16, local_batch_size=4)
         with pytest.raises(UserError, match=f"training.dataset_mix source '{path}': .*{message}"):
             build_dataloader(cfg, CHARS, 0, 1, 4)
+
+
+def test_no_lane_is_tied_to_one_source_when_the_period_divides_the_global_batch(corpus):
+    """Weights 0.5/0.3/0.2 repeat every 10 samples; with a global batch of 10, lane p's samples are the
+    global samples k = p mod 10. Each block of 10 samples is the pattern rotated by an offset drawn from
+    the block, so every lane reads every source, and data_epoch/I counts the epochs of every source."""
+    loader = build_dataloader(mix_cfg(corpus, seq_len=8, local_batch=10), CHARS, 0, 1, 10)
+    got = windows(loader, 300)
+    for lane in range(10):
+        assert {source_of(w) for w in got[lane::10]} == {0, 1, 2}, lane
+    for step in range(300):  # and every step still holds the weights' counts exactly
+        assert sorted(source_of(w) for w in got[10 * step : 10 * step + 10]) == [0] * 5 + [1] * 3 + [2] * 2
+    metrics = loader.dataset.mixture_metrics(len(got))
+    assert all(metrics[f"data_epoch/{i}"] >= 1 for i in range(3)), metrics

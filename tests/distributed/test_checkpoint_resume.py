@@ -120,10 +120,12 @@ def test_resume_is_bit_identical(runs, layout):
 # state load bit for bit. Context parallel computes attention per sequence chunk (alltoall merges
 # partial softmaxes) and tensor parallel sums row-parallel partial products over ranks: a different
 # rounding (within 1e-6 at the first step; FSDP 2 x CP 2 measured one float32 ulp of the loss, 4.8e-7).
+# PP 2 x FSDP 2 sums the loss over microbatches: on the lanes' samples (since each rank reads its
+# share) its first resumed step measured one ulp (4.8e-7) off FSDP 4's, bit-exact on the old order.
 @pytest.mark.parametrize(
     "target, tol, exact_first",
     [("fsdp4_to_fsdp2", 1e-5, True), ("fsdp4_to_hsdp", 1e-5, True), ("fsdp4_to_ddp2", 5e-5, True),
-     ("fsdp4_to_fsdp2_tp2", 1e-5, False), ("fsdp4_to_pp2_fsdp2", 1e-5, True), ("fsdp4_to_fsdp2_cp2", 1e-5, False),
+     ("fsdp4_to_fsdp2_tp2", 1e-5, False), ("fsdp4_to_pp2_fsdp2", 1e-5, False), ("fsdp4_to_fsdp2_cp2", 1e-5, False),
      ("fsdp4_to_cp2", 1e-5, False)],
 )
 def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
@@ -136,7 +138,10 @@ def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
     end_ref = train_state(tmp, "fsdp4_straight", STEPS)["dataloader"]["dataset_state"]
     end_got = train_state(tmp, target, STEPS)["dataloader"]["dataset_state"]
     assert end_got["next_sample"] == end_ref["next_sample"] == STEPS * 8
-    assert (end_got["doc_index"], end_got["token_offset"]) == (end_ref["doc_index"], end_ref["token_offset"])
+    # Rank 0 saved every rank's lanes (gathered): each lane (a position of every step) is where the
+    # uninterrupted run's is.
+    assert [p for p, _ in end_got["lanes"]] == list(range(8))
+    assert end_got["lanes"] == end_ref["lanes"]
 
 
 @pytest.mark.parametrize("source, target", [("moe_ep2_fsdp2", "moe_ep2_fsdp2_to_fsdp4"), ("moe_fsdp4", "moe_fsdp4_to_ep4")])
@@ -161,10 +166,13 @@ def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
 def test_tied_embeddings_reshard(runs, target):
     # Saved by FSDP 4 with the embedding and output sharing one weight; resumed under TP (alone and
     # with FSDP), where the shared weight is one vocabulary-sharded DTensor.
+    # The tied flavor amplifies TP's rounding step by step (as in test_data_parallel_parity.py): on the
+    # lanes' samples measured 4.8e-7 at the first resumed step and 1.05e-5 at the fifth under TP 2.
     tmp, r = runs
     ref, got = losses(r["qwen3_tied_fsdp4_straight"], first_step=SAVED + 1), losses(r[target])
     assert len(got) == STEPS - SAVED
-    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    assert abs(got[0] - ref[0]) < 1e-6, (ref, got)  # the shared weight and its optimizer state loaded
+    assert max(abs(a - b) for a, b in zip(ref, got)) < 2e-5, (ref, got)
     state = train_state(tmp, target, STEPS)
     assert state["model"]["name"] == "qwen3" and state["model"]["args"]["tie_word_embeddings"] is True
 

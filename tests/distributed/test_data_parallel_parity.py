@@ -44,8 +44,11 @@ BF16_TOL = 1e-2
 
 # Qwen3's debug flavors (per-head q/k norms, head_dim independent of dim / n_heads, rotate-half rotary;
 # the tied flavor shares the embedding with the output layer). Compared with their own single run.
+# The tied flavor trains at half the learning rate: at 2e-3 its gradient norm swings from step to step
+# (6.7, 10.0, 2.6, 7.6, 1.7, 7.0) and Adam amplifies the layouts' rounding tenfold a step, to 1e-4 to
+# 3e-4 in the step-6 loss and 10% to 20% in its norm; at 1e-3 at most 3.8e-6 and 3.8e-4 (measured).
 QWEN = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
-QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.lr", "1e-3"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 # Qwen3-MoE's debug flavor (8 experts, top-2, aux-loss-free bias balancing). Its jobs save the model
 # (buffers included: the expert bias) at step 6, so that the bias can be compared across layouts.
@@ -242,9 +245,9 @@ def test_fp32_layouts_match_single_process(runs, name):
     # torch's fp32 norm kernel on CPU loses ~1e-4 relative over a 500k-element shard (measured
     # against float64), so different shardings round differently.
     norms = [abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(runs[reference], runs[name])]
-    # The tied flavor's gradient norm reacts more to rounding (its step-3 norm is 7.9 against 1.7
-    # untied): measured at step 6, 7.8e-4 under plain FSDP 2 and 1.0e-3 / 1.3e-3 under TP 2 /
-    # FSDP 2 x TP 2, with loss differences of at most 5.2e-6 throughout.
+    # The tied flavor's gradient norm reacts more to rounding (its norm is 1.7 to 8 against 1.1
+    # to 2.1 untied): measured at most 1.7e-4 under plain FSDP 2 and 2.6e-4 / 3.8e-4 under TP 2 /
+    # FSDP 2 x TP 2, with loss differences of at most 3.8e-6 throughout.
     norm_tol = 3e-3 if "tied" in name else 1e-3
     assert max(norms) < norm_tol, f"{name}: grad norm relative diffs {norms}"
 
@@ -323,8 +326,10 @@ def test_validation_does_not_change_training(runs):
     with_val, without = runs["single_fp32_val"], runs["single_fp32"]
     assert [(r["loss"], r["grad_norm"]) for r in with_val] == [(r["loss"], r["grad_norm"]) for r in without]
     ref = runs["_validation"]["single_fp32_val"]
-    # It measures the model being trained: held-out loss falls from step 3 to step 6 (7.51 -> 6.95 measured).
-    assert ref[1]["validation_loss"] < ref[0]["validation_loss"] - 0.3
+    # It measures the model being trained: held-out loss falls from step 3 to step 6 (8.05 -> 7.76 measured
+    # on the lanes' samples; 7.51 -> 6.95 on the old stored order, whose consecutive windows of a few
+    # files the model fitted faster).
+    assert ref[1]["validation_loss"] < ref[0]["validation_loss"] - 0.2
     assert runs["_validation"]["single_fp32"] == []
 
 

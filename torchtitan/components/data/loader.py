@@ -12,7 +12,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.data.lanes import LaneView, source_units
-from torchtitan.components.data.mixing import counts_at, integer_weights, schedule, source_kind
+from torchtitan.components.data.mixing import counts_at, integer_weights, schedule, source_at, source_kind
 from torchtitan.components.data.packing import TokenizedSource, TokenStream
 from torchtitan.components.data.sources import build_source
 from torchtitan.components.data.workers import LaneWorkers, next_lane
@@ -68,7 +68,8 @@ class Part:
             load(layout)
 
     def _log_epoch(self, name: str, epoch: int, documents: int):
-        if epoch > self._logged_epoch:  # once per epoch and process, by its first lane there
+        if epoch > self._logged_epoch and documents:  # once per epoch and process, by its first lane there
+            # (a lane's epoch without a document, on a source of fewer units than lanes, says nothing)
             self._logged_epoch = epoch
             logger.warning(
                 "dataset %s: a lane read its share of epoch %d (%d documents) and starts epoch %d (the data "
@@ -87,7 +88,8 @@ def open_part(source, tokenizer, name: str, path: str = "", shuffle_seed: int | 
 
 class Lane:
     """Lane `index` of `lanes`: one token stream per source, and which source each sample comes from
-    (sample s of the lane is global sample s * lanes + index; `pattern`: mixing.schedule)."""
+    (sample s of the lane is global sample s * lanes + index; `pattern`: mixing.schedule, read by
+    mixing.source_at)."""
 
     def __init__(self, index: int, streams: list[TokenStream], lanes: int, pattern=None):
         self.index, self.streams, self.lanes, self.pattern = index, streams, lanes, pattern
@@ -98,8 +100,7 @@ class Lane:
 
     def read(self) -> tuple[int, list[int]]:
         """(source index, window) of the lane's next sample."""
-        k = self.next_sample * self.lanes + self.index
-        i = 0 if self.pattern is None else self.pattern[k % len(self.pattern)]
+        i = 0 if self.pattern is None else source_at(self.pattern, self.next_sample * self.lanes + self.index)
         return i, self.streams[i].read()
 
     def position(self) -> list[dict]:

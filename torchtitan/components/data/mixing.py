@@ -9,10 +9,13 @@ datasets use: sample k goes to the source whose count so far lags furthest behin
 samples, weight_i * (k + 1) - count_i (ties: the earlier source). It is exact integer arithmetic on
 the weights scaled to integers, so every rank, layout and machine computes the same schedule, and
 after k samples each count is within one sample of weight_i * k. With integer weights summing to T
-the schedule repeats every T samples (after T samples every count equals its weight), so the source
-of global sample k is pattern[k mod T] for the first T samples' pattern: a lane (lanes.py) knows the
-source of each of its samples without the others' counts, and the schedule needs no state. Windows
-are equally long, so the share of samples is the share of tokens.
+the schedule repeats every T samples (after T samples every count equals its weight). Global
+samples are taken in blocks of T: block b holds the first T samples' pattern rotated by an offset
+drawn from b, so every block has each source's exact count, any run of samples is within two of its
+share, and the source of global sample k is a function of k: a lane (lanes.py) knows the source of
+each of its samples without the others' counts, and the schedule needs no state. The rotation keeps
+a lane from being tied to one source when T divides the global batch (lane p's samples are k = p
+mod G). Windows are equally long, so the share of samples is the share of tokens.
 """
 
 import math
@@ -20,6 +23,7 @@ import os
 from array import array
 from fractions import Fraction
 
+from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.components.token_file import PROGRESS, TOKENS
 from torchtitan.config.errors import UserError
 
@@ -62,11 +66,22 @@ def schedule(weights: list[int]) -> array:
     return pattern
 
 
+def _rotation(block: int, period: int) -> int:
+    return derived_seed(block, 0) % period
+
+
+def source_at(pattern: array, k: int) -> int:
+    """The source of global sample k (`pattern`: schedule(weights))."""
+    block, j = divmod(k, len(pattern))
+    return pattern[(j + _rotation(block, len(pattern))) % len(pattern)]
+
+
 def counts_at(weights: list[int], pattern: array, samples: int) -> list[int]:
     """Each source's count among global samples 0 .. samples-1."""
-    periods, rest = divmod(samples, len(pattern))
-    head = pattern[:rest]
-    return [periods * w + head.count(i) for i, w in enumerate(weights)]
+    blocks, rest = divmod(samples, len(pattern))
+    start = _rotation(blocks, len(pattern))
+    head = (pattern + pattern)[start : start + rest]
+    return [blocks * w + head.count(i) for i, w in enumerate(weights)]
 
 
 def source_kind(spec: str) -> tuple[str, str | None]:
