@@ -1262,7 +1262,8 @@ def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
 
 
 
-def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_before_it(tmp_path):
+@pytest.mark.parametrize("data_workers", [0, 2])
+def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_before_it(tmp_path, data_workers):
     """datasets' own position (IterableDataset.state_dict) is saved with the data state: the resume starts
     at the saved shard. Proved by overwriting the shards passed before the save, except the first (every
     start reads the first document), with text that is not JSON: reading them would fail."""
@@ -1273,13 +1274,13 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     for k in range(8):
         write_jsonl(folder / f"part-{k}.jsonl", docs[k * 30:(k + 1) * 30])
     # Two lanes: a unit per shard of the stream, lane 0 reading shards 0, 2, 4, 6 in epoch 0.
-    loader = make_loader(folder, 31, 2, dataset="huggingface")
+    loader = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
     it = iter(loader)
     reference = take(it, 75)  # 150 windows of 32 tokens, 75 per lane: into each lane's fourth shard
     lanes = [[d for k in range(p, 8, 2) for d in docs[k * 30:(k + 1) * 30]] for p in range(2)]
     assert reference == lane_windows(lanes, 2, 31, 150)
     later = take(it, 3)
-    fresh = make_loader(folder, 31, 2, dataset="huggingface")
+    fresh = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
     assert take(iter(fresh), 75) == reference
     state = json_round_trip(fresh.state_dict())
     # A unit per shard (split_dataset_by_node(stream, k, 8)): the lanes are in shards 6 and 7, and know
@@ -1289,11 +1290,11 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     assert layout["unit_documents"] == {f"{k}/8": 30 for k in range(6)}
     for k in (2, 3):  # each lane's second shard: skipped by its count
         (folder / f"part-{k}.jsonl").write_text("not json\n" * 30)
-    resumed = make_loader(folder, 31, 2, dataset="huggingface")
+    resumed = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
     resumed.load_state_dict(state)
     assert take(iter(resumed), 3) == later
     del state["dataset_state"]["source_layout"]  # without it, the resume reads the documents before it
-    again = make_loader(folder, 31, 2, dataset="huggingface")
+    again = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
     again.load_state_dict(state)
     with pytest.raises(UserError, match=r"huggingface dataset .*: reading up to document \d+ failed \(ArrowInvalid: JSON parse"):
         take(iter(again), 3)

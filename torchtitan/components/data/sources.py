@@ -148,10 +148,10 @@ class HuggingFaceSource:
         return layout or None
 
     def load_layout(self, layout: dict):
+        # A loaded position replaces the one held: it is the newer (a data worker's, sent with its window).
         for key, (index, state) in layout.get("hf_states", {}).items():
-            unit = tuple(int(x) for x in key.split("/"))
-            if self._resumable and unit not in self._positions:
-                self._positions[unit] = (index, state)
+            if self._resumable:
+                self._positions[tuple(int(x) for x in key.split("/"))] = (index, state)
         for key, count in layout.get("unit_documents", {}).items():
             self._learned.setdefault(tuple(int(x) for x in key.split("/")), count)
 
