@@ -223,3 +223,16 @@ def test_rank_0_checks_every_file_and_other_ranks_open_only_the_files_of_their_l
         next(it)
     opened = [k for k, reader in enumerate(loader.dataset.parts[0].source._readers) if reader is not None]
     assert opened == [0, 2, 3]  # the first file is checked by every rank
+
+
+def test_more_data_workers_than_lanes_start_one_per_lane_and_say_so(tmp_path, caplog):
+    import logging
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    cfg = Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl"), seq_len=15, local_batch_size=2,
+                   data_workers=3)
+    loader = build_dataloader(cfg, CharTokenizer(), 0, 1, 2)
+    with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
+        next(iter(loader))
+    assert len(loader.dataset.worker_pids()) == 2
+    assert "training.data_workers = 3, but this rank reads 2 lane(s)" in caplog.text

@@ -10,6 +10,7 @@ their trainer.
 """
 
 import gc
+import logging
 import multiprocessing
 import multiprocessing.util
 import os
@@ -19,6 +20,8 @@ import traceback
 from array import array
 
 from torchtitan.config.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 WINDOWS_AHEAD = 4  # per lane: how far a worker reads ahead of the trainer
 _POLL_S = 1.0  # how often a waiting trainer checks its worker, and a blocked worker its trainer
@@ -79,6 +82,9 @@ class LaneWorkers:
     def __init__(self, lanes: list, sources: list, workers: int):
         self.lanes, self.sources = lanes, sources
         n = min(workers, len(lanes))
+        if n < workers:
+            logger.warning("training.data_workers = %d, but this rank reads %d lane(s) (a worker reads whole lanes): "
+                           "starting %d worker(s)", workers, len(lanes), n)
         self.owner = {lane.index: w % n for w, lane in enumerate(lanes)}
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         self.queues = [context.Queue(WINDOWS_AHEAD * len(lanes[w::n])) for w in range(n)]
