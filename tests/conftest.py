@@ -130,7 +130,7 @@ def mixture_corpus(folder: Path, docs: list[list[str]], tokenizer) -> list[Path]
     import pyarrow.parquet as pq
     import zstandard
 
-    from torchtitan.components.data.formats import FilesSource
+    from torchtitan.components.data.files import FilesSource
     from torchtitan.components.token_file import pretokenize
 
     parquet, zst, text, tokens = (folder / name for name in ("parquet", "zst", "text", "tokens"))

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import CharTokenizer
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.data.formats import FilesSource
+from torchtitan.components.data.files import FilesSource
 from torchtitan.components.data.lanes import document_ranges, lane_share
 from torchtitan.config.job_config import Training
 
@@ -160,7 +160,7 @@ def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
 def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch):
     from torchtitan.components import token_file
     from torchtitan.components.token_file import pretokenize
-    from torchtitan.components.data.formats import FilesSource as Files
+    from torchtitan.components.data.files import FilesSource as Files
 
     rng = random.Random(2)
     docs = [random_text(rng, 20, 80) for _ in range(640)]

@@ -52,7 +52,7 @@ def write_jsonl(path, docs, compress=False):
 
 
 def tokenize(src, out, tok=CHARS, workers=2, **kwargs):
-    from torchtitan.components.data.formats import FilesSource as _FilesSource
+    from torchtitan.components.data.files import FilesSource as _FilesSource
 
     return pretokenize(_FilesSource(str(src)), tok, out, source_description={"description": str(src)},
                        workers=workers, chunk_docs=kwargs.pop("chunk_docs", 7), batch_docs=3, log=lambda *_: None,

@@ -86,7 +86,7 @@ def tiny_argv(tmp_path, *extra):
 
 
 def test_a_mixture_takes_each_window_from_the_source_its_schedule_picks(tmp_path):
-    from torchtitan.components.data.formats import FilesSource
+    from torchtitan.components.data.files import FilesSource
     from torchtitan.components.data.mixing import integer_weights, next_source
     from torchtitan.components.token_file import pretokenize
 

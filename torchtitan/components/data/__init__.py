@@ -4,7 +4,9 @@ The modules, in the order data flows through them:
 
 - compression.py: a file's bytes, plain, gzip or zstd, in chunks or lines; where a corrupt one fails.
 - formats.py: local files, one reader per format (JSON lines/arrays, .txt, each plain, .gz or .zst;
-  parquet; Arrow; save_to_disk folders), and a file or folder of them as a source of documents.
+  parquet; Arrow), each also in pieces.
+- files.py: a file or folder of them (or a save_to_disk folder) as a source of documents, whole or
+  in units.
 - sources.py: every source by name: the embedded python_stdlib corpus, local files, Hugging Face
   datasets streamed through `datasets`, c4 and c4_test. A source is a list of documents with a
   stable index, read whole (documents(start)) or in units. (Token folders: token_file.py, beside.)

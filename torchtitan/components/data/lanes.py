@@ -7,7 +7,7 @@ the same under every layout and data-worker count, and a state (every lane's pos
 any of them.
 
 Each source is cut into units: a source read as a stream, into its files, or into pieces of them when
-there are fewer files than lanes (formats.FilesSource.units; a datasets stream into G splits); a source
+there are fewer files than lanes (files.FilesSource.units; a datasets stream into G splits); a source
 with random access, into UNITS_PER_LANE x G ranges of documents, so that a lane's share is spread over
 the whole source while the bytes it touches stay its own. The units are permuted once per cycle of G
 epochs (seeded by (seed, e // G); stored order without a shuffle), and in epoch e lane p takes those

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from torchtitan.components.data.compression import INSTALL_DATA, read_text
-from torchtitan.components.data.formats import FilesSource
+from torchtitan.components.data.files import FilesSource
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
