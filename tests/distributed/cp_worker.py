@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.context_parallel import ContextParallelAttention, local_positions
 from torchtitan.distributed.utils import exit_process
-from torchtitan.models.layers import causal_attention
+from torchtitan.models.attention import sdpa_attention as causal_attention
 
 
 def compare(cp_mesh, method: str) -> float:

@@ -4,22 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-query attention: each KV head serves heads / kv_heads query heads."""
-    repeats = q.shape[1] // k.shape[1]
-    if repeats > 1:
-        k = k.repeat_interleave(repeats, dim=1)
-        v = v.repeat_interleave(repeats, dim=1)
-    return k, v
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [batch, heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
-    each KV head serves heads / kv_heads query heads). The default `attention_fn` of a family's
-    attention module; context parallel replaces it with its ring attention of the same signature."""
-    k, v = _repeat_kv(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+from torchtitan.models.attention import repeat_kv, sdpa_attention
 
 
 class KVCache:
@@ -35,9 +20,11 @@ class KVCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+               window: int | None = None) -> torch.Tensor:
         """Store k, v (after the rotary embedding) at positions start_pos, ... and return q's causal
-        attention over every cached position up to its own; shapes as `causal_attention`'s."""
+        attention over every cached position up to its own (the last `window` of them with a sliding
+        window); shapes as attention.sdpa_attention's."""
         seq = q.shape[2]
         end = start_pos + seq
         if end > self.max_len:
@@ -48,10 +35,14 @@ class KVCache:
         self.k[:, :, start_pos:end] = k
         self.v[:, :, start_pos:end] = v
         if start_pos == 0:  # a prompt: the training path's very computation
-            return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end])
-        keys, values = _repeat_kv(q, self.k[:, :, :end], self.v[:, :, :end])
+            return sdpa_attention(q, self.k[:, :, :end], self.v[:, :, :end], window=window)
+        keys, values = repeat_kv(q, self.k[:, :, :end], self.v[:, :, :end])
         # Query i is at position start_pos + i and sees positions 0 .. start_pos + i (one new token: all).
         mask = None if seq == 1 else torch.ones(seq, end, dtype=torch.bool, device=q.device).tril(start_pos)
+        if window is not None:
+            q_pos = torch.arange(start_pos, end, device=q.device)[:, None]
+            recent = q_pos - torch.arange(end, device=q.device)[None, :] < window
+            mask = recent if mask is None else mask & recent
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 

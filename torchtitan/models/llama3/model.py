@@ -10,7 +10,8 @@ id so that a pipeline stage can drop layers while names stay stable.
 import torch
 from torch import nn
 
-from torchtitan.models.layers import FeedForward, KVCache, causal_attention, rotary_rows
+from torchtitan.models.attention import sdpa_attention
+from torchtitan.models.layers import FeedForward, KVCache, rotary_rows
 from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
@@ -40,11 +41,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # A plain function, replaceable from outside: context parallelism puts its ring attention here.
-        self.attention_fn = causal_attention
+        # A plain function, replaceable from outside: the trainer puts the chosen kernel here and
+        # context parallelism its ring attention (torchtitan.models.attention).
+        self.attention_fn = sdpa_attention
+        self.window: int | None = None  # Llama 3 attends to every earlier position
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -52,7 +56,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, k, freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.attention_fn(q, k, v) if cache is None else cache.attend(q, k, v, start_pos)
+        if cache is None:
+            out = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window)
+        else:
+            out = cache.attend(q, k, v, start_pos, self.window)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -67,11 +74,15 @@ class TransformerBlock(nn.Module):
         self.out_init_std = 0.02 / (2 * depth) ** 0.5  # residual-branch outputs start small, deeper ones smaller
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs.
-        attention_args = (freqs_cis,) if cache is None else (freqs_cis, cache, start_pos)
-        h = x + self.attention(self.attention_norm(x), *attention_args)
+        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs
+        # (the document ids are a keyword: the plan leaves them as they are).
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), freqs_cis, doc_ids=doc_ids)
+        else:
+            h = x + self.attention(self.attention_norm(x), freqs_cis, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -100,15 +111,18 @@ class Transformer(nn.Module):
             self.freqs_cis = self._freqs_cis().to(self.freqs_cis.device)
 
     def forward(
-        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0
+        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Training: forward(tokens). Decoding: with `cache` (layers.kv_caches), the tokens are at
-        positions start_pos, start_pos + 1, ... and their keys and values are added to the cache."""
+        """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
+        (attention.document_ids: each token sees only its own document). Decoding: with `cache`
+        (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
+        and values are added to the cache."""
         # Each part may be absent on a pipeline stage.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if cache is None:
             for layer in self.layers.values():
-                h = layer(h, self.freqs_cis)
+                h = layer(h, self.freqs_cis, doc_ids=doc_ids)
         else:
             freqs_cis = rotary_rows(self.freqs_cis, start_pos, tokens.shape[1])
             for layer_id, layer in self.layers.items():

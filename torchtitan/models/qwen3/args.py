@@ -26,6 +26,14 @@ class ModelArgs:
     depth_init: bool = True
     # Qwen3-MoE: every block's feed-forward is a mixture of experts (hidden_dim is then unused).
     moe: MoEArgs | None = None
+    # Sliding-window attention (Hugging Face's use_sliding_window, sliding_window, max_window_layers):
+    # layers max_window_layers, ... attend to the last `sliding_window` positions (themselves
+    # included); None: every layer attends to every earlier position.
+    sliding_window: int | None = None
+    max_window_layers: int = 0
+
+    def layer_window(self, layer_id: int) -> int | None:
+        return self.sliding_window if layer_id >= self.max_window_layers else None
 
     @property
     def kv_heads(self) -> int:

@@ -20,7 +20,8 @@ stage can drop layers while names stay stable.
 import torch
 from torch import nn
 
-from torchtitan.models.layers import FeedForward, KVCache, causal_attention, rotary_rows
+from torchtitan.models.attention import sdpa_attention
+from torchtitan.models.layers import FeedForward, KVCache, rotary_rows
 from torchtitan.models.moe import MoE, count_moe_parameters, moe_layers
 from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
 from torchtitan.models.qwen3.args import ModelArgs
@@ -46,7 +47,7 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int | None = None):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
@@ -56,12 +57,15 @@ class Attention(nn.Module):
         # One weight shared by all heads; normalizes each head's features separately.
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        # A plain function, replaceable from outside: context parallelism puts its ring attention here.
-        # (SDPA's default scale 1/sqrt(head_dim) is Qwen3's.)
-        self.attention_fn = causal_attention
+        # A plain function, replaceable from outside: the trainer puts the chosen kernel here and
+        # context parallelism its ring attention (torchtitan.models.attention). SDPA's default scale
+        # 1/sqrt(head_dim) is Qwen3's.
+        self.attention_fn = sdpa_attention
+        self.window = window  # this layer's sliding window (None: every earlier position)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+        self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallel the projections hold this rank's heads only.
@@ -70,14 +74,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.attention_fn(q, k, v) if cache is None else cache.attend(q, k, v, start_pos)
+        if cache is None:
+            out = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window)
+        else:
+            out = cache.attend(q, k, v, start_pos, self.window)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, args.layer_window(layer_id))
         # Qwen3-MoE: the same block with a mixture of experts in place of the dense feed-forward.
         self.feed_forward = MoE(args.dim, args.moe) if args.moe else FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -86,11 +93,15 @@ class TransformerBlock(nn.Module):
         self.out_init_std = 0.02 / (2 * depth) ** 0.5  # residual-branch outputs start small, deeper ones smaller
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+        self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs.
-        attention_args = (rope,) if cache is None else (rope, cache, start_pos)
-        h = x + self.attention(self.attention_norm(x), *attention_args)
+        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs
+        # (the document ids are a keyword: the plan leaves them as they are).
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope, doc_ids=doc_ids)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -129,15 +140,18 @@ class Transformer(nn.Module):
         return self
 
     def forward(
-        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0
+        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Training: forward(tokens). Decoding: with `cache` (layers.kv_caches), the tokens are at
-        positions start_pos, start_pos + 1, ... and their keys and values are added to the cache."""
+        """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
+        (attention.document_ids: each token sees only its own document). Decoding: with `cache`
+        (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
+        and values are added to the cache."""
         # Each part may be absent on a pipeline stage.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if cache is None:
             for layer in self.layers.values():
-                h = layer(h, self.rope_cache)
+                h = layer(h, self.rope_cache, doc_ids=doc_ids)
         else:
             rope = rotary_rows(self.rope_cache, start_pos, tokens.shape[1])
             for layer_id, layer in self.layers.items():

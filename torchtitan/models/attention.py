@@ -1,0 +1,166 @@
+"""Which keys a query may see, and the kernels that apply it.
+
+A training window packs several documents. Under a causal mask (`model.attn_mask_type = "causal"`)
+every token sees all earlier tokens of the window; under "block_causal" only the earlier tokens of
+its own document. Documents are numbered per window by `document_ids` from the EOS the packer writes
+after every document, so a token after an EOS starts the next document.
+
+A family's attention module calls `attention_fn(q, k, v, doc_ids=None, window=None)`:
+q [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] (grouped-query attention:
+each KV head serves heads / kv_heads query heads); `doc_ids` [batch, seq] (None: one document per
+window); `window` the layer's sliding window (None: unlimited): query i sees key j when
+j <= i, i - j < window and both are in the same document. Three kernels give the same outputs
+within round-off:
+- `sdpa_attention`: PyTorch's scaled_dot_product_attention, causal, or with a boolean mask built
+  from the document ids and the window. Every device; the default.
+- `split_attention`: one causal SDPA call per document (a loop over the documents of each row), so
+  no [seq, seq] mask is built; costs a host sync and a kernel launch per document.
+- `flex_attention_fn()`: FlexAttention with a block mask, compiled; it skips the tiles the mask
+  removes. Trains only on CUDA (torch 2.13 has no FlexAttention backward on CPU).
+Context parallel replaces `attention_fn` with its ring attention, which applies the same rule.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+MASK_TYPES = ("causal", "block_causal")
+BACKENDS = ("auto", "sdpa", "split", "flex")
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[batch, seq] int32: the index of each token's document within its window. A document ends
+    with its EOS; the token after an EOS starts the next one."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
+            window: int | None) -> torch.Tensor:
+    """Boolean [batch or 1, 1, q, k]: which keys each query sees. Positions are global positions in
+    the window ([q] and [k]); documents [batch, q] and [batch, k], or None for one document."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+    mask = mask[None, None]
+    if q_doc is not None:
+        mask = mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    return mask
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: repeat each KV head for the heads / kv_heads query heads it serves."""
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=1)
+        v = v.repeat_interleave(repeats, dim=1)
+    return k, v
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """SDPA: with is_causal when every key before a query counts, else with a boolean mask."""
+    k, v = repeat_kv(q, k, v)
+    if doc_ids is None and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    pos = torch.arange(q.shape[2], device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, doc_ids, doc_ids, window))
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """One SDPA call per document: each document's queries see only its own keys, causally."""
+    if doc_ids is None:
+        return sdpa_attention(q, k, v, None, window)
+    k, v = repeat_kv(q, k, v)
+    rows = []
+    for b, lengths in enumerate(_document_lengths(doc_ids)):
+        parts, start = [], 0
+        for length in lengths:
+            span = slice(start, start + length)
+            parts.append(sdpa_attention(q[b:b + 1, :, span], k[b:b + 1, :, span], v[b:b + 1, :, span], None, window))
+            start += length
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
+
+
+def _document_lengths(doc_ids: torch.Tensor) -> list[list[int]]:
+    """The length of each document of each row, in order (one host sync)."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    seq = doc_ids.shape[1]
+    lengths = []
+    for row in starts.cpu():
+        idx = row.nonzero().flatten().tolist() + [seq]
+        lengths.append([b - a for a, b in zip(idx, idx[1:])])
+    return lengths
+
+
+def flex_attention_fn(compiled: bool = True) -> Callable:
+    """FlexAttention with a block mask from the document ids and the window. The block mask is built
+    once per batch (every layer of a forward gets the same doc_ids tensor) and per window size."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    cache: dict = {}
+
+    def attention(q, k, v, doc_ids=None, window=None):
+        key = (window, q.shape[0], q.shape[2], k.shape[2], q.device)
+        held = cache.get("doc_ids")
+        if held is not doc_ids or key not in cache:
+            if held is not doc_ids:
+                cache.clear()
+                cache["doc_ids"] = doc_ids  # held, so its id cannot be reused by a later batch's tensor
+            cache[key] = create_block_mask(
+                _mask_mod(doc_ids, window), None if doc_ids is None else q.shape[0], None, q.shape[2], k.shape[2],
+                device=q.device,
+            )
+        return kernel(q, k, v, block_mask=cache[key], enable_gqa=q.shape[1] != k.shape[1])
+
+    return attention
+
+
+def _mask_mod(doc_ids: torch.Tensor | None, window: int | None):
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx <= q_idx
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        if doc_ids is not None:
+            keep = keep & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return keep
+
+    return mask_mod
+
+
+def attention_backend(name: str, device_type: str, masked: bool) -> tuple[str, Callable]:
+    """(the backend's name, its attention_fn) for `model.attn_backend` on this device. "auto":
+    FlexAttention on CUDA when the mask is more than causal (documents or sliding windows), where it
+    skips the masked tiles; SDPA otherwise (a plain causal mask runs SDPA's flash kernel)."""
+    if name == "auto":
+        name = "flex" if device_type == "cuda" and masked else "sdpa"
+    if name == "flex":
+        return name, flex_attention_fn()
+    return name, {"sdpa": sdpa_attention, "split": split_attention}[name]
+
+
+def set_attention_fn(model: torch.nn.Module, path: str, fn: Callable) -> None:
+    """Make every block of `model` (a decoder or a pipeline stage of one) attend with `fn`: the
+    `attention_fn` of the submodule at `path` (the spec's cp_attention) in each block."""
+    for block in model.layers.values():
+        block.get_submodule(path).attention_fn = fn
+
+
+def attended_pairs(lengths: list[int], window: int | None) -> int:
+    """The (query, key) pairs a causal mask with this window lets through in documents of these
+    lengths: sum over documents of sum_i min(i + 1, window)."""
+    total = 0
+    for n in lengths:
+        if window is None or n <= window:
+            total += n * (n + 1) // 2
+        else:
+            total += window * (window + 1) // 2 + (n - window) * window
+    return total
