@@ -1,7 +1,8 @@
-"""Throughput of the trainer against a minimal hand-written PyTorch loop training the same model.
+"""Throughput of the trainer against a minimal hand-written PyTorch loop training the same model,
+or (--attention 1) of the trainer's attention masks and kernels against each other.
 
     python scripts/benchmark.py [--nproc N] [--steps S] [--warmup W] [--threads T] [--repeat R] \\
-        --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
+        [--attention 1] --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
 
 Two measurements, each in its own process (or torchrun launch when N > 1), so that the peak
 resident memory of one does not hide that of the other (RSS maxima only grow):
@@ -19,6 +20,14 @@ resident memory of one does not hide that of the other (RSS maxima only grow):
   the difference in throughput therefore includes the cost of the trainer's data loader, and the
   step-1 losses of the two must agree (printed as a check that the same model is trained). The
   bare loop keeps the peak learning rate (no schedule), so later losses differ.
+
+--attention 1: the trainer alone, on the recipe's data, once with causal attention and once with
+model.attn_mask_type = "block_causal" per attention kernel this device trains with (sdpa and split;
+flex too on CUDA), each in its own process. Reported per variant: the kernel that ran (the
+trainer's own choice, attention.attention_backend), tokens/s and its ratio to causal, TFLOP/s and
+MFU (block_causal counts only the attention its mask lets through), the first step's time (on CUDA
+mostly compilation) and the step-1 loss. Documents must be short against seq_len for block_causal
+to matter: scripts/short_documents.py writes such a corpus.
 
 On a shared machine the load of others drifts over a run: --repeat R runs the pair R times, in
 alternating order (framework first, then bare first, ...), and pools the steps of all repeats.
@@ -51,8 +60,9 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 # Options of this script; everything else is a trainer override.
 OWN_OPTIONS = {"--nproc": int, "--steps": int, "--warmup": int, "--threads": int, "--repeat": int, "--worker": str,
-               "--result": str}
-DEFAULTS = {"nproc": 1, "steps": 30, "warmup": 10, "threads": None, "repeat": 1, "worker": None, "result": None}
+               "--result": str, "--attention": int}
+DEFAULTS = {"nproc": 1, "steps": 30, "warmup": 10, "threads": None, "repeat": 1, "worker": None, "result": None,
+            "attention": 0}
 PARTS = ("framework", "bare")
 
 
@@ -110,6 +120,11 @@ def check_supported(cfg) -> None:
                         "or selective with an integer selective_ac_option")
     if cfg.model.converters:
         raise UserError("the bare loop applies no model converters (model.converters must be empty)")
+    m = cfg.model
+    if (m.attn_mask_type, m.attn_backend, m.use_flex_attn, cfg.training.ignore_cross_document_labels) != (
+            "causal", "auto", False, False):
+        raise UserError("the bare loop attends causally with the model's default kernel and counts every label: "
+                        "compare masks and kernels with --attention 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +144,7 @@ def run_framework(cfg) -> dict:
         "peak_tflops": records[-1]["tflops"] * 100 / records[-1]["mfu"],
         "threads": torch.get_num_threads(),
         "first_loss": records[0]["loss"],
+        "first_step_s": records[0]["time"],
     }
 
 
@@ -241,7 +257,7 @@ def run_bare(cfg, steps: int) -> dict:
             inputs, labels = inputs.to(device), labels.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
                 logits = model(inputs)
-            loss = spec.loss_fn(logits, labels) / accum
+            loss = spec.loss_sum_fn(logits, labels) / (labels.numel() * accum)
             loss.backward()
             if step == 0:
                 first_loss += loss.detach()  # to check against the trainer's first loss
@@ -374,6 +390,52 @@ def format_table(fw: dict, bare: dict) -> list[str]:
     return lines
 
 
+def attention_variants(cfg, device_type: str) -> list[tuple[str, list[str]]]:
+    """(label, extra overrides): causal, then block_causal with each kernel that trains here."""
+    kernels = ["sdpa", "split"] + (["flex"] if device_type == "cuda" else [])
+    return [("causal", ["--model.attn_mask_type", "causal", "--model.attn_backend", "auto"])] + [
+        (f"block_causal {k}", ["--model.attn_mask_type", "block_causal", "--model.attn_backend", k]) for k in kernels
+    ]
+
+
+def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -> int:
+    import torch
+
+    from torchtitan.models.attention import attention_backend
+    from torchtitan.models.registry import get_model_args
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    windowed = getattr(get_model_args(cfg.model.name, cfg.model.flavor), "sliding_window", None) is not None or \
+        cfg.model.sliding_window is not None
+    rows = []
+    for label, extra in attention_variants(cfg, device_type):
+        masked = "block_causal" in label or windowed
+        kernel = attention_backend(extra[-1], device_type, masked)[0] if cfg.parallelism.context_parallel_degree == 1 \
+            else "ring"
+        results = []
+        for repeat in range(opts["repeat"]):
+            result, log = tmp / f"{label.replace(' ', '_')}_{repeat}.json", tmp / f"{label.replace(' ', '_')}_{repeat}.log"
+            with open(log, "w") as f:
+                subprocess.run(worker_command("framework", opts, overrides + extra, result), env=env, stdout=f,
+                               stderr=subprocess.STDOUT)
+            if not result.exists():
+                print(f"error: the {label} run failed; log {log}:\n{log.read_text()[-6000:]}", file=sys.stderr)
+                return 1
+            results.append(json.loads(result.read_text()))
+        summary = summarize(results, opts["warmup"])
+        summary.update(kernel=kernel, first_loss=results[0]["first_loss"],
+                       first_step_s=statistics.median(r["first_step_s"] for r in results))
+        rows.append((label, summary))
+        print(f"{label}: {summary['tps']:,.0f} tokens/s ({kernel} kernel), log {log}", flush=True)
+    causal = rows[0][1]["tps"]
+    print(f"{'mask and kernel':<22}{'ran':>7}{'tokens/s':>11}{'x causal':>10}{'TFLOP/s':>10}{'MFU %':>7}"
+          f"{'step 1 s':>10}{'loss 1':>9}")
+    for label, r in rows:
+        print(f"{label:<22}{r['kernel']:>7}{r['tps']:>11,.0f}{r['tps'] / causal:>10.2f}{r['tflops']:>10.4f}"
+              f"{r['mfu']:>7.1f}{r['first_step_s']:>10.1f}{r['first_loss']:>9.4f}")
+    return 0
+
+
 def launch(opts: dict, overrides: list[str]) -> int:
     from torchtitan.config import HelpRequested, UserError, load_config
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -383,7 +445,8 @@ def launch(opts: dict, overrides: list[str]) -> int:
         return 2
     try:
         cfg = load_config(overrides)
-        check_supported(cfg)
+        if not opts["attention"]:
+            check_supported(cfg)
         t = cfg.training
         dims = ParallelDims.from_config(cfg.parallelism, opts["nproc"])
         global_batch, _ = dims.batch(t.local_batch_size, t.global_batch_size)
@@ -403,6 +466,8 @@ def launch(opts: dict, overrides: list[str]) -> int:
           f"{opts['steps']} steps, median after {opts['warmup']}, {opts['repeat']} repeat(s)", flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="benchmark_"))
+    if opts["attention"]:
+        return run_attention(opts, overrides, cfg, env, tmp)
     runs = {part: [] for part in PARTS}
     for repeat in range(opts["repeat"]):
         # Alternating the order spreads a drift in background load evenly over the two.

@@ -145,3 +145,13 @@ def mixture_corpus(folder: Path, docs: list[list[str]], tokenizer) -> list[Path]
     pretokenize(FilesSource(str(text)), tokenizer, tokens, source_description={"description": str(text)},
                 workers=1, log=lambda *_: None)
     return [parquet, zst, tokens]
+
+
+
+def short_documents_corpus(path: Path, count: int = 3000) -> Path:
+    """A jsonl corpus of short documents (1 or 2 lines of the standard library, about 20 tokens):
+    several per 64-token window (scripts/short_documents.py)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from short_documents import short_documents_corpus as write
+
+    return write(path, count, lines=1)

@@ -133,3 +133,60 @@ def test_moe_config_values():
     assert overrides_from_config(section) == {"load_balance_coeff": None, "capacity_factor": 1.25, "z_loss_coeff": 0.001}
     plan = preflight(cfg(*MOE, "--moe.top_k", "4"), world_size=1)
     assert plan.spec.name == "qwen3"
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["--model.use_flex_attn"], r"FlexAttention does not support backward on CPU"),
+    (["--model.attn_backend", "flex"], r"FlexAttention does not support backward on CPU"),
+    (["--model.sliding_window", "16"], r"model.sliding_window is set, but model 'llama3' has no sliding-window"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.max_window_layers", "1"],
+     r"max_window_layers = 1 has no effect: .* has no sliding window"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.sliding_window", "8",
+      "--model.max_window_layers", "99"], r"none would have the sliding window"),
+])
+def test_attention_mistakes_are_refused_before_launch(overrides, pattern):
+    with pytest.raises(UserError, match=pattern):
+        preflight(cfg(*overrides), world_size=1)
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["--model.attn_mask_type", "blockwise"], r"model.attn_mask_type"),
+    (["--model.name", "qwen3", "--model.sliding_window", "0"], r"model.sliding_window must be a positive"),
+    (["--model.name", "qwen3", "--model.sliding_window", "-4"], r"model.sliding_window must be a positive"),
+    (["--model.use_flex_attn", "--model.attn_backend", "split"], r"use_flex_attn = true asks for FlexAttention"),
+])
+def test_attention_values_are_refused_by_the_config(overrides, pattern):
+    with pytest.raises(UserError, match=pattern):
+        cfg(*overrides)
+
+
+def test_a_window_reaches_the_model_args():
+    plan = preflight(cfg("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.sliding_window", "8",
+                         "--model.max_window_layers", "1"), world_size=1)
+    from torchtitan.train import attention_overrides, model_args_for_run
+
+    c = cfg("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.sliding_window", "8",
+            "--model.max_window_layers", "1")
+    args = model_args_for_run(plan.spec, c, 4096)
+    assert attention_overrides(c.model) == {"sliding_window": 8, "max_window_layers": 1}
+    assert [args.layer_window(i) for i in range(args.n_layers)] == [None] + [8] * (args.n_layers - 1)
+
+
+def test_initial_hf_weights_bring_their_sliding_windows(tmp_path):
+    import json
+
+    import torch
+
+    from torchtitan.train import model_args_for_run
+
+    spec = get_model_spec("qwen3")
+    windowed = spec.args_for_training("debugmodel", 4096, 64, overrides={"sliding_window": 8,
+                                                                         "max_window_layers": 1})
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf.config(windowed, torch.float32, None, 2)))
+    base = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--checkpoint.initial_load_path",
+            str(tmp_path), "--checkpoint.initial_load_in_hf", "--training.seq_len", "64"]
+    args = model_args_for_run(spec, cfg(*base), 4096)
+    assert (args.sliding_window, args.max_window_layers) == (8, 1)
+    # [model] wins where it says otherwise.
+    args = model_args_for_run(spec, cfg(*base, "--model.sliding_window", "16"), 4096)
+    assert (args.sliding_window, args.max_window_layers) == (16, 1)

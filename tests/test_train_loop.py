@@ -94,9 +94,9 @@ def test_the_specs_loss_function_is_the_one_trained(tmp_path):
     from torchtitan.models.registry import get_model_spec, register_model
 
     def smoothed(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=0.5)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=0.5, reduction="sum")
 
-    register_model(dataclasses.replace(get_model_spec("llama3"), name="llama3_smoothed_loss", loss_fn=smoothed))
+    register_model(dataclasses.replace(get_model_spec("llama3"), name="llama3_smoothed_loss", loss_sum_fn=smoothed))
     plain = short_run(tmp_path / "a", "--training.mixed_precision_param", "float32")
     custom = short_run(tmp_path / "b", "--training.mixed_precision_param", "float32",
                        "--model.name", "llama3_smoothed_loss")
@@ -143,8 +143,8 @@ class PoisonedSteps:
         self.step_now = step
         return super().train_step(step, data_iter)
 
-    def forward_backward(self, inputs, labels):
-        loss = super().forward_backward(inputs, labels)
+    def forward_backward(self, inputs, labels, doc_ids, scale):
+        loss = super().forward_backward(inputs, labels, doc_ids, scale)
         if self.step_now in self.poisoned:
             for part in self.parts:
                 for p in part.parameters():
@@ -246,3 +246,25 @@ def test_data_wait_is_measured_per_step(tmp_path):
     assert all(r["data_wait_s"] >= 0.05 for r in slow)  # the mean over the steps since the previous record
     assert all(r["data_wait_s"] < 0.05 for r in normal[1:])
     assert [r["loss"] for r in normal] == pytest.approx([r["loss"] for r in slow], rel=1e-6)
+
+
+def test_block_causal_needs_document_boundaries_from_the_loader(tmp_path, capsys):
+    """A fork's loader whose dataset does not say which token ends a document: block_causal (and
+    ignoring cross-document labels) is refused with exit 2 before the model is built."""
+    from torchtitan.train import Trainer, main
+
+    class PlainBatches(Trainer):
+        def build_dataloader(self):
+            return [(torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))] * 4
+
+        def build_model(self):
+            raise AssertionError("the model must not be built")
+
+    args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder",
+            str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2"]
+    for flag in (["--model.attn_mask_type", "block_causal"], ["--training.ignore_cross_document_labels"]):
+        assert main(args + flag, trainer_cls=PlainBatches) == 2
+        err = capsys.readouterr().err
+        assert "carries no document boundaries" in err and "Traceback" not in err
+        assert flag[0].removeprefix("--") in err.replace(" = 'block_causal'", "")
+

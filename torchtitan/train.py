@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.batch import BatchRule, valid_labels
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
@@ -40,18 +41,20 @@ from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenize
 from torchtitan.components import validate
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.context_parallel import local_positions, shard_sequence
+from torchtitan.distributed.context_parallel import local_positions
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
     attach_schedule,
     broadcast_loss,
     check_no_shared_weights_across_stages,
+    StepLoss,
     pipeline_step,
     plan_split,
     split_for_rank,
 )
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
+from torchtitan.models.attention import attention_backend, set_attention_fn
 from torchtitan.models.moe import overrides_from_config as moe_overrides
 from torchtitan.models.registry import get_model_args, get_model_spec, import_custom_module
 from torchtitan.models.spec import VOCAB_MULTIPLE, ModelSpec, ParallelizeInputs
@@ -81,8 +84,10 @@ class Plan:
 def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     """The args of the model this job builds. Its vocabulary is the tokenizer's, padded
     (spec.args_for_training); where the initial weights come from a Hugging Face folder, that folder's
-    vocab_size (checkpoints pad as they like: Qwen3 has 151,936 rows for 151,669 tokens)."""
-    args = spec.args_for_training(cfg.model.flavor, tokenizer_vocab, cfg.training.seq_len, moe_overrides(cfg.moe))
+    vocab_size (checkpoints pad as they like: Qwen3 has 151,936 rows for 151,669 tokens) and
+    sliding windows."""
+    args = spec.args_for_training(cfg.model.flavor, tokenizer_vocab, cfg.training.seq_len, moe_overrides(cfg.moe),
+                                  attention_overrides(cfg.model))
     if not cfg.checkpoint.initial_load_in_hf:
         return args
     from torchtitan.components.hf_checkpoint import HF_CONFIG, read_hf_config
@@ -97,7 +102,59 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
             f"{cfg.model.tokenizer_path}: the tokenizer would produce ids the weights have no row for; use the "
             "tokenizer that was published with these weights"
         )
-    return dataclasses.replace(args, vocab_size=hf_vocab)
+    # The folder's attention windows too (a Qwen3 trained with sliding windows keeps them), unless
+    # [model] sets them.
+    windows = {name: getattr(spec.hf.args_from_config(read_hf_config(cfg.checkpoint.initial_load_path)), name)
+               for name in ("sliding_window", "max_window_layers")
+               if not spec.missing_fields([name]) and getattr(cfg.model, name) is None}
+    return dataclasses.replace(args, vocab_size=hf_vocab, **windows)
+
+
+def attention_overrides(model) -> dict:
+    """The model args that [model] sets for attention (sliding windows), where set."""
+    return {name: getattr(model, name) for name in ("sliding_window", "max_window_layers")
+            if getattr(model, name) is not None}
+
+
+def check_attention(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+    """[model] attention options against the device and the family (before any model is built)."""
+    m = cfg.model
+    backend = "flex" if m.use_flex_attn else m.attn_backend
+    if backend == "flex" and dist_utils.device_type() != "cuda":
+        raise UserError(
+            f"model.{'use_flex_attn = true' if m.use_flex_attn else 'attn_backend = flex'} asks for FlexAttention, "
+            f"which cannot train on {dist_utils.device_type()}: FlexAttention does not support backward on CPU "
+            f"(torch {torch.__version__.split('+')[0]}); use model.attn_backend = 'sdpa' or 'split' (or 'auto')"
+        )
+    if backend != "auto" and spec.cp_attention is None:
+        raise UserError(
+            f"model.attn_backend = {backend!r}: model '{spec.name}' names no attention module in its spec "
+            f"(cp_attention), so its kernel cannot be chosen; leave model.attn_backend = 'auto'"
+        )
+    if m.attn_mask_type == "block_causal" and not spec.document_masks:
+        raise UserError(
+            f"model.attn_mask_type = 'block_causal': model '{spec.name}' cannot mask attention at document "
+            f"boundaries (its spec does not set document_masks); use 'causal'"
+        )
+    overrides = attention_overrides(m)
+    missing = spec.missing_fields(overrides)
+    if missing:
+        raise UserError(
+            f"model.{missing[0]} is set, but model '{spec.name}' has no sliding-window attention (its args have no "
+            f"{missing[0]} field); remove it"
+        )
+    if "max_window_layers" in overrides:
+        args = spec.args_for_training(m.flavor, 1, cfg.training.seq_len, None, overrides)
+        if args.sliding_window is None:
+            raise UserError(
+                f"model.max_window_layers = {m.max_window_layers} has no effect: model {spec.name} {m.flavor} has no "
+                f"sliding window; set model.sliding_window too, or remove it"
+            )
+        if args.max_window_layers >= args.n_layers:
+            raise UserError(
+                f"model.max_window_layers = {m.max_window_layers}: the model has {args.n_layers} layers, so none "
+                f"would have the sliding window; set it below {args.n_layers}"
+            )
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
@@ -127,7 +184,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"[moe] sets {', '.join(overrides)}, but model {spec.name} {cfg.model.flavor} has no mixture of experts; "
             f"remove them or choose an MoE flavor"
         )
-    model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides)
+    check_attention(cfg, spec, dims)
+    model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides,
+                                        attention_overrides(cfg.model))
     # A missing path, a folder without tokenizer.json (cheap; Tokenizer reads the content, which
     # torchtitan.preflight does before launch).
     detect_tokenizer(cfg.model.tokenizer_path)
@@ -256,6 +315,7 @@ class Trainer:
         with self.phase("opening the data"):
             self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
             self.dataloader = self.build_dataloader()
+            self.document_end_id = self.data_document_end()
         with self.phase("building the model"):
             self.parts, self.pipeline = self.build_model()
             self.optim = self.build_optimizer()
@@ -286,7 +346,7 @@ class Trainer:
         gc.disable()
         gc.collect()
         self.start_time = self.last_log_time = time.perf_counter()
-        self.tokens_since_log = 0.0
+        self.tokens_since_log = self.flops_since_log = 0.0
         self.data_wait_since_log, self.last_log_step = 0.0, start_step
         try:
             with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, start_step) as profiler:
@@ -341,6 +401,23 @@ class Trainer:
                                 self.plan.global_batch_size, pin_memory=self.device.type == "cuda",
                                 gather=dist_utils.gather_objects)
 
+    def data_document_end(self) -> int | None:
+        """The token that ends each document in the training data, where the run needs document
+        boundaries (block_causal attention, ignore_cross_document_labels)."""
+        end = getattr(getattr(self.dataloader, "dataset", None), "document_end_id", None)
+        needs = [what for what, on in (("model.attn_mask_type = 'block_causal'",
+                                        self.cfg.model.attn_mask_type == "block_causal"),
+                                       ("training.ignore_cross_document_labels",
+                                        self.cfg.training.ignore_cross_document_labels)) if on]
+        if needs and end is None:
+            raise UserError(
+                f"{' and '.join(needs)} needs the document boundaries of the training data, but its loader "
+                f"({type(self.dataloader).__name__}) carries no document boundaries: its dataset has no "
+                f"document_end_id (the token that ends every document); set one, or use 'causal' attention and "
+                f"count every label"
+            )
+        return end
+
     def build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
         """This rank's model parts (one, or its pipeline stages), parallelized and initialized."""
         cfg, t = self.cfg, self.cfg.training
@@ -366,6 +443,7 @@ class Trainer:
         pipeline, parts = None, [model]
         if self.dims.pp_enabled:
             parts, pipeline = split_for_rank(model, self.spec.pipeline, cfg.parallelism, self.mesh["pp"])
+        self.set_attention(parts)
         expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.dims.ep_enabled else None
         self.parallelize_inputs = inputs = ParallelizeInputs(
             self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint, expert_mesh
@@ -381,8 +459,26 @@ class Trainer:
             # micro-batches as more microbatches (the schedule divides the gradients by their count
             # once; a step per micro-batch would divide the earlier ones again).
             batch = t.local_batch_size * self.plan.grad_accum_steps
-            attach_schedule(pipeline, parts, cfg.parallelism, batch, self.device, self.spec.loss_fn)
+            self.step_loss = StepLoss(self.spec.loss_sum_fn)
+            attach_schedule(pipeline, parts, cfg.parallelism, batch, self.device, self.step_loss)
         return parts, pipeline
+
+    def set_attention(self, parts: list[nn.Module]):
+        """The attention kernel of every block (model.attn_backend), said once; context parallel then
+        replaces it with its ring attention, which applies the same mask."""
+        m = self.cfg.model
+        masked = m.attn_mask_type == "block_causal" or getattr(self.model_args, "sliding_window", None) is not None
+        mask = m.attn_mask_type + (f" with sliding windows of {self.model_args.sliding_window}"
+                                   if getattr(self.model_args, "sliding_window", None) else "")
+        if self.spec.cp_attention is None:
+            logger.info(f"attention: {mask}, the model's own kernel")
+            return
+        name, fn = attention_backend("flex" if m.use_flex_attn else m.attn_backend, self.device.type, masked)
+        for part in parts:
+            set_attention_fn(part, self.spec.cp_attention, fn)
+        ring = f"; context parallel's ring attention ({self.cfg.parallelism.context_parallel_rotate_method})" \
+            if self.dims.cp_enabled else ""
+        logger.info(f"attention: {mask}, {name} kernel (model.attn_backend = {m.attn_backend!r}){ring}")
 
     def build_optimizer(self) -> OptimizerGroup:
         optim = OptimizerGroup(self.parts, self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
@@ -417,8 +513,8 @@ class Trainer:
             validate.build_source(v, t, self.tokenizer), self.tokenizer, seq_len, v.local_batch_size, dp_rank, self.dims.dp_degree, v.steps
         )
         return validate.Validator(
-            v, t.steps, batches, self.parts, self.spec.loss_fn, self.device, self.amp, self.loss_parallel,
-            self.cp_positions, self.loss_mesh, self.pipeline, self.cfg.parallelism,
+            v, t.steps, batches, self.parts, self.spec.loss_sum_fn, self.device, self.amp, self.loss_parallel,
+            self.batch_rule, self.loss_mesh, self.pipeline, self.cfg.parallelism,
         )
 
     def prepare_step_state(self):
@@ -428,17 +524,23 @@ class Trainer:
         use_autocast = not self.dims.fsdp_enabled and t.mixed_precision_param == "bfloat16"
         self.amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
         self.loss_parallel = self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel
-        # Every data- and context-parallel rank holds an equal share of the tokens: the mean of their
-        # losses is the loss of the global batch.
+        # The data- and context-parallel ranks split a step's tokens: the valid labels are counted over
+        # them, and the logged loss is the mean of their shares times their number (`log`).
         self.loss_mesh = self.mesh["dp_cp"] if self.mesh is not None else None
         self.cp_positions = None
         if self.dims.cp_enabled:
             self.cp_positions = local_positions(t.seq_len, self.dims.cp, self.mesh["cp"].get_local_rank())
+        self.batch_rule = BatchRule(
+            self.document_end_id, self.cfg.model.attn_mask_type == "block_causal", t.ignore_cross_document_labels,
+            self.cp_positions,
+        )
         self.pp_group = self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None
         self.precompute_float8 = (
             "float8" in self.cfg.model.converters and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp
         )
         self.tokens_per_step = self.plan.global_batch_size * t.seq_len
+        # Training FLOPs per token of a window without document boundaries (block_causal: the actual
+        # documents of each step, `step_flops`).
         self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         self.peak_tflops, self.peak_source = device_peak_tflops(
             self.device, dist_utils.DTYPES[t.mixed_precision_param], self.cfg.metrics.device_peak_tflops
@@ -453,11 +555,13 @@ class Trainer:
         see only the tokens they train on."""
         t = self.cfg.training
         zeros = torch.zeros(t.local_batch_size * self.plan.grad_accum_steps, t.seq_len, dtype=torch.long)
-        zeros = shard_sequence(zeros, self.cp_positions).to(self.device)
+        zeros, labels, doc_ids = self.batch_rule.prepare(zeros, zeros, self.device)
+        self.step_loss.scale = torch.ones((), device=self.device)
         for part in self.parts:
             part.eval()
         with loss_parallel_context(self.loss_parallel), self.amp:
-            pipeline_step(self.pipeline.schedule, zeros, zeros, self.pipeline.is_first, self.pipeline.is_last)
+            pipeline_step(self.pipeline.schedule, zeros, labels, self.pipeline.is_first, self.pipeline.is_last,
+                          doc_ids)
         for part in self.parts:
             part.train()
             part.zero_grad(set_to_none=True)
@@ -504,11 +608,16 @@ class Trainer:
         self.data_wait_since_log += time.perf_counter() - waited
         if self.pipeline is not None:  # the schedule takes them all at once, as microbatches
             micro_batches = [tuple(torch.cat(parts) for parts in zip(*micro_batches))]
-        for inputs, labels in micro_batches:
-            # With context parallel, this rank trains on the tokens at cp_positions of each sequence.
-            inputs, labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
-            inputs = inputs.to(self.device, non_blocking=True)  # from pinned memory on CUDA
-            loss_sum += self.forward_backward(inputs, labels.to(self.device, non_blocking=True))
+        if self.batch_rule.block_causal:
+            lengths = [n for inputs, _ in micro_batches for n in self.batch_rule.document_lengths(inputs)]
+            self.flops_since_log += self.spec.flops_per_token(self.model_args, lengths) * self.tokens_per_step
+        else:
+            self.flops_since_log += self.flops_per_token * self.tokens_per_step
+        # With context parallel, this rank trains on the tokens at cp_positions of each sequence.
+        micro_batches = [self.batch_rule.prepare(inputs, labels, self.device) for inputs, labels in micro_batches]
+        scale = self.loss_scale([labels for _, labels, _ in micro_batches])
+        for inputs, labels, doc_ids in micro_batches:
+            loss_sum += self.forward_backward(inputs, labels, doc_ids, scale)
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group)
         # One small all-reduce and one host sync per step: whether any rank's loss is non-finite (with
@@ -554,24 +663,38 @@ class Trainer:
         if self.spec.post_skipped_step is not None:
             self.spec.post_skipped_step(self.parts, self.parallelize_inputs)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its share of the step's mean loss (detached):
-        its loss / accumulation steps, or with a pipeline (one call per step) the step's mean loss."""
-        accum = self.plan.grad_accum_steps
+    def loss_scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """What a micro-batch's summed token loss is multiplied by: the number of data- and
+        context-parallel ranks over the step's count of valid labels on all of them. Their gradients
+        are averaged (FSDP/DDP), so the step's gradient is that of the sum of all token losses over
+        that count. One scalar all-reduce; no host sync."""
+        count = sum(valid_labels(x) for x in labels)
+        ranks = 1
+        if self.loss_mesh is not None:
+            torch.distributed.all_reduce(count, group=self.loss_mesh.get_group())
+            ranks = self.loss_mesh.size()
+        return (ranks / count.clamp(min=1)).float()
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None,
+                         scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one micro-batch (with a pipeline, of all of them at once); returns
+        its summed token loss times `scale` (loss_scale), detached: summed over micro-batches and
+        averaged over the ranks of loss_mesh, that is the step's loss."""
+        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
         # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
         # must both run inside the context.
         with loss_parallel_context(self.loss_parallel):
             if self.pipeline is not None:
                 is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
+                self.step_loss.scale = scale
                 with self.amp:
-                    loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last)
+                    loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last, doc_ids)
                 if loss is None:
                     loss = torch.zeros((), device=self.device)
             else:
                 with self.amp:
-                    logits = self.parts[0](inputs)
-                # Equal token counts in every micro-batch: the mean of micro-batch means is the batch mean.
-                loss = self.spec.loss_fn(logits, labels) / accum
+                    logits = self.parts[0](inputs, **kwargs)
+                loss = self.spec.loss_sum_fn(logits, labels) * scale
                 loss.backward()
         loss = loss.detach()
         return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -598,7 +721,8 @@ class Trainer:
         loss_value = dist_utils.dist_mean(loss_sum, self.loss_mesh)
         now = time.perf_counter()
         tps = self.tokens_since_log / (now - self.last_log_time)  # tokens per second on this device
-        tflops = self.flops_per_token * tps / 1e12
+        # Each device's share of the step's training FLOPs per second.
+        tflops = self.flops_since_log / self.dims.world_size / (now - self.last_log_time) / 1e12
         record = {
             "step": step,
             "loss": loss_value,
@@ -624,7 +748,7 @@ class Trainer:
             record.update(mixture_metrics(step * self.plan.global_batch_size))
         self.metrics.log(record)
         self.history.append(record)
-        self.last_log_time, self.tokens_since_log = now, 0.0
+        self.last_log_time, self.tokens_since_log, self.flops_since_log = now, 0.0, 0.0
         self.data_wait_since_log, self.last_log_step = 0.0, step
         return record
 

@@ -13,6 +13,7 @@ import torch
 
 from conftest import CharTokenizer
 from torchtitan.components import validate
+from torchtitan.components.batch import BatchRule
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.job_config import Validation
@@ -154,8 +155,8 @@ def build_model(name, flavor, seq_len):
 
 
 def make_validator(spec, model, data, cfg, training_steps=7):
-    return validate.Validator(cfg, training_steps, data, [model], spec.loss_fn, torch.device("cpu"), nullcontext(),
-                              False, None, None)
+    return validate.Validator(cfg, training_steps, data, [model], spec.loss_sum_fn, torch.device("cpu"),
+                              nullcontext(), False, BatchRule(None), None)
 
 
 def test_a_run_is_the_mean_loss_over_the_tokens_in_eval_mode(tmp_path):
@@ -172,7 +173,7 @@ def test_a_run_is_the_mean_loss_over_the_tokens_in_eval_mode(tmp_path):
     assert model.training and torch.equal(torch.get_rng_state(), rng)
     model.eval()
     with torch.no_grad():
-        losses = [spec.loss_fn(model(x), y).item() for x, y in data.batches()]
+        losses = [spec.loss_sum_fn(model(x), y).item() / y.numel() for x, y in data.batches()]
     assert len(losses) == 3
     assert record["validation_loss"] == pytest.approx(sum(losses) / 3, rel=1e-6)
     assert record["validation_perplexity"] == pytest.approx(math.exp(record["validation_loss"]))

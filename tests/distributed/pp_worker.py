@@ -32,6 +32,7 @@ from torchtitan.distributed.pipeline_parallel import (
     schedule_style,
     split_module_names,
     stage_ids_for_rank,
+    StepLoss,
 )
 from torchtitan.distributed.utils import clip_grad_norm_, exit_process
 from torchtitan.models.registry import get_model_spec
@@ -124,7 +125,12 @@ def train_pp(batches, schedule, pp_mesh, dp_mesh=None, csv_path=None, fsdp_polic
     local_batch = BATCH // (dp_mesh.size() if dp_mesh is not None else 1)
     n_mb = num_microbatches(local_batch, 2 if dp_mesh is None else 1)
     stages = build_stages(models, ids, num_stages, "cpu", pp_group)
-    sched = build_pipeline_schedule(stages, schedule, n_mb, loss_fn, csv_path=csv_path)
+    # The schedule adds up the microbatch gradients (scale_grads=False): each microbatch's loss is
+    # its summed token loss over the local batch's token count, as the trainer's StepLoss makes it.
+    step_loss = StepLoss(lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                                reduction="sum"))
+    step_loss.scale = torch.tensor(1.0 / (local_batch * SEQ))
+    sched = build_pipeline_schedule(stages, schedule, n_mb, step_loss, csv_path=csv_path)
     is_first, is_last = 0 in ids, num_stages - 1 in ids
     params = [p for m in models for p in m.parameters()]
     opt = optimizer(params)

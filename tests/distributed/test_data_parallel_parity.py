@@ -17,6 +17,12 @@ within BF16_TOL of the fp32 single-process run:
 - a mixture of three sources (a parquet folder, a jsonl.zst folder, a token folder; training.dataset_mix)
   under FSDP 2 within 1e-5 of one process, with the same data_share/I; its FSDP 2 save at step 3
   resumed under FSDP 4 continues with the single process's losses;
+- block-causal attention with the cross-document labels ignored, on a corpus of short documents
+  (about 20 tokens, 3 or more per 64-token window): FSDP 2 (and with the per-document split kernel),
+  FSDP 2 x accumulation 2, TP 2, PP 2, CP 2 (both rotations), FSDP 2 x TP 2, Qwen3-MoE with EP 2,
+  and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, each within 1e-5 of its one
+  process; the step-1 loss of FSDP 2 x accumulation 2 and of CP 2 equals a loss computed by hand
+  (per-token log-softmax over the documents alone, labels after an EOS left out);
 - validation ([validation], every 3 steps and at the last: 2 global batches of 8 held-out sequences)
   gives the single process's loss within 1e-5 under FSDP 2, TP 2, PP 2 (1F1B, and ZBVZeroBubble's
   two stages per rank), CP 2 and Qwen3-MoE's PP 2 x EP 2, and leaves the training losses and grad
@@ -31,7 +37,7 @@ import math
 import pytest
 import torch
 
-from conftest import REPO, launch, mixture_corpus
+from conftest import REPO, TINY, launch, mixture_corpus, short_documents_corpus
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 
@@ -55,6 +61,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--checkpoint.enable_checkpoint",
        "--checkpoint.interval", "6"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 # Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
 VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
@@ -182,14 +189,50 @@ def mixture_jobs(tmp) -> tuple[dict, dict, dict]:
             {"copy_mix": copy, "mix_fsdp4_resumed": mix + save3 + ["--training.local_batch_size", "2"]})
 
 
+def block_causal_args(tmp) -> list[str]:
+    corpus = tmp / "short_docs.jsonl"
+    if not corpus.exists():
+        short_documents_corpus(corpus)
+    return ["--training.dataset", "local", "--training.dataset_path", str(corpus),
+            "--model.attn_mask_type", "block_causal", "--training.ignore_cross_document_labels"]
+
+
+def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
+    """Block-causal attention on short documents, labels across documents ignored (reference: bc_single;
+    bc_qwen3_window_*: Qwen3 with sliding windows of 8, bc_moe_*: the MoE flavor). sd_causal_single:
+    the same data with causal attention, every label counted."""
+    bc = block_causal_args(tmp)
+    window = QWEN + ["--model.sliding_window", "8", "--model.max_window_layers", "1"]
+    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+    lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
+    return ({"bc_single": bc + lb(8) + val(8), "bc_qwen3_window_single": bc + window + lb(8),
+             "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8)},
+            {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
+             "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+             "bc_pp2": bc + lb(8) + PP2 + val(8), "bc_cp2_allgather": bc + lb(8) + CP2 + val(8),
+             "bc_cp2_alltoall": bc + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+             "bc_moe_ep2": bc + moe + lb(4) + EP2,
+             "bc_qwen3_window_tp2": bc + window + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+             "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
+             "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
+                                                                  "alltoall"]},
+            {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"]})
+
+
+BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_cp2_allgather",
+              "bc_cp2_alltoall", "bc_moe_ep2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
+              "bc_fsdp2_tp2"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp_parity")
     mix1, mix2, mix4 = mixture_jobs(tmp)
+    bc1, bc2, bc4 = block_causal_jobs(tmp)
     results = {}
-    results.update(launch(SINGLE | mix1, 1, tmp))
-    results.update(launch(TWO | mix2, 2, tmp))
-    results.update(launch(FOUR | mix4, 4, tmp))
+    results.update(launch(SINGLE | mix1 | bc1, 1, tmp))
+    results.update(launch(TWO | mix2 | bc2, 2, tmp))
+    results.update(launch(FOUR | mix4 | bc4, 4, tmp))
     results.update(launch(EIGHT, 8, tmp))
     results.update(launch(SIXTEEN, 16, tmp))
     # Validation records (step, validation_loss, ...) apart from the training steps' records.
@@ -204,13 +247,14 @@ def losses(records):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("qwen3_tied", "qwen3", "moe"):
+    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
-@pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single"])
+@pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
+                                  "bc_qwen3_window_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6
@@ -233,7 +277,7 @@ def test_qwen3_is_another_model(runs):
      "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2", "pp2_accum2",
      "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2",
      "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2",
-     *MOE_LAYOUTS],
+     *MOE_LAYOUTS, *BC_LAYOUTS],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     reference = reference_of(name)
@@ -306,12 +350,13 @@ def test_metrics_records_have_the_documented_keys(runs):
     assert [r["step"] for r in runs["fsdp2"]] == [1, 2, 3, 4, 5, 6]
 
 
-VAL_LAYOUTS = ["fsdp2", "tp2", "pp2_1f1b", "pp2_zbv", "cp2_allgather", "moe_pp2_ep2"]
+VAL_LAYOUTS = ["fsdp2", "tp2", "pp2_1f1b", "pp2_zbv", "cp2_allgather", "moe_pp2_ep2", "bc_fsdp2", "bc_pp2",
+               "bc_cp2_allgather"]
 
 
 @pytest.mark.parametrize("name", VAL_LAYOUTS)
 def test_validation_loss_is_the_same_in_every_layout(runs, name):
-    reference = "moe_single" if name.startswith("moe") else "single_fp32_val"
+    reference = "moe_single" if name.startswith("moe") else "bc_single" if name.startswith("bc_") else "single_fp32_val"
     ref, got = runs["_validation"][reference], runs["_validation"][name]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [3, 6]
     diffs = [abs(a["validation_loss"] - b["validation_loss"]) for a, b in zip(ref, got)]
@@ -344,3 +389,52 @@ def test_mixture_fsdp2_and_resumed_under_fsdp4_match_one_process(runs):
     assert shares == [[r[f"data_share/{i}"] for i in range(3)] for r in runs["mix_fsdp2"]]
     assert shares[-1] == pytest.approx([0.5, 0.3, 0.2], abs=1 / 48)  # 48 sequences: within one of each share
 
+
+
+def test_block_causal_changes_the_loss(runs):
+    # Same weights and data at step 1: masking documents from each other and leaving the labels
+    # across them out changes the loss (by 0.03 to 0.1 here); the sliding window changes Qwen3's.
+    assert abs(losses(runs["bc_single"])[0] - losses(runs["sd_causal_single"])[0]) > 1e-3
+
+
+def hand_loss(tmp) -> tuple[float, float]:
+    """Step 1's loss by hand, from the first global batch and the initial weights of one process: the
+    model run on each document alone (no mask: a document is the whole sequence), per-token
+    log-softmax, the labels after an EOS left out, the sum over the rest divided by their count. Also
+    the mean over every label of the same run (what counting every label would give)."""
+    from torchtitan.components.data import build_dataloader
+    from torchtitan.config import load_config
+    from torchtitan.models.registry import get_model_spec
+
+    cfg = load_config(TINY + block_causal_args(tmp) + ["--training.local_batch_size", "8"])
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    inputs, labels = next(iter(build_dataloader(cfg.training, tokenizer, 0, 1, 8)))
+    spec = get_model_spec("llama3")
+    args = spec.args_for_training("debugmodel", tokenizer.vocab_size, 64)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=cfg.training.seed)
+    total, count, every = 0.0, 0, []
+    with torch.no_grad():
+        for row_in, row_lab in zip(inputs, labels):
+            ends = (row_in == tokenizer.eos_id).nonzero().flatten().tolist()
+            for start, stop in zip([0] + [e + 1 for e in ends], ends + [len(row_in) - 1]):
+                doc = row_in[start:stop + 1]
+                if len(doc) == 0:
+                    continue
+                logp = torch.log_softmax(model(doc[None]).double()[0], dim=-1)
+                nll = -logp.gather(1, row_lab[start:stop + 1, None]).flatten()
+                keep = doc != tokenizer.eos_id
+                total += nll[keep].sum().item()
+                count += int(keep.sum())
+                every += nll.tolist()
+    return total / count, sum(every) / len(every)
+
+
+def test_ignored_labels_loss_is_the_hand_computed_one(runs):
+    expected, counting_all = hand_loss(runs["_tmp"])
+    assert abs(expected - counting_all) > 1e-3  # the left-out labels matter
+    for name in ("bc_single", "bc_fsdp2_accum2", "bc_cp2_allgather"):
+        got = losses(runs[name])[0]
+        assert abs(got - expected) < FP32_TOL, f"{name}: step-1 loss {got}, by hand {expected}"

@@ -136,7 +136,7 @@ def size(args: TinyArgs) -> ModelSize:
 
 def flops(args: TinyArgs, seq_len: int) -> float:
     s = size(args)
-    return transformer_flops_per_token(s.total - s.embedding, args.n_layers, args.dim, seq_len)
+    return transformer_flops_per_token(s.total - s.embedding, args.dim, [None] * args.n_layers, seq_len)
 
 
 def count_step(parts: list[nn.Module], inputs) -> None:

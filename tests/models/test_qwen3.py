@@ -78,11 +78,12 @@ def test_published_parameter_counts(flavor):
 def test_flops_per_token_tied_and_untied():
     # Tied (0.6B): the output layer is still a matmul over the shared weight, so every parameter counts.
     args = flavors["0.6B"]
-    assert flops_per_token(args, 4096) == 6 * 596_049_920 + 12 * 28 * (16 * 128) * 4096
+    assert flops_per_token(args, 4096) == pytest.approx(6 * 596_049_920 + 12 * 28 * (16 * 128) * 4097 / 2, rel=1e-12)
     # Untied (8B): everything but the input embedding; attention width 32 x 128.
     args = flavors["8B"]
     assert model_size(args).embedding == VOCAB * 4096
-    assert flops_per_token(args, 8192) == 6 * (8_190_735_360 - VOCAB * 4096) + 12 * 36 * (32 * 128) * 8192
+    assert flops_per_token(args, 8192) == pytest.approx(
+        6 * (8_190_735_360 - VOCAB * 4096) + 12 * 36 * (32 * 128) * 8193 / 2, rel=1e-12)
     # Tying changes the parameter count, not the FLOPs.
     d = flavors["debugmodel"]
     assert model_size(flavors["debugmodel_tied"]).total == model_size(d).total - d.vocab_size * d.dim
@@ -277,8 +278,11 @@ def test_hf_config_is_read_by_transformers_as_qwen3():
     "change, message",
     [
         ({"attention_bias": True}, r"attention_bias = True"),
-        ({"use_sliding_window": True}, r"use_sliding_window = True"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types"),
+        # Sliding windows convert (tests/models/test_qwen3_sliding_window.py), but not a sliding layer before a
+        # full one (our args slide layers max_window_layers and later), nor sliding layers without a window.
+        ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+         r"layer_types = '1 x sliding_attention, 1 x full_attention'.*later layer attends fully"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types = .*but no window"),
         ({"hidden_size": None}, r"lacks hidden_size"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope_parameters"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling"),

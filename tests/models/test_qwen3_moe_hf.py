@@ -267,7 +267,11 @@ def test_wrong_expert_keys_and_shapes_are_named():
         ({"num_experts": 0}, r"num_experts = 0"),
         ({"num_experts": None}, r"lacks num_experts"),
         ({"moe_intermediate_size": None}, r"lacks moe_intermediate_size"),
-        ({"use_sliding_window": True}, r"use_sliding_window = True"),
+        # A window converts on every layer only (max_window_layers 0): transformers 5 ignores max_window_layers
+        # (here the number of layers, as our no-window export writes it) and earlier releases do not.
+        ({"use_sliding_window": True, "sliding_window": 8}, r"max_window_layers = 2.*ignores max_window_layers"),
+        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
+          "layer_types": ["full_attention", "sliding_attention"]}, r"layer_types = .*no per-layer types"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope_parameters"),
     ],
 )

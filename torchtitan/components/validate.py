@@ -14,11 +14,12 @@ What it computes:
   trailing samples that do not fill a global batch are left out). A set that does not hold one global
   batch is refused before launch (`preflight_validation`). Each rank caches its batches after the
   first run (up to CACHE_TOKENS tokens), so later runs skip the tokenizer.
-- The loss is the mean over every validation token: each batch's loss is training's loss function
-  (the model spec's `loss_fn`, a mean over the batch's tokens) on this rank's share of the tokens;
-  batches and ranks hold equally many tokens, so the mean over batches, then over the data- and
-  context-parallel ranks (`dist_mean` over the same mesh as the training loss), is that global mean.
-  Perplexity = exp(loss).
+- The loss is the mean over every validation label that counts: training's summed token loss (the
+  model spec's `loss_sum_fn`) over this rank's share of the tokens of every batch, summed over the
+  data- and context-parallel ranks (the same mesh as the training loss), over the number of labels
+  that count on all of them. Batches are prepared as in training (batch.BatchRule: the same
+  attention mask, the same ignored labels, the same context-parallel positions). Perplexity =
+  exp(loss).
 - The model runs in eval mode under no_grad, with the training step's mixed precision and loss-parallel
   context; with context parallel each rank takes the same sequence positions as in training; with a
   pipeline, a second, forward-only schedule over the same stage modules (each rank runs its stages in
@@ -55,8 +56,7 @@ from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import JobConfig, Training, Validation, parse_mix
-from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.utils import dist_mean
+from torchtitan.components.batch import valid_labels
 from torchtitan.distributed.tensor_parallel import loss_parallel_context
 
 # Tokens of validation batches a rank keeps in memory (int32) between runs: 256 MiB.
@@ -313,21 +313,22 @@ class Validator:
     """Runs validation for a Trainer; `due(step)` says when, `run(step)` returns the metrics record."""
 
     def __init__(self, cfg: Validation, training_steps: int, data: ValidationData, parts: list[nn.Module],
-                 loss_fn, device: torch.device, amp, loss_parallel: bool, cp_positions: torch.Tensor | None,
-                 loss_mesh, pipeline=None, parallelism=None):
+                 loss_sum_fn, device: torch.device, amp, loss_parallel: bool, batch_rule, loss_mesh, pipeline=None,
+                 parallelism=None):
         self.cfg, self.training_steps, self.data = cfg, training_steps, data
-        self.parts, self.loss_fn, self.device = parts, loss_fn, device
-        self.amp, self.loss_parallel, self.cp_positions, self.loss_mesh = amp, loss_parallel, cp_positions, loss_mesh
+        self.parts, self.loss_fn, self.device = parts, loss_sum_fn, device
+        self.amp, self.loss_parallel, self.batch_rule, self.loss_mesh = amp, loss_parallel, batch_rule, loss_mesh
         self.pipeline, self.schedule = pipeline, None
         if pipeline is not None:  # microbatches of the training size (the config checks it divides)
             n_micro = cfg.local_batch_size // parallelism.pipeline_parallel_microbatch_size
-            self.schedule = _forward_only_schedule(pipeline, parts, n_micro, device, loss_fn)
+            self.schedule = _forward_only_schedule(pipeline, parts, n_micro, device, loss_sum_fn)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0 or step == self.training_steps
 
-    def _batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss over its tokens of the batch (zero on pipeline ranks without the last stage)."""
+    def _batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """This rank's summed token loss of the batch (zero on pipeline ranks without the last stage)."""
+        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
         with loss_parallel_context(self.loss_parallel):
             if self.schedule is not None:
                 is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
@@ -335,14 +336,14 @@ class Validator:
                 with self.amp:
                     self.schedule.eval(
                         *((inputs,) if is_first else ()), target=labels if is_last else None, losses=losses,
-                        return_outputs=False,
+                        return_outputs=False, **kwargs,
                     )
                 if not is_last:
                     return torch.zeros((), dtype=torch.float64, device=self.device)
-                loss = torch.stack([loss.detach() for loss in losses]).mean()  # equal-sized microbatches
+                loss = torch.stack([loss.detach() for loss in losses]).sum()
             else:
                 with self.amp:
-                    logits = self.parts[0](inputs)
+                    logits = self.parts[0](inputs, **kwargs)
                 loss = self.loss_fn(logits, labels)
         loss = loss.to_local() if isinstance(loss, DTensor) else loss
         return loss.detach().double()
@@ -351,6 +352,7 @@ class Validator:
         start = time.perf_counter()
         modes = [part.training for part in self.parts]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = 0
         rng_devices = [self.device] if self.device.type == "cuda" else []
         try:
@@ -359,9 +361,9 @@ class Validator:
             with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
                 for inputs, labels in self.data.batches():
                     # With context parallel, this rank's positions of each sequence (as in training).
-                    inputs = shard_sequence(inputs, self.cp_positions)
-                    labels = shard_sequence(labels, self.cp_positions)
-                    total += self._batch_loss(inputs.to(self.device), labels.to(self.device))
+                    inputs, labels, doc_ids = self.batch_rule.prepare(inputs, labels, self.device)
+                    total += self._batch_loss(inputs, labels, doc_ids)
+                    count += valid_labels(labels)
                     batches += 1
         finally:
             for part, mode in zip(self.parts, modes):
@@ -369,10 +371,12 @@ class Validator:
             _reshard_fsdp(self.parts)
         if batches == 0:  # preflight_validation makes sure there is a batch
             raise ValueError("the validation set yielded no batch")
-        local = total / batches
         if self.pipeline is not None:  # the loss exists on the last stage's rank
-            dist.broadcast(local, group=self.pipeline.pp_mesh.get_group(), group_src=self.pipeline.loss_src)
-        loss = dist_mean(local, self.loss_mesh)  # float64 all the way
+            dist.broadcast(total, group=self.pipeline.pp_mesh.get_group(), group_src=self.pipeline.loss_src)
+        sums = torch.stack([total, count])
+        if self.loss_mesh is not None:
+            dist.all_reduce(sums, group=self.loss_mesh.get_group())
+        loss = (sums[0] / sums[1].clamp(min=1)).item()  # float64 all the way
         return {
             "step": step,
             "validation_loss": loss,

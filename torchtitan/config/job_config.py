@@ -69,6 +69,27 @@ class Model:
         "A Hugging Face model folder; read as the weights of checkpoint.initial_load_in_hf when "
         "checkpoint.initial_load_path is unset (the tokenizer comes from model.tokenizer_path).",
     )
+    attn_mask_type: Literal["causal", "block_causal"] = opt(
+        "causal",
+        "causal: a token attends to every earlier token of its training window; block_causal: only to the earlier "
+        "tokens of its own document (documents end at the EOS the data pipeline writes after each).",
+    )
+    attn_backend: Literal["auto", "sdpa", "split", "flex"] = opt(
+        "auto",
+        "The attention kernel. sdpa: scaled_dot_product_attention (with a boolean mask when the mask is more than "
+        "causal); split: one causal SDPA call per document; flex: FlexAttention with a block mask, compiled (CUDA "
+        "only: torch has no FlexAttention backward on CPU); auto: flex on CUDA for block_causal or sliding windows, "
+        "sdpa otherwise. Context parallel uses its own ring attention, with the same mask.",
+    )
+    use_flex_attn: bool = opt(False, "The reference schema's spelling of attn_backend = 'flex'.")
+    sliding_window: int | None = opt(
+        None,
+        "Sliding-window attention for families that have it (qwen3): layers max_window_layers and later attend to "
+        "the last sliding_window positions only. Unset: the flavor's (none).",
+    )
+    max_window_layers: int | None = opt(
+        None, "The first layer with a sliding window (the layers before it attend fully). Unset: the flavor's (0)."
+    )
 
 
 @dataclass(frozen=True)
@@ -207,6 +228,12 @@ class Training:
         "degree, the quotient being the gradient-accumulation steps. -1: local_batch_size x dp degree.",
     )
     seq_len: int = opt(2048, "Tokens per training sequence.")
+    ignore_cross_document_labels: bool = opt(
+        False,
+        "Leave out of the loss the prediction of each document's first token from the previous document's last "
+        "(label -100). The loss is the sum over the labels that count divided by their number in the whole "
+        "optimizer step, over all ranks and micro-batches.",
+    )
     max_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
     mixed_precision_param: Literal["bfloat16", "float32"] = opt(

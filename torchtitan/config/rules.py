@@ -29,6 +29,20 @@ def check_rules(cfg: JobConfig) -> list[str]:
         ("training.max_skipped_steps_in_a_row", t.max_skipped_steps_in_a_row),
     ]:
         need(value > 0, f"{name} must be a positive integer, got {value}; set it to 1 or more")
+    mdl = cfg.model
+    need(
+        mdl.sliding_window is None or mdl.sliding_window > 0,
+        f"model.sliding_window must be a positive number of positions, got {mdl.sliding_window}; leave it unset "
+        f"for attention over every earlier position",
+    )
+    need(
+        mdl.max_window_layers is None or mdl.max_window_layers >= 0,
+        f"model.max_window_layers must be 0 or more, got {mdl.max_window_layers}",
+    )
+    need(
+        not mdl.use_flex_attn or mdl.attn_backend in ("auto", "flex"),
+        f"model.use_flex_attn = true asks for FlexAttention but model.attn_backend = {mdl.attn_backend!r}; keep one",
+    )
     for name in cfg.job.stop_signals:
         need(
             name in STOP_SIGNALS,

@@ -7,12 +7,14 @@ What is unusual here:
   ModuleDict removed), so every
   remaining parameter keeps the FQN it has in the full model: `init_weights(seed)` gives each stage
   exactly the values of the full model, and checkpoints use the full model's names.
-- Loss scaling: each microbatch loss is a mean over its tokens and the schedule backpropagates each
-  one separately, so the accumulated gradient is the SUM over microbatches. The schedules are built
-  with `scale_grads=True` (torch 2.13's default), which divides the stage gradients by n_microbatches
-  once after the last backward (`perform_reduce_grad`, after any FSDP reduction). Microbatches are
-  equal in size, so the result is the gradient of the mean over the whole local batch, and
-  `pipeline_step` reports the mean of the microbatch losses, which is that same mean.
+- Loss scaling: the trainer's loss is a sum of token losses times a per-step scale (1 / the step's
+  global count of labels that count, times the data- and context-parallel ranks, whose gradients
+  FSDP averages). Each microbatch's loss is backpropagated separately and the stage gradients add
+  up, which is already the gradient of the step's loss: the schedules are built with
+  `scale_grads=False` (torch 2.13 defaults to dividing by n_microbatches). `StepLoss` is the
+  schedule's loss_fn and holds the scale; `pipeline_step` returns the sum of the microbatch losses.
+- Document ids (block-causal attention) are keyword inputs of every stage: the schedule cuts tensor
+  kwargs into microbatches like the inputs and hands them to each stage's forward.
 - Gradient clipping must see every stage: `distributed.utils.clip_grad_norm_` with the pp group
   all-reduces the sum of squares over it (FSDP shards are already combined by DTensor).
 - Weights shared by modules on different stages (tied embeddings) cannot stay shared: such a split
@@ -330,7 +332,7 @@ def build_pipeline_schedule(
     if n_microbatches < 1:
         raise UserError(f"the pipeline needs at least 1 microbatch, got {n_microbatches}")
     if csv_path:
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         schedule._load_csv(csv_path)
         return schedule
     cls = _schedule_class(schedule_name)
@@ -344,7 +346,7 @@ def build_pipeline_schedule(
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise UserError(f"schedule {schedule_name!r} runs one stage per rank, this rank has {len(stages)}")
-        return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if name in ("interleaved1f1b", "interleavedzerobubble"):
         # Microbatches run in rounds of pp_size; torch rejects a count that is not a whole number of rounds.
         pp = stages[0].group_size
@@ -354,21 +356,35 @@ def build_pipeline_schedule(
                 f"parallelism.pipeline_parallel_schedule = {schedule_name!r}: {n_microbatches} microbatches are not "
                 f"a multiple of {rounds} rounds (pipeline_parallel_degree = {pp})"
             )
-    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def pipeline_step(schedule, inputs: torch.Tensor, labels: torch.Tensor, is_first: bool, is_last: bool):
+class StepLoss:
+    """A schedule's loss_fn: the model's summed token loss times `scale`, which the trainer sets
+    before each step (a tensor on the device)."""
+
+    def __init__(self, loss_sum_fn: Callable):
+        self.loss_sum_fn = loss_sum_fn
+        self.scale: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum_fn(logits, labels) * self.scale
+
+
+def pipeline_step(schedule, inputs: torch.Tensor, labels: torch.Tensor, is_first: bool, is_last: bool,
+                  doc_ids: torch.Tensor | None = None):
     """One forward + backward of the local batch. Only the rank with the first stage needs `inputs`
-    and only the rank with the last stage needs `labels` (other ranks may pass anything).
-    Returns the mean loss over the local batch on the last-stage rank, None elsewhere."""
+    and only the rank with the last stage needs `labels` (other ranks may pass anything); every rank
+    passes `doc_ids` (block-causal attention) or None. Returns the sum of the microbatch losses on
+    the last-stage rank, None elsewhere."""
     losses: list[torch.Tensor] | None = [] if is_last else None
     target = labels if is_last else None
     args = (inputs,) if is_first else ()
-    schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+    schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     if not is_last:
         return None
-    # Equal-sized microbatches: the mean of their means is the mean over the batch.
-    return torch.stack([loss.detach() for loss in losses]).mean()
+    return torch.stack([loss.detach() for loss in losses]).sum()
 
 
 def broadcast_loss(loss: torch.Tensor | None, pp_group, src_group_rank: int) -> torch.Tensor:

@@ -78,7 +78,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: 
         return sdpa_attention(q, k, v, None, window)
     k, v = repeat_kv(q, k, v)
     rows = []
-    for b, lengths in enumerate(_document_lengths(doc_ids)):
+    for b, lengths in enumerate(document_lengths(doc_ids)):
         parts, start = [], 0
         for length in lengths:
             span = slice(start, start + length)
@@ -88,7 +88,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: 
     return torch.cat(rows, dim=0)
 
 
-def _document_lengths(doc_ids: torch.Tensor) -> list[list[int]]:
+def document_lengths(doc_ids: torch.Tensor) -> list[list[int]]:
     """The length of each document of each row, in order (one host sync)."""
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
@@ -102,24 +102,28 @@ def _document_lengths(doc_ids: torch.Tensor) -> list[list[int]]:
 
 def flex_attention_fn(compiled: bool = True) -> Callable:
     """FlexAttention with a block mask from the document ids and the window. The block mask is built
-    once per batch (every layer of a forward gets the same doc_ids tensor) and per window size."""
+    once per batch (every layer of a forward gets the same doc_ids tensor) and per window size, outside
+    any compiled region (a model compiled block by block calls it from its compiled forwards)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
     cache: dict = {}
 
-    def attention(q, k, v, doc_ids=None, window=None):
-        key = (window, q.shape[0], q.shape[2], k.shape[2], q.device)
-        held = cache.get("doc_ids")
-        if held is not doc_ids or key not in cache:
-            if held is not doc_ids:
-                cache.clear()
-                cache["doc_ids"] = doc_ids  # held, so its id cannot be reused by a later batch's tensor
+    @torch.compiler.disable
+    def block_mask(doc_ids, window, batch, q_len, kv_len, device):
+        key = (window, batch, q_len, kv_len, device)
+        if cache.get("doc_ids") is not doc_ids:
+            cache.clear()
+            cache["doc_ids"] = doc_ids  # held, so its id cannot be reused by a later batch's tensor
+        if key not in cache:
             cache[key] = create_block_mask(
-                _mask_mod(doc_ids, window), None if doc_ids is None else q.shape[0], None, q.shape[2], k.shape[2],
-                device=q.device,
+                _mask_mod(doc_ids, window), None if doc_ids is None else batch, None, q_len, kv_len, device=device
             )
-        return kernel(q, k, v, block_mask=cache[key], enable_gqa=q.shape[1] != k.shape[1])
+        return cache[key]
+
+    def attention(q, k, v, doc_ids=None, window=None):
+        mask = block_mask(doc_ids, window, q.shape[0], q.shape[2], k.shape[2], q.device)
+        return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attention
 

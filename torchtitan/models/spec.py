@@ -14,10 +14,13 @@ The model built by `spec.model_cls(args)` (on the meta device) must have:
 - `init_weights(seed, buffer_device=None)`: fill every parameter and buffer after `to_empty`, with
   values that depend only on `seed` and the parameter's name (see `torchtitan.models.init`), so
   that every parallel layout starts from the same weights;
-- for context parallel (`spec.cp_attention` set): in each block, the submodule at that path has an
-  `attention_fn(q, k, v)` attribute ([batch, heads, seq, head_dim], causal) that context parallel
-  replaces, and the model has `set_token_positions(positions)` for rotary embeddings at global
-  positions.
+- where `spec.cp_attention` is set: in each block, the submodule at that path has an
+  `attention_fn(q, k, v, doc_ids=None, window=None)` attribute (torchtitan.models.attention) that the
+  trainer sets to the chosen kernel and context parallel replaces, and the model has
+  `set_token_positions(positions)` for rotary embeddings at global positions;
+- where `spec.document_masks` is set: `forward(tokens, doc_ids=ids)` ([batch, seq] document index
+  of each token, attention.document_ids) attends within documents only; a pipeline stage's forward
+  takes the same keyword.
 
 The hyper-parameters (`args`) are a frozen dataclass with at least `n_layers`, `vocab_size` and
 `max_seq_len`; `dataclasses.asdict(args)` is what a checkpoint records and `args_from_dict`
@@ -26,6 +29,7 @@ rebuilds it.
 
 import dataclasses
 import typing
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +38,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.attention import attended_pairs
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over all positions, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+# A label that does not count: no loss, no gradient, not in the token count that normalizes the loss.
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy summed over the positions whose label is not IGNORE_INDEX, in float32.
+    The trainer divides by the optimizer step's global count of such labels."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,9 @@ class ModelSpec:
     # CP, activation checkpointing, compile, FSDP/DDP (torchtitan.distributed.parallelize).
     parallelize: Callable[[nn.Module, ParallelizeInputs], nn.Module]
     size: Callable[[Any], ModelSize]  # args -> parameter counts
-    flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
+    # (args, document lengths, or one int: a single document) -> training FLOPs per token, counting
+    # the attention each layer's mask lets through (transformer_flops_per_token).
+    flops_per_token: Callable[[Any, "int | list[int]"], float]
     # The tensor-parallel plan as data (torchtitan.distributed.tensor_parallel.TensorParallelPlan; None:
     # no TP) and args -> {name: (size, why)}, every size it splits, each to divide by the TP degree.
     tp_plan: Any
@@ -103,7 +116,9 @@ class ModelSpec:
     pipeline: PipelineLayout = field(default_factory=PipelineLayout)
     cp_attention: str | None = "attention"  # path in a block of the module with `attention_fn`; None: no CP
     hf: HFAdapter | None = None  # None: no Hugging Face export/import for this family
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # (logits, labels) -> the SUM of the token losses over labels that are not IGNORE_INDEX.
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    document_masks: bool = False  # forward(tokens, doc_ids=...) attends within documents (block_causal)
     # (args, ParallelDims) -> None: family-specific checks before launch; raise UserError.
     validate: Callable[[Any, Any], None] | None = None
     # Hooks. (model parts, optimizers) after the optimizers are built; (model parts, ParallelizeInputs)
@@ -116,17 +131,25 @@ class ModelSpec:
     post_skipped_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
     metrics: Callable[[list[nn.Module], ParallelizeInputs], dict[str, float]] | None = None
 
-    def args_for_training(self, flavor: str, vocab_size: int, seq_len: int, moe_overrides: dict | None = None):
+    def args_for_training(self, flavor: str, vocab_size: int, seq_len: int, moe_overrides: dict | None = None,
+                          overrides: dict | None = None):
         """The flavor's args with the tokenizer's vocabulary (`vocab_size` tokens, padded up by
         padded_vocab_size) and positions for exactly `seq_len` tokens (the rotary table is built for
-        max_seq_len positions), and, for a family whose args have an `moe` field
+        max_seq_len positions), the fields in `overrides` replaced (each must be a field of the
+        args: `missing_fields`), and, for a family whose args have an `moe` field
         (torchtitan.models.moe.MoEArgs), the given MoE settings replaced."""
         args = dataclasses.replace(
-            self.flavors[flavor], vocab_size=padded_vocab_size(vocab_size), max_seq_len=max(seq_len, 1)
+            self.flavors[flavor], vocab_size=padded_vocab_size(vocab_size), max_seq_len=max(seq_len, 1),
+            **(overrides or {}),
         )
         if moe_overrides and getattr(args, "moe", None) is not None:
             args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **moe_overrides))
         return args
+
+    def missing_fields(self, names) -> list[str]:
+        """The names that are not fields of this family's args."""
+        known = {f.name for f in dataclasses.fields(self.args_cls)}
+        return [name for name in names if name not in known]
 
     def args_from_dict(self, values: dict):
         """Rebuild args from `dataclasses.asdict(args)` (nested dataclasses included)."""
@@ -179,8 +202,14 @@ def count_parameters(model_cls: Callable[[Any], nn.Module], args) -> tuple[int, 
     return total, embedding
 
 
-def transformer_flops_per_token(matmul_params: int, n_layers: int, attention_width: int, seq_len: int) -> float:
+def transformer_flops_per_token(matmul_params: int, attention_width: int, windows: list[int | None],
+                                doc_lengths: int | list[int]) -> float:
     """Training FLOPs per token of a decoder: 6 per parameter used in a matmul (2 forward, 4
-    backward), plus the attention scores and weighted values, 6 x 2 x n_layers x attention_width x
-    seq_len (attention_width = heads x head_dim; causal masking is not discounted)."""
-    return 6 * matmul_params + 12 * n_layers * attention_width * seq_len
+    backward), plus, per (query, key) pair that a layer's mask lets through, 12 x attention_width
+    (scores and weighted values, 2 x 2 x width forward, twice that backward; attention_width =
+    heads x head_dim), averaged over the tokens. `windows`: each layer's sliding window (None:
+    none); `doc_lengths`: the documents the tokens attend within (an int: one such document, a
+    causal window of that length: (seq + 1) / 2 keys per query on average)."""
+    lengths = [doc_lengths] if isinstance(doc_lengths, int) else list(doc_lengths)
+    pairs = sum(count * attended_pairs(lengths, window) for window, count in Counter(windows).items())
+    return 6 * matmul_params + 12 * attention_width * pairs / sum(lengths)

@@ -117,12 +117,14 @@ class PackedDataset(IterableDataset):
     `parts`: one source, or with `weights` (integers, mixing.integer_weights) and `specs` a mixture.
     The rank reads its lanes (lanes.py): of each step, positions [r*G/D, (r+1)*G/D). `workers`: processes
     that read the lanes (0: this one). `gather`: all ranks' objects from each rank's (an all-gather),
-    for a state that holds every lane; None: the state holds this rank's lanes.
+    for a state that holds every lane; None: the state holds this rank's lanes. `document_end_id`: the
+    token that ends every document of the stream (the EOS packing writes), where block-causal attention
+    reads document boundaries; None: unknown.
     """
 
     def __init__(self, parts: list[Part], seq_len: int, dp_rank: int, dp_degree: int, global_batch_size: int,
                  weights: list[int] | None = None, specs: list[str] | None = None, workers: int = 0,
-                 gather: Callable[[object], list] | None = None):
+                 gather: Callable[[object], list] | None = None, document_end_id: int | None = None):
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_degree}")
         if global_batch_size < 1 or global_batch_size % dp_degree:
@@ -140,6 +142,7 @@ class PackedDataset(IterableDataset):
             for p in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         ]
         self.workers, self.gather = workers, gather
+        self.document_end_id = document_end_id
         self._pool: LaneWorkers | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -335,13 +338,13 @@ def build_dataloader(
         parts = [_open_mix_part(cfg, tokenizer, spec, dp_rank == 0) for spec in specs]
         dataset = PackedDataset(parts, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
                                 weights=integer_weights(fractions), specs=specs, workers=cfg.data_workers,
-                                gather=gather)
+                                gather=gather, document_end_id=tokenizer.eos_id)
     else:
         source, text_tokenizer, shuffle = open_source(cfg, tokenizer, dp_rank == 0)
         part = open_part(source, text_tokenizer, cfg.dataset, cfg.dataset_path or "", cfg.seed if shuffle else None,
                          cfg.shuffle_buffer)
         dataset = PackedDataset([part], cfg.seq_len, dp_rank, dp_degree, global_batch_size,
-                                workers=cfg.data_workers, gather=gather)
+                                workers=cfg.data_workers, gather=gather, document_end_id=tokenizer.eos_id)
     with warnings.catch_warnings():
         # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

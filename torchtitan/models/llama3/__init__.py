@@ -17,5 +17,6 @@ def build_spec() -> ModelSpec:
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
         cp_attention=parallelize.CP_ATTENTION,
+        document_masks=True,
         hf=state_dict_adapter.ADAPTER,
     )

@@ -157,7 +157,8 @@ def model_size(args: ModelArgs) -> ModelSize:
     return ModelSize(total=total, active=total, embedding=embedding)
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
     # The output layer is a matmul; the input embedding is a lookup.
     size = model_size(args)
-    return transformer_flops_per_token(size.total - size.embedding, args.n_layers, args.n_heads * args.head_dim, seq_len)
+    windows = [None] * args.n_layers
+    return transformer_flops_per_token(size.total - size.embedding, args.n_heads * args.head_dim, windows, doc_lengths)

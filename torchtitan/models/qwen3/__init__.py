@@ -18,6 +18,7 @@ def build_spec() -> ModelSpec:
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
         cp_attention=parallelize.CP_ATTENTION,
+        document_masks=True,
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,
         # Qwen3-MoE flavors balance their experts and report the load; no-ops for dense flavors.

@@ -201,9 +201,10 @@ def model_size(args: ModelArgs) -> ModelSize:
     return ModelSize(total=total, active=active, embedding=embedding)
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
     # The input embedding is a lookup; the output layer is a matmul even when it reuses the
     # embedding's weight, which `total` then counts once only.
     size = model_size(args)
     matmul = size.active - size.embedding + (args.vocab_size * args.dim if args.tie_word_embeddings else 0)
-    return transformer_flops_per_token(matmul, args.n_layers, args.n_heads * args.head_dim, seq_len)
+    windows = [args.layer_window(i) for i in range(args.n_layers)]
+    return transformer_flops_per_token(matmul, args.n_heads * args.head_dim, windows, doc_lengths)

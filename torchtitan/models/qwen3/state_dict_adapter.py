@@ -20,6 +20,20 @@ Qwen3-MoE experts. Ours are 3-D tensors per layer, experts first: w1 (gate) and 
 (checked with 5.24: same logits); `from_hf` reads either, layer by layer. The router's gate is
 `model.layers.N.mlp.gate.weight` [experts, dim] in both.
 
+Sliding-window attention. Hugging Face's sliding mask (transformers 5 masking_utils,
+`sliding_window_overlay`) lets query i see key j when j <= i and j > i - sliding_window, i.e. the
+last `sliding_window` positions, itself included; ours (`torchtitan.models.attention.visible`) is
+j <= i and i - j < window: the same set, so the window converts as it is, with no +-1.
+- Qwen3 dense: layer i slides when `layer_types[i] == "sliding_attention"`; Qwen3Config builds
+  layer_types, when absent, as "sliding" for i >= max_window_layers if use_sliding_window (else no
+  window at all, whatever sliding_window says). We read layer_types when given (transformers 5 uses
+  it over max_window_layers) and accept the patterns our args express: full layers first, then
+  sliding ones, all with the one sliding_window. We write both spellings, consistent.
+- Qwen3-MoE: transformers 5's Qwen3MoeForCausalLM has no layer_types and applies the window to
+  every layer, ignoring max_window_layers, while older releases applied it from max_window_layers
+  on; only max_window_layers = 0 (every layer) means the same to both, so that is what we read and
+  write, and we refuse the rest.
+
 Our `expert_bias` (the aux-loss-free balancing bias, added to the router scores only to choose the
 experts) has no counterpart in Qwen3-MoE, whose router chooses by score alone: `to_hf` drops it (a
 model exported with a non-zero bias may choose other experts in transformers than it did here; a
@@ -108,11 +122,20 @@ def _check_tied_copy(sd: dict, output: str, embedding: str):
 
 def _check_exportable(args: ModelArgs):
     """UserError if args.moe routes in a way Qwen3MoeForCausalLM cannot (softmax, top-k, optional
-    renormalization, no scale, no groups, no shared experts). Training-only settings (balancing
-    bias, auxiliary losses, capacity) do not change what the exported model computes."""
+    renormalization, no scale, no groups, no shared experts), or slides some layers only (it slides
+    every layer or none). Training-only settings (balancing bias, auxiliary losses, capacity) do not
+    change what the exported model computes."""
     m = args.moe
     if m is None:
         return
+    windows = _layer_windows(args)
+    if any(w is not None for w in windows) and None in windows:
+        raise UserError(
+            f"the model has a sliding window of {args.sliding_window} from layer max_window_layers = "
+            f"{args.max_window_layers} on, and full attention before; Hugging Face Qwen3-MoE applies its window "
+            "to every layer or none (transformers 5 ignores max_window_layers), so only max_window_layers = 0 "
+            "can be converted"
+        )
     differences = [
         f"{name} = {value!r}" for name, value, plain in [
             ("score_func", m.score_func, "softmax"),
@@ -127,6 +150,10 @@ def _check_exportable(args: ModelArgs):
             "(it routes by a softmax over all experts, top-k, optionally renormalized, without shared experts); "
             "only such models can be converted"
         )
+
+
+def _layer_windows(args: ModelArgs) -> list[int | None]:
+    return [args.layer_window(i) for i in range(args.n_layers)]
 
 
 def _our_shapes(args: ModelArgs) -> dict[str, tuple]:
@@ -282,7 +309,8 @@ def hf_config(
     args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
 ) -> dict:
     """A config.json for Qwen3ForCausalLM (Qwen3MoeForCausalLM when args.moe is set) describing a
-    model with `args`, stored in `dtype`; read by transformers 4.51+ (rope_theta) and 5.x (rope_parameters)."""
+    model with `args`, stored in `dtype`; read by transformers 4.51+ (rope_theta) and 5.x (rope_parameters).
+    Sliding windows: see _hf_window_fields."""
     _check_exportable(args)
     dtype_name = str(dtype).removeprefix("torch.")
     config = {
@@ -305,9 +333,7 @@ def hf_config(
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": args.n_layers,
+        **_hf_window_fields(args),
         "torch_dtype": dtype_name,  # transformers 4.x
         "dtype": dtype_name,  # transformers 5.x
     }
@@ -333,6 +359,26 @@ def hf_config(
     if eos_id is not None:
         config["eos_token_id"] = eos_id
     return config
+
+
+def _hf_window_fields(args: ModelArgs) -> dict:
+    """use_sliding_window, sliding_window, max_window_layers (and layer_types, dense only) giving each
+    layer the window it has here. A window that no layer has (max_window_layers >= n_layers) is
+    written as none: Qwen3-MoE would otherwise apply it to every layer."""
+    windows = _layer_windows(args)
+    sliding = any(w is not None for w in windows)
+    fields = {
+        "use_sliding_window": sliding,
+        "sliding_window": args.sliding_window if sliding else None,
+        # No window: every layer full, as the published configs write it. A window: its first layer (0
+        # for Qwen3-MoE, which _check_exportable ensures).
+        "max_window_layers": max(args.max_window_layers, 0) if sliding else args.n_layers,
+    }
+    if args.moe is None:
+        # Qwen3Config would build the same list from the fields above; written out so that a reader that
+        # takes layer_types over max_window_layers (transformers 5) cannot disagree with one that does not.
+        fields["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in windows]
+    return fields
 
 
 _DENSE_FAMILY = "Qwen3 dense"
@@ -383,6 +429,96 @@ def _moe_args_from_hf_config(config: dict) -> MoEArgs:
     return moe
 
 
+# Defaults (transformers 5.25) for keys a config.json leaves out: sliding_window, Qwen3Config's and
+# Qwen3MoeConfig's; max_window_layers, Qwen3Config's (Qwen3MoeConfig has none, see below).
+_HF_DEFAULT_SLIDING_WINDOW, _HF_DEFAULT_MAX_WINDOW_LAYERS = 4096, 28
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+def _hf_window(config: dict, family: str) -> int | None:
+    """The window transformers applies where a layer slides: Qwen3Config and Qwen3MoeConfig set
+    sliding_window to None unless use_sliding_window, so the value alone never turns a window on."""
+    if not config.get("use_sliding_window", False):
+        return None
+    window = config.get("sliding_window", _HF_DEFAULT_SLIDING_WINDOW)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise _unsupported("sliding_window", window, "a sliding window is a positive number of positions", family)
+    return window
+
+
+def _runs(types: list) -> str:
+    """layer_types in short, for an error message: "2 x full_attention, 30 x sliding_attention"."""
+    runs: list[list] = []
+    for t in types:
+        if runs and runs[-1][1] == t:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, t])
+    return ", ".join(f"{n} x {t}" for n, t in runs)
+
+
+def _dense_windows_from_hf_config(config: dict, n_layers: int) -> tuple[int | None, int]:
+    """(sliding_window, max_window_layers) of our args giving each layer of a Qwen3ForCausalLM the
+    window transformers gives it; UserError for a layer pattern our args cannot express."""
+    family = _DENSE_FAMILY
+    window = _hf_window(config, family)
+    types = config.get("layer_types")
+    if types is None:
+        # Qwen3Config.__post_init__'s rule.
+        first = config.get("max_window_layers", _HF_DEFAULT_MAX_WINDOW_LAYERS)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise _unsupported("max_window_layers", first, "it must be a number of layers", family)
+        types = [_SLIDING if window is not None and i >= first else _FULL for i in range(n_layers)]
+    else:
+        if not isinstance(types, list) or len(types) != n_layers:
+            raise _unsupported("layer_types", types, f"it must list one type for each of the {n_layers} layers",
+                               family)
+        # transformers' legacy spelling "attention" is full attention (configuration_utils remaps it).
+        types = [_FULL if t == "attention" else t for t in types]
+        others = sorted({str(t) for t in types} - {_FULL, _SLIDING})
+        if others:
+            raise _unsupported("layer_types", others, "our layers attend fully or through a sliding window only",
+                               family)
+        if _SLIDING in types and window is None:
+            raise _unsupported(
+                "layer_types", _runs(types),
+                "it has sliding_attention layers but no window (use_sliding_window is false or sliding_window "
+                "null), which transformers cannot run either", family)
+    first_sliding = types.index(_SLIDING) if _SLIDING in types else n_layers
+    if _FULL in types[first_sliding:]:
+        raise _unsupported(
+            "layer_types", _runs(types),
+            f"layer {first_sliding} slides but a later layer attends fully; our args (max_window_layers) express "
+            "only full layers first, then sliding ones", family)
+    if first_sliding == n_layers:  # no layer slides: no window, whatever sliding_window says
+        return None, 0
+    return window, first_sliding
+
+
+def _moe_windows_from_hf_config(config: dict, n_layers: int) -> tuple[int | None, int]:
+    """(sliding_window, max_window_layers) for a Qwen3MoeForCausalLM: the window on every layer or
+    none (see the module docstring); UserError where transformers releases disagree."""
+    family = _MOE_FAMILY
+    window = _hf_window(config, family)
+    types = config.get("layer_types")
+    implied = [_FULL if window is None else _SLIDING] * n_layers
+    if types is not None and [_FULL if t == "attention" else t for t in types] != implied:
+        raise _unsupported(
+            "layer_types", _runs(types) if isinstance(types, list) else types,
+            "Qwen3MoeForCausalLM has no per-layer types: it applies the sliding window to every layer when "
+            f"use_sliding_window is set, and to none otherwise, i.e. {implied[0]} everywhere here", family)
+    if window is None:
+        return None, 0
+    first = config.get("max_window_layers")
+    if first != 0:
+        raise _unsupported(
+            "max_window_layers", first,
+            "with use_sliding_window, transformers 5's Qwen3MoeForCausalLM slides every layer and ignores "
+            "max_window_layers, while earlier releases slid only layers max_window_layers and later; only "
+            "max_window_layers = 0 (every layer) means the same in both", family)
+    return window, 0
+
+
 def args_from_hf_config(config: dict) -> ModelArgs:
     """ModelArgs for the Qwen3ForCausalLM or Qwen3MoeForCausalLM (model_type "qwen3_moe", args.moe
     set) described by a config.json dict; UserError if we cannot represent it."""
@@ -401,13 +537,9 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     if config.get("attention_bias"):
         raise _unsupported("attention_bias", config["attention_bias"], "our attention projections have no biases",
                            family)
-    if config.get("use_sliding_window"):
-        raise _unsupported("use_sliding_window", config["use_sliding_window"], "our attention is full causal attention",
-                           family)
-    other_layers = sorted({t for t in config.get("layer_types") or [] if t != "full_attention"})
-    if other_layers:
-        raise _unsupported("layer_types", other_layers, "our attention is full causal attention in every layer",
-                           family)
+    n_layers = config["num_hidden_layers"]
+    sliding_window, max_window_layers = (_moe_windows_from_hf_config if moe_type else _dense_windows_from_hf_config)(
+        config, n_layers)
     if config.get("attention_dropout"):
         raise _unsupported("attention_dropout", config["attention_dropout"], "our attention has no dropout", family)
     moe = _moe_args_from_hf_config(config) if moe_type else None
@@ -424,7 +556,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         raise _unsupported("head_dim", head_dim, "rotary embeddings need an even head_dim", family)
     return ModelArgs(
         dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
         head_dim=head_dim,
@@ -436,6 +568,8 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         max_seq_len=config.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         moe=moe,
+        sliding_window=sliding_window,
+        max_window_layers=max_window_layers,
     )
 
 
