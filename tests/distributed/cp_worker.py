@@ -1,6 +1,9 @@
-"""Context-parallel attention against single-process causal attention, forward and backward, for
-both rotate methods, on a 4-rank CP group and on the 2-rank CP groups of a 2 x 2 mesh, with
-grouped-query heads. Rank 0 writes {case: max abs diff of output and of the q, k, v gradients}.
+"""Context-parallel attention against single-process attention (`sdpa_attention` on the full
+tensors), forward and backward, for both rotate methods, on a 4-rank CP group and on the 2-rank CP
+groups of a 2 x 2 mesh, with grouped-query heads: plain causal, and under the full mask rule of
+torchtitan.models.attention (documents whose boundaries fall inside chunks, sliding windows shorter
+and longer than a chunk, and both). Rank 0 writes {case: max abs diff of output and of the q, k, v
+gradients}, inf where any of them holds a NaN or inf.
 
     torchrun --nproc_per_node 4 tests/distributed/cp_worker.py OUT.json
 """
@@ -12,29 +15,57 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan.distributed.context_parallel import ContextParallelAttention, local_positions
+from torchtitan.distributed.context_parallel import ContextParallelAttention, local_positions, shard_sequence
 from torchtitan.distributed.utils import exit_process
-from torchtitan.models.attention import sdpa_attention as causal_attention
+from torchtitan.models.attention import sdpa_attention
+
+# Document lengths of the first row, repeated to fill it. Their boundaries (3, 9, 14, 25, 27, 36, 39,
+# 45, 50, 61, 63) miss every multiple of 8, the chunk edges below, so documents start inside chunks
+# and some queries see no key at all in a whole block.
+SHORT_DOCS = [3, 6, 5, 11, 2, 9]
+CHUNK = 8  # tokens per chunk (the sequence is 2 x cp chunks) in the masked cases
+# (name, documents?, window): a window shorter than a chunk, and longer ones. Chunk pairs two chunks
+# apart are 9 positions apart at their closest (first query, last key): window 10 lets exactly that
+# one pair through, so skipping a chunk pair one position too early fails; window 20 reaches three
+# chunks back.
+MASKED_CASES = [("docs", True, None), ("win5", False, 5), ("win10", False, 10), ("win20", False, 20),
+                ("docs_win5", True, 5), ("docs_win10", True, 10)]
 
 
-def compare(cp_mesh, method: str) -> float:
+def document_rows(seq: int) -> torch.Tensor:
+    """[2, seq] int32 document ids: row 0 many short documents, row 1 one document that spans every
+    chunk between two short ones (boundaries at 2 and seq - 3, inside chunks too)."""
+    rows = []
+    for lengths in (SHORT_DOCS * seq, [2, seq - 5, 3]):
+        ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+        rows.append(ids[:seq])
+    return torch.stack(rows)
+
+
+def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: int | None = None) -> float:
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     torch.manual_seed(0)  # the same full tensors on every rank
-    batch, heads, kv_heads, seq, dim = 2, 4, 2, 8 * cp, 16
+    batch, heads, kv_heads, seq, dim = 2, 4, 2, 2 * chunk * cp, 16
     q = torch.randn(batch, heads, seq, dim, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
     v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
     grad_out = torch.randn(batch, heads, seq, dim)
-    causal_attention(q, k, v).backward(grad_out)
-    ref_out = causal_attention(q, k, v).detach()
+    doc_ids = document_rows(seq) if docs else None
+    ref_out = sdpa_attention(q, k, v, doc_ids, window)
+    ref_out.backward(grad_out)
 
     pos = local_positions(seq, cp, rank)
     local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = ContextParallelAttention(cp_mesh, method)(*local)
+    # Document ids are cut like the tokens: [batch, seq] along dim 1, as the trainer does.
+    local_docs = shard_sequence(doc_ids, pos) if docs else None
+    out = ContextParallelAttention(cp_mesh, method)(*local, doc_ids=local_docs, window=window)
     out.backward(grad_out[:, :, pos])
-    diffs = [(out - ref_out[:, :, pos]).abs().max()]
+    results = [out] + [t.grad for t in local]
+    diffs = [(out - ref_out.detach()[:, :, pos]).abs().max()]
     diffs += [(mine.grad - full.grad[:, :, pos]).abs().max() for mine, full in zip(local, (q, k, v))]
     worst = torch.stack(diffs).max()
+    if not all(torch.isfinite(t).all() for t in results):
+        worst = torch.tensor(float("inf"))  # a NaN would not survive the max reduction reliably
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
 
@@ -45,8 +76,10 @@ def main(out_path: str):
     mesh4 = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     mesh2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     for method in ("allgather", "alltoall"):
-        results[f"cp4_{method}"] = compare(mesh4["cp"], method)
-        results[f"cp2_{method}"] = compare(mesh2x2["cp"], method)
+        for prefix, mesh in (("cp4", mesh4["cp"]), ("cp2", mesh2x2["cp"])):
+            results[f"{prefix}_{method}"] = compare(mesh, method)
+            for name, docs, window in MASKED_CASES:
+                results[f"{prefix}_{method}_{name}"] = compare(mesh, method, CHUNK, docs, window)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,33 +1,42 @@
-"""Context parallelism: every sequence is split over the ranks of the `cp` mesh dimension, and causal
-attention sees the whole sequence through the project's own ring attention (PyTorch's experimental
-context_parallel has no CPU path; this one runs on CPU with gloo and on CUDA with nccl alike).
+"""Context parallelism: every sequence is split over the ranks of the `cp` mesh dimension, and attention
+sees the whole sequence through the project's own ring attention (PyTorch's experimental
+context_parallel has no CPU path; this one runs on CPU with gloo and on CUDA with nccl alike). It
+applies the mask rule of `torchtitan.models.attention`: query i sees key j when j <= i, i - j < window
+(when the layer has a sliding window) and both are in the same document (when document ids are given).
 
 Load balance: the sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r. Under a
 causal mask a chunk late in the sequence attends to many keys and an early one to few, so pairing
-them gives every rank the same amount of attention work.
+them gives every rank the same amount of attention work. Document masks do not change that: the
+chunk pairs are computed whether or not their documents meet (finding out would cost a host sync).
+A sliding window also skips the chunk pairs entirely beyond its reach, which can leave the ranks
+whose early chunk lies within a window of the sequence start with fewer pairs (less work, never more).
 
 Everything outside attention is per token, so the rest of the model runs unchanged on the local
 tokens. Rotary embeddings need the global position of each local token: the model's
-`token_positions` holds them. Tokens and labels are cut with the same positions
-(`shard_sequence`), so each rank's loss is the mean over its tokens and, all ranks holding equally
-many, the mean over the cp ranks is the loss of the whole sequence. FSDP shards over the cp ranks
-as over data-parallel ranks, which averages their gradients.
+`token_positions` holds them. Tokens, labels and document ids are cut with the same positions
+(`shard_sequence`). The loss is a sum of token losses divided by the global count of valid labels
+(over the dp and cp ranks and the gradient-accumulation micro-batches; the trainer computes it), so
+no rank's loss depends on how many valid labels its own tokens hold, and the cp ranks' losses add up
+to the whole sequences' share of the global-batch loss. FSDP shards over the cp ranks as over
+data-parallel ranks.
 
 Rotate methods (`parallelism.context_parallel_rotate_method`):
-- allgather: gather the keys and values of all ranks once, then one masked attention over the full
-  sequence. Simple; holds the whole sequence's keys and values.
+- allgather: gather the keys, values and document ids of all ranks once, then one masked attention
+  over the full sequence. Simple; holds the whole sequence's keys and values.
 - alltoall: a ring of cp steps; at each step every rank attends to one rank's block of keys and
-  values and passes the block on to the next rank (an all-to-all in which each rank sends to one
-  peer). Partial results are merged through their log-sum-exp, as in flash attention. Fully masked
-  chunk pairs are skipped, so each step costs every rank the same.
+  values and passes the block (with its document ids) on to the next rank (an all-to-all in which
+  each rank sends to one peer). Partial results are merged through their log-sum-exp, as in flash
+  attention. Fully masked chunk pairs (later chunks; chunks beyond the window) are skipped.
 Both are differentiated by autograd: the backward of a gather is a reduce-scatter, the backward of a
-rotation is the opposite rotation.
+rotation is the opposite rotation. Document ids carry no gradient and travel by plain collectives.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from torchtitan.models.attention import visible
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -89,32 +98,74 @@ class _Rotate(torch.autograd.Function):
         return _shift(grad, ctx.group, -1), None
 
 
+class _Tie(torch.autograd.Function):
+    """Return `out` unchanged, with `block` in its graph (gradient zero). A rotation's backward is a
+    collective every rank must join, but autograd runs it only where the rotated block was used: under a
+    sliding window a rank may skip every chunk pair of the last block it receives while its peers use
+    theirs, and would then leave them waiting in the backward all-to-all. Tying the last block to the
+    output puts the whole chain of rotations into every rank's graph."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        ctx.block_shape, ctx.block_dtype = block.shape, block.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_zeros(ctx.block_shape, dtype=ctx.block_dtype)
+
+
 def _repeat_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
     return x.repeat_interleave(repeats, dim=1) if repeats > 1 else x
 
 
-def _block_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q to one block of keys, in float32: (output, log-sum-exp of the scores)."""
+def _block_attention(q, k, v, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q to one block of keys, in float32: (output, log-sum-exp of the scores). `mask`
+    (broadcastable to the scores, None: every key visible) may hide every key of a query row: such a
+    row gets output 0 and log-sum-exp -inf, so it adds nothing in `_merge`, without NaN either way."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if causal:  # q and k are the same chunk: the diagonal block of the causal mask
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v.float(), lse
+    # Shift by the row max for stability. The shift cancels in both results, so it needs no
+    # gradient; an empty row (max -inf) is shifted by 0 instead, which keeps exp() at 0, not NaN.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    # A row with a visible key has total >= 1 (its max scores exp(0)), so clamping at 1 changes
+    # nothing there and keeps an empty row (total 0) away from 0/0 and log(0) and their NaN gradients.
+    out = (weights @ v.float()) / total.clamp_min(1.0)
+    lse = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)), torch.full_like(total, float("-inf")))
+    return out, lse
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine attention outputs over disjoint key blocks into the output over their union."""
+    """Combine attention outputs over disjoint key blocks into the output over their union. Every
+    query sees itself, so the merged log-sum-exp is finite and empty blocks (-inf) get weight 0."""
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
     return sum(torch.exp(p_lse - lse) * out for out, p_lse in parts)
 
 
-class ContextParallelAttention:
-    """Causal attention of this rank's queries to the keys of the whole sequence split over `cp_mesh`.
+def _chunk_positions(chunk_id: int, chunk: int, device) -> torch.Tensor:
+    return torch.arange(chunk_id * chunk, (chunk_id + 1) * chunk, device=device)
 
-    Called as attention(q, k, v) with q [batch, heads, local_seq, head_dim] and k, v with
-    [batch, kv_heads, local_seq, head_dim] (grouped-query heads are repeated after communication,
-    so only the kv heads travel)."""
+
+def _pair_masked_out(q_id: int, k_id: int, chunk: int, window: int | None) -> bool:
+    """Whether no query of chunk q_id sees any key of chunk k_id: the keys are all later, or all
+    beyond the window (the earliest query is `window` or more past the last key)."""
+    if k_id > q_id:
+        return True
+    return window is not None and q_id * chunk - ((k_id + 1) * chunk - 1) >= window
+
+
+class ContextParallelAttention:
+    """Attention of this rank's queries to the keys of the whole sequence split over `cp_mesh`, under
+    the mask rule of `torchtitan.models.attention` (causal, sliding window, document mask).
+
+    Called as attention(q, k, v, doc_ids=None, window=None) with q [batch, heads, local_seq, head_dim],
+    k, v [batch, kv_heads, local_seq, head_dim] (grouped-query heads are repeated after communication,
+    so only the kv heads travel), doc_ids [batch, local_seq] (this rank's document ids in local order,
+    cut by `shard_sequence`; None: one document) and the layer's window (None: unlimited)."""
 
     def __init__(self, cp_mesh, rotate_method: str):
         if rotate_method not in ("allgather", "alltoall"):
@@ -125,11 +176,12 @@ class ContextParallelAttention:
         self.rotate_method = rotate_method
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
         repeats = q.shape[1] // k.shape[1]
         if self.rotate_method == "allgather":
-            return self._allgather(q, k, v, repeats)
-        return self._ring(q, k, v, repeats)
+            return self._allgather(q, k, v, repeats, doc_ids, window)
+        return self._ring(q, k, v, repeats, doc_ids, window)
 
     def _global_order(self, gathered: torch.Tensor) -> torch.Tensor:
         """[cp, ..., 2 x chunk, d] blocks of all ranks -> [..., seq, d] in sequence order."""
@@ -137,30 +189,47 @@ class ContextParallelAttention:
         # Chunk c < cp is rank c's first; chunk 2cp-1-r is rank r's second, so those run backwards.
         return torch.cat([*first.unbind(0), *second.flip(0).unbind(0)], dim=-2)
 
-    def _allgather(self, q, k, v, repeats: int) -> torch.Tensor:
+    def _allgather(self, q, k, v, repeats: int, doc_ids, window) -> torch.Tensor:
         kv = self._global_order(_AllGather.apply(torch.stack([k, v]), self.group))
         k_all, v_all = _repeat_kv(kv[0], repeats), _repeat_kv(kv[1], repeats)
         seq = k_all.shape[-2]
         q_pos = local_positions(seq, self.cp, self.rank).to(q.device)
-        visible = torch.arange(seq, device=q.device)[None, :] <= q_pos[:, None]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible)
+        k_pos = torch.arange(seq, device=q.device)
+        doc_all = None
+        if doc_ids is not None:
+            # Integer ids need no gradient; the same gather (forward only) with a unit last dim so
+            # that _global_order sees the [..., seq, d] layout of k and v.
+            doc_all = self._global_order(_AllGather.apply(doc_ids.unsqueeze(-1), self.group)).squeeze(-1)
+        mask = visible(q_pos, k_pos, doc_ids, doc_all, window)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
-    def _ring(self, q, k, v, repeats: int) -> torch.Tensor:
+    def _ring(self, q, k, v, repeats: int, doc_ids, window) -> torch.Tensor:
+        chunk = q.shape[-2] // 2
         q_chunks = q.chunk(2, dim=-2)
+        q_docs = doc_ids.chunk(2, dim=-1) if doc_ids is not None else (None, None)
         q_ids = chunk_ids(self.rank, self.cp)
         parts: list[list] = [[], []]
         kv = torch.stack([k, v])
+        kv_docs = doc_ids
         for step in range(self.cp):
             if step > 0:
                 kv = _Rotate.apply(kv, self.group)
+                if kv_docs is not None:  # the block's document ids travel with it; no gradient
+                    kv_docs = _shift(kv_docs, self.group, 1)
             source = (self.rank - step) % self.cp  # whose block this rank holds at this step
             k_chunks = _repeat_kv(kv[0], repeats).chunk(2, dim=-2)
             v_chunks = _repeat_kv(kv[1], repeats).chunk(2, dim=-2)
+            k_docs = kv_docs.chunk(2, dim=-1) if kv_docs is not None else (None, None)
             for qi, q_id in enumerate(q_ids):
                 for ki, k_id in enumerate(chunk_ids(source, self.cp)):
-                    if k_id <= q_id:  # later chunks are masked out entirely
-                        parts[qi].append(_block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], k_id == q_id))
-        return torch.cat([_merge(p) for p in parts], dim=-2).to(q.dtype)
+                    if _pair_masked_out(q_id, k_id, chunk, window):
+                        continue
+                    mask = None  # an earlier chunk with neither documents nor window: all visible
+                    if k_id == q_id or doc_ids is not None or window is not None:
+                        mask = visible(_chunk_positions(q_id, chunk, q.device), _chunk_positions(k_id, chunk, q.device),
+                                       q_docs[qi], k_docs[ki], window)
+                    parts[qi].append(_block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
+        return _Tie.apply(torch.cat([_merge(p) for p in parts], dim=-2), kv).to(q.dtype)
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str) -> None:
