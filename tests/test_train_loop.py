@@ -268,3 +268,52 @@ def test_block_causal_needs_document_boundaries_from_the_loader(tmp_path, capsys
         assert "carries no document boundaries" in err and "Traceback" not in err
         assert flag[0].removeprefix("--") in err.replace(" = 'block_causal'", "")
 
+
+
+class DocumentIdBatches:
+    """A fork's loader giving (inputs, labels, doc_ids): the standard batches with the document ids of
+    `ids(inputs)`."""
+
+    def __init__(self, loader, ids):
+        import types
+
+        self.loader, self.ids = loader, ids
+        self.dataset = types.SimpleNamespace(yields_document_ids=True)
+
+    def __iter__(self):
+        for inputs, labels in self.loader:
+            yield inputs, labels, self.ids(inputs)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+
+def test_a_loader_may_carry_document_ids(tmp_path):
+    """Ids equal to those from the EOS give the EOS run's losses exactly; other ids (each row cut in
+    halves) change them: the batch's ids are what attention and the ignored labels follow."""
+    from torchtitan.models.attention import document_ids
+    from torchtitan.train import Trainer
+
+    def trainer(ids):
+        class WithIds(Trainer):
+            def build_dataloader(self):
+                return DocumentIdBatches(super().build_dataloader(), lambda x: ids(x, self.tokenizer.eos_id))
+        return WithIds
+
+    flags = ["--model.attn_mask_type", "block_causal", "--training.ignore_cross_document_labels",
+             "--training.mixed_precision_param", "float32"]
+
+    def run(folder, trainer_cls=None):
+        cfg = load_config([
+            "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(folder),
+            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
+            "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1", *flags])
+        return [r["loss"] for r in train(cfg, trainer_cls)]
+
+    from_eos = run(tmp_path / "eos")
+    assert run(tmp_path / "same", trainer(document_ids)) == from_eos
+    halves = run(tmp_path / "halves", trainer(lambda x, eos: (torch.arange(x.shape[1]) >= 16).int().expand_as(x)))
+    assert halves[0] != from_eos[0]

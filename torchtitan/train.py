@@ -403,8 +403,12 @@ class Trainer:
 
     def data_document_end(self) -> int | None:
         """The token that ends each document in the training data, where the run needs document
-        boundaries (block_causal attention, ignore_cross_document_labels)."""
-        end = getattr(getattr(self.dataloader, "dataset", None), "document_end_id", None)
+        boundaries (block_causal attention, ignore_cross_document_labels). A loader whose dataset
+        sets `yields_document_ids` gives (inputs, labels, doc_ids) batches instead (batch.BatchRule)."""
+        dataset = getattr(self.dataloader, "dataset", None)
+        end = getattr(dataset, "document_end_id", None)
+        if getattr(dataset, "yields_document_ids", False):
+            return end
         needs = [what for what, on in (("model.attn_mask_type = 'block_causal'",
                                         self.cfg.model.attn_mask_type == "block_causal"),
                                        ("training.ignore_cross_document_labels",
@@ -413,7 +417,8 @@ class Trainer:
             raise UserError(
                 f"{' and '.join(needs)} needs the document boundaries of the training data, but its loader "
                 f"({type(self.dataloader).__name__}) carries no document boundaries: its dataset has no "
-                f"document_end_id (the token that ends every document); set one, or use 'causal' attention and "
+                f"document_end_id (the token that ends every document) and does not set yields_document_ids "
+                f"(batches of inputs, labels and document ids); give it one, or use 'causal' attention and "
                 f"count every label"
             )
         return end
@@ -609,12 +614,13 @@ class Trainer:
         if self.pipeline is not None:  # the schedule takes them all at once, as microbatches
             micro_batches = [tuple(torch.cat(parts) for parts in zip(*micro_batches))]
         if self.batch_rule.block_causal:
-            lengths = [n for inputs, _ in micro_batches for n in self.batch_rule.document_lengths(inputs)]
+            lengths = [n for batch in micro_batches for n in self.batch_rule.document_lengths(batch[0], *batch[2:])]
             self.flops_since_log += self.spec.flops_per_token(self.model_args, lengths) * self.tokens_per_step
         else:
             self.flops_since_log += self.flops_per_token * self.tokens_per_step
-        # With context parallel, this rank trains on the tokens at cp_positions of each sequence.
-        micro_batches = [self.batch_rule.prepare(inputs, labels, self.device) for inputs, labels in micro_batches]
+        # (inputs, labels[, doc_ids]) -> this rank's (inputs, labels, doc_ids or None) on the device;
+        # with context parallel, the tokens at cp_positions of each sequence.
+        micro_batches = [self.batch_rule.prepare(batch[0], batch[1], self.device, *batch[2:]) for batch in micro_batches]
         scale = self.loss_scale([labels for _, labels, _ in micro_batches])
         for inputs, labels, doc_ids in micro_batches:
             loss_sum += self.forward_backward(inputs, labels, doc_ids, scale)

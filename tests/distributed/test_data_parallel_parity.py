@@ -18,8 +18,10 @@ within BF16_TOL of the fp32 single-process run:
   under FSDP 2 within 1e-5 of one process, with the same data_share/I; its FSDP 2 save at step 3
   resumed under FSDP 4 continues with the single process's losses;
 - block-causal attention with the cross-document labels ignored, on a corpus of short documents
-  (about 20 tokens, 3 or more per 64-token window): FSDP 2 (and with the per-document split kernel),
-  FSDP 2 x accumulation 2, TP 2, PP 2, CP 2 (both rotations), FSDP 2 x TP 2, Qwen3-MoE with EP 2,
+  (about 20 tokens, 3 or more per 64-token window): FSDP 2 (and with the per-document split kernel,
+  and with op-level activation checkpointing plus compile), FSDP 2 x accumulation 2, TP 2, PP 2
+  (1F1B, ZBVZeroBubble, Interleaved1F1B with accumulation 2), CP 2 (both rotations), FSDP 2 x TP 2,
+  Qwen3-MoE with EP 2,
   and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, each within 1e-5 of its one
   process; the step-1 loss of FSDP 2 x accumulation 2 and of CP 2 equals a loss computed by hand
   (per-token log-softmax over the documents alone, labels after an EOS left out);
@@ -209,7 +211,14 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8)},
             {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
              "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
-             "bc_pp2": bc + lb(8) + PP2 + val(8), "bc_cp2_allgather": bc + lb(8) + CP2 + val(8),
+             "bc_pp2": bc + lb(8) + PP2 + val(8),
+             "bc_pp2_zbv": bc + lb(8) + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+             "bc_pp2_interleaved_accum2": bc + lb(4) + PP2 + ["--parallelism.pipeline_parallel_schedule",
+                                                              "Interleaved1F1B"],
+             "bc_fsdp2_ac_op_compile": bc + lb(4) + ["--activation_checkpoint.mode", "selective",
+                                                     "--activation_checkpoint.selective_ac_option", "op",
+                                                     "--training.compile"],
+             "bc_cp2_allgather": bc + lb(8) + CP2 + val(8),
              "bc_cp2_alltoall": bc + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
              "bc_moe_ep2": bc + moe + lb(4) + EP2,
              "bc_qwen3_window_tp2": bc + window + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
@@ -219,7 +228,8 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
             {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"]})
 
 
-BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_cp2_allgather",
+BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_pp2_zbv",
+              "bc_pp2_interleaved_accum2", "bc_fsdp2_ac_op_compile", "bc_cp2_allgather",
               "bc_cp2_alltoall", "bc_moe_ep2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
               "bc_fsdp2_tp2"]
 

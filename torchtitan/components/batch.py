@@ -1,10 +1,14 @@
 """What a batch of packed windows becomes before the model sees it, in training and validation alike.
 
+- Documents: a batch (inputs, labels) has its documents end at `document_end_id`, the EOS the data
+  pipeline writes after every document (attention.document_ids numbers them); a loader of a fork's
+  may instead yield (inputs, labels, doc_ids), the document index of each input token.
 - Labels that do not count are set to IGNORE_INDEX: with `ignore_cross_document`, the prediction of
-  each document's first token from the previous document's EOS (the label after an EOS).
-- With `block_causal`, each token's document index (attention.document_ids) goes with the batch, so
-  attention stays inside documents. Documents end at `document_end_id`, the EOS the data pipeline
-  writes after every document.
+  each document's first token from the previous document's last (the label after an EOS; with
+  explicit ids, where the next input token's id differs, so the window's last label, whose next token
+  the ids do not cover, counts). Labels the loader set to IGNORE_INDEX stay ignored.
+- With `block_causal`, each token's document index goes with the batch, so attention stays inside
+  documents.
 - Everything is cut to this rank's context-parallel positions (after the document ids are computed
   on the whole window) and moved to the device.
 
@@ -29,23 +33,34 @@ class BatchRule:
     ignore_cross_document: bool = False
     cp_positions: torch.Tensor | None = None  # this rank's positions of each window (None: all)
 
-    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device):
-        """(inputs, labels, doc_ids or None) of this rank, on `device`."""
-        doc_ids = None
+    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
+                doc_ids: torch.Tensor | None = None):
+        """(inputs, labels, doc_ids or None) of this rank, on `device`. `doc_ids`: the batch's own
+        document ids (None: from document_end_id)."""
         if self.ignore_cross_document:
-            labels = labels.masked_fill(inputs == self.document_end_id, IGNORE_INDEX)
+            if doc_ids is None:
+                crossing = inputs == self.document_end_id
+            else:
+                crossing = torch.zeros_like(inputs, dtype=torch.bool)
+                crossing[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            labels = labels.masked_fill(crossing, IGNORE_INDEX)
         if self.block_causal:
-            doc_ids = shard_sequence(document_ids(inputs, self.document_end_id), self.cp_positions)
-            doc_ids = doc_ids.to(device, non_blocking=True)
+            if doc_ids is None:
+                doc_ids = document_ids(inputs, self.document_end_id)
+            doc_ids = shard_sequence(doc_ids, self.cp_positions).to(device, non_blocking=True)
+        else:
+            doc_ids = None
         inputs = shard_sequence(inputs, self.cp_positions).to(device, non_blocking=True)
         labels = shard_sequence(labels, self.cp_positions).to(device, non_blocking=True)
         return inputs, labels, doc_ids
 
-    def document_lengths(self, inputs: torch.Tensor) -> list[int]:
+    def document_lengths(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None = None) -> list[int]:
         """The lengths of the documents attention runs within, over all rows of a (whole) batch."""
         if not self.block_causal:
             return [inputs.shape[1]] * inputs.shape[0]
-        return [n for row in document_lengths(document_ids(inputs, self.document_end_id)) for n in row]
+        if doc_ids is None:
+            doc_ids = document_ids(inputs, self.document_end_id)
+        return [n for row in document_lengths(doc_ids) for n in row]
 
 
 def valid_labels(labels: torch.Tensor) -> torch.Tensor:
