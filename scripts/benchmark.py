@@ -410,8 +410,8 @@ def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -
     rows = []
     for label, extra in attention_variants(cfg, device_type):
         masked = "block_causal" in label or windowed
-        kernel = attention_backend(extra[-1], device_type, masked)[0] if cfg.parallelism.context_parallel_degree == 1 \
-            else "ring"
+        kernel = attention_backend(extra[-1], device_type, masked, "block_causal" in label, cfg.training.seq_len)[0] \
+            if cfg.parallelism.context_parallel_degree == 1 else "ring"
         results = []
         for repeat in range(opts["repeat"]):
             result, log = tmp / f"{label.replace(' ', '_')}_{repeat}.json", tmp / f"{label.replace(' ', '_')}_{repeat}.log"

@@ -478,7 +478,8 @@ class Trainer:
         if self.spec.cp_attention is None:
             logger.info(f"attention: {mask}, the model's own kernel")
             return
-        name, fn = attention_backend("flex" if m.use_flex_attn else m.attn_backend, self.device.type, masked)
+        name, fn = attention_backend("flex" if m.use_flex_attn else m.attn_backend, self.device.type, masked,
+                                     m.attn_mask_type == "block_causal", self.cfg.training.seq_len)
         for part in parts:
             set_attention_fn(part, self.spec.cp_attention, fn)
         ring = f"; context parallel's ring attention ({self.cfg.parallelism.context_parallel_rotate_method})" \

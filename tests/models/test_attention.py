@@ -137,3 +137,14 @@ def test_loss_sums_the_labels_that_count():
     keep = ignored != IGNORE_INDEX
     by_hand = -torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0][keep].sum()
     assert cross_entropy_sum(logits, ignored).item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+def test_auto_picks_the_kernel_measured_fastest():
+    from torchtitan.models.attention import attention_backend
+
+    pick = lambda *a: attention_backend("auto", *a)[0]  # noqa: E731
+    assert pick("cuda", True, True, 256) == pick("cuda", True, False, 4096) == "flex"
+    assert pick("cuda", False) == "sdpa"  # causal: SDPA's flash kernel
+    assert pick("cpu", True, True, 2048) == pick("cpu", True, True, 1024) == "split"
+    assert pick("cpu", True, True, 512) == pick("cpu", True, False, 4096) == pick("cpu", False) == "sdpa"
+    assert attention_backend("split", "cuda", True)[0] == "split"  # asked for: as asked

@@ -140,12 +140,25 @@ def _mask_mod(doc_ids: torch.Tensor | None, window: int | None):
     return mask_mod
 
 
-def attention_backend(name: str, device_type: str, masked: bool) -> tuple[str, Callable]:
+# Off CUDA, from this window length on, one SDPA call per document beats one masked SDPA call over
+# the whole window (README, "Attention masks and the loss": measured on CPU at 256, 1024 and 2048).
+SPLIT_FROM_SEQ_LEN = 1024
+
+
+def attention_backend(name: str, device_type: str, masked: bool, documents: bool = False,
+                      seq_len: int = 0) -> tuple[str, Callable]:
     """(the backend's name, its attention_fn) for `model.attn_backend` on this device. "auto":
     FlexAttention on CUDA when the mask is more than causal (documents or sliding windows), where it
-    skips the masked tiles; SDPA otherwise (a plain causal mask runs SDPA's flash kernel)."""
+    skips the masked tiles; elsewhere, with document masks (`documents`) in windows of
+    SPLIT_FROM_SEQ_LEN tokens or more, the per-document split; SDPA otherwise (a plain causal mask
+    runs SDPA's flash kernel)."""
     if name == "auto":
-        name = "flex" if device_type == "cuda" and masked else "sdpa"
+        if device_type == "cuda" and masked:
+            name = "flex"
+        elif documents and seq_len >= SPLIT_FROM_SEQ_LEN:
+            name = "split"
+        else:
+            name = "sdpa"
     if name == "flex":
         return name, flex_attention_fn()
     return name, {"sdpa": sdpa_attention, "split": split_attention}[name]
