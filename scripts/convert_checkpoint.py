@@ -7,7 +7,8 @@ Any registered model family with a Hugging Face adapter: to-hf finds the family 
 train_state.json, from-hf by the `model_type` of the folder's config.json (a family registered
 outside torchtitan is found after `--custom-import MODULE`, as experimental.custom_import).
 
-One process, no process group: the whole model is held in CPU memory (8B in float32: 32 GB).
+One process, no process group, one tensor at a time: the peak memory is about one output file of
+--max-shard-mb (to-hf) or one tensor (from-hf) above the interpreter, whatever the model's size.
 to-hf reads only the model part of the checkpoint, never the optimizer. from-hf writes a model-only
 step-0 checkpoint, a starting point for training (checkpoint.initial_load_path). The output folder
 must not exist yet (or be empty). Mistakes are reported in one line on stderr with exit status 2.
@@ -20,35 +21,27 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
-from torchtitan.components.hf_checkpoint import (  # noqa: E402
-    dcp_model_name,
-    load_hf,
-    read_dcp_model,
-    read_hf_config,
-    save_hf,
-    write_dcp_model,
-)
+from torchtitan.components.hf_checkpoint import dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config  # noqa: E402
 from torchtitan.config.errors import UserError  # noqa: E402
 from torchtitan.distributed.utils import DTYPES  # noqa: E402
 from torchtitan.models.registry import get_model_spec, import_custom_module, spec_for_hf_config  # noqa: E402
 
 
-def to_hf(checkpoint_dir: str, output: str, dtype: str):
+def to_hf(checkpoint_dir: str, output: str, dtype: str, max_shard_mb: int):
     name = dcp_model_name(checkpoint_dir)
     spec = get_model_spec(name)
     if spec.hf is None:
         raise UserError(f"model '{name}' has no Hugging Face adapter in its spec; it cannot be exported")
-    sd, args, train_state = read_dcp_model(checkpoint_dir, spec)
-    save_hf(output, sd, spec.hf, args, DTYPES[dtype])
+    train_state = dcp_to_hf(checkpoint_dir, output, spec, DTYPES[dtype], max_shard_mb * 2**20)
     architecture = read_hf_config(output)["architectures"][0]
-    print(f"wrote {output}: {architecture}, step {train_state.get('step', '?')}, {len(sd)} tensors in {dtype}")
+    files = len(list(Path(output).glob("*.safetensors")))
+    print(f"wrote {output}: {architecture}, step {train_state.get('step', '?')}, {files} file(s) in {dtype}")
 
 
 def from_hf(hf_folder: str, output: str, flavor: str):
     spec = spec_for_hf_config(read_hf_config(hf_folder))
-    sd, args = load_hf(hf_folder, spec.hf)
-    write_dcp_model(output, sd, spec, args, flavor)
-    print(f"wrote {output}: model-only {spec.name} checkpoint, {len(sd)} tensors, flavor '{flavor}'")
+    count, _ = hf_to_dcp(hf_folder, output, spec, flavor)
+    print(f"wrote {output}: model-only {spec.name} checkpoint, {count} tensors, flavor '{flavor}'")
 
 
 def main(argv: list[str]) -> int:
@@ -59,6 +52,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("checkpoint_dir")
     p.add_argument("output_dir")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the exported weights")
+    p.add_argument("--max-shard-mb", type=int, default=5120, help="the largest output file (one larger tensor "
+                   "gets a file of its own)")
     p = commands.add_parser("from-hf", help="Hugging Face folder -> model-only step checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("output_dir")
@@ -67,7 +62,9 @@ def main(argv: list[str]) -> int:
     try:
         import_custom_module(opts.custom_import)
         if opts.command == "to-hf":
-            to_hf(opts.checkpoint_dir, opts.output_dir, opts.dtype)
+            if opts.max_shard_mb < 1:
+                raise UserError(f"--max-shard-mb must be 1 or more, got {opts.max_shard_mb}")
+            to_hf(opts.checkpoint_dir, opts.output_dir, opts.dtype, opts.max_shard_mb)
         else:
             from_hf(opts.hf_dir, opts.output_dir, opts.flavor_name)
     except UserError as e:

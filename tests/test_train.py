@@ -190,3 +190,22 @@ def test_initial_hf_weights_bring_their_sliding_windows(tmp_path):
     # [model] wins where it says otherwise.
     args = model_args_for_run(spec, cfg(*base, "--model.sliding_window", "16"), 4096)
     assert (args.sliding_window, args.max_window_layers) == (16, 1)
+
+
+def test_a_broken_hf_folder_is_refused_before_launch(tmp_path):
+    """preflight reads the folder's headers (no weights): a shard of the index missing is refused."""
+    import torch
+
+    from torchtitan.components.hf_checkpoint import save_hf
+
+    spec = get_model_spec("llama3")
+    args = spec.args_for_training("debugmodel", 4096, 64)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    save_hf(tmp_path / "hf", model.state_dict(), spec.hf, args, torch.bfloat16, max_shard_bytes=2**20)
+    sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1].unlink()
+    with pytest.raises(UserError, match=r"which does not exist; is the download complete"):
+        preflight(cfg("--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
+                      "--training.seq_len", "64"), world_size=1)

@@ -224,6 +224,11 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "
             "checkpoint.initial_load_in_hf cannot be used; turn them off"
         )
+    if cfg.checkpoint.initial_load_in_hf and spec.hf is not None:
+        from torchtitan.components.hf_checkpoint import check_hf_folder, meta_shapes
+
+        # From the files' headers: the family, missing files or tensors, dtypes, shapes.
+        check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, run_args))
     if spec.validate is not None:
         spec.validate(model_args, dims)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
@@ -776,7 +781,8 @@ class Trainer:
         if self.checkpointer.should_save(step, t.steps) or (stopping and self.cfg.checkpoint.enable_checkpoint):
             self.checkpointer.save(step, step * self.tokens_per_step, last=step == t.steps)
         if step == t.steps and self.cfg.checkpoint.last_save_in_hf:
-            self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id)
+            self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id, self.mesh,
+                                        self.cfg.model.tokenizer_path)
 
 
 def keep_earlier(path: str, what: str):

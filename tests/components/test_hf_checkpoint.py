@@ -164,3 +164,45 @@ def test_dcp_model_round_trip_and_errors(tmp_path):
     (tmp_path / "step-0" / ".metadata").unlink()
     with pytest.raises(UserError, match="not a complete checkpoint"):
         read_dcp_model(tmp_path / "step-0", SPEC)
+
+
+def sharded_folder(tmp_path, name="hf"):
+    args = small_args()
+    save_hf(tmp_path / name, materialized(args).state_dict(), SPEC.hf, args, torch.float32, max_shard_bytes=40_000)
+    return tmp_path / name, args
+
+
+def test_bad_folders_are_refused_from_their_headers(tmp_path):
+    """Each refused by check_hf_folder, which reads no weight: a shard of the index missing, a tensor the
+    index lists but no shard holds, a dtype a model cannot take, another flavor's shapes, another family."""
+    from safetensors.torch import save_file
+
+    from torchtitan.components.hf_checkpoint import check_hf_folder
+
+    folder, args = sharded_folder(tmp_path, "missing_shard")
+    sorted(folder.glob("model-*.safetensors"))[1].unlink()
+    with pytest.raises(UserError, match=r"model.safetensors.index.json names model-0000\d-of-\d+.safetensors, which "
+                                        r"does not exist"):
+        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
+
+    folder, _ = sharded_folder(tmp_path, "unlisted")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.extra.weight"] = next(iter(index["weight_map"].values()))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=r"lists tensors missing from their files: model.layers.0.mlp.extra.weight"):
+        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
+
+    folder, _ = sharded_folder(tmp_path, "int8")
+    first = sorted(folder.glob("model-*.safetensors"))[0]
+    stored = load_file(first)
+    save_file({k: v.to(torch.int8) for k, v in stored.items()}, str(first))
+    with pytest.raises(UserError, match=r"is stored as I8, which a model cannot take"):
+        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
+
+    folder, _ = sharded_folder(tmp_path, "flavor")
+    with pytest.raises(UserError, match=r"tok_embeddings\.weight: expected \(256, 64\), found \(128, 64\)"):
+        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, small_args(vocab_size=256)))
+
+    qwen = get_model_spec("qwen3")
+    with pytest.raises(UserError, match=r"describes model_type 'llama', but this model reads 'qwen3'"):
+        check_hf_folder(folder, qwen.hf)

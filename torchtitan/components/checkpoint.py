@@ -47,13 +47,11 @@ from safetensors.torch import save_file as save_safetensors
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from torchtitan.config import Checkpoint as CheckpointConfig
 from torchtitan.config import UserError
@@ -527,13 +525,15 @@ class CheckpointManager:
     def _load_initial(self) -> tuple[int, int]:
         path = self.cfg.initial_load_path  # its existence was checked by preflight_checkpoint
         if self.cfg.initial_load_in_hf:
-            from torchtitan.components.hf_checkpoint import load_hf
+            from torchtitan.components.hf_sharded import load_hf_into
 
-            sd, _ = load_hf(path, self.model_info["hf_adapter"], self.model_info["shapes"])
-            for part in self.parts:  # a pipeline stage takes the tensors of the modules it holds
-                own = {k: v for k, v in sd.items() if k in part.state_dict()}
-                set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True, strict=True))
-            logger.info(f"loaded initial weights from the Hugging Face folder {path}")
+            start = time.perf_counter()
+            figures = load_hf_into(self.parts, path, self.model_info["hf_adapter"], self.model_info["hf_args"],
+                                   self.model_info["shapes"])
+            logger.info(
+                f"loaded initial weights from the Hugging Face folder {path} in {time.perf_counter() - start:.1f}s "
+                f"(this rank read {figures['bytes_read'] / 2**20:,.1f} MiB of its {figures['folder_bytes'] / 2**20:,.1f} MiB)"
+            )
             return 0, 0
         problem = self._verify(path)
         if problem is not None:
@@ -806,19 +806,20 @@ class CheckpointManager:
 
     # -- exports --------------------------------------------------------------------------------
 
-    def export_hf(self, step: int, bos_id: int | None, eos_id: int | None):
-        """Write the current weights as a Hugging Face folder {folder}/step-N-hf (rank 0 writes)."""
-        from torchtitan.components.hf_checkpoint import save_hf
+    def export_hf(self, step: int, bos_id: int | None, eos_id: int | None, mesh=None,
+                  tokenizer_path: str | None = None):
+        """Write the current weights as a Hugging Face folder {folder}/step-N-hf, every rank writing
+        its share of the files (hf_sharded.save_hf_sharded); `mesh`: the job's DeviceMesh."""
+        from torchtitan.components.hf_sharded import save_hf_sharded
 
         start = time.perf_counter()
-        full = get_model_state_dict(self.parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in full.items()}
-            out = os.path.join(self.folder, f"step-{step}-hf")
-            save_hf(out, full, self.model_info["hf_adapter"], self.model_info["hf_args"], DTYPES[self.cfg.export_dtype],
-                    bos_id=bos_id, eos_id=eos_id)
-            logger.info(f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s")
-        self._barrier()
+        out = os.path.join(self.folder, f"step-{step}-hf")
+        figures = save_hf_sharded(
+            out, self.parts, self.model_info["hf_adapter"], self.model_info["hf_args"], self.model_info["shapes"],
+            DTYPES[self.cfg.export_dtype], mesh, bos_id=bos_id, eos_id=eos_id, tokenizer_path=tokenizer_path,
+        )
+        logger.info(f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s "
+                    f"(this rank wrote {len(figures['files'])} file(s))")
 
     def save_seed(self):
         """Write the freshly initialized weights as the model-only step-0 checkpoint."""

@@ -98,11 +98,6 @@ def check_rules(cfg: JobConfig) -> list[str]:
             not p.pipeline_parallel_schedule_csv or os.path.isfile(p.pipeline_parallel_schedule_csv),
             f"parallelism.pipeline_parallel_schedule_csv: {p.pipeline_parallel_schedule_csv} does not exist",
         )
-        need(
-            not cfg.checkpoint.last_save_in_hf,
-            "checkpoint.last_save_in_hf with pipeline_parallel_degree > 1 is not supported (each rank holds only its "
-            "stages); convert the last checkpoint with scripts/convert_checkpoint.py to-hf instead",
-        )
     need(p.tensor_parallel_degree >= 1, f"parallelism.tensor_parallel_degree must be 1 or more, got {p.tensor_parallel_degree}")
     for key in ("load_balance_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "capacity_factor"):
         value = getattr(cfg.moe, key)

@@ -81,6 +81,14 @@ class HFAdapter:
     from_hf: Callable[[dict, Any], dict]  # (HF state dict, args) -> our state dict
     config: Callable[..., dict]  # (args, dtype, bos_id, eos_id) -> config.json dict
     args_from_config: Callable[[dict], Any]  # config.json dict -> args (UserError if not representable)
+    # The same conversion one of our tensors at a time (to_hf / from_hf are these applied over every
+    # name, after their key and shape checks), so that a loader or exporter need not hold the whole model.
+    # (our name, args, all HF names present) -> the HF names our tensor is built from, in order ([]: none)
+    hf_names: Callable[[str, Any, frozenset[str]], list[str]]
+    # (our name, {HF name: tensor} for exactly hf_names' names, args) -> our tensor
+    tensor_from_hf: Callable[[str, dict[str, torch.Tensor], Any], torch.Tensor]
+    # (our name, our tensor, args) -> its HF tensors by name ({} for one that is not exported)
+    tensor_to_hf: Callable[[str, torch.Tensor, Any], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)

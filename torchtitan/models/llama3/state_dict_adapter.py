@@ -13,7 +13,9 @@ config gets a pair chosen to reproduce `intermediate_size` exactly (see `args_fr
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.hf_conversion import ROTARY_INV_FREQ, check_keys, plain_rope_theta, unsupported
+from torchtitan.models.hf_conversion import (
+    ROTARY_INV_FREQ, check_keys, convert_from_hf, plain_rope_theta, unsupported,
+)
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.spec import HFAdapter
 
@@ -35,13 +37,20 @@ _PER_LAYER = {
 }
 
 
+def _hf_name(ours: str, args: ModelArgs) -> str:
+    """The HF name of our (Meta) tensor `ours` (KeyError if a model with `args` has no such tensor)."""
+    if ours in _TOP_LEVEL:
+        return _TOP_LEVEL[ours]
+    prefix, layer, local = ours.split(".", 2) if ours.count(".") >= 2 else ("", "", "")
+    if prefix != "layers" or not layer.isdigit() or int(layer) >= args.n_layers or local not in _PER_LAYER:
+        raise KeyError(f"{ours} is not a tensor of a Llama 3 model with {args.n_layers} layers")
+    return f"model.layers.{layer}.{_PER_LAYER[local]}"
+
+
 def _name_pairs(args: ModelArgs) -> dict[str, str]:
     """Meta name -> HF name for every parameter of a model with `args`."""
-    pairs = dict(_TOP_LEVEL)
-    for i in range(args.n_layers):
-        for meta, hf in _PER_LAYER.items():
-            pairs[f"layers.{i}.{meta}"] = f"model.layers.{i}.{hf}"
-    return pairs
+    ours = list(_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _PER_LAYER]
+    return {name: _hf_name(name, args) for name in ours}
 
 
 def _check_keys(found, expected, what: str, n_layers: int):
@@ -66,34 +75,54 @@ def _halves_to_pairs(w: torch.Tensor, n_heads: int, head_dim: int, name: str) ->
     return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+# The per-tensor conversion (HFAdapter.hf_names / tensor_from_hf / tensor_to_hf): a rename, and the
+# q/k row permutation. The whole-dict to_hf / from_hf below check the keys, then apply these to every tensor.
+
+
+def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
+    """The one HF tensor our tensor `ours` is read from (every tensor is a rename; `present` is not needed)."""
+    return [_hf_name(ours, args)]
+
+
+def _heads(ours: str, args: ModelArgs) -> int | None:
+    """The number of heads whose rows are permuted in `ours` (None: a plain rename)."""
+    if ours.endswith("attention.wq.weight"):
+        return args.n_heads
+    if ours.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """Our tensor `ours` from its HF tensor ({hf_names(ours)[0]: tensor}): that tensor itself, or for q and
+    k its rows permuted (a copy; a meta tensor stays on meta, its shape checked)."""
+    ((hf, w),) = tensors.items()
+    heads = _heads(ours, args)
+    return w if heads is None else _halves_to_pairs(w, heads, args.head_dim, hf)
+
+
+def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """{HF name: tensor} of our tensor `ours`; q and k permuted (a copy), the rest as they are."""
+    heads = _heads(ours, args)
+    return {_hf_name(ours, args): w if heads is None else _pairs_to_halves(w, heads, args.head_dim, ours)}
+
+
 def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict (Meta names) -> Hugging Face LlamaForCausalLM state dict."""
-    names = _name_pairs(args)
-    _check_keys(sd, names, "the model state dict", args.n_layers)
+    _check_keys(sd, _name_pairs(args), "the model state dict", args.n_layers)
     out = {}
     for meta, w in sd.items():
-        if meta.endswith("attention.wq.weight"):
-            w = _pairs_to_halves(w, args.n_heads, args.head_dim, meta)
-        elif meta.endswith("attention.wk.weight"):
-            w = _pairs_to_halves(w, args.kv_heads, args.head_dim, meta)
-        out[names[meta]] = w
+        out.update(tensor_to_hf(meta, w, args))
     return out
 
 
 def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Hugging Face LlamaForCausalLM state dict -> our state dict (Meta names); the inverse of to_hf."""
-    names = {hf: meta for meta, hf in _name_pairs(args).items()}
+    """Hugging Face LlamaForCausalLM state dict -> our state dict (Meta names); the inverse of to_hf.
+    Runs on meta tensors as well (shapes only): a folder can be checked from its headers."""
+    names = _name_pairs(args)
     hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
-    _check_keys(hf_sd, names, "the Hugging Face state dict", args.n_layers)
-    out = {}
-    for hf, w in hf_sd.items():
-        meta = names[hf]
-        if hf.endswith("q_proj.weight"):
-            w = _halves_to_pairs(w, args.n_heads, args.head_dim, hf)
-        elif hf.endswith("k_proj.weight"):
-            w = _halves_to_pairs(w, args.kv_heads, args.head_dim, hf)
-        out[meta] = w
-    return out
+    _check_keys(hf_sd, {hf: meta for meta, hf in names.items()}, "the Hugging Face state dict", args.n_layers)
+    return convert_from_hf(names, hf_sd, args, hf_names, tensor_from_hf)
 
 
 def hf_config(
@@ -177,4 +206,7 @@ ADAPTER = HFAdapter(
     from_hf=from_hf,
     config=hf_config,
     args_from_config=args_from_hf_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
 )

@@ -45,7 +45,9 @@ import logging
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.hf_conversion import ROTARY_INV_FREQ, check_keys, plain_rope_theta, unsupported
+from torchtitan.models.hf_conversion import (
+    ROTARY_INV_FREQ, check_keys, convert_from_hf, is_meta, plain_rope_theta, unsupported,
+)
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.spec import HFAdapter
@@ -85,15 +87,35 @@ _OURS_TIED, _HF_TIED = "output.weight", "lm_head.weight"
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
+def _per_layer(args: ModelArgs) -> dict[str, str]:
+    """Our layer-local name -> HF layer-local name of the renamed tensors of each layer."""
+    return {**_PER_LAYER, **(_MOE_ROUTER if args.moe is not None else _DENSE_FFN)}
+
+
+def _split(ours: str, args: ModelArgs) -> tuple[int | None, str]:
+    """(layer, layer-local name) of our tensor `ours`; (None, ours) for a top-level one."""
+    if not ours.startswith("layers."):
+        return None, ours
+    _, layer, local = (ours.split(".", 2) + ["", ""])[:3]
+    if not layer.isdigit() or int(layer) >= args.n_layers:
+        raise KeyError(f"{ours} is not a tensor of {_describe(args)}")
+    return int(layer), local
+
+
+def _hf_name(ours: str, args: ModelArgs) -> str:
+    """The HF name of our renamed tensor `ours` (KeyError for the experts, the bias or an unknown name)."""
+    layer, local = _split(ours, args)
+    renames = _TOP_LEVEL if layer is None else _per_layer(args)
+    if local not in renames:
+        raise KeyError(f"{ours} is not a renamed tensor of {_describe(args)}")
+    return renames[local] if layer is None else f"model.layers.{layer}.{renames[local]}"
+
+
 def _name_pairs(args: ModelArgs) -> dict[str, str]:
     """Our name -> HF name for every renamed parameter of a model with `args` (the output layer
     included, even when tied); not the MoE experts (not a rename) nor the expert bias (no HF name)."""
-    pairs = dict(_TOP_LEVEL)
-    per_layer = {**_PER_LAYER, **(_MOE_ROUTER if args.moe is not None else _DENSE_FFN)}
-    for i in range(args.n_layers):
-        for ours, hf in per_layer.items():
-            pairs[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}"
-    return pairs
+    ours = list(_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _per_layer(args)]
+    return {name: _hf_name(name, args) for name in ours}
 
 
 def _expert_key(layer: int, expert: int, proj: str) -> str:
@@ -112,8 +134,11 @@ def _check_keys(found, expected, optional: tuple[str, ...], what: str, args: Mod
 
 
 def _check_tied_copy(sd: dict, output: str, embedding: str):
-    """A stored output weight of a tied model must be the embedding (or an equal copy)."""
-    if output in sd and sd[output] is not sd[embedding] and not torch.equal(sd[output], sd[embedding]):
+    """A stored output weight of a tied model must be the embedding (or an equal copy). A value check:
+    skipped on meta tensors (a folder checked from its headers), which have shapes only."""
+    if output not in sd or sd[output] is sd[embedding] or is_meta(sd[output], sd[embedding]):
+        return
+    if not torch.equal(sd[output], sd[embedding]):
         raise UserError(
             f"the model ties its embeddings (tie_word_embeddings), but {output} differs from {embedding}; "
             "these weights come from an untied model: use a configuration with tie_word_embeddings = false"
@@ -224,11 +249,84 @@ def _check_shapes(sd: dict, expected: dict[str, tuple]):
         )
 
 
+def _is_fused(names, layer: int) -> bool:
+    """Whether `names` (a state dict or a set of HF names) holds the experts of `layer` fused: either
+    fused tensor present (the other one, if absent, is then a missing key)."""
+    return f"model.layers.{layer}.{_FUSED_GATE_UP}" in names or f"model.layers.{layer}.{_FUSED_DOWN}" in names
+
+
+def _fused_layers(hf_sd, args: ModelArgs) -> set[int]:
+    """The layers whose experts `hf_sd` holds fused."""
+    return set() if args.moe is None else {i for i in range(args.n_layers) if _is_fused(hf_sd, i)}
+
+
+# The per-tensor conversion (HFAdapter.hf_names / tensor_from_hf / tensor_to_hf). The whole-dict to_hf /
+# from_hf below check keys and shapes (and the routing), then apply these to every tensor.
+
+
+def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
+    """The HF tensors our tensor `ours` is read from, given the HF names `present` in the folder:
+    - tied output.weight: the embedding, then lm_head.weight if the folder stores one (a copy that
+      tensor_from_hf checks, as from_hf does); untied: lm_head.weight;
+    - experts.w1 / w3: the layer's fused gate_up_proj if the folder fuses that layer (either fused
+      tensor present), else the per-expert gate_proj / up_proj in expert order; w2 likewise with down_proj;
+    - expert_bias: none (zeros);
+    - everything else: its one renamed tensor."""
+    layer, local = _split(ours, args)
+    if args.tie_word_embeddings and ours == _OURS_TIED:
+        return [_TOP_LEVEL["tok_embeddings.weight"]] + ([_HF_TIED] if _HF_TIED in present else [])
+    if args.moe is not None and local == _EXPERT_BIAS:
+        return []
+    if args.moe is not None and local in _EXPERTS:
+        if _is_fused(present, layer):
+            fused = _FUSED_DOWN if _EXPERTS[local] == "down_proj" else _FUSED_GATE_UP
+            return [f"model.layers.{layer}.{fused}"]
+        return [_expert_key(layer, x, _EXPERTS[local]) for x in range(args.moe.num_experts)]
+    return [_hf_name(ours, args)]
+
+
+def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """Our tensor `ours` from {HF name: tensor} for exactly hf_names(ours, args, folder). Tied output.weight
+    is the embedding tensor itself (UserError if a stored lm_head.weight differs from it); experts are
+    stacked per expert or sliced from the fused gate_up_proj (gate rows first); expert_bias is zeros.
+    Works on meta tensors (shapes only; the lm_head value check is skipped)."""
+    layer, local = _split(ours, args)
+    if args.tie_word_embeddings and ours == _OURS_TIED:
+        embedding = _TOP_LEVEL["tok_embeddings.weight"]
+        _check_tied_copy(tensors, _HF_TIED, embedding)
+        return tensors[embedding]
+    if args.moe is not None and local == _EXPERT_BIAS:
+        # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
+        return torch.zeros(args.moe.num_experts)
+    if args.moe is not None and local in _EXPERTS:
+        proj = _EXPERTS[local]
+        gate_up = tensors.get(f"model.layers.{layer}.{_FUSED_GATE_UP}")
+        if gate_up is not None:
+            h = args.moe.hidden_dim
+            return (gate_up[:, :h] if proj == "gate_proj" else gate_up[:, h:]).contiguous()
+        down = tensors.get(f"model.layers.{layer}.{_FUSED_DOWN}")
+        if down is not None:
+            return down
+        return torch.stack([tensors[_expert_key(layer, x, proj)] for x in range(args.moe.num_experts)])
+    return tensors[_hf_name(ours, args)]
+
+
+def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """{HF name: tensor} of our tensor `ours`: {} for a tied output.weight (Hugging Face ties it to the
+    embedding on load) and for expert_bias (no counterpart; to_hf warns when it is non-zero); the
+    experts one tensor per expert (hub layout, views of ours); the rest renamed."""
+    layer, local = _split(ours, args)
+    if (args.tie_word_embeddings and ours == _OURS_TIED) or (args.moe is not None and local == _EXPERT_BIAS):
+        return {}
+    if args.moe is not None and local in _EXPERTS:
+        return {_expert_key(layer, x, _EXPERTS[local]): w[x] for x in range(args.moe.num_experts)}
+    return {_hf_name(ours, args): w}
+
+
 def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM state dict (no
     lm_head.weight when tied; MoE experts one tensor per expert, as views of ours; no expert bias)."""
     _check_exportable(args)
-    names = _name_pairs(args)
     tied = args.tie_word_embeddings
     expected = _our_shapes(args)
     # The expert bias may be absent: it is dropped anyway.
@@ -239,17 +337,9 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
         _check_tied_copy(sd, _OURS_TIED, "tok_embeddings.weight")
     out, biased = {}, []
     for ours, w in sd.items():
-        if tied and ours == _OURS_TIED:
-            continue
-        _, layer, local = ours.split(".", 2) if ours.startswith("layers.") else (None, None, ours)
-        if local in _EXPERTS:
-            for x in range(args.moe.num_experts):
-                out[_expert_key(int(layer), x, _EXPERTS[local])] = w[x]
-        elif local == _EXPERT_BIAS:
-            if not w.is_meta and torch.any(w != 0):
-                biased.append(ours)
-        else:
-            out[names[ours]] = w
+        if ours.endswith(_EXPERT_BIAS) and not w.is_meta and torch.any(w != 0):
+            biased.append(ours)
+        out.update(tensor_to_hf(ours, w, args))
     if biased:
         logger.warning(
             f"dropping the non-zero MoE balancing bias ({biased[0]}"
@@ -260,49 +350,19 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
     return out
 
 
-def _fused_layers(hf_sd: dict, args: ModelArgs) -> set[int]:
-    """The layers whose experts `hf_sd` holds fused (either fused tensor present)."""
-    if args.moe is None:
-        return set()
-    return {i for i in range(args.n_layers)
-            if f"model.layers.{i}.{_FUSED_GATE_UP}" in hf_sd or f"model.layers.{i}.{_FUSED_DOWN}" in hf_sd}
-
-
 def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM state dict -> our state dict; the inverse
     of to_hf. Tied: output.weight is the tok_embeddings.weight tensor itself. MoE: experts from the
-    hub's per-expert tensors or transformers 5's fused ones; expert_bias zeros (float32)."""
+    hub's per-expert tensors or transformers 5's fused ones; expert_bias zeros (float32). Runs on meta
+    tensors as well (every key and shape check; value checks skipped): a folder can be checked from
+    its headers."""
     _check_exportable(args)
-    pairs = _name_pairs(args)
-    names = {hf: ours for ours, hf in pairs.items()}
     tied = args.tie_word_embeddings
     hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
-    fused = _fused_layers(hf_sd, args)
-    expected = _hf_shapes(args, fused)
+    expected = _hf_shapes(args, _fused_layers(hf_sd, args))
     _check_keys(hf_sd, expected, (_HF_TIED,) if tied else (), "the Hugging Face state dict", args)
     _check_shapes(hf_sd, expected)
-    if tied:
-        _check_tied_copy(hf_sd, _HF_TIED, "model.embed_tokens.weight")
-    out = {names[hf]: w for hf, w in hf_sd.items() if hf in names and not (tied and hf == _HF_TIED)}
-    if tied:
-        out[_OURS_TIED] = out["tok_embeddings.weight"]
-    if args.moe is not None:
-        e, h = args.moe.num_experts, args.moe.hidden_dim
-        for i in range(args.n_layers):
-            ours = f"layers.{i}.feed_forward"
-            if i in fused:
-                gate_up = hf_sd[f"model.layers.{i}.{_FUSED_GATE_UP}"]
-                out[f"{ours}.experts.w1"] = gate_up[:, :h].contiguous()
-                out[f"{ours}.experts.w3"] = gate_up[:, h:].contiguous()
-                out[f"{ours}.experts.w2"] = hf_sd[f"model.layers.{i}.{_FUSED_DOWN}"]
-            else:
-                for local, proj in _EXPERTS.items():
-                    # Popped from this function's own dict: when the caller keeps no reference (load_hf),
-                    # each expert's tensor is freed once stacked, so the peak stays about one layer above the model.
-                    out[f"layers.{i}.{local}"] = torch.stack([hf_sd.pop(_expert_key(i, x, proj)) for x in range(e)])
-            # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
-            out[f"{ours}.expert_bias"] = torch.zeros(e)
-    return out
+    return convert_from_hf(_our_shapes(args), hf_sd, args, hf_names, tensor_from_hf)
 
 
 def hf_config(
@@ -579,4 +639,7 @@ ADAPTER = HFAdapter(
     from_hf=from_hf,
     config=hf_config,
     args_from_config=args_from_hf_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
 )

@@ -1,0 +1,200 @@
+"""Hugging Face weights in and out of a parallelized model, one tensor at a time, on every rank at once.
+
+No rank ever holds the whole model. Under any layout (FSDP, HSDP, TP, PP with any schedule, CP, EP)
+each rank's model parts hold DTensor shards or, under PP alone, whole tensors of their stages'
+modules; both directions walk those tensors in order through the family's per-tensor conversion
+(spec.HFAdapter: hf_names, tensor_from_hf, tensor_to_hf).
+
+Load (`load_hf_into`): everything that can be refused is refused first, from the files' headers
+(hf_checkpoint.check_hf_folder). Then each rank reads, for each tensor it holds, only what it needs:
+where our tensor is one Hugging Face tensor renamed (the adapter returns its input unchanged) and the
+rank holds a block of it, just that block's bytes; otherwise (a layout change such as the rotary
+permutation of Llama's q/k, or experts stacked from one tensor per expert) the source tensors of that
+one tensor, from which the rank keeps its shard. Peak memory above the model's own shards: about one
+tensor.
+
+Save (`save_hf_sharded`): the files are planned identically on every rank from the model's shapes:
+consecutive tensors up to max_shard_bytes, a file never spanning two pipeline stages. Each file has
+one writer among the ranks of its stage (round robin over them, so the stage's ranks write its files
+in parallel); for each tensor of a file, the ranks that hold it gather it whole (DTensor.full_tensor:
+a collective over its own mesh) and only the writer keeps it. A writer holds at most one file's
+tensors. Rank 0 writes config.json, generation_config.json, the index and the tokenizer's files.
+"""
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from torchtitan.components.hf_checkpoint import (
+    HF_CONFIG,
+    HF_INDEX,
+    HFFolder,
+    check_hf_folder,
+    file_names,
+    plan_files,
+    write_json,
+)
+from torchtitan.config.errors import UserError
+from torchtitan.models.spec import HFAdapter
+
+logger = logging.getLogger(__name__)
+
+GENERATION_CONFIG = "generation_config.json"
+# Tokenizer files of a Hugging Face tokenizer folder, copied into an export when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
+
+
+def _owned_tensors(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Our name -> this rank's tensor (a DTensor shard or a whole tensor) of every model part; a
+    tensor two names share (tied embeddings) appears under both."""
+    return {name: t for part in parts for name, t in part.state_dict().items()}
+
+
+def _block(target: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, global offset) of this rank's block of `target`, when its placements make it one
+    contiguous block of the whole (plain Shard and Replicate); None otherwise."""
+    if not all(type(p) in (Shard, Replicate) for p in target.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return tuple(shape), tuple(offset)
+
+
+def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFAdapter, args,
+                 expected_shapes: dict[str, tuple]) -> dict:
+    """Fill this rank's model parts from a Hugging Face folder. Returns {bytes_read: by this rank,
+    folder_bytes: the folder's tensors}."""
+    check_hf_folder(folder, adapter, expected_shapes)
+    hf = HFFolder(folder)
+    present = frozenset(hf.shapes)
+    read = 0
+    with torch.no_grad():
+        for name, target in _owned_tensors(parts).items():
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if local.numel() == 0:
+                continue
+            sources = adapter.hf_names(name, args, present)
+            block = _block(target) if isinstance(target, DTensor) and len(sources) == 1 else None
+            if block is not None and _is_rename(adapter, name, sources[0], hf, args):
+                piece = hf.read(sources[0], block[1], block[0])
+                read += piece.numel() * piece.element_size()
+            else:
+                inputs = {n: hf.read(n) for n in sources}
+                read += sum(t.numel() * t.element_size() for t in inputs.values())
+                piece = adapter.tensor_from_hf(name, inputs, args)
+                del inputs
+                if isinstance(target, DTensor):
+                    # No communication: every rank holds the whole tensor and keeps its own shard.
+                    piece = distribute_tensor(piece, target.device_mesh, target.placements, src_data_rank=None)
+                    piece = piece.to_local()
+            local.copy_(piece)
+    return {"bytes_read": read, "folder_bytes": hf.nbytes}
+
+
+def _is_rename(adapter: HFAdapter, name: str, source: str, hf: HFFolder, args) -> bool:
+    """Whether our tensor `name` is the Hugging Face tensor `source` itself: the adapter returns its
+    (meta) input object unchanged, so a block of ours is the same block of the file's."""
+    probe = torch.empty(hf.shapes[source], dtype=hf.dtypes[source], device="meta")
+    return adapter.tensor_from_hf(name, {source: probe}, args) is probe
+
+
+def _stage_ranks(mesh) -> tuple[int, list[list[int]]]:
+    """(this rank's pipeline-stage index, the global ranks of each stage). Without a mesh, one stage
+    of rank 0; without PP, one stage of every rank."""
+    if mesh is None:
+        return 0, [[0]]
+    ranks = mesh.mesh
+    if "pp" in (mesh.mesh_dim_names or ()):
+        pp_dim = mesh.mesh_dim_names.index("pp")
+        ranks = ranks.movedim(pp_dim, 0)
+        stages = [r.flatten().tolist() for r in ranks]
+        mine = next(i for i, r in enumerate(stages) if dist.get_rank() in r)
+        return mine, stages
+    return 0, [ranks.flatten().tolist()]
+
+
+def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: HFAdapter, args,
+                    model_shapes: dict[str, tuple], dtype: torch.dtype, mesh=None, max_shard_bytes: int = 5 * 2**30,
+                    bos_id: int | None = None, eos_id: int | None = None, tokenizer_path: str | None = None) -> dict:
+    """Write the model held by every rank's parts as a Hugging Face folder (the hub's layout). All ranks
+    call it. `model_shapes`: our name -> shape of the whole model, in model order (the same on every
+    rank); `mesh`: the job's DeviceMesh (None: one process). Returns {files: this rank wrote}."""
+    folder = Path(folder).resolve()
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise UserError(f"{folder} already exists and is not empty; choose a new output folder or delete it")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    held = _owned_tensors(parts)
+    stage, stage_ranks = _stage_ranks(mesh)
+    # Which stage holds each of our tensors: each stage says what it holds (names only).
+    holdings = [sorted(held)]
+    if len(stage_ranks) > 1:
+        holdings = [None] * len(stage_ranks)
+        dist.all_gather_object(holdings, sorted(held), group=mesh["pp"].get_group())
+    stage_of = {name: s for s, names in enumerate(holdings) for name in names}
+
+    # The plan, identical on every rank: each of our tensors' Hugging Face tensors (meta), grouped into files.
+    hf_shapes: dict[str, dict[str, tuple]] = {}
+    items = []
+    for name, shape in model_shapes.items():
+        converted = adapter.tensor_to_hf(name, torch.empty(shape, device="meta", dtype=dtype), args)
+        if converted:
+            hf_shapes[name] = {k: tuple(v.shape) for k, v in converted.items()}
+            items.append((name, sum(v.numel() for v in converted.values()) * dtype.itemsize, stage_of[name]))
+    files = plan_files(items, max_shard_bytes)
+    names = file_names(len(files))
+    writers = []
+    for i, file_items in enumerate(files):
+        ranks = stage_ranks[stage_of[file_items[0]]]
+        writers.append(ranks[i % len(ranks)])
+
+    tmp = folder.with_name(f".{folder.name}.partial")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left behind by a killed export
+        tmp.mkdir(parents=True)
+    _barrier()
+    written = []
+    with torch.no_grad():
+        for file, file_items, writer in zip(names, files, writers):
+            if stage_of[file_items[0]] != stage:
+                continue
+            tensors = {}
+            for name in file_items:
+                t = held[name]
+                whole = t.full_tensor() if isinstance(t, DTensor) else t  # a collective over t's mesh
+                if rank == writer:
+                    tensors.update({k: v.to("cpu", dtype).contiguous()
+                                    for k, v in adapter.tensor_to_hf(name, whole, args).items()})
+                del whole
+            if rank == writer:
+                save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+                written.append(file)
+    _barrier()
+    if rank == 0:
+        write_json(tmp / HF_CONFIG, adapter.config(args, dtype, bos_id, eos_id))
+        generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
+        write_json(tmp / GENERATION_CONFIG, generation)
+        if len(files) > 1:
+            total = sum(n for _, n, _ in items)
+            weight_map = {hf: file for file, file_items in zip(names, files) for name in file_items
+                          for hf in hf_shapes[name]}
+            write_json(tmp / HF_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if tokenizer_path is not None and Path(tokenizer_path).is_dir():
+            for file in TOKENIZER_FILES:
+                if (Path(tokenizer_path) / file).is_file():
+                    shutil.copy2(Path(tokenizer_path) / file, tmp / file)
+        os.replace(tmp, folder)
+    _barrier()
+    return {"files": written}
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
