@@ -530,10 +530,14 @@ class CheckpointManager:
             start = time.perf_counter()
             figures = load_hf_into(self.parts, path, self.model_info["hf_adapter"], self.model_info["hf_args"],
                                    self.model_info["shapes"])
+            growth = "" if figures["peak_growth"] is None else \
+                f"; its resident memory peaked {figures['peak_growth'] / 2**20:,.1f} MiB above its size before"
             logger.info(
                 f"loaded initial weights from the Hugging Face folder {path} in {time.perf_counter() - start:.1f}s "
-                f"(this rank read {figures['bytes_read'] / 2**20:,.1f} MiB of its {figures['folder_bytes'] / 2**20:,.1f} MiB)"
+                f"(this rank read {figures['bytes_read'] / 2**20:,.1f} MiB of its {figures['folder_bytes'] / 2**20:,.1f} "
+                f"MiB{growth})"
             )
+            self.hf_load_figures = figures
             return 0, 0
         problem = self._verify(path)
         if problem is not None:
@@ -816,7 +820,8 @@ class CheckpointManager:
         out = os.path.join(self.folder, f"step-{step}-hf")
         figures = save_hf_sharded(
             out, self.parts, self.model_info["hf_adapter"], self.model_info["hf_args"], self.model_info["shapes"],
-            DTYPES[self.cfg.export_dtype], mesh, bos_id=bos_id, eos_id=eos_id, tokenizer_path=tokenizer_path,
+            DTYPES[self.cfg.export_dtype], mesh, self.cfg.hf_max_shard_mb * 2**20, bos_id=bos_id, eos_id=eos_id,
+            tokenizer_path=tokenizer_path,
         )
         logger.info(f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s "
                     f"(this rank wrote {len(figures['files'])} file(s))")

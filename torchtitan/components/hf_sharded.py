@@ -71,11 +71,13 @@ def _block(target: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFAdapter, args,
                  expected_shapes: dict[str, tuple]) -> dict:
     """Fill this rank's model parts from a Hugging Face folder. Returns {bytes_read: by this rank,
-    folder_bytes: the folder's tensors}."""
+    folder_bytes: the folder's tensors, peak_growth: this process's peak resident memory above its
+    size when the load began (Linux; None elsewhere)}."""
     check_hf_folder(folder, adapter, expected_shapes)
     hf = HFFolder(folder)
     present = frozenset(hf.shapes)
     read = 0
+    before = restart_peak_rss()
     with torch.no_grad():
         for name, target in _owned_tensors(parts).items():
             local = target.to_local() if isinstance(target, DTensor) else target
@@ -96,7 +98,29 @@ def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFA
                     piece = distribute_tensor(piece, target.device_mesh, target.placements, src_data_rank=None)
                     piece = piece.to_local()
             local.copy_(piece)
-    return {"bytes_read": read, "folder_bytes": hf.nbytes}
+    growth = None if before is None else peak_rss() - before
+    return {"bytes_read": read, "folder_bytes": hf.nbytes, "peak_growth": growth}
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(key)).split()[1])
+
+
+def restart_peak_rss() -> int | None:
+    """Restart the kernel's count of this process's peak resident memory (VmHWM) from its current
+    size, which is returned in bytes; None where /proc cannot do that (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS:") * 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes since restart_peak_rss (Linux)."""
+    return _status_kib("VmHWM:") * 1024
 
 
 def _is_rename(adapter: HFAdapter, name: str, source: str, hf: HFFolder, args) -> bool:

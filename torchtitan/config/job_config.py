@@ -454,6 +454,11 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
         "float32", "Dtype of model-only saves and Hugging Face exports."
     )
+    hf_max_shard_mb: int = opt(
+        5120,
+        "The largest safetensors file of a Hugging Face export, in MiB (a larger tensor gets a file of its own). "
+        "Each file's writer holds its tensors until the file is written.",
+    )
     enable_first_step_checkpoint: bool = opt(False, "Also save right after the first step.")
     create_seed_checkpoint: bool = opt(
         False,

@@ -43,6 +43,8 @@ def check_rules(cfg: JobConfig) -> list[str]:
         not mdl.use_flex_attn or mdl.attn_backend in ("auto", "flex"),
         f"model.use_flex_attn = true asks for FlexAttention but model.attn_backend = {mdl.attn_backend!r}; keep one",
     )
+    need(cfg.checkpoint.hf_max_shard_mb >= 1,
+         f"checkpoint.hf_max_shard_mb must be 1 or more, got {cfg.checkpoint.hf_max_shard_mb}")
     for name in cfg.job.stop_signals:
         need(
             name in STOP_SIGNALS,

@@ -1,0 +1,105 @@
+"""Hugging Face load and save at scale: per-rank peak memory and times of the trainer's sharded load
+(checkpoint.initial_load_in_hf) and export (checkpoint.last_save_in_hf).
+
+    python scripts/benchmark_hf.py make FOLDER [--flavor 1.7B]     # transformers, random weights, bf16
+    torchrun --nproc_per_node 4 scripts/benchmark_hf.py run FOLDER [trainer overrides, e.g. a layout]
+
+`make` writes a folder as the hub has it: transformers builds Qwen3ForCausalLM from the config of our
+qwen3 flavor (1.7B: Qwen3-1.7B's published dimensions) with random weights and save_pretrained writes it
+in bfloat16 with max_shard_size="500MB". `run` builds the model under the layout the overrides give
+(default: FSDP over every process), loads the folder into it, exports it again (bfloat16, 500 MiB
+files), and prints per rank: its peak resident memory during the load above its size before the load
+(a rank that loads nothing stays at that size), the bytes it read, and the load and export times. The
+last line is the largest peak growth as a fraction of the folder's bytes.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
+
+
+def make(folder: str, flavor: str):
+    import torch
+    import transformers
+
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    args = spec.flavors[flavor]
+    Path(folder).mkdir(parents=True)
+    (Path(folder) / "config.json").write_text(json.dumps(spec.hf.config(args, torch.bfloat16, None, 151645)))
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="500MB")
+    files = len(list(Path(folder).glob("*.safetensors")))
+    print(f"wrote {folder}: Qwen3 {flavor}, {sum(p.numel() for p in model.parameters()):,} parameters, {files} files")
+
+
+def run(folder: str, overrides: list[str]):
+    import torch.distributed as dist
+
+    from torchtitan.components.hf_sharded import peak_rss, restart_peak_rss
+    from torchtitan.components.tokenizer import Tokenizer
+    from torchtitan.config import load_config
+    from torchtitan.train import Trainer, set_determinism, setup_logging, train
+
+    class LoadAndExport(Trainer):
+        """The trainer's start-up up to its checkpoint load, then an export; no step."""
+
+        def _run(self):
+            set_determinism(self.cfg.training.seed, False)
+            self.mesh = self.dims.build_mesh(self.device.type)
+            self.tokenizer = Tokenizer(self.cfg.model.tokenizer_path)
+            self.dataloader = self.build_dataloader()
+            self.parts, self.pipeline = self.build_model()
+            self.optim = self.build_optimizer()
+            self.checkpointer = self.build_checkpointer()
+            print(f"rank {self.rank} DEBUG after build: rss {open('/proc/self/status').read().split('VmRSS:')[1].split()[0]} hwm {open('/proc/self/status').read().split('VmHWM:')[1].split()[0]}", flush=True)
+            start = time.perf_counter()
+            self.checkpointer.load()
+            load_s = time.perf_counter() - start
+            figures = self.checkpointer.hf_load_figures
+            before = restart_peak_rss()
+            start = time.perf_counter()
+            self.checkpointer.export_hf(0, self.tokenizer.bos_id, self.tokenizer.eos_id, self.mesh)
+            save_s = time.perf_counter() - start
+            record = dict(figures, load_s=load_s, save_s=save_s, save_peak_growth=peak_rss() - before,
+                          rank=self.rank)
+            records = [None] * self.dims.world_size
+            dist.all_gather_object(records, record)
+            return records
+
+    setup_logging()
+    dump = Path("outputs") / "benchmark_hf"
+    cfg = load_config(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+                       "--model.name", "qwen3", "--model.flavor", "1.7B", "--training.seq_len", "256",
+                       "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_in_hf",
+                       "--checkpoint.export_dtype", "bfloat16", "--checkpoint.hf_max_shard_mb", "500",
+                       "--job.dump_folder", str(dump), *overrides])
+    records = train(cfg, LoadAndExport)
+    if os.environ.get("RANK", "0") == "0":
+        size = records[0]["folder_bytes"]
+        print(f"folder {size / 2**30:.2f} GiB; per rank: peak memory growth while loading / exporting, bytes read, "
+              f"load s, export s")
+        for r in records:
+            print(f"rank {r['rank']}: {r['peak_growth'] / 2**20:,.0f} MiB ({r['peak_growth'] / size:.2f}x) / "
+                  f"{r['save_peak_growth'] / 2**20:,.0f} MiB, read {r['bytes_read'] / 2**20:,.0f} MiB, "
+                  f"{r['load_s']:.1f} s, {r['save_s']:.1f} s")
+        print(f"largest load peak growth: {max(r['peak_growth'] for r in records) / size:.2f}x the folder's bytes")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("make", "run"):
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    if sys.argv[1] == "make":
+        flavor = sys.argv[sys.argv.index("--flavor") + 1] if "--flavor" in sys.argv else "1.7B"
+        make(sys.argv[2], flavor)
+    else:
+        run(sys.argv[2], sys.argv[3:])
