@@ -1,12 +1,14 @@
 """Hugging Face load and save at scale: per-rank peak memory and times of the trainer's sharded load
 (checkpoint.initial_load_in_hf) and export (checkpoint.last_save_in_hf).
 
-    python scripts/benchmark_hf.py make FOLDER [--flavor 1.7B]     # transformers, random weights, bf16
-    torchrun --nproc_per_node 4 scripts/benchmark_hf.py run FOLDER [trainer overrides, e.g. a layout]
+    python scripts/benchmark_hf.py make FOLDER [--model llama3] [--flavor 1B]   # transformers, random weights
+    torchrun --nproc_per_node 4 scripts/benchmark_hf.py run FOLDER [--model.name llama3 --model.flavor 1B]
+        [trainer overrides, e.g. a layout]
 
-`make` writes a folder as the hub has it: transformers builds Qwen3ForCausalLM from the config of our
-qwen3 flavor (1.7B: Qwen3-1.7B's published dimensions) with random weights and save_pretrained writes it
-in bfloat16 with max_shard_size="500MB". `run` builds the model under the layout the overrides give
+`make` writes a folder as the hub has it: transformers builds the Hugging Face model of our family's
+flavor (llama3 1B: Llama 3.2 1B's dimensions with an untied output layer; qwen3 1.7B: Qwen3-1.7B's)
+from its config.json with random weights, and save_pretrained writes it in bfloat16 with
+max_shard_size="500MB". `run` builds the model under the layout the overrides give
 (default: FSDP over every process), loads the folder into it, exports it again (bfloat16, 500 MiB
 files), and prints per rank: its peak resident memory during the load above its size before the load
 (a rank that loads nothing stays at that size), the bytes it read, and the load and export times. The
@@ -23,22 +25,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 
-def make(folder: str, flavor: str):
+def make(folder: str, model: str, flavor: str):
     import torch
     import transformers
 
     from torchtitan.models.registry import get_model_spec
 
-    spec = get_model_spec("qwen3")
+    spec = get_model_spec(model)
     args = spec.flavors[flavor]
     Path(folder).mkdir(parents=True)
-    (Path(folder) / "config.json").write_text(json.dumps(spec.hf.config(args, torch.bfloat16, None, 151645)))
+    (Path(folder) / "config.json").write_text(json.dumps(spec.hf.config(args, torch.bfloat16, None, None)))
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="500MB")
     files = len(list(Path(folder).glob("*.safetensors")))
-    print(f"wrote {folder}: Qwen3 {flavor}, {sum(p.numel() for p in model.parameters()):,} parameters, {files} files")
+    print(f"wrote {folder}: {model} {flavor}, {sum(p.numel() for p in model.parameters()):,} parameters, {files} files")
 
 
 def run(folder: str, overrides: list[str]):
@@ -60,7 +62,6 @@ def run(folder: str, overrides: list[str]):
             self.parts, self.pipeline = self.build_model()
             self.optim = self.build_optimizer()
             self.checkpointer = self.build_checkpointer()
-            print(f"rank {self.rank} DEBUG after build: rss {open('/proc/self/status').read().split('VmRSS:')[1].split()[0]} hwm {open('/proc/self/status').read().split('VmHWM:')[1].split()[0]}", flush=True)
             start = time.perf_counter()
             self.checkpointer.load()
             load_s = time.perf_counter() - start
@@ -78,7 +79,7 @@ def run(folder: str, overrides: list[str]):
     setup_logging()
     dump = Path("outputs") / "benchmark_hf"
     cfg = load_config(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
-                       "--model.name", "qwen3", "--model.flavor", "1.7B", "--training.seq_len", "256",
+                       "--model.name", "llama3", "--model.flavor", "1B", "--training.seq_len", "256",
                        "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_in_hf",
                        "--checkpoint.export_dtype", "bfloat16", "--checkpoint.hf_max_shard_mb", "500",
                        "--job.dump_folder", str(dump), *overrides])
@@ -99,7 +100,7 @@ if __name__ == "__main__":
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     if sys.argv[1] == "make":
-        flavor = sys.argv[sys.argv.index("--flavor") + 1] if "--flavor" in sys.argv else "1.7B"
-        make(sys.argv[2], flavor)
+        option = lambda name, default: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default  # noqa: E731
+        make(sys.argv[2], option("--model", "llama3"), option("--flavor", "1B"))
     else:
         run(sys.argv[2], sys.argv[3:])

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.components.hf_checkpoint import (
     HF_CONFIG,
@@ -43,6 +42,7 @@ from torchtitan.components.hf_checkpoint import (
     write_json,
 )
 from torchtitan.config.errors import UserError
+from torchtitan.models.init import local_block
 from torchtitan.models.spec import HFAdapter
 
 logger = logging.getLogger(__name__)
@@ -57,15 +57,6 @@ def _owned_tensors(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Our name -> this rank's tensor (a DTensor shard or a whole tensor) of every model part; a
     tensor two names share (tied embeddings) appears under both."""
     return {name: t for part in parts for name, t in part.state_dict().items()}
-
-
-def _block(target: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(shape, global offset) of this rank's block of `target`, when its placements make it one
-    contiguous block of the whole (plain Shard and Replicate); None otherwise."""
-    if not all(type(p) in (Shard, Replicate) for p in target.placements):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    return tuple(shape), tuple(offset)
 
 
 def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFAdapter, args,
@@ -84,7 +75,7 @@ def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFA
             if local.numel() == 0:
                 continue
             sources = adapter.hf_names(name, args, present)
-            block = _block(target) if isinstance(target, DTensor) and len(sources) == 1 else None
+            block = local_block(target) if isinstance(target, DTensor) and len(sources) == 1 else None
             if block is not None and _is_rename(adapter, name, sources[0], hf, args):
                 piece = hf.read(sources[0], block[1], block[0])
                 read += piece.numel() * piece.element_size()

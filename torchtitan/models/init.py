@@ -12,12 +12,22 @@ import hashlib
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def stable_seed(seed: int, key: str) -> int:
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def local_block(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, global offset) of this rank's block of DTensor `t`, when its placements make the local
+    tensor one block of the whole (plain Shard and Replicate); None otherwise (e.g. _StridedShard)."""
+    if not all(type(p) in (Shard, Replicate) for p in t.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
 
 
 @torch.no_grad()
@@ -26,6 +36,11 @@ def seeded_init_(param: torch.Tensor, key: str, seed: int, fill: Callable[[torch
     if isinstance(param, DTensor):
         full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
         fill(full, torch.Generator(device=full.device).manual_seed(stable_seed(seed, key)))
+        block = local_block(param)
+        if block is not None:  # a view of the full tensor: no copy but the one into the parameter
+            shape, offset = block
+            param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+            return
         # src_data_rank=None: every rank already holds the identical full tensor, so no scatter is needed.
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
