@@ -16,12 +16,13 @@ tensor.
 Save (`save_hf_sharded`): the files are planned identically on every rank from the model's shapes:
 consecutive tensors up to max_shard_bytes, a file never spanning two pipeline stages. Each file has
 one writer among the ranks of its stage (round robin over them, so the stage's ranks write its files
-in parallel); for each tensor of a file, the ranks that hold it gather it whole (DTensor.full_tensor:
-a collective over its own mesh) and only the writer keeps it. A writer holds at most one file's
-tensors. Rank 0 writes config.json, generation_config.json, the index and the tokenizer's files.
+in parallel); for each tensor of a file, the ranks that hold a block of it send their block to the
+writer (point to point), so only the writer ever holds it whole. A writer holds at most one file's
+tensors and one whole tensor. Rank 0 writes config.json, generation_config.json, the index and the tokenizer's files.
 """
 
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from torchtitan.components.hf_checkpoint import (
     HF_CONFIG,
@@ -182,8 +184,7 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
                 continue
             tensors = {}
             for name in file_items:
-                t = held[name]
-                whole = t.full_tensor() if isinstance(t, DTensor) else t  # a collective over t's mesh
+                whole = _whole_on(held[name], writer)
                 if rank == writer:
                     tensors.update({k: v.to("cpu", dtype).contiguous()
                                     for k, v in adapter.tensor_to_hf(name, whole, args).items()})
@@ -208,6 +209,41 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
         os.replace(tmp, folder)
     _barrier()
     return {"files": written}
+
+
+def _whole_on(t: torch.Tensor, writer: int) -> torch.Tensor | None:
+    """The whole of our tensor `t` on rank `writer` (None elsewhere, but for a plain tensor, which
+    every rank holding it has whole). A DTensor's ranks each send their own block to the writer,
+    one sender per distinct block (coordinate 0 of every dimension it is replicated over), so no
+    other rank ever holds the whole; placements that are not plain blocks are all-gathered."""
+    if not isinstance(t, DTensor):
+        return t
+    mesh, rank = t.device_mesh, dist.get_rank()
+    ranks = mesh.mesh.flatten().tolist()
+    if local_block(t) is None or writer not in ranks:
+        whole = t.full_tensor()  # a collective over t's mesh
+        return whole if rank == writer else None
+    replicated = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]
+    local = t.to_local()
+    whole = torch.empty(t.shape, dtype=t.dtype, device=local.device) if rank == writer else None
+    for flat, sender in enumerate(ranks):
+        coordinate = list(torch.unravel_index(torch.tensor(flat), tuple(mesh.mesh.shape)))
+        coordinate = [int(c) for c in coordinate]
+        if any(coordinate[i] != 0 for i in replicated):
+            continue
+        shape, offset = _compute_local_shape_and_global_offset(t.shape, tuple(mesh.mesh.shape), coordinate,
+                                                               t.placements)
+        if math.prod(shape) == 0 or rank not in (sender, writer):
+            continue
+        if sender == writer:
+            whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(local)
+        elif rank == sender:
+            dist.send(local.contiguous(), dst=writer)
+        else:
+            block = torch.empty(shape, dtype=t.dtype, device=local.device)
+            dist.recv(block, src=sender)
+            whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(block)
+    return whole
 
 
 def _barrier():
