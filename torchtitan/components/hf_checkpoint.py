@@ -2,8 +2,11 @@
 and model-only reads/writes of our distributed checkpoints (DCP step-N folders + train_state.json).
 Model-agnostic: a family's names, layouts and config.json come from its spec's HFAdapter.
 
-Everything here runs in one process on full (unsharded) CPU tensors; DCP is called with
-no_dist=True, so no process group is needed. Step-N folders are read with the trainer's own checks
+`HFFolder` reads a folder's safetensors headers (what `check_hf_folder` refuses before any weight
+is read) and then single tensors or blocks of them; the trainer's sharded load and save build on it
+(hf_sharded.py). Everything else here runs in one process on CPU tensors, without a process group
+(DCP with no_dist=True): whole state dicts (save_hf, load_hf, read_dcp_model, write_dcp_model), or
+one tensor at a time (dcp_to_hf, hf_to_dcp: scripts/convert_checkpoint.py). Step-N folders are read with the trainer's own checks
 (torchtitan.components.checkpoint: completeness, format version, an allow-list unpickler for DCP's
 .metadata) and written in its train_state.json format. Exports are written into a hidden sibling
 folder and renamed into place at the end: a crash never leaves a half-written folder under the
