@@ -2,7 +2,7 @@
 
 Folders made by transformers' own save_pretrained (random weights, small max_shard_size: many files
 and an index) for llama3's and Qwen3-MoE's debug flavors are loaded by training jobs under one
-process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, EP 2 and EP 2 x FSDP 2. Each trains one step that moves no
+process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2. Each trains one step that moves no
 weight (gradients clipped to 1e-30, no weight decay) and exports at its end, under its own layout:
 - import: the step-1 loss equals transformers' loss on the same batch within 1e-5 (fp32);
 - round trip: the export holds the imported tensors bit for bit (fp32), in files of the hub's names
@@ -37,7 +37,9 @@ LAYOUTS = {
     4: {"llama_fsdp4": ("llama", 2, []),
         "llama_pp2_tp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2",
                                        "--parallelism.tensor_parallel_degree", "2"]),
-        "moe_ep2_fsdp2": ("moe", 2, ["--parallelism.expert_parallel_degree", "2"])},
+        "moe_ep2_fsdp2": ("moe", 2, ["--parallelism.expert_parallel_degree", "2"]),
+        # FSDP over TP-sharded rows: strided shards, which are read whole and all-gathered.
+        "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"])},
 }
 
 
