@@ -60,10 +60,11 @@ def _timed_matmul_tflops(n: int = 1024, reps: int = 8) -> float:
 
 
 def test_measured_matmul_rate_counts_flops_like_an_independent_timing():
-    # The measurement keeps its best burst, so it is at least about the timed average and not far above it;
-    # a FLOP count off by a power of n would miss by 1000x.
+    # The measurement keeps its best burst, so it is about the timed average; a FLOP count off by a power
+    # of n would miss by 1000x. The band is 10x either way: on a shared host the two timings, taken a
+    # moment apart, once differed by 2.7x (0.027 against 0.074 TFLOP/s in a CI run).
     reference = _timed_matmul_tflops()
-    assert 0.5 * reference < measure_matmul_tflops(torch.float32, seconds=0.3) < 3 * reference
+    assert 0.1 * reference < measure_matmul_tflops(torch.float32, seconds=0.3) < 10 * reference
 
 
 def test_peak_memory_is_resident_set_on_cpu():
