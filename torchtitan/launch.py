@@ -307,6 +307,12 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
         first_rank, first = e.get_first_failure()
         if first.exitcode == 2:
             return 2  # a user mistake, already printed by the ranks
+        # A worker killed by a signal takes its peers down with it (their collectives fail, exit 1),
+        # and the one that wrote an error file first can be such a peer: name the killed one.
+        killed = [(rank, f) for rank, f in sorted(e.failures.items())
+                  if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+        if killed and first.exitcode > 0:
+            first_rank, first = killed[0]
         # Workers the agent stopped because of the first failure end with SIGTERM: not worth naming.
         others = [describe_failure(rank, f) for rank, f in sorted(e.failures.items())
                   if rank != first_rank and f.exitcode != -signal.SIGTERM]
