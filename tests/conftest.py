@@ -24,10 +24,10 @@ TINY = [
 
 
 def launch(jobs: dict[str, list[str] | dict], nproc: int, tmp: Path, timeout: int = 600) -> dict[str, list[dict]]:
-    """Run named jobs (extra argv each, or a {"copy": [src, dst]} step) in one launch; returns each
-    training job's metrics.jsonl records."""
-    argvs = [extra if isinstance(extra, dict) else TINY + ["--job.dump_folder", str(tmp / name)] + extra
-             for name, extra in jobs.items()]
+    """Run named jobs (extra argv each, or a {"copy": [src, dst]} step, where "{tmp}" stands for
+    `tmp`) in one launch; returns each training job's metrics.jsonl records."""
+    argvs = [{"copy": [p.format(tmp=tmp) for p in extra["copy"]]} if isinstance(extra, dict)
+             else TINY + ["--job.dump_folder", str(tmp / name)] + extra for name, extra in jobs.items()]
     spec = tmp / f"jobs_{nproc}.json"
     spec.write_text(json.dumps(argvs))
     run_script(RUN_JOBS, [str(spec)], nproc, tmp, timeout)

@@ -47,12 +47,12 @@ from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
     attach_schedule,
     broadcast_loss,
-    check_no_shared_weights_across_stages,
     StepLoss,
     pipeline_step,
     plan_split,
     split_for_rank,
 )
+from torchtitan.distributed.shared_weights import SharedWeights, build_shared_weights
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
 from torchtitan.models.attention import attention_backend, set_attention_fn
 from torchtitan.models.moe import overrides_from_config as moe_overrides
@@ -211,9 +211,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"set parallelism.context_parallel_degree = 1"
         )
     if dims.pp_enabled:
-        parts = plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
-        with torch.device("meta"):
-            check_no_shared_weights_across_stages(spec.model_cls(model_args), parts)
+        plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
     if dims.ep_enabled and spec.size(model_args).active == spec.size(model_args).total:
         raise UserError(
             f"parallelism.expert_parallel_degree = {dims.ep} splits the experts of a mixture-of-experts model, but "
@@ -464,6 +462,13 @@ class Trainer:
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
             part.init_weights(seed=t.seed, buffer_device=self.device)
             part.train()
+        self.shared_weights = SharedWeights()
+        if pipeline is not None and pipeline.ties:
+            self.shared_weights = build_shared_weights(pipeline.ties, parts, pipeline.stage_ids,
+                                                       pipeline.rank_of_stage, self.mesh)
+            self.shared_weights.copy_canonical_values()
+            logger.info("weights shared across pipeline stages, one copy per stage kept equal: "
+                        + "; ".join(" = ".join(tie[s] for s in sorted(tie)) for tie in pipeline.ties))
         if pipeline is not None:
             # Gradient accumulation under a pipeline: one schedule step runs all of an optimizer step's
             # micro-batches as more microbatches (the schedule divides the gradients by their count
@@ -507,6 +512,7 @@ class Trainer:
             "shapes": self.model_shapes,
             "hf_adapter": self.spec.hf,
             "hf_args": self.model_args,
+            "optimizer_names": self.shared_weights.checkpoint_names(),
         }
         return CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.parts, self.optim.optimizers, self.optim.schedulers,
@@ -630,8 +636,10 @@ class Trainer:
         scale = self.loss_scale([labels for _, labels, _ in micro_batches])
         for inputs, labels, doc_ids in micro_batches:
             loss_sum += self.forward_backward(inputs, labels, doc_ids, scale)
+        self.shared_weights.sum_gradients()
         params = [p for part in self.parts for p in part.parameters()]
-        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group)
+        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group,
+                                               not_counted=self.shared_weights.duplicates())
         # One small all-reduce and one host sync per step: whether any rank's loss is non-finite (with
         # a pipeline only the last stage has one) and whether any rank received a stop signal.
         flags = torch.tensor(

@@ -69,6 +69,9 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
 
 
+SAVE3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
+
+
 def val(local_batch_size: int) -> list[str]:
     return VAL + ["--validation.local_batch_size", str(local_batch_size)]
 
@@ -78,7 +81,7 @@ SINGLE = {
     "single_fp32_accum4": ["--training.local_batch_size", "2"],
     "single_bf16": ["--training.local_batch_size", "8", "--training.mixed_precision_param", "bfloat16"],
     "qwen3_single": QWEN + ["--training.local_batch_size", "8"],
-    "qwen3_tied_single": QWEN_TIED + ["--training.local_batch_size", "8"],
+    "qwen3_tied_single": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"],
     "moe_single": MOE + ["--training.local_batch_size", "8"] + val(8),
     # single_fp32 with validation: its training losses must be bitwise single_fp32's.
     "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
@@ -126,6 +129,16 @@ TWO = {
     "qwen3_cp2": QWEN + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
     "qwen3_tied_fsdp2": QWEN_TIED + ["--training.local_batch_size", "4"],
     "qwen3_tied_tp2": QWEN_TIED + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    # Tied across pipeline stages: one copy per stage kept equal (the pp group carries the gradient
+    # sum; under ZBVZeroBubble both copies are on one rank). The PP 2 job saves at step 3 for a
+    # resume under FSDP 4; the single process's step 3 resumes under ZBVZeroBubble.
+    "qwen3_tied_pp2": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
+    "qwen3_tied_pp2_zbv": QWEN_TIED + ["--training.local_batch_size", "8"] + PP2
+    + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+    "copy_tied_single": {"copy": ["{tmp}/qwen3_tied_single/checkpoint/step-3",
+                                  "{tmp}/qwen3_tied_pp2_zbv_resumed/checkpoint/step-3"]},
+    "qwen3_tied_pp2_zbv_resumed": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"] + PP2
+    + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "moe_fsdp2": MOE + ["--training.local_batch_size", "4"],
     "moe_ep2": MOE + ["--training.local_batch_size", "4"] + EP2,
     "moe_ep2_cp2": MOE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"] + EP2,
@@ -153,6 +166,13 @@ FOUR = {
     "fsdp2_cp2_bf16": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
                        "--training.mixed_precision_param", "bfloat16"],
     "qwen3_tied_fsdp2_tp2": QWEN_TIED + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "qwen3_tied_pp2_fsdp2": QWEN_TIED + ["--training.local_batch_size", "4"] + PP2,
+    # Four stages: the copies are on pp ranks 0 and 3, summed over a group of those two.
+    "qwen3_tied_pp4": QWEN_TIED + ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "4",
+                                   "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "copy_tied_pp2": {"copy": ["{tmp}/qwen3_tied_pp2/checkpoint/step-3",
+                               "{tmp}/qwen3_tied_fsdp4_resumed/checkpoint/step-3"]},
+    "qwen3_tied_fsdp4_resumed": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "2"],
     "moe_ep2_fsdp2": MOE + ["--training.local_batch_size", "2"] + EP2,
     "moe_ep2_tp2": MOE + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
     "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2 + val(4),
@@ -286,7 +306,8 @@ def test_qwen3_is_another_model(runs):
      "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
      "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2", "pp2_accum2",
      "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2",
-     "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2",
+     "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2", "qwen3_tied_pp2", "qwen3_tied_pp2_zbv",
+     "qwen3_tied_pp2_fsdp2", "qwen3_tied_pp4",
      *MOE_LAYOUTS, *BC_LAYOUTS],
 )
 def test_fp32_layouts_match_single_process(runs, name):
@@ -399,6 +420,16 @@ def test_mixture_fsdp2_and_resumed_under_fsdp4_match_one_process(runs):
     assert shares == [[r[f"data_share/{i}"] for i in range(3)] for r in runs["mix_fsdp2"]]
     assert shares[-1] == pytest.approx([0.5, 0.3, 0.2], abs=1 / 48)  # 48 sequences: within one of each share
 
+
+
+@pytest.mark.parametrize("name", ["qwen3_tied_pp2_zbv_resumed", "qwen3_tied_fsdp4_resumed"])
+def test_tied_embeddings_resume_between_pipelined_and_unsplit_layouts(runs, name):
+    # One process -> PP 2 (both copies on one rank) and PP 2 -> FSDP 4: the copies' optimizer state
+    # is stored under the canonical name, so the resumed steps continue the single process's.
+    ref, got = runs["qwen3_tied_single"], runs[name]
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for r, g in zip(ref[3:], got):
+        assert abs(r["loss"] - g["loss"]) < FP32_TOL, f"{name} step {g['step']}: {g['loss']} vs {r['loss']}"
 
 
 def test_block_causal_changes_the_loss(runs):

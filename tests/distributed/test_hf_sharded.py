@@ -2,12 +2,12 @@
 
 Folders made by transformers' own save_pretrained (random weights, small max_shard_size: many files
 and an index) for llama3's and Qwen3-MoE's debug flavors are loaded by training jobs under one
-process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2. Each trains one step that moves no
+process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, and Qwen3's tied-embedding flavor under PP 2 and PP 2 x FSDP 2. Each trains one step that moves no
 weight (gradients clipped to 1e-30, no weight decay) and exports at its end, under its own layout:
 - import: the step-1 loss equals transformers' loss on the same batch within 1e-5 (fp32);
 - round trip: the export holds the imported tensors bit for bit (fp32), in files of the hub's names
   with an index, config.json and generation_config.json;
-- transformers loads the PP 2 x TP 2 and EP 2 x FSDP 2 exports with logits equal to the original
+- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2 and tied PP 2 x FSDP 2 exports with logits equal to the original
   folder's within 1e-4.
 """
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {"llama": ("llama3", "debugmodel"), "moe": ("qwen3", "debugmodel_moe")}
+FAMILIES = {"llama": ("llama3", "debugmodel"), "moe": ("qwen3", "debugmodel_moe"), "tied": ("qwen3", "debugmodel_tied")}
 STILL = ["--training.steps", "1", "--training.max_norm", "1e-30", "--optimizer.weight_decay", "0",
          "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32", "--checkpoint.hf_max_shard_mb", "2"]
 # name: (family key, local batch size for the global batch of 8, layout)
@@ -33,13 +33,16 @@ LAYOUTS = {
     1: {"llama_single": ("llama", 8, []), "moe_single": ("moe", 8, [])},
     2: {"llama_tp2": ("llama", 8, ["--parallelism.tensor_parallel_degree", "2"]),
         "llama_pp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
-        "moe_ep2": ("moe", 4, ["--parallelism.expert_parallel_degree", "2"])},
+        "moe_ep2": ("moe", 4, ["--parallelism.expert_parallel_degree", "2"]),
+        # Tied embeddings: the embedding on the first stage, its copy as the output layer on the last.
+        "tied_pp2": ("tied", 8, ["--parallelism.pipeline_parallel_degree", "2"])},
     4: {"llama_fsdp4": ("llama", 2, []),
         "llama_pp2_tp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2",
                                        "--parallelism.tensor_parallel_degree", "2"]),
         "moe_ep2_fsdp2": ("moe", 2, ["--parallelism.expert_parallel_degree", "2"]),
         # FSDP over TP-sharded rows: strided shards, which are read whole and all-gathered.
-        "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"])},
+        "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"]),
+        "tied_pp2_fsdp2": ("tied", 4, ["--parallelism.pipeline_parallel_degree", "2"])},
 }
 
 
@@ -115,7 +118,7 @@ def test_export_holds_the_imported_tensors_bit_for_bit(runs, name):
         assert torch.equal(ours_out[k], ours_in[k]), f"{name}: {k} changed"
 
 
-@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2"])
+@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2"])
 def test_transformers_loads_the_export(runs, name):
     tmp, models, _ = runs
     out = tmp / name / "checkpoint" / "step-1-hf"

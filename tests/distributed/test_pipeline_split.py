@@ -90,17 +90,22 @@ def test_a_family_with_other_module_names_splits_by_its_layout():
         split_module_names(layout, 4, 2, module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"]])
 
 
-def test_shared_weights_across_stages_are_refused():
-    from torchtitan.distributed.pipeline_parallel import check_no_shared_weights_across_stages
+def test_shared_weights_across_stages_are_found_with_each_stage_name():
+    from torchtitan.distributed.pipeline_parallel import shared_weights, stage_ids_for_rank, stage_rank
 
     with torch.device("meta"):
         model = Transformer(ARGS)
     parts = split_module_names(LAYOUT, 4, 2)
-    check_no_shared_weights_across_stages(model, parts)  # untied: fine
+    assert shared_weights(model, parts) == []  # untied
     model.output.weight = model.tok_embeddings.weight
-    with pytest.raises(UserError, match=r"shares one weight between tok_embeddings.weight and output.weight"):
-        check_no_shared_weights_across_stages(model, parts)
-    check_no_shared_weights_across_stages(model, split_module_names(LAYOUT, 4, 1))  # one stage holds both
+    assert shared_weights(model, parts) == [{0: "tok_embeddings.weight", 1: "output.weight"}]
+    assert shared_weights(model, split_module_names(LAYOUT, 4, 1)) == []  # one stage holds both
+    assert shared_weights(model, split_module_names(LAYOUT, 4, 4)) == [{0: "tok_embeddings.weight", 3: "output.weight"}]
+    # stage_rank inverts the placement of both styles.
+    for style, stages in (("loop", 8), ("v", 4)):
+        for rank in range(2 if style == "v" else 4):
+            pp = 2 if style == "v" else 4
+            assert all(stage_rank(s, pp, style) == rank for s in stage_ids_for_rank(rank, pp, stages, style))
 
 
 def test_explicit_parts_override_and_are_checked():

@@ -421,6 +421,23 @@ class CheckpointManager:
     def _optim_sds(self) -> list[dict]:
         return [get_optimizer_state_dict(part, opt) for part, opt in zip(self.parts, self.optimizers)]
 
+    def _optim_state_to_store(self, optim_sds: list[dict]) -> dict:
+        """The parts' optimizer states in one dict, each under its stored name: a copy of a weight
+        shared across pipeline stages under the weight's canonical name (distributed.shared_weights),
+        as an unsplit model stores it. Copies on one rank collapse into one entry (equal values)."""
+        names = self.model_info.get("optimizer_names") or [{} for _ in optim_sds]
+        return {renames.get(k, k): v for sd, renames in zip(optim_sds, names) for k, v in sd["state"].items()}
+
+    def _share_loaded_optim_state(self, optim_sds: list[dict], loaded: dict):
+        """After a load into `loaded` (from _optim_state_to_store): a copy whose entry collapsed into
+        another's gets its own clone of the loaded values (optimizers must not share state tensors)."""
+        names = self.model_info.get("optimizer_names") or [{} for _ in optim_sds]
+        for sd, renames in zip(optim_sds, names):
+            for k, v in list(sd["state"].items()):
+                source = loaded[renames.get(k, k)]
+                if source is not v:
+                    sd["state"][k] = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in source.items()}
+
     def _barrier(self):
         if self.distributed:
             dist.barrier()
@@ -571,7 +588,7 @@ class CheckpointManager:
         load_optimizer = not model_only and "optimizer" not in excluded
         if load_optimizer:
             optim_sds = self._optim_sds()
-            to_load["optimizer"] = {"state": {k: v for sd in optim_sds for k, v in sd["state"].items()}}
+            to_load["optimizer"] = {"state": self._optim_state_to_store(optim_sds)}
         try:
             dcp.load(to_load, storage_reader=SafeFileSystemReader(path), no_dist=not self.distributed)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -580,6 +597,7 @@ class CheckpointManager:
             for part, sd in zip(self.parts, model_sds):
                 set_model_state_dict(part, sd)
         if load_optimizer:
+            self._share_loaded_optim_state(optim_sds, to_load["optimizer"]["state"])
             for part, opt, sd in zip(self.parts, self.optimizers, optim_sds):
                 set_optimizer_state_dict(part, opt, sd)
                 # One learning rate for all groups (their number depends on the layout: one per mesh).
@@ -696,7 +714,7 @@ class CheckpointManager:
             dtype = DTYPES[self.cfg.export_dtype]
             model_sd = {k: v.to(dtype) for k, v in model_sd.items()}
             return {"model": model_sd}
-        optim_state = {k: v for sd in self._optim_sds() for k, v in sd["state"].items()}
+        optim_state = self._optim_state_to_store(self._optim_sds())
         return {"model": model_sd, "optimizer": {"state": optim_state}}
 
     def _train_state(self, step: int, tokens: int, model_only: bool) -> dict:

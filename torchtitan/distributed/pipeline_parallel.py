@@ -17,14 +17,14 @@ What is unusual here:
   kwargs into microbatches like the inputs and hands them to each stage's forward.
 - Gradient clipping must see every stage: `distributed.utils.clip_grad_norm_` with the pp group
   all-reduces the sum of squares over it (FSDP shards are already combined by DTensor).
-- Weights shared by modules on different stages (tied embeddings) cannot stay shared: such a split
-  is refused before launch (`check_no_shared_weights_across_stages`).
+- Weights shared by modules on different stages (tied embeddings): each stage gets its own copy,
+  kept equal by distributed.shared_weights (`Pipeline.ties` lists them).
 - FSDP under the zero-bubble schedules: see `apply_fsdp_to_stage`.
 """
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -231,22 +231,16 @@ def _check_explicit_split(layout: PipelineLayout, n_layers: int, num_stages: int
     return [list(p) for p in parts]
 
 
-def check_no_shared_weights_across_stages(model: nn.Module, parts: list[list[str]]) -> None:
-    """UserError when one parameter object is used by modules of two stages (e.g. an input embedding
-    tied to the output layer): each stage would train its own copy and they would drift apart."""
+def shared_weights(model: nn.Module, parts: list[list[str]]) -> list[dict[int, str]]:
+    """The parameters that modules of two or more stages use (an input embedding tied to the output
+    layer): for each, {stage id: the name it has on that stage}. Each stage gets its own copy, which
+    distributed.shared_weights keeps equal."""
     stage_of = {name: i for i, part in enumerate(parts) for name in part}
     users: dict[int, dict[int, str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module = name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
         users.setdefault(id(param), {}).setdefault(stage_of[module], name)
-    for stages in users.values():
-        if len(stages) > 1:
-            names = list(stages.values())
-            raise UserError(
-                f"the model shares one weight between {names[0]} and {names[1]}, which the pipeline split puts on "
-                f"stages {' and '.join(map(str, stages))}; pipeline parallelism cannot keep a weight tied across "
-                f"stages. Use a flavor without tied embeddings, or train without pipeline_parallel_degree"
-            )
+    return [stages for stages in users.values() if len(stages) > 1]
 
 
 def _first_and_last(names: list[str]) -> list[str]:
@@ -289,9 +283,16 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, num_stages: int, style: str =
     raise ValueError(f"unknown stage placement style {style!r}")
 
 
+def stage_rank(stage: int, pp_size: int, style: str = "loop") -> int:
+    """The pp-group rank holding `stage` (the inverse of stage_ids_for_rank)."""
+    if style == "v":
+        return stage if stage < pp_size else 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
 def last_stage_rank(pp_size: int, num_stages: int, style: str = "loop") -> int:
     """pp-group rank that computes the loss (the rank holding stage num_stages - 1)."""
-    return 0 if style == "v" else (num_stages - 1) % pp_size
+    return stage_rank(num_stages - 1, pp_size, style)
 
 
 def num_microbatches(local_batch_size: int, microbatch_size: int) -> int:
@@ -442,6 +443,7 @@ class Pipeline:
     num_stages: int
     style: str
     pp_mesh: object
+    ties: list[dict[int, str]] = field(default_factory=list)  # weights shared across stages (shared_weights)
     schedule: object = None
 
     @property
@@ -456,6 +458,9 @@ class Pipeline:
     def loss_src(self) -> int:  # pp-group rank of the last stage
         return last_stage_rank(self.pp_mesh.size(), self.num_stages, self.style)
 
+    def rank_of_stage(self, stage: int) -> int:
+        return stage_rank(stage, self.pp_mesh.size(), self.style)
+
 
 def split_for_rank(
     whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh
@@ -466,7 +471,7 @@ def split_for_rank(
     style = schedule_style(parallelism.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)
     stages = [build_stage_model(whole, layout, parts[i]) for i in stage_ids]
-    return stages, Pipeline(stage_ids, num_stages, style, pp_mesh)
+    return stages, Pipeline(stage_ids, num_stages, style, pp_mesh, shared_weights(whole, parts))
 
 
 def attach_schedule(pipeline: Pipeline, model_parts, parallelism, local_batch_size: int, device, loss_fn):
