@@ -643,3 +643,30 @@ def test_a_mixture_whose_schedule_would_not_repeat_soon_is_refused():
     assert sum(weights) == 1 and specs == ["a", "b"]
     with pytest.raises(UserError, match=r"repeat only every 10,000,000 samples .*round the weights to fewer digits"):
         parse_mix(["0.1234567:a", "0.8765433:b"], "training.dataset_mix")
+
+
+@pytest.mark.parametrize("key", ["init_timeout_seconds", "train_timeout_seconds"])
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_comm_timeouts_must_be_positive(key, value):
+    # A negative one used to pass preflight and kill every rank at the first step (gloo: "Invalid timeout");
+    # 0 times every collective out at once.
+    default = getattr(JobConfig().comm, key)
+    assert error_of([f"--comm.{key}", value]) == (
+        f"invalid config: comm.{key} must be a positive number of seconds, got {value}; set it to 1 or more "
+        f"(default {default})"
+    )
+    assert getattr(load_config([f"--comm.{key}", "1"]).comm, key) == 1
+
+
+def test_comm_trace_buf_size_is_0_or_more():
+    assert "comm.trace_buf_size must be 0 (flight recorder off) or more entries, got -1" in error_of(
+        ["--comm.trace_buf_size", "-1"])
+    assert load_config(["--comm.trace_buf_size", "0"]).comm.trace_buf_size == 0
+
+
+def test_a_negative_comm_timeout_is_refused_before_launch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torchtitan.preflight", "--comm.train_timeout_seconds", "-5"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: invalid config: comm.train_timeout_seconds must be a positive number of "
+                                   "seconds, got -5; set it to 1 or more (default 100)")

@@ -4,7 +4,7 @@ names the keys and the fix (manager.validate raises them together before any pro
 import os
 
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES, JobConfig, parse_mix
+from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES, Comm, JobConfig, parse_mix
 
 # Signals job.stop_signals may name: those schedulers send before a kill, and Ctrl-C's.
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
@@ -24,11 +24,23 @@ def check_rules(cfg: JobConfig) -> list[str]:
         ("training.steps", t.steps),
         ("training.gc_freq", t.gc_freq),
         ("metrics.log_freq", m.log_freq),
-        ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds),
         ("job.stop_grace_seconds", cfg.job.stop_grace_seconds),
         ("training.max_skipped_steps_in_a_row", t.max_skipped_steps_in_a_row),
     ]:
         need(value > 0, f"{name} must be a positive integer, got {value}; set it to 1 or more")
+    # A collective's time limit: 0 would time out every collective at once, a negative one is refused by
+    # the process group on every rank (gloo: "Invalid timeout") once the job has started.
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        value = getattr(cfg.comm, key)
+        need(
+            value > 0,
+            f"comm.{key} must be a positive number of seconds, got {value}; set it to 1 or more "
+            f"(default {getattr(Comm(), key)})",
+        )
+    need(
+        cfg.comm.trace_buf_size >= 0,
+        f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {cfg.comm.trace_buf_size}",
+    )
     mdl = cfg.model
     need(
         mdl.sliding_window is None or mdl.sliding_window > 0,

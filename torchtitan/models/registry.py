@@ -1,16 +1,24 @@
 """The model registry: the one place that imports model families.
 
 The families shipped with torchtitan are listed in `_BUILTIN` (name -> the function building the
-family's spec, imported only when asked for). A family defined outside the package registers
-itself with `register_model(spec)` in a module that the job names in
-`experimental.custom_import`; `import_custom_module` imports it before the model is looked up.
+family's spec, imported only when first asked for, then kept). Code outside the package extends
+the registry from a module that the job names in `experimental.custom_import` (imported by
+`import_custom_module` before the model is looked up; docs/models.md has worked examples):
+
+- `register_flavor(model_name, flavor_name, args)` adds a size to a family (built in or
+  registered), selected with model.flavor = flavor_name;
+- `register_model(spec)` adds a whole family, selected with model.name = spec.name.
+
+Every mistake is a UserError: one line and exit status 2 from the trainer, no traceback.
 """
 
+import dataclasses
 import importlib
 import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.spec import ModelSpec
@@ -32,22 +40,86 @@ _BUILTIN: dict[str, Callable[[], ModelSpec]] = {
     "llama3": _llama3,
     "qwen3": _qwen3,
 }
-_REGISTERED: dict[str, ModelSpec] = {}
+_BUILT: dict[str, ModelSpec] = {}  # the built-in specs built so far
+_REGISTERED: dict[str, ModelSpec] = {}  # register_model's specs, as given
+_ADDED_FLAVORS: dict[str, dict[str, Any]] = {}  # model name -> register_flavor's flavors
+# model name -> its spec with the added flavors (rebuilt after each register_flavor). The specs
+# above are never changed: a family's own flavors table stays as the family wrote it.
+_WITH_ADDED: dict[str, ModelSpec] = {}
+
+DOCS = "docs/models.md"
 
 
 def register_model(spec: ModelSpec) -> None:
-    """Make `spec` available as model.name = spec.name. Registering a name twice is an error,
-    unless it is the very same spec (a module imported twice)."""
-    if spec.name in _BUILTIN or _REGISTERED.get(spec.name, spec) is not spec:
-        raise ValueError(f"a model named {spec.name!r} is already registered")
+    """Make `spec` available as model.name = spec.name. A name that is built in or already
+    registered is refused (UserError), unless it is the same spec again (a module imported twice).
+    For a new size of an existing family, see `register_flavor`."""
+    existing = _REGISTERED.get(spec.name)
+    if spec.name in _BUILTIN or (existing is not None and existing is not spec and existing != spec):
+        where = "built into torchtitan" if spec.name in _BUILTIN else "already registered by another spec"
+        raise UserError(
+            f"register_model: a model named {spec.name!r} is {where}; give yours another name "
+            f"(dataclasses.replace(spec, name='{spec.name}_custom')), or, to add a size to {spec.name!r}, call "
+            f"register_flavor({spec.name!r}, FLAVOR_NAME, args) instead (see {DOCS})"
+        )
     _REGISTERED[spec.name] = spec
+
+
+def register_flavor(model_name: str, flavor_name: str, args: Any) -> None:
+    """Add a flavor (a size: an instance of the family's `args_cls`) to model `model_name`, a
+    built-in family or one registered with `register_model` before, so that a job selects it with
+    model.name = model_name, model.flavor = flavor_name. Call it at import time of the module named
+    by `experimental.custom_import` (every process that builds the model imports it: the trainer's
+    ranks, preflight, a resumed run, the scripts that take experimental.custom_import).
+
+    The same flavor with equal args again does nothing (a module imported twice). Refused with a
+    UserError: an unknown model, args that are not the family's args_cls, and a flavor name the
+    model already has with other args (a built-in flavor cannot be redefined: pick a new name)."""
+    if model_name not in _BUILTIN and model_name not in _REGISTERED:
+        raise UserError(
+            f"register_flavor: unknown model {model_name!r}; registered models: {', '.join(model_names())} "
+            f"(a family of your own must be registered with register_model first)"
+        )
+    if not isinstance(flavor_name, str) or not flavor_name:
+        raise UserError(f"register_flavor({model_name!r}, ...): the flavor name must be a non-empty string, "
+                        f"got {flavor_name!r}")
+    spec = get_model_spec(model_name)
+    cls = spec.args_cls
+    if not isinstance(args, cls):
+        example = next(iter(spec.flavors), None)
+        hint = (f"; e.g. dataclasses.replace(get_model_args({model_name!r}, {example!r}), dim=..., n_layers=...)"
+                if example is not None else "")
+        raise UserError(
+            f"register_flavor({model_name!r}, {flavor_name!r}, ...): args must be a {cls.__module__}.{cls.__qualname__} "
+            f"(the args_cls of model {model_name!r}), got a {type(args).__module__}.{type(args).__qualname__}{hint}"
+        )
+    existing = spec.flavors.get(flavor_name)
+    if existing is not None:
+        if existing == args:
+            return
+        raise UserError(
+            f"register_flavor({model_name!r}, {flavor_name!r}, ...): model {model_name!r} already has a flavor "
+            f"{flavor_name!r} with other args ({_differences(existing, args)}); choose another flavor name"
+        )
+    _ADDED_FLAVORS.setdefault(model_name, {})[flavor_name] = args
+    _WITH_ADDED.pop(model_name, None)
+
+
+def _differences(old: Any, new: Any) -> str:
+    """'dim 256 -> 128, n_layers 6 -> 2': the fields of two args that differ."""
+    if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
+        return f"{old!r} -> {new!r}"
+    changed = [f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}" for f in dataclasses.fields(old)
+               if getattr(old, f.name) != getattr(new, f.name)]
+    return ", ".join(changed) or "not equal"
 
 
 def model_names() -> list[str]:
     return sorted({*_BUILTIN, *_REGISTERED})
 
 
-def get_model_spec(name: str) -> ModelSpec:
+def _own_spec(name: str) -> ModelSpec:
+    """The spec as its family built it (or as registered), without the added flavors."""
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name not in _BUILTIN:
@@ -55,14 +127,29 @@ def get_model_spec(name: str) -> ModelSpec:
             f"unknown model.name '{name}'; registered models: {', '.join(model_names())} (a model defined "
             f"outside torchtitan registers itself in the module named by experimental.custom_import)"
         )
-    return _BUILTIN[name]()
+    if name not in _BUILT:
+        _BUILT[name] = _BUILTIN[name]()
+    return _BUILT[name]
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The spec of model `name`; its `flavors` include those added with `register_flavor`."""
+    spec = _own_spec(name)
+    added = _ADDED_FLAVORS.get(name)
+    if not added:
+        return spec
+    if name not in _WITH_ADDED:
+        _WITH_ADDED[name] = dataclasses.replace(spec, flavors={**spec.flavors, **added})
+    return _WITH_ADDED[name]
 
 
 def get_model_args(name: str, flavor: str):
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
         raise UserError(
-            f"unknown model.flavor '{flavor}' for model '{name}'; available flavors: {', '.join(spec.flavors)}"
+            f"unknown model.flavor '{flavor}' for model '{name}'; available flavors: {', '.join(spec.flavors)}; "
+            f"to add one, call torchtitan.models.registry.register_flavor('{name}', '{flavor}', args) in a module "
+            f"named by experimental.custom_import (see {DOCS})"
         )
     return spec.flavors[flavor]
 
@@ -83,7 +170,9 @@ def spec_for_hf_config(config: dict) -> ModelSpec:
 
 def import_custom_module(target: str) -> None:
     """Import `target` (a dotted module name importable from the working directory or sys.path, or
-    the path of a .py file) so that it can call `register_model`. Empty: nothing to import."""
+    the path of a .py file, relative to the working directory) so that it can call `register_model`
+    and `register_flavor`. Empty: nothing to import. A UserError the module raises while imported
+    (a refused registration) reaches the caller unchanged."""
     if not target:
         return
     if target.endswith(".py"):
