@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.batch import BatchRule, valid_labels
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, peak_memory_gib
+from torchtitan.components.metrics import MetricsLogger, MfuPeak, peak_memory_gib
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import RunLock
@@ -559,7 +559,7 @@ class Trainer:
         # Training FLOPs per token of a window without document boundaries (block_causal: the actual
         # documents of each step, `step_flops`).
         self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
-        self.peak_tflops, self.peak_source = device_peak_tflops(
+        self.peak = MfuPeak.for_device(
             self.device, dist_utils.DTYPES[t.mixed_precision_param], self.cfg.metrics.device_peak_tflops
         )
         if self.pipeline is not None:
@@ -604,7 +604,7 @@ class Trainer:
             f"{self.dims.describe()} on {self.device.type} | global batch {self.plan.global_batch_size} x seq "
             f"{t.seq_len} = {self.tokens_per_step:,} tokens/step (local batch {t.local_batch_size}, "
             f"{self.plan.grad_accum_steps} accumulation step(s)) | params {t.mixed_precision_param} | peak "
-            f"{self.peak_tflops:.3f} TFLOP/s {self.peak_source} | {t.steps} steps"
+            f"{self.peak.tflops:.3f} TFLOP/s {self.peak.source} | {t.steps} steps"
         )
         if cfg.lr_scheduler.warmup_steps > t.steps:
             logger.warning(
@@ -750,7 +750,7 @@ class Trainer:
             "lr": result.lr,
             "tps": tps,
             "tflops": tflops,
-            "mfu": 100 * tflops / self.peak_tflops,
+            **self.peak.fields(tflops),  # mfu, peak_tflops, and mfu_note when the peak needs one
             "memory_gib": peak_memory_gib(self.device),
             "time": now - self.start_time,
             "tokens": step * self.tokens_per_step,
@@ -768,7 +768,7 @@ class Trainer:
             record.update(mixture_metrics(step * self.plan.global_batch_size))
         self.metrics.log(record)
         self.history.append(record)
-        self.last_log_time, self.tokens_since_log, self.flops_since_log = now, 0.0, 0.0
+        self.last_log_time, self.tokens_since_log, self.flops_since_log = now + self.peak.probe_s, 0.0, 0.0
         self.data_wait_since_log, self.last_log_step = 0.0, step
         return record
 

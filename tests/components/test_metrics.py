@@ -138,3 +138,137 @@ def test_wandb_missing_package_is_refused_before_launch(tmp_path, monkeypatch):
     cfg = load_config(["--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(UserError, match="metrics.enable_wandb needs the wandb package: pip install wandb"):
         preflight(cfg, 1)
+
+
+# ---- MFU against a peak that a step's achieved rate can exceed (issue 22) ----------------------------
+
+
+def test_a_measured_peak_below_the_achieved_rate_is_re_measured_not_reported_above_100():
+    """The rule, with a stand-in measurement: the old MFU, achieved / start-up peak, read 200% here."""
+    from torchtitan.components.metrics import MfuPeak
+
+    calls = []
+    peak = MfuPeak(0.05, "measured (torch.float32, 2 threads)", probe=lambda: calls.append(1) or 0.3)
+    assert peak.fields(0.02) == {"mfu": pytest.approx(40.0), "peak_tflops": 0.05}  # below the peak: no note
+    first = peak.fields(0.1)
+    assert first["mfu"] == pytest.approx(100 * 0.1 / 0.3) and first["peak_tflops"] == 0.3 and len(calls) == 1
+    assert first["mfu_note"] == "peak re-measured: 0.3 TFLOP/s; the start-up measurement (0.05) was below the achieved rate"
+    assert peak.fields(0.2) == {"mfu": pytest.approx(100 * 0.2 / 0.3), "peak_tflops": 0.3} and len(calls) == 1
+
+
+def test_a_peak_still_below_after_re_measuring_becomes_the_achieved_rate():
+    """A probe that stays below (the model's matmuls run faster than the probe's): MFU reads 100% and says
+    why. Later re-measurements wait until all of them stay within a share of the time since start-up."""
+    import time
+
+    from torchtitan.components.metrics import MfuPeak
+
+    calls = []
+
+    def probe():
+        calls.append(1)
+        time.sleep(0.05)
+        return 0.08
+
+    peak = MfuPeak(0.05, "measured", probe=probe, probe_share=0.001)
+    first = peak.fields(0.1)
+    assert first["mfu"] == 100.0 and first["peak_tflops"] == 0.1 and peak.probe_s >= 0.05
+    assert first["mfu_note"] == ("peak raised to the achieved rate: the start-up measurement (0.05 TFLOP/s) and a "
+                                 "re-measurement (0.08) were below it")
+    again = peak.fields(0.12)  # 2 x 0.05 s of probing within 0.1% of (much) less than 100 s: not yet
+    assert len(calls) == 1 and peak.probe_s == 0.0 and again["mfu"] == 100.0 and again["peak_tflops"] == 0.12
+    assert again["mfu_note"] == "peak raised to the achieved rate: an earlier achieved rate (0.1 TFLOP/s) was below it"
+    peak.created -= 1000  # 1000 s later the budget allows one more
+    peak.fields(0.13)
+    assert len(calls) == 2
+
+
+def test_a_configured_peak_is_kept_and_a_line_above_100_says_why(caplog):
+    import logging
+
+    from torchtitan.components.metrics import MfuPeak
+
+    peak = MfuPeak.for_device(torch.device("cpu"), torch.float32, configured=0.001)
+    assert peak.source == "configured" and peak.probe is None
+    with caplog.at_level(logging.WARNING, logger="torchtitan.components.metrics"):
+        values = [peak.fields(0.002), peak.fields(0.003), peak.fields(0.0005)]
+    assert [v["mfu"] for v in values] == [pytest.approx(200.0), pytest.approx(300.0), pytest.approx(50.0)]
+    note = "above 100%: the peak, 0.001 TFLOP/s configured, is below the achieved rate"
+    assert values[0]["mfu_note"] == values[1]["mfu_note"] == note and "mfu_note" not in values[2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "metrics.device_peak_tflops should be one device's peak" in warnings[0]
+
+
+def test_the_note_follows_mfu_in_the_console_line_and_reaches_metrics_jsonl(tmp_path):
+    from torchtitan.components.metrics import step_line
+
+    values = dict(record(10, 4.0), mfu=33.3, peak_tflops=0.3, mfu_note="peak re-measured: 0.3 TFLOP/s")
+    assert "mfu: 33.30% (peak re-measured: 0.3 TFLOP/s)  eta: 5s" in step_line(values, eta_seconds=5)
+    assert "(" not in step_line(record(10, 4.0)) and "peak_tflops" not in step_line(values)
+    logger = MetricsLogger(Metrics(enable_tensorboard=True), str(tmp_path), write=True)
+    logger.log(values)  # a text field among TensorBoard's scalars
+    logger.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu_note"] == "peak re-measured: 0.3 TFLOP/s"
+
+
+def test_a_start_up_measurement_on_a_busy_cpu_does_not_put_mfu_above_100():
+    """Real contention: the peak is measured at start-up while busy processes (4 per core) share the
+    CPU, as on a machine running other jobs; then they stop, and the achieved rate of quiet work (the
+    same matmuls, timed as a whole) exceeds that start-up figure, which the old rule turned into MFU
+    above 100%. Now the peak is re-measured and the line says so."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from torchtitan.components.metrics import MfuPeak
+
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.5)  # all running
+        peak = MfuPeak.for_device(torch.device("cpu"), torch.float32, configured=0)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    start_up = peak.tflops
+    achieved = _timed_matmul_tflops()
+    assert achieved > start_up, f"contention did not lower the start-up measurement: {start_up} >= {achieved}"
+    values = peak.fields(achieved)
+    assert values["mfu"] <= 100.0 and values["peak_tflops"] >= achieved, (values, 100 * achieved / start_up)
+    assert values["mfu_note"].startswith(("peak re-measured: ", "peak raised to the achieved rate: "))
+    assert f"the start-up measurement ({start_up:.3g}" in values["mfu_note"]
+
+
+def test_training_whose_start_up_peak_was_too_low_logs_mfu_at_most_100(tmp_path, monkeypatch):
+    """The trainer's records: a start-up measurement far below what a step achieves (as on a CPU whose
+    whole capacity was taken at the time) gives the first step a real re-measurement and the note."""
+    from pathlib import Path
+
+    from torchtitan.components import metrics
+    from torchtitan.config import load_config
+    from torchtitan.train import train
+
+    real, calls = metrics.measure_matmul_tflops, []
+
+    def start_up_starved(dtype, seconds=1.0, n=1024):
+        calls.append(seconds)
+        return 1e-9 if len(calls) == 1 else real(dtype, seconds, n)
+
+    monkeypatch.setattr(metrics, "measure_matmul_tflops", start_up_starved)
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config([
+        "--job.config_file", str(repo / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path", str(repo / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+        "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "0",
+        "--training.mixed_precision_param", "float32", "--metrics.no-enable_tensorboard",
+    ])
+    history = train(cfg)
+    assert calls == [1.0, 0.5]  # the start-up measurement, and one re-measurement at the first step
+    first = history[0]
+    assert 0 < first["mfu"] <= 100 and first["peak_tflops"] >= first["tflops"] > 1e-9
+    assert first["mfu_note"].startswith(("peak re-measured: ", "peak raised to the achieved rate: "))
+    assert "the start-up measurement (1e-09" in first["mfu_note"]
+    assert all(r["mfu"] == pytest.approx(100 * r["tflops"] / r["peak_tflops"]) for r in history)
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == history

@@ -4,7 +4,9 @@ step and its validation_* values).
 
 MFU divides achieved FLOP/s per device by the device's peak: a table of dense bf16 peaks for known
 GPUs, or, on CPU, a peak measured at start-up with a short matmul in the training dtype and with the
-threads this process uses (so it is the reachable peak of this process's share of the machine).
+threads this process uses (so it is the reachable peak of this process's share of the machine). A
+measured peak is raised when a step achieves more (`MfuPeak`), so that MFU never reads above 100%; a
+configured or table peak is kept, and a line whose MFU exceeds 100% against it says why.
 """
 
 import json
@@ -12,6 +14,7 @@ import logging
 import os
 import resource
 import time
+from typing import Callable
 
 import torch
 
@@ -64,6 +67,84 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: flo
     return peak, f"measured ({dtype}, {torch.get_num_threads()} threads)"
 
 
+class MfuPeak:
+    """The MFU denominator of one device, and the note a step line carries when its MFU needs one.
+
+    A configured peak (metrics.device_peak_tflops) or a GPU table's is the user's or the vendor's
+    figure: MFU is computed against it as it is; a step above 100% says so in its line (and a warning,
+    once, says what to fix). A peak measured at start-up (`probe` re-measures it) is only as good as that
+    moment: on a busy machine it measures low, and the achieved rate of a later, quieter step exceeds
+    it. When a logged step's achieved rate is above the peak, the matmul is measured again (the first
+    time always; later only while all re-measurements together stay within `probe_share` of the time
+    since start-up) and the peak becomes the largest of the old peak, the new measurement and the
+    achieved rate. So MFU never reads above 100%, and the line where the peak rose says why. Another
+    re-measurement needs a step faster than the raised peak, so there are rarely more than one or two.
+    `probe_s` is the time the last `fields` call spent measuring (to leave out of the step rate)."""
+
+    def __init__(self, tflops: float, source: str, probe: Callable[[], float] | None = None,
+                 probe_share: float = 0.05):
+        self.tflops, self.source, self.probe, self.probe_share = tflops, source, probe, probe_share
+        self.previous = "the start-up measurement"  # what the peak is, for the note when it is exceeded
+        self.probes, self.probe_total, self.probe_s = 0, 0.0, 0.0
+        self.created = time.perf_counter()
+        self.warned = False
+
+    @classmethod
+    def for_device(cls, device: torch.device, dtype: torch.dtype, configured: float) -> "MfuPeak":
+        tflops, source = device_peak_tflops(device, dtype, configured)
+        if not source.startswith("measured"):
+            return cls(tflops, source)
+        return cls(tflops, source + "; raised when a step achieves more",
+                   probe=lambda: measure_matmul_tflops(dtype, seconds=0.5))
+
+    def _may_probe(self) -> bool:
+        if self.probes == 0:
+            return True
+        spent = self.probe_total * (self.probes + 1) / self.probes  # with one more of the average length
+        return spent <= self.probe_share * (time.perf_counter() - self.created)
+
+    def fields(self, achieved: float) -> dict:
+        """{"mfu", "peak_tflops"} for a step that achieved `achieved` TFLOP/s per device, and "mfu_note"
+        when the peak was raised for it, or when MFU is above 100% of a configured or table peak."""
+        self.probe_s = 0.0
+        note = None
+        if achieved > self.tflops and self.probe is not None:
+            old, remeasured = self.tflops, None
+            if self._may_probe():
+                start = time.perf_counter()
+                remeasured = self.probe()
+                self.probe_s = time.perf_counter() - start
+                self.probes, self.probe_total = self.probes + 1, self.probe_total + self.probe_s
+            if remeasured is not None and remeasured >= achieved:
+                self.tflops = remeasured
+                note = f"peak re-measured: {remeasured:.3g} TFLOP/s; {self.previous} ({old:.3g}) was below the achieved rate"
+                self.previous = "the re-measured peak"
+            else:
+                self.tflops = achieved
+                also = f" and a re-measurement ({remeasured:.3g})" if remeasured is not None else ""
+                note = (f"peak raised to the achieved rate: {self.previous} ({old:.3g} TFLOP/s){also} "
+                        f"{'were' if also else 'was'} below it")
+                self.previous = "an earlier achieved rate"
+        elif achieved > self.tflops:
+            note = f"above 100%: the peak, {self.tflops:.4g} TFLOP/s {self.source}, is below the achieved rate"
+            if not self.warned:
+                self.warned = True
+                fix = ("metrics.device_peak_tflops should be one device's peak in the training dtype"
+                       if self.source == "configured" else
+                       "the table holds dense bf16 peaks (fp8 or sparse matmuls run faster) or the model's "
+                       "FLOP count is too high; set metrics.device_peak_tflops to the device's peak")
+                logger.warning(f"a step achieved {achieved:.4g} TFLOP/s per device, above the MFU peak of "
+                               f"{self.tflops:.4g} TFLOP/s {self.source}: its MFU reads above 100% (and each such "
+                               f"line says so); {fix}")
+        mfu = 100 * achieved / self.tflops if self.tflops > 0 else 0.0
+        if self.probe is not None:
+            mfu = min(mfu, 100.0)  # the peak is at least the achieved rate: only rounding could pass 100
+        values = {"mfu": mfu, "peak_tflops": self.tflops}
+        if note is not None:
+            values["mfu_note"] = note
+        return values
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Max allocated on CUDA; max resident set size of this process on CPU."""
     if device.type == "cuda":
@@ -72,7 +153,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 _STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens", "skipped_steps",
-             "data_wait_s"}
+             "data_wait_s", "peak_tflops", "mfu_note"}
 
 
 _COLORS = {"step": "\033[36m", "loss": "\033[32m", "memory": "\033[33m", "tps": "\033[34m", "mfu": "\033[35m"}
@@ -96,6 +177,7 @@ def step_line(values: dict, extra: str = "", color: bool = False, total_steps: i
         return f"{_COLORS[key]}{key}:\033[0m" if color and key in _COLORS else f"{key}:"
 
     step = f"{values['step']:>5}" + (f"/{total_steps}" if total_steps else "")
+    note = f" ({values['mfu_note']})" if values.get("mfu_note") else ""
     if values.get("skipped_steps"):
         extra = f"  skipped_steps: {values['skipped_steps']}{extra}"
     if eta_seconds is not None:
@@ -103,7 +185,7 @@ def step_line(values: dict, extra: str = "", color: bool = False, total_steps: i
     return (
         f"{name('step')} {step}  {name('loss')} {values['loss']:8.4f}  grad_norm: {values['grad_norm']:8.4f}  "
         f"lr: {values['lr']:.2e}  {name('memory')} {values['memory_gib']:5.2f}GiB  {name('tps')} {values['tps']:,.0f}  "
-        f"tflops: {values['tflops']:.2f}  {name('mfu')} {values['mfu']:.2f}%{extra}"
+        f"tflops: {values['tflops']:.2f}  {name('mfu')} {values['mfu']:.2f}%{note}{extra}"
     )
 
 
@@ -192,6 +274,7 @@ class MetricsLogger:
         self._scalars({k: v for k, v in values.items() if k != "step"}, step)
 
     def _scalars(self, values: dict, step: int):
+        values = {k: v for k, v in values.items() if not isinstance(v, str)}  # mfu_note is text
         if self.tb is not None:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, step)
