@@ -38,8 +38,8 @@ def test_missing_tokenizer():
 
 
 def test_unknown_flavor():
-    with pytest.raises(UserError, match="unknown model.flavor '3B'"):
-        preflight(cfg("--model.flavor", "3B"), world_size=1)
+    with pytest.raises(UserError, match="unknown model.flavor '2B'"):
+        preflight(cfg("--model.flavor", "2B"), world_size=1)
 
 
 @pytest.mark.parametrize(

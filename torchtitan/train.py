@@ -81,11 +81,17 @@ class Plan:
     spec: ModelSpec
 
 
+# Model args that shape no tensor, taken from the initial Hugging Face folder's config.json when the
+# family has them.
+HF_ADOPTED_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "tie_word_embeddings", "sliding_window",
+                     "max_window_layers")
+
+
 def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     """The args of the model this job builds. Its vocabulary is the tokenizer's, padded
     (spec.args_for_training); where the initial weights come from a Hugging Face folder, that folder's
-    vocab_size (checkpoints pad as they like: Qwen3 has 151,936 rows for 151,669 tokens) and
-    sliding windows."""
+    vocab_size (checkpoints pad as they like: Qwen3 has 151,936 rows for 151,669 tokens) and the
+    settings of HF_ADOPTED_FIELDS."""
     args = spec.args_for_training(cfg.model.flavor, tokenizer_vocab, cfg.training.seq_len, moe_overrides(cfg.moe),
                                   attention_overrides(cfg.model))
     if not cfg.checkpoint.initial_load_in_hf:
@@ -102,12 +108,18 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
             f"{cfg.model.tokenizer_path}: the tokenizer would produce ids the weights have no row for; use the "
             "tokenizer that was published with these weights"
         )
-    # The folder's attention windows too (a Qwen3 trained with sliding windows keeps them), unless
-    # [model] sets them.
-    windows = {name: getattr(spec.hf.args_from_config(read_hf_config(cfg.checkpoint.initial_load_path)), name)
-               for name in ("sliding_window", "max_window_layers")
-               if not spec.missing_fields([name]) and getattr(cfg.model, name) is None}
-    return dataclasses.replace(args, vocab_size=hf_vocab, **windows)
+    # The folder's settings that shape no tensor too: its rotary theta and scaling (Llama 3.1 and 3.2
+    # scale theirs), norm epsilon, tied embeddings, and attention windows (unless [model] sets them),
+    # so that the model computes what the weights were trained for. Shapes are checked against the
+    # flavor's (check_hf_folder).
+    hf_args = spec.hf.args_from_config(read_hf_config(cfg.checkpoint.initial_load_path))
+    adopted = {name: getattr(hf_args, name) for name in HF_ADOPTED_FIELDS
+               if not spec.missing_fields([name]) and getattr(cfg.model, name, None) is None}
+    changed = {name: value for name, value in adopted.items() if getattr(args, name) != value}
+    if changed:
+        logger.info(f"from {where}, in place of flavor {cfg.model.flavor}'s: "
+                    + ", ".join(f"{name} = {value}" for name, value in changed.items()))
+    return dataclasses.replace(args, vocab_size=hf_vocab, **adopted)
 
 
 def attention_overrides(model) -> dict:

@@ -1,6 +1,7 @@
 """Hugging Face export/import, checked against transformers' own LlamaForCausalLM, and model-only
 DCP folders."""
 
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -74,6 +75,64 @@ def test_import_from_transformers_matches_logits(tmp_path):
         diff = (hf(tokens(args)).logits - model(tokens(args))).abs().max().item()
     print(f"import logits max abs diff {diff:.2e}")
     assert diff < 1e-4
+
+
+# Llama 3.2's config.json fields (tied embeddings, "llama3" rotary scaling) at a scale where the
+# scaling moves the rotary angles of a 48-token window: theta 100 and 16 original positions put the
+# head's pairs across the slowed, ramped and kept bands.
+LLAMA_3_2_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16}
+
+
+def llama_3_2_like(transformers, tmp_path, scaling=LLAMA_3_2_SCALING):
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={**scaling, "rope_theta": 100.0},
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    return hf
+
+
+def long_tokens(args: ModelArgs) -> torch.Tensor:
+    return torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+def test_tied_and_scaled_llama_3_2_imports_and_exports_with_transformers_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = llama_3_2_like(transformers, tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")  # stored tied
+    sd, args = load_hf(tmp_path / "hf", SPEC.hf)
+    assert args.tie_word_embeddings and args.rope_scaling.factor == 32.0
+    assert args.rope_scaling.original_max_position_embeddings == 16
+    model = materialized(args)
+    model.load_state_dict(sd)
+    assert model.output.weight is model.tok_embeddings.weight
+    with torch.no_grad():
+        expected = hf(long_tokens(args)).logits
+        diff = (expected - model(long_tokens(args))).abs().max().item()
+    assert diff < 1e-4, diff
+    # The scaling matters here: without it the 1e-4 check above fails (measured 2e-3 off).
+    plain = materialized(dataclasses.replace(args, rope_scaling=None))
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        assert (expected - plain(long_tokens(args))).abs().max().item() > 1e-3
+    # Export: the same config fields, no lm_head.weight, and transformers' logits again.
+    save_hf(tmp_path / "out", model.state_dict(), SPEC.hf, args, torch.float32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["rope_scaling"]["rope_type"] == "llama3"
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (back(long_tokens(args)).logits - expected).abs().max().item() < 1e-4
+
+
+def test_other_rotary_scalings_are_refused(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    llama_3_2_like(transformers, tmp_path, {"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(UserError, match=r"rope_parameters = .*linear.*Llama 3.1's scaling"):
+        load_hf(tmp_path / "hf", SPEC.hf)
 
 
 def test_sharded_save_writes_index_and_loads_back_exactly(tmp_path):

@@ -2,15 +2,17 @@
 
 Folders made by transformers' own save_pretrained (random weights, small max_shard_size: many files
 and an index) for llama3's and Qwen3-MoE's debug flavors are loaded by training jobs under one
-process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, and Qwen3's tied-embedding flavor under PP 2 and PP 2 x FSDP 2. Each trains one step that moves no
+process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, Qwen3's tied-embedding flavor under PP 2 and PP 2 x FSDP 2, and a Llama 3.2-like
+folder (tied, rotary scaled) under PP 2 x FSDP 2. Each trains one step that moves no
 weight (gradients clipped to 1e-30, no weight decay) and exports at its end, under its own layout:
 - import: the step-1 loss equals transformers' loss on the same batch within 1e-5 (fp32);
 - round trip: the export holds the imported tensors bit for bit (fp32), in files of the hub's names
   with an index, config.json and generation_config.json;
-- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2 and tied PP 2 x FSDP 2 exports with logits equal to the original
+- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2 and both tied PP 2 x FSDP 2 exports with logits equal to the original
   folder's within 1e-4.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -20,12 +22,19 @@ from conftest import REPO, TINY, launch
 from torchtitan.components.hf_checkpoint import HFFolder, load_hf
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.models.registry import get_model_spec
+from torchtitan.models.rotary import RopeScaling
 
 pytestmark = pytest.mark.slow
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {"llama": ("llama3", "debugmodel"), "moe": ("qwen3", "debugmodel_moe"), "tied": ("qwen3", "debugmodel_tied")}
+# key: (family, flavor, fields of the folder's config that differ from the flavor's). "llama32" is the
+# llama debug flavor with Llama 3.2's tied embeddings and rotary scaling (16 original positions, so
+# that the scaling moves the angles of a 64-token window): the trainer takes both from the folder.
+FAMILIES = {"llama": ("llama3", "debugmodel", {}), "moe": ("qwen3", "debugmodel_moe", {}),
+            "tied": ("qwen3", "debugmodel_tied", {}),
+            "llama32": ("llama3", "debugmodel", {"tie_word_embeddings": True, "rope_scaling": RopeScaling(
+                factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)})}
 STILL = ["--training.steps", "1", "--training.max_norm", "1e-30", "--optimizer.weight_decay", "0",
          "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32", "--checkpoint.hf_max_shard_mb", "2"]
 # name: (family key, local batch size for the global batch of 8, layout)
@@ -42,14 +51,16 @@ LAYOUTS = {
         "moe_ep2_fsdp2": ("moe", 2, ["--parallelism.expert_parallel_degree", "2"]),
         # FSDP over TP-sharded rows: strided shards, which are read whole and all-gathered.
         "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"]),
-        "tied_pp2_fsdp2": ("tied", 4, ["--parallelism.pipeline_parallel_degree", "2"])},
+        "tied_pp2_fsdp2": ("tied", 4, ["--parallelism.pipeline_parallel_degree", "2"]),
+        "llama32_pp2_fsdp2": ("llama32", 4, ["--parallelism.pipeline_parallel_degree", "2"])},
 }
 
 
-def hf_folder(path, family: str, flavor: str):
-    """A folder written by transformers' save_pretrained for our flavor's config, random weights."""
+def hf_folder(path, family: str, flavor: str, changes: dict):
+    """A folder written by transformers' save_pretrained for our flavor's config (with `changes`),
+    random weights."""
     spec = get_model_spec(family)
-    args = spec.args_for_training(flavor, 4096, 64)
+    args = dataclasses.replace(spec.args_for_training(flavor, 4096, 64), **changes)
     path.mkdir()
     (path / "config.json").write_text(json.dumps(spec.hf.config(args, torch.float32, 1, 2)))
     torch.manual_seed(0)
@@ -67,7 +78,7 @@ def runs(tmp_path_factory):
     for nproc, jobs in LAYOUTS.items():
         argv = {}
         for name, (key, local_batch, extra) in jobs.items():
-            family, flavor = FAMILIES[key]
+            family, flavor, _ = FAMILIES[key]
             argv[name] = ["--model.name", family, "--model.flavor", flavor, "--training.local_batch_size",
                           str(local_batch), "--checkpoint.initial_load_path", str(tmp / f"hf_{key}"), "--checkpoint.initial_load_in_hf",
                           *STILL, *extra]
@@ -105,7 +116,7 @@ def test_imported_weights_give_transformers_loss(runs, name):
 def test_export_holds_the_imported_tensors_bit_for_bit(runs, name):
     tmp, _, _ = runs
     key = name.split("_")[0]
-    family, _ = FAMILIES[key]
+    family, _, _ = FAMILIES[key]
     spec = get_model_spec(family)
     out = tmp / name / "checkpoint" / "step-1-hf"
     assert {"config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
@@ -118,7 +129,7 @@ def test_export_holds_the_imported_tensors_bit_for_bit(runs, name):
         assert torch.equal(ours_out[k], ours_in[k]), f"{name}: {k} changed"
 
 
-@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2"])
+@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2"])
 def test_transformers_loads_the_export(runs, name):
     tmp, models, _ = runs
     out = tmp / name / "checkpoint" / "step-1-hf"

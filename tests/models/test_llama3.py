@@ -116,6 +116,6 @@ def test_grouped_query_attention_matches_repeated_heads():
 def test_registry_errors_name_the_choices():
     with pytest.raises(UserError, match="registered models: llama3, qwen3"):
         get_model_spec("gpt2")
-    with pytest.raises(UserError, match="available flavors: debugmodel, 10M, 1B, 8B, 70B, 405B"):
+    with pytest.raises(UserError, match="available flavors: debugmodel, 10M, 1B, 3B, 8B, 70B, 405B"):
         get_model_args("llama3", "7B")
     assert get_model_spec("llama3").flavors["debugmodel"].dim == 256

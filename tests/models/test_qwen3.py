@@ -134,12 +134,12 @@ def test_pipeline_stages_skip_absent_modules():
 
 def test_token_positions_index_the_rotary_table():
     model = materialized(small_args())
-    full = model.rope_cache.clone()
+    full = model.rope.clone()
     positions = torch.tensor([5, 6, 60, 61])
     model.set_token_positions(positions)
-    assert torch.equal(model.rope_cache, full[positions])
+    assert torch.equal(model.rope, full[positions])
     model.init_weights(seed=0)  # rebuilt for the same positions
-    assert torch.equal(model.rope_cache, full[positions])
+    assert torch.equal(model.rope, full[positions])
 
 
 def test_init_statistics():

@@ -80,16 +80,16 @@ def test_wrong_head_layout_is_a_user_error():
         from_hf(hf, small_args(n_kv_heads=4))
 
 
-@pytest.mark.parametrize("name", ["debugmodel", "1B", "8B", "70B", "405B"])
+@pytest.mark.parametrize("name", ["debugmodel", "1B", "3B", "8B", "70B", "405B"])
 def test_config_round_trip_keeps_every_dimension(name):
     args = flavors[name]
     config = hf_config(args, torch.bfloat16, bos_id=1, eos_id=2)
     assert config["intermediate_size"] == args.ffn_hidden_dim
     assert (config["torch_dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
-    assert "rope_scaling" not in config
+    assert (config["rope_scaling"] is None) == (args.rope_scaling is None)
     back = args_from_hf_config(config)
     for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps",
-                  "rope_theta", "max_seq_len", "head_dim"):
+                  "rope_theta", "rope_scaling", "tie_word_embeddings", "max_seq_len", "head_dim"):
         assert getattr(back, field) == getattr(args, field), field
 
 
@@ -111,7 +111,7 @@ def test_config_accepts_transformers5_rope_parameters_and_narrow_ffn():
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
         ("attention_bias", True),
         ("mlp_bias", True),
-        ("tie_word_embeddings", True),
+        ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
         ("head_dim", 32),
         ("hidden_act", "gelu"),
         ("model_type", "mistral"),

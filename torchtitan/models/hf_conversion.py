@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from torchtitan.config.errors import UserError
+from torchtitan.models.rotary import RopeScaling
 
 # Some exports store the rotary frequencies; every family recomputes them from the rotary theta.
 ROTARY_INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -38,18 +39,78 @@ def unsupported(field: str, value, why: str, family: str) -> UserError:
     return UserError(f"Hugging Face config has {field} = {value!r}: {why}; only plain {family} models can be imported")
 
 
-def plain_rope_theta(config: dict, default: float, family: str) -> float:
-    """The rotary theta of a config.json without rotary scaling (refused otherwise). Transformers
-    before 5 write rope_theta (+ rope_scaling); 5 and later write rope_parameters."""
+def _rope_fields(config: dict) -> dict:
+    """The rotary settings of a config.json in one dict: transformers before 5 write rope_theta (+
+    rope_scaling); 5 and later write rope_parameters (theta and scaling together)."""
+    fields = dict(config.get("rope_scaling") or {})
+    fields.update(config.get("rope_parameters") or {})
+    return fields
+
+
+def rope_from_config(config: dict, default_theta: float, family: str, scaled: bool = False
+                     ) -> tuple[float, RopeScaling | None]:
+    """(rope theta, Llama 3.1 scaling or None) of a config.json. Scaling of another kind, or any
+    scaling when the family has none (`scaled` False), is refused."""
     for field in ("rope_scaling", "rope_parameters"):
-        rope = config.get(field)
-        if rope is None:
-            continue
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind != "default":
-            raise unsupported(field, rope, "our model implements plain rotary embeddings without scaling", family)
-    params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", config.get("rope_theta", default)))
+        if config.get(field) is not None and not isinstance(config[field], dict):
+            raise unsupported(field, config[field], "it must be a mapping", family)
+    rope = _rope_fields(config)
+    theta = float(rope.get("rope_theta", config.get("rope_theta", default_theta)))
+    kinds = {field: config[field].get("rope_type", config[field].get("type", "default"))
+             for field in ("rope_scaling", "rope_parameters") if config.get(field) is not None}
+    scalings = {field: kind for field, kind in kinds.items() if kind != "default"}
+    if not scalings:
+        return theta, None
+    for field, kind in scalings.items():
+        if kind != "llama3" or not scaled:
+            what = "Llama 3.1's scaling (rope_type 'llama3')" if scaled else "plain rotary embeddings without scaling"
+            raise unsupported(field, config[field], f"our model implements {what}", family)
+    try:
+        scaling = RopeScaling(float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
+                              float(rope.get("high_freq_factor", 4.0)), int(rope["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise unsupported("rope_scaling", rope, f"a 'llama3' scaling needs factor and "
+                          f"original_max_position_embeddings ({e!r})", family) from None
+    return theta, scaling
+
+
+def plain_rope_theta(config: dict, default: float, family: str) -> float:
+    """The rotary theta of a config.json without rotary scaling (refused otherwise)."""
+    return rope_from_config(config, default, family)[0]
+
+
+def rope_config(theta: float, scaling: RopeScaling | None) -> dict:
+    """config.json's rotary fields, in both spellings (transformers 4.x and 5.x)."""
+    params = {"rope_type": "default", "rope_theta": theta}
+    legacy = None
+    if scaling is not None:
+        legacy = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+                  "high_freq_factor": scaling.high_freq_factor,
+                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        params = {**legacy, "rope_theta": theta}
+    return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
+
+
+# Tied embeddings: Hugging Face stores the embedding only (or lm_head.weight as an equal copy), and
+# our tied output.weight is the embedding tensor itself.
+HF_EMBEDDING, HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def tied_output_hf_names(present: frozenset[str]) -> list[str]:
+    """What a tied output.weight is read from: the embedding, then lm_head.weight if the folder stores one."""
+    return [HF_EMBEDDING] + ([HF_LM_HEAD] if HF_LM_HEAD in present else [])
+
+
+def check_tied_copy(sd: dict, output: str, embedding: str):
+    """A stored output weight of a tied model must be the embedding (or an equal copy). A value check:
+    skipped on meta tensors (a folder checked from its headers), which have shapes only."""
+    if output not in sd or sd[output] is sd[embedding] or is_meta(sd[output], sd[embedding]):
+        return
+    if not torch.equal(sd[output], sd[embedding]):
+        raise UserError(
+            f"the model ties its embeddings (tie_word_embeddings), but {output} differs from {embedding}; "
+            "these weights come from an untied model: use a configuration with tie_word_embeddings = false"
+        )
 
 
 def is_meta(*tensors: torch.Tensor) -> bool:

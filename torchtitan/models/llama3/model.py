@@ -1,24 +1,26 @@
-"""Llama 3: a decoder-only transformer with RMSNorm, rotary embeddings (Meta's complex layout),
-grouped-query attention and a SwiGLU feed-forward.
+"""Llama 3: the shared decoder (torchtitan.models.decoder) with RMSNorm, rotary embeddings (Meta's
+complex layout, with Llama 3.1's long-context scaling when `rope_scaling` is set), grouped-query
+attention and a SwiGLU feed-forward; Llama 3.2's small flavors tie the output layer to the embedding.
 
 Parameter names are Meta's (tok_embeddings, layers.N.attention.wq, ..., norm, output), so public
 checkpoints map directly. The code knows nothing of parallelism: attention reshapes with -1 heads so
-that the same code runs on tensor-parallel shards, and the layers live in a ModuleDict keyed by layer
-id so that a pipeline stage can drop layers while names stay stable.
+that the same code runs on tensor-parallel shards.
 """
 
 import torch
 from torch import nn
 
 from torchtitan.models.attention import sdpa_attention
-from torchtitan.models.layers import FeedForward, KVCache, rotary_rows
-from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
+from torchtitan.models.decoder import Decoder, matmul_parameters
+from torchtitan.models.layers import FeedForward, KVCache
+from torchtitan.models.init import normal, ones, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.rotary import RopeScaling, inv_frequencies
 from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
 
 
-def precompute_freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+def precompute_freqs_cis(head_dim: int, end: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    freqs = inv_frequencies(head_dim, theta, scaling)
     t = torch.arange(end, dtype=torch.float32)
     return torch.polar(torch.ones(end, head_dim // 2), torch.outer(t, freqs))  # complex64 [end, head_dim/2]
 
@@ -86,59 +88,15 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Global positions of the tokens this rank holds when sequences are split over ranks (context
-        # parallel); None: positions 0, 1, 2, ...
-        self.token_positions: torch.Tensor | None = None
-        # Not persistent: recomputed by init_weights, never part of a checkpoint.
-        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
+class Transformer(Decoder):
+    def block(self, layer_id: int) -> nn.Module:
+        return TransformerBlock(layer_id, self.args)
 
-    def _freqs_cis(self) -> torch.Tensor:
-        freqs = precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
-        return freqs if self.token_positions is None else freqs[self.token_positions]
+    def rotary_table(self) -> torch.Tensor:
+        return precompute_freqs_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
+                                    self.args.rope_scaling)
 
-    def set_token_positions(self, positions: torch.Tensor | None):
-        """Rotary embeddings for tokens at these global positions (in this order) from now on."""
-        self.token_positions = positions
-        if not self.freqs_cis.is_meta:
-            self.freqs_cis = self._freqs_cis().to(self.freqs_cis.device)
-
-    def forward(
-        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
-        (attention.document_ids: each token sees only its own document). Decoding: with `cache`
-        (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
-        and values are added to the cache."""
-        # Each part may be absent on a pipeline stage.
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if cache is None:
-            for layer in self.layers.values():
-                h = layer(h, self.freqs_cis, doc_ids=doc_ids)
-        else:
-            freqs_cis = rotary_rows(self.freqs_cis, start_pos, tokens.shape[1])
-            for layer_id, layer in self.layers.items():
-                h = layer(h, freqs_cis, cache[layer_id], start_pos)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
-        """Initialize every parameter and buffer in place (after `to_empty`); values depend only on `seed`.
-        Buffers go to `buffer_device` (default: where they are), which differs when parameters are offloaded."""
-        self.freqs_cis = self._freqs_cis().to(buffer_device or self.freqs_cis.device)
-        for name, param in self.named_parameters():
-            seeded_init_(param, name, seed, self._init_for(name))
-
-    def _init_for(self, name: str):
+    def init_for(self, name: str):
         parts = name.split(".")
         if name.endswith("norm.weight"):
             return ones()
@@ -158,7 +116,6 @@ def model_size(args: ModelArgs) -> ModelSize:
 
 
 def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
-    # The output layer is a matmul; the input embedding is a lookup.
-    size = model_size(args)
     windows = [None] * args.n_layers
-    return transformer_flops_per_token(size.total - size.embedding, args.n_heads * args.head_dim, windows, doc_lengths)
+    return transformer_flops_per_token(matmul_parameters(model_size(args), args), args.n_heads * args.head_dim,
+                                       windows, doc_lengths)

@@ -8,13 +8,17 @@ and k get the same order.
 
 HF configs have no `multiple_of` / `ffn_dim_multiplier`, only the resulting width, so an imported
 config gets a pair chosen to reproduce `intermediate_size` exactly (see `args_from_hf_config`).
+
+Tied embeddings (Llama 3.2 1B and 3B): Hugging Face stores the embedding only, and our tied
+output.weight is read from it (an lm_head.weight stored beside it must be an equal copy).
 """
 
 import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.hf_conversion import (
-    ROTARY_INV_FREQ, check_keys, convert_from_hf, plain_rope_theta, unsupported,
+    HF_LM_HEAD, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf, rope_config, rope_from_config,
+    tied_output_hf_names, unsupported,
 )
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.spec import HFAdapter
@@ -53,8 +57,9 @@ def _name_pairs(args: ModelArgs) -> dict[str, str]:
     return {name: _hf_name(name, args) for name in ours}
 
 
-def _check_keys(found, expected, what: str, n_layers: int):
-    check_keys(found, expected, what, f"a Llama 3 model with {n_layers} layers")
+def _check_keys(found, expected, what: str, args: ModelArgs, optional: tuple[str, ...] = ()):
+    tied = "tied" if args.tie_word_embeddings else "untied"
+    check_keys(found, expected, what, f"a Llama 3 model with {args.n_layers} layers and {tied} embeddings", optional)
 
 
 def _check_heads(w: torch.Tensor, n_heads: int, head_dim: int, name: str):
@@ -80,7 +85,10 @@ def _halves_to_pairs(w: torch.Tensor, n_heads: int, head_dim: int, name: str) ->
 
 
 def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
-    """The one HF tensor our tensor `ours` is read from (every tensor is a rename; `present` is not needed)."""
+    """The HF tensors our tensor `ours` is read from: for a tied output.weight the embedding (and
+    lm_head.weight when `present` has it, to check it is a copy); otherwise its one renamed tensor."""
+    if args.tie_word_embeddings and ours == "output.weight":
+        return tied_output_hf_names(present)
     return [_hf_name(ours, args)]
 
 
@@ -96,20 +104,30 @@ def _heads(ours: str, args: ModelArgs) -> int | None:
 def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
     """Our tensor `ours` from its HF tensor ({hf_names(ours)[0]: tensor}): that tensor itself, or for q and
     k its rows permuted (a copy; a meta tensor stays on meta, its shape checked)."""
+    if args.tie_word_embeddings and ours == "output.weight":
+        embedding = _TOP_LEVEL["tok_embeddings.weight"]
+        check_tied_copy(tensors, HF_LM_HEAD, embedding)
+        return tensors[embedding]
     ((hf, w),) = tensors.items()
     heads = _heads(ours, args)
     return w if heads is None else _halves_to_pairs(w, heads, args.head_dim, hf)
 
 
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """{HF name: tensor} of our tensor `ours`; q and k permuted (a copy), the rest as they are."""
+    """{HF name: tensor} of our tensor `ours`; q and k permuted (a copy), the rest as they are; {} for
+    a tied output.weight (Hugging Face ties it to the embedding on load)."""
+    if args.tie_word_embeddings and ours == "output.weight":
+        return {}
     heads = _heads(ours, args)
     return {_hf_name(ours, args): w if heads is None else _pairs_to_halves(w, heads, args.head_dim, ours)}
 
 
 def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our state dict (Meta names) -> Hugging Face LlamaForCausalLM state dict."""
-    _check_keys(sd, _name_pairs(args), "the model state dict", args.n_layers)
+    """Our state dict (Meta names) -> Hugging Face LlamaForCausalLM state dict (no lm_head.weight when tied)."""
+    tied = args.tie_word_embeddings
+    _check_keys(sd, _name_pairs(args), "the model state dict", args, ("output.weight",) if tied else ())
+    if tied:
+        check_tied_copy(sd, "output.weight", "tok_embeddings.weight")
     out = {}
     for meta, w in sd.items():
         out.update(tensor_to_hf(meta, w, args))
@@ -121,7 +139,8 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     Runs on meta tensors as well (shapes only): a folder can be checked from its headers."""
     names = _name_pairs(args)
     hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
-    _check_keys(hf_sd, {hf: meta for meta, hf in names.items()}, "the Hugging Face state dict", args.n_layers)
+    optional = (HF_LM_HEAD,) if args.tie_word_embeddings else ()
+    _check_keys(hf_sd, {hf: meta for meta, hf in names.items()}, "the Hugging Face state dict", args, optional)
     return convert_from_hf(names, hf_sd, args, hf_names, tensor_from_hf)
 
 
@@ -140,9 +159,9 @@ def hf_config(
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,  # plain rope: no rope_scaling entry
+        **rope_config(args.rope_theta, args.rope_scaling),
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -168,9 +187,9 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     for field, wanted in [("model_type", "llama"), ("hidden_act", "silu")]:
         if config.get(field, wanted) != wanted:
             raise _unsupported(field, config[field], f"our model needs {wanted!r}")
-    for field in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+    for field in ("attention_bias", "mlp_bias"):
         if config.get(field):
-            raise _unsupported(field, config[field], "our model has no biases and an untied output layer")
+            raise _unsupported(field, config[field], "our model has no biases")
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or dim // n_heads
     if dim % n_heads or head_dim != dim // n_heads:
@@ -181,6 +200,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
     # ffn_hidden_dim rounds int(8 dim / 3), optionally scaled, up to a multiple of multiple_of. With
     # multiple_of = intermediate_size the rounding lands on it from any start in [1, intermediate_size].
+    theta, scaling = rope_from_config(config, 10000.0, "Llama", scaled=True)
     intermediate = config["intermediate_size"]
     base = int(2 * (4 * dim) / 3)
     args = ModelArgs(
@@ -192,7 +212,10 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         multiple_of=intermediate,
         ffn_dim_multiplier=None if intermediate >= base else intermediate / base,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=plain_rope_theta(config, 10000.0, "Llama"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        # LlamaConfig's default is untied; the published 1B and 3B configs say true.
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_seq_len=config.get("max_position_embeddings", 2048),
     )
     if intermediate < 1 or args.ffn_hidden_dim != intermediate:

@@ -1,6 +1,6 @@
-"""Qwen3 (dense): a decoder-only transformer with RMSNorm, rotary embeddings, grouped-query attention
-and a SwiGLU feed-forward, laid out with Llama 3's module names so the shared tensor-parallel plan
-and pipeline layout apply. What differs from Llama 3:
+"""Qwen3 (dense): the shared decoder (torchtitan.models.decoder) with RMSNorm, rotary embeddings,
+grouped-query attention and a SwiGLU feed-forward, laid out with Llama 3's module names so the shared
+tensor-parallel plan and pipeline layout apply. What differs from Llama 3:
 
 - per-head RMSNorm on queries and keys (`attention.q_norm`, `attention.k_norm`, weight [head_dim]),
   after the projections and before the rotary embedding, as in Hugging Face's Qwen3;
@@ -9,30 +9,29 @@ and pipeline layout apply. What differs from Llama 3:
   i + head_dim/2), so the Hugging Face adapter only renames; the rotary table is one real buffer
   [max_seq_len, 2 x head_dim] holding cos then sin;
 - the feed-forward width is given outright (`hidden_dim`, HF's intermediate_size);
-- optionally tied embeddings: `output.weight` IS `tok_embeddings.weight` (one Parameter under two
-  names), kept so across `to_empty` / `.to()` by `_apply`, and initialized once.
+- optionally tied embeddings (the shared decoder's, torchtitan.models.decoder).
 
 The code knows nothing of parallelism: attention reshapes with -1 heads so that the same code runs on
-tensor-parallel shards, and the layers live in a ModuleDict keyed by layer id so that a pipeline
-stage can drop layers while names stay stable.
+tensor-parallel shards.
 """
 
 import torch
 from torch import nn
 
 from torchtitan.models.attention import sdpa_attention
-from torchtitan.models.layers import FeedForward, KVCache, rotary_rows
+from torchtitan.models.decoder import Decoder, matmul_parameters
+from torchtitan.models.layers import FeedForward, KVCache
 from torchtitan.models.moe import MoE, count_moe_parameters, moe_layers
-from torchtitan.models.init import normal, ones, seeded_init_, trunc_normal
+from torchtitan.models.init import normal, ones, trunc_normal
 from torchtitan.models.qwen3.args import ModelArgs
+from torchtitan.models.rotary import inv_frequencies
 from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
 
 
 def rope_table(head_dim: int, end: int, theta: float) -> torch.Tensor:
     """[end, 2 x head_dim]: cos then sin of each position's angles, the head_dim/2 angles written twice
     along the features (Hugging Face's layout), computed in float32 as Hugging Face does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(end, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), inv_frequencies(head_dim, theta))
     angles = torch.cat([angles, angles], dim=-1)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
@@ -105,84 +104,25 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Global positions of the tokens this rank holds when sequences are split over ranks (context
-        # parallel); None: positions 0, 1, 2, ...
-        self.token_positions: torch.Tensor | None = None
-        # Not persistent: recomputed by init_weights, never part of a checkpoint.
-        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+class Transformer(Decoder):
+    def block(self, layer_id: int) -> nn.Module:
+        return TransformerBlock(layer_id, self.args)
 
-    def _rope_cache(self) -> torch.Tensor:
-        table = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
-        return table if self.token_positions is None else table[self.token_positions]
-
-    def set_token_positions(self, positions: torch.Tensor | None):
-        """Rotary embeddings for tokens at these global positions (in this order) from now on."""
-        self.token_positions = positions
-        if not self.rope_cache.is_meta:
-            self.rope_cache = self._rope_cache().to(self.rope_cache.device)
-
-    def _apply(self, fn, recurse=True):
-        # Module._apply (to_empty, .to(), .float(), ...) gives each module its own new Parameter,
-        # which would untie the embeddings: tie them again to the embedding's new one.
-        super()._apply(fn, recurse)
-        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
-        return self
-
-    def forward(
-        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
-        (attention.document_ids: each token sees only its own document). Decoding: with `cache`
-        (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
-        and values are added to the cache."""
-        # Each part may be absent on a pipeline stage.
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if cache is None:
-            for layer in self.layers.values():
-                h = layer(h, self.rope_cache, doc_ids=doc_ids)
-        else:
-            rope = rotary_rows(self.rope_cache, start_pos, tokens.shape[1])
-            for layer_id, layer in self.layers.items():
-                h = layer(h, rope, cache[layer_id], start_pos)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+    def rotary_table(self) -> torch.Tensor:
+        return rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
-        """Initialize every parameter and buffer in place (after `to_empty`); values depend only on `seed`.
-        Buffers go to `buffer_device` (default: where they are), which differs when parameters are offloaded.
-        A tied weight appears once in named_parameters (as tok_embeddings.weight), so it is drawn once."""
-        self.rope_cache = self._rope_cache().to(buffer_device or self.rope_cache.device)
-        for name, param in self.named_parameters():
-            seeded_init_(param, name, seed, self._init_for(name))
+        super().init_weights(seed, buffer_device)
         for _, moe in moe_layers(self):
             moe.reset_buffers(buffer_device)
 
-    def _init_for(self, name: str):
+    def init_for(self, name: str):
         parts = name.split(".")
         if name.endswith("norm.weight"):  # also q_norm / k_norm
             return ones()
         if parts[0] == "tok_embeddings":
-            # Tied, it is the output layer too, reading the final norm's output, which at init is mostly
-            # the input token's own normalized embedding: that token's logit starts at dim x std.
-            # Hugging Face's initializer_range 0.02 keeps it moderate (5 at dim 256) and is large enough
-            # for Adam's steps of ~lr per element. Measured on debugmodel_tied, 20 steps, whole batch
-            # against two accumulated halves: std dim**-0.5 (logit 16, first loss 11.5, grad norm 23)
-            # and std 1/dim (Adam moves each weight by 20% per step) both turned rounding differences
-            # into loss differences of 1e-2..3e-1; std 0.02 kept them under 1e-5.
-            return trunc_normal(0.02, cutoff=3.0) if self.args.tie_word_embeddings else normal(1.0)
+            return normal(1.0)
         if parts[0] == "output":
             return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
         block = self.layers[parts[1]]
@@ -202,9 +142,6 @@ def model_size(args: ModelArgs) -> ModelSize:
 
 
 def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
-    # The input embedding is a lookup; the output layer is a matmul even when it reuses the
-    # embedding's weight, which `total` then counts once only.
-    size = model_size(args)
-    matmul = size.active - size.embedding + (args.vocab_size * args.dim if args.tie_word_embeddings else 0)
     windows = [args.layer_window(i) for i in range(args.n_layers)]
-    return transformer_flops_per_token(matmul, args.n_heads * args.head_dim, windows, doc_lengths)
+    return transformer_flops_per_token(matmul_parameters(model_size(args), args), args.n_heads * args.head_dim,
+                                       windows, doc_lengths)

@@ -46,7 +46,8 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.hf_conversion import (
-    ROTARY_INV_FREQ, check_keys, convert_from_hf, is_meta, plain_rope_theta, unsupported,
+    ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf, plain_rope_theta, rope_config,
+    tied_output_hf_names, unsupported,
 )
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
@@ -131,18 +132,6 @@ def _describe(args: ModelArgs) -> str:
 
 def _check_keys(found, expected, optional: tuple[str, ...], what: str, args: ModelArgs):
     check_keys(found, expected, what, _describe(args), optional=optional)
-
-
-def _check_tied_copy(sd: dict, output: str, embedding: str):
-    """A stored output weight of a tied model must be the embedding (or an equal copy). A value check:
-    skipped on meta tensors (a folder checked from its headers), which have shapes only."""
-    if output not in sd or sd[output] is sd[embedding] or is_meta(sd[output], sd[embedding]):
-        return
-    if not torch.equal(sd[output], sd[embedding]):
-        raise UserError(
-            f"the model ties its embeddings (tie_word_embeddings), but {output} differs from {embedding}; "
-            "these weights come from an untied model: use a configuration with tie_word_embeddings = false"
-        )
 
 
 def _check_exportable(args: ModelArgs):
@@ -274,7 +263,7 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
     - everything else: its one renamed tensor."""
     layer, local = _split(ours, args)
     if args.tie_word_embeddings and ours == _OURS_TIED:
-        return [_TOP_LEVEL["tok_embeddings.weight"]] + ([_HF_TIED] if _HF_TIED in present else [])
+        return tied_output_hf_names(present)
     if args.moe is not None and local == _EXPERT_BIAS:
         return []
     if args.moe is not None and local in _EXPERTS:
@@ -293,7 +282,7 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     layer, local = _split(ours, args)
     if args.tie_word_embeddings and ours == _OURS_TIED:
         embedding = _TOP_LEVEL["tok_embeddings.weight"]
-        _check_tied_copy(tensors, _HF_TIED, embedding)
+        check_tied_copy(tensors, _HF_TIED, embedding)
         return tensors[embedding]
     if args.moe is not None and local == _EXPERT_BIAS:
         # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
@@ -334,7 +323,7 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
     _check_keys(sd, expected, optional, "the model state dict", args)
     _check_shapes(sd, expected)
     if tied:
-        _check_tied_copy(sd, _OURS_TIED, "tok_embeddings.weight")
+        check_tied_copy(sd, _OURS_TIED, "tok_embeddings.weight")
     out, biased = {}, []
     for ours, w in sd.items():
         if ours.endswith(_EXPERT_BIAS) and not w.is_meta and torch.any(w != 0):
@@ -384,10 +373,7 @@ def hf_config(
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        # Plain rope, no scaling: both spellings, for transformers 4.x and 5.x.
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        **rope_config(args.rope_theta, None),  # plain rope: both spellings, for transformers 4.x and 5.x
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",

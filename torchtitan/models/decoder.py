@@ -1,0 +1,129 @@
+"""The decoder the families share: token embedding -> blocks -> final RMSNorm -> output layer,
+with Meta's module names (tok_embeddings, layers.N, norm, output) and optionally tied embeddings.
+
+A family subclasses `Decoder` and gives its blocks (`block(layer_id)`), its rotary table
+(`rotary_table()`: one row per position, whatever layout its attention reads) and its
+initialization (`init_for(name)`). The rest is the same for every family:
+- the layers live in a ModuleDict keyed by layer id, so that a pipeline stage can drop layers while
+  names stay stable, and each top-level module may be None on a pipeline stage (forward skips it);
+- the rotary table is a non-persistent buffer, recomputed by init_weights and by
+  set_token_positions (context parallel: rows for the global positions this rank holds);
+- tied embeddings (`args.tie_word_embeddings`): `output.weight` IS `tok_embeddings.weight`, one
+  Parameter under two names, kept so across `to_empty` / `.to()` by `_apply`; it is drawn once, as
+  the embedding, and a pipeline stage holding only the output layer draws its copy the same way.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torchtitan.models.init import seeded_init_, trunc_normal
+from torchtitan.models.layers import KVCache, rotary_rows
+
+EMBEDDING = "tok_embeddings.weight"
+Init = Callable[[torch.Tensor, torch.Generator], None]  # (full tensor, generator) -> fills it
+
+
+class Decoder(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.block(i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if self.tied:
+            self.output.weight = self.tok_embeddings.weight
+        # Global positions of the tokens this rank holds when sequences are split over ranks (context
+        # parallel); None: positions 0, 1, 2, ...
+        self.token_positions: torch.Tensor | None = None
+        # Not persistent: recomputed by init_weights, never part of a checkpoint.
+        self.register_buffer("rope", self._rope(), persistent=False)
+
+    # ---- what a family gives ----
+
+    def block(self, layer_id: int) -> nn.Module:
+        """Block `layer_id`: forward(x, rope, cache=None, start_pos=0, doc_ids=None)."""
+        raise NotImplementedError
+
+    def rotary_table(self) -> torch.Tensor:
+        """The rotary table for positions 0 .. max_seq_len - 1, one row per position."""
+        raise NotImplementedError
+
+    def init_for(self, name: str) -> Init:
+        """How parameter `name` is drawn (torchtitan.models.init); the tied embedding is drawn here."""
+        raise NotImplementedError
+
+    # ---- shared ----
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.args, "tie_word_embeddings", False))
+
+    def _rope(self) -> torch.Tensor:
+        table = self.rotary_table()
+        return table if self.token_positions is None else table[self.token_positions]
+
+    def set_token_positions(self, positions: torch.Tensor | None):
+        """Rotary embeddings for tokens at these global positions (in this order) from now on."""
+        self.token_positions = positions
+        if not self.rope.is_meta:
+            self.rope = self._rope().to(self.rope.device)
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply (to_empty, .to(), .float(), ...) gives each module its own new Parameter,
+        # which would untie the embeddings: tie them again to the embedding's new one.
+        super()._apply(fn, recurse)
+        if self.tied and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+    def forward(
+        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
+        (attention.document_ids: each token sees only its own document). Decoding: with `cache`
+        (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
+        and values are added to the cache."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope, doc_ids=doc_ids)
+        else:
+            rope = rotary_rows(self.rope, start_pos, tokens.shape[1])
+            for layer_id, layer in self.layers.items():
+                h = layer(h, rope, cache[layer_id], start_pos)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
+        """Initialize every parameter and buffer in place (after `to_empty`); values depend only on `seed`.
+        Buffers go to `buffer_device` (default: where they are), which differs when parameters are offloaded."""
+        self.rope = self._rope().to(buffer_device or self.rope.device)
+        for name, param in self.named_parameters():
+            if self.tied and name == "output.weight":  # a stage without the embedding: its copy
+                name = EMBEDDING
+            seeded_init_(param, name, seed, self._init_for(name))
+
+    def _init_for(self, name: str) -> Init:
+        if name == EMBEDDING and self.tied:
+            # Tied, it is the output layer too, reading the final norm's output, which at init is mostly
+            # the input token's own normalized embedding: that token's logit starts at dim x std.
+            # Hugging Face's initializer_range 0.02 keeps it moderate (5 at dim 256) and is large enough
+            # for Adam's steps of ~lr per element. Measured on Qwen3's debugmodel_tied, 20 steps, whole
+            # batch against two accumulated halves: std dim**-0.5 (logit 16, first loss 11.5, grad norm
+            # 23) and std 1/dim (Adam moves each weight by 20% per step) both turned rounding
+            # differences into loss differences of 1e-2..3e-1; std 0.02 kept them under 1e-5.
+            return trunc_normal(0.02, cutoff=3.0)
+        return self.init_for(name)
+
+
+def matmul_parameters(size, args) -> int:
+    """The parameters a token's forward multiplies with (spec.ModelSize `size` of `args`): the active
+    ones but the input embedding, a lookup; a tied output layer is a matmul even though `size`
+    counts its weight once, as the embedding."""
+    tied = getattr(args, "tie_word_embeddings", False)
+    return size.active - size.embedding + (args.vocab_size * args.dim if tied else 0)
