@@ -194,8 +194,8 @@ def run_bare(cfg, steps: int) -> dict:
     from torchtitan.components.tokenizer import Tokenizer
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import DTYPES, tune_host_allocator
-    from torchtitan.models.moe import moe_layers, update_expert_bias
-    from torchtitan.models.moe import overrides_from_config as moe_overrides
+    from torchtitan.models.common.moe import overrides_from_config as moe_overrides
+    from torchtitan.models.common.spec import ParallelizeInputs
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
     t, o = cfg.training, cfg.optimizer
@@ -206,16 +206,13 @@ def run_bare(cfg, steps: int) -> dict:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mesh = None
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(t.seed)
 
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
     dims = ParallelDims.from_config(cfg.parallelism, world)
+    mesh = dims.build_mesh(device.type)  # the trainer's mesh (None for one process); FSDP over all ranks
     global_batch, accum = dims.batch(t.local_batch_size, t.global_batch_size)
     batches = preload_batches(cfg, tokenizer, rank, world, global_batch, steps * accum)
 
@@ -226,7 +223,9 @@ def run_bare(cfg, steps: int) -> dict:
         model = spec.model_cls(args)
     n_params = spec.size(args).total
     flops_tok = spec.flops_per_token(args, t.seq_len)
-    moes = [m for _, m in moe_layers(model)]
+    # The model's own updates after each optimizer step (an MoE's balancing bias: part of its training algorithm).
+    after_step = spec.post_optimizer_step
+    inputs = ParallelizeInputs(dims, mesh, cfg.parallelism, t, cfg.activation_checkpoint)
     apply_block_options(model, checkpoint_every(cfg.activation_checkpoint), t.compile)
     compute_dtype = DTYPES[t.mixed_precision_param]
     if mesh is not None:
@@ -234,8 +233,8 @@ def run_bare(cfg, steps: int) -> dict:
 
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[t.mixed_precision_reduce])
         for block in model.layers.values():
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(block, mesh=mesh["dp_cp_tp"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["dp_cp_tp"], mp_policy=mp)
     model.to_empty(device=device)
     model.init_weights(seed=t.seed)
     model.train()
@@ -265,8 +264,8 @@ def run_bare(cfg, steps: int) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
         optimizer.step()
         optimizer.zero_grad()
-        if moes:  # part of the training algorithm of a mixture of experts: the balancing bias
-            update_expert_bias(moes, dist.group.WORLD if mesh is not None else None)
+        if after_step is not None:
+            after_step([model], inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # per-step times need the step's kernels finished
         now = time.perf_counter()
@@ -293,10 +292,10 @@ def run_moe_layer(cfg, repeats: int = 20) -> dict:
     import torch
 
     from torchtitan.distributed.utils import DTYPES
-    from torchtitan.models.layers import FeedForward
-    from torchtitan.models.moe import MoE, grouped_mm_works
-    from torchtitan.models.moe import moe_layers, update_expert_bias
-    from torchtitan.models.moe import overrides_from_config as moe_overrides
+    from torchtitan.models.common.layers import FeedForward
+    from torchtitan.models.common.moe import MoE, grouped_mm_works
+    from torchtitan.models.common.moe import moe_layers, update_expert_bias
+    from torchtitan.models.common.moe import overrides_from_config as moe_overrides
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
     t = cfg.training
@@ -401,7 +400,7 @@ def attention_variants(cfg, device_type: str) -> list[tuple[str, list[str]]]:
 def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -> int:
     import torch
 
-    from torchtitan.models.attention import attention_backend
+    from torchtitan.models.common.attention import attention_backend
     from torchtitan.models.registry import get_model_args
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 import torch  # noqa: E402
 
-from torchtitan.models.attention import document_ids, flex_attention_fn, sdpa_attention, set_attention_fn  # noqa: E402
+from torchtitan.models.common.attention import document_ids, flex_attention_fn, sdpa_attention, set_attention_fn  # noqa: E402
 from torchtitan.models.registry import get_model_spec  # noqa: E402
 
 EOS = 2

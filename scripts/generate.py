@@ -21,7 +21,6 @@ stdout, logs to stderr; mistakes are reported in one line on stderr with exit st
 """
 
 import argparse
-import inspect
 import logging
 import math
 import sys
@@ -46,15 +45,15 @@ from torchtitan.components.hf_checkpoint import (  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config import HelpRequested, UserError, load_config  # noqa: E402
 from torchtitan.distributed.utils import DTYPES, device_type  # noqa: E402
-from torchtitan.models.layers import kv_caches  # noqa: E402
-from torchtitan.models.moe import overrides_from_config as moe_overrides  # noqa: E402
+from torchtitan.models.common.layers import kv_caches  # noqa: E402
+from torchtitan.models.common.moe import overrides_from_config as moe_overrides  # noqa: E402
 from torchtitan.models.registry import (  # noqa: E402
     get_model_args,
     get_model_spec,
     import_custom_module,
     spec_for_hf_config,
 )
-from torchtitan.models.spec import ModelSpec  # noqa: E402
+from torchtitan.models.common.spec import ModelSpec  # noqa: E402
 
 logger = logging.getLogger("generate")
 
@@ -161,19 +160,14 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def supports_cache(model: nn.Module) -> bool:
-    return "cache" in inspect.signature(model.forward).parameters
-
-
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, use_cache: bool = True) -> list[int]:
     """The tokens following `prompt` (EOS included when drawn), at most max_new_tokens of them. With
-    the cache, the prompt runs once and then each new token alone; without it (or for a family whose
-    forward takes no cache), the whole sequence runs again for every token."""
+    the cache (only for a family whose spec says kv_cache), the prompt runs once and then each new
+    token alone; without it, the whole sequence runs again for every token."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    use_cache = use_cache and supports_cache(model)
     tokens = torch.tensor([prompt], device=device)
     cache = kv_caches(model, len(prompt) + max_new_tokens) if use_cache else None
     logits = model(tokens, cache=cache, start_pos=0) if use_cache else model(tokens)
@@ -258,14 +252,15 @@ def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
     model = build_model(spec, args, sd, device, DTYPES[opts.dtype])
     del sd
     start = time.perf_counter()
+    use_cache = spec.kv_cache and not opts.no_kv_cache
     new = generate(model, prompt, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, opts.seed,
-                   tokenizer.eos_id, use_cache=not opts.no_kv_cache)
+                   tokenizer.eos_id, use_cache=use_cache)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     stop = "EOS" if new[-1] == tokenizer.eos_id else "max_new_tokens"
     logger.info(f"{len(new)} tokens after a {len(prompt)}-token prompt in {seconds:.2f}s "
-                f"({len(new) / seconds:.1f} tokens/s, {'with' if not opts.no_kv_cache else 'without'} KV cache); "
+                f"({len(new) / seconds:.1f} tokens/s, {'with' if use_cache else 'without'} KV cache); "
                 f"stopped at {stop}")
     return tokenizer.decode([t for t in new if t != tokenizer.eos_id])
 

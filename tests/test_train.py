@@ -122,7 +122,7 @@ def test_moe_and_expert_parallel_mistakes_are_refused_before_launch(overrides, w
 def test_moe_config_values():
     with pytest.raises(UserError, match=r"moe.capacity_factor must be 0 \(off\) or more, got -1.0"):
         cfg(*MOE, "--moe.capacity_factor", "-1")
-    from torchtitan.models.moe import overrides_from_config
+    from torchtitan.models.common.moe import overrides_from_config
 
     section = cfg(*MOE, "--moe.load_balance_coeff", "0", "--moe.capacity_factor", "1.25", "--moe.z_loss_coeff",
                   "0.001").moe

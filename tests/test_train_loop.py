@@ -294,7 +294,7 @@ class DocumentIdBatches:
 def test_a_loader_may_carry_document_ids(tmp_path):
     """Ids equal to those from the EOS give the EOS run's losses exactly; other ids (each row cut in
     halves) change them: the batch's ids are what attention and the ignored labels follow."""
-    from torchtitan.models.attention import document_ids
+    from torchtitan.models.common.attention import document_ids
     from torchtitan.train import Trainer
 
     def trainer(ids):

@@ -7,7 +7,7 @@ meta device -> parallelize -> materialize (to_empty + init_weights) -> tokenizer
 LR schedule, metrics -> loop. User mistakes end the run with one message and exit code 2 on every
 rank; nothing else is printed as a traceback unless it is a bug.
 
-The model is reached only through its spec (torchtitan.models.spec.ModelSpec, from the registry).
+The model is reached only through its spec (torchtitan.models.common.spec.ModelSpec, from the registry).
 `Trainer` runs one job; its loop calls named steps (build_model, build_optimizer, forward_backward,
 optimizer_step, log, checkpoint) that a fork can override one at a time in a subclass and run with
 `main(argv, trainer_cls=MyTrainer)`.
@@ -52,12 +52,14 @@ from torchtitan.distributed.pipeline_parallel import (
     plan_split,
     split_for_rank,
 )
+from torchtitan.distributed.parallelize import parallelize_model
 from torchtitan.distributed.shared_weights import SharedWeights, build_shared_weights
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility, loss_parallel_context
-from torchtitan.models.attention import attention_backend, set_attention_fn
-from torchtitan.models.moe import overrides_from_config as moe_overrides
+from torchtitan.models.common.attention import attention_backend, set_attention_fn
+from torchtitan.models.common.moe import check_expert_layer
+from torchtitan.models.common.moe import overrides_from_config as moe_overrides
 from torchtitan.models.registry import get_model_args, get_model_spec, import_custom_module
-from torchtitan.models.spec import VOCAB_MULTIPLE, ModelSpec, ParallelizeInputs
+from torchtitan.models.common.spec import VOCAB_MULTIPLE, ModelSpec, ParallelizeInputs
 
 logger = logging.getLogger("torchtitan")
 
@@ -224,11 +226,18 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         )
     if dims.pp_enabled:
         plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
-    if dims.ep_enabled and spec.size(model_args).active == spec.size(model_args).total:
+    if dims.ep_enabled and not spec.has_experts(model_args):
         raise UserError(
             f"parallelism.expert_parallel_degree = {dims.ep} splits the experts of a mixture-of-experts model, but "
             f"model {spec.name} {cfg.model.flavor} has none; set it to 1 (or choose an MoE flavor)"
         )
+    if dims.ep_enabled:
+        with torch.device("meta"):
+            for layer in spec.expert_layers(spec.model_cls(model_args)):
+                try:
+                    check_expert_layer(layer)
+                except TypeError as e:
+                    raise UserError(f"model {spec.name} cannot run expert parallel: {e}") from None
     if spec.hf is None and (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_in_hf):
         raise UserError(
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "
@@ -456,7 +465,8 @@ class Trainer:
         if "float8" in cfg.model.converters:
             from torchtitan.components.float8 import convert_to_float8
 
-            convert_to_float8(model, cfg.float8)  # before parallelizing: FSDP then shards the float8 weights
+            # Before parallelizing: FSDP then shards the float8 weights.
+            convert_to_float8(model, cfg.float8, self.spec.high_precision)
         if cfg.model.print_after_conversion and self.rank == 0:
             logger.info(f"model after conversion ({', '.join(cfg.model.converters) or 'no converters'}):\n{model}")
         self.model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -468,7 +478,7 @@ class Trainer:
         self.parallelize_inputs = inputs = ParallelizeInputs(
             self.dims, self.mesh, cfg.parallelism, t, cfg.activation_checkpoint, expert_mesh
         )
-        parts = [self.spec.parallelize(part, inputs) for part in parts]
+        parts = [parallelize_model(part, inputs, self.spec) for part in parts]
         for part in parts:
             # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)

@@ -215,7 +215,7 @@ def test_moe_router_and_experts_stay_in_high_precision():
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, num_experts=16))  # a 256 x 16 router
     with torch.device("meta"):
         model = qwen.model_cls(args)
-    converted = convert_to_float8(model, Float8())
+    converted = convert_to_float8(model, Float8(), qwen.high_precision)  # the spec names the router
     block = model.layers["0"]
     assert type(block.feed_forward.router.gate) is nn.Linear
     assert isinstance(block.attention.wq, Float8Linear) and "layers.0.attention.wq" in converted

@@ -385,7 +385,7 @@ def test_tiktoken_sidecar_config_names_the_special_tokens(tiktoken_file, tmp_pat
 def test_model_vocabulary_is_padded_for_tensor_parallel(kinds):
     from torchtitan.distributed.tensor_parallel import check_tp_divisibility
     from torchtitan.models.registry import get_model_spec
-    from torchtitan.models.spec import padded_vocab_size
+    from torchtitan.models.common.spec import padded_vocab_size
 
     assert [padded_vocab_size(n) for n in (4096, 128_256, 151_669, 906, 1)] == [4096, 128_256, 151_680, 960, 64]
     spec = get_model_spec("llama3")

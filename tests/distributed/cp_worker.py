@@ -1,7 +1,7 @@
 """Context-parallel attention against single-process attention (`sdpa_attention` on the full
 tensors), forward and backward, for both rotate methods, on a 4-rank CP group and on the 2-rank CP
 groups of a 2 x 2 mesh, with grouped-query heads: plain causal, and under the full mask rule of
-torchtitan.models.attention (documents whose boundaries fall inside chunks, sliding windows shorter
+torchtitan.models.common.attention (documents whose boundaries fall inside chunks, sliding windows shorter
 and longer than a chunk, and both). Rank 0 writes {case: max abs diff of output and of the q, k, v
 gradients}, inf where any of them holds a NaN or inf.
 
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.context_parallel import ContextParallelAttention, local_positions, shard_sequence
 from torchtitan.distributed.utils import exit_process
-from torchtitan.models.attention import sdpa_attention
+from torchtitan.models.common.attention import sdpa_attention
 
 # Document lengths of the first row, repeated to fill it. Their boundaries (3, 9, 14, 25, 27, 36, 39,
 # 45, 50, 61, 63) miss every multiple of 8, the chunk edges below, so documents start inside chunks

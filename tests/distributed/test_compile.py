@@ -1,5 +1,5 @@
 """Per-block torch.compile: same losses as eager, same names, and it composes with activation
-checkpointing and FSDP2 in parallelize_llama's order (AC -> compile -> FSDP).
+checkpointing and FSDP2 in parallelize_model's order (AC -> compile -> FSDP).
 
 Slow: each test compiles one model, 10-25 s cold on this 2-core machine (inductor's on-disk cache
 makes reruns faster). Tolerance: 1e-5 on fp32 losses over 3 AdamW steps; inductor may fuse and

@@ -22,7 +22,7 @@ from conftest import REPO, TINY, launch
 from torchtitan.components.hf_checkpoint import HFFolder, load_hf
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.models.registry import get_model_spec
-from torchtitan.models.rotary import RopeScaling
+from torchtitan.models.common.rotary import RopeScaling
 
 pytestmark = pytest.mark.slow
 

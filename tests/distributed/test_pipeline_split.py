@@ -18,7 +18,7 @@ from torchtitan.distributed.pipeline_parallel import (
     stage_ids_for_rank,
 )
 from torchtitan.models.registry import get_model_spec
-from torchtitan.models.spec import PipelineLayout
+from torchtitan.models.common.spec import PipelineLayout
 
 SPEC = get_model_spec("llama3")
 Transformer = SPEC.model_cls

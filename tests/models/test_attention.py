@@ -1,4 +1,4 @@
-"""The mask rule (torchtitan/models/attention.py), its kernels, and the loss over valid labels."""
+"""The mask rule (torchtitan/models/common/attention.py), its kernels, and the loss over valid labels."""
 
 import itertools
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.attention import (
+from torchtitan.models.common.attention import (
     attended_pairs,
     document_ids,
     flex_attention_fn,
@@ -16,7 +16,7 @@ from torchtitan.models.attention import (
     visible,
 )
 from torchtitan.models.registry import get_model_spec
-from torchtitan.models.spec import IGNORE_INDEX, cross_entropy_sum
+from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
 
 EOS = 2
 # Eager FlexAttention: its forward runs on CPU (torch 2.13 has no CPU backward, so training uses the others).
@@ -140,7 +140,7 @@ def test_loss_sums_the_labels_that_count():
 
 
 def test_auto_picks_the_kernel_measured_fastest():
-    from torchtitan.models.attention import attention_backend
+    from torchtitan.models.common.attention import attention_backend
 
     pick = lambda *a: attention_backend("auto", *a)[0]  # noqa: E731
     assert pick("cuda", True, True, 256) == pick("cuda", True, False, 4096) == "flex"

@@ -21,11 +21,10 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from torchtitan.distributed.parallelize import parallelize_decoder
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_top_plan, gather_sequence_input
-from torchtitan.models.init import normal, ones, seeded_init_
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_top_plan, gather_sequence_input
+from torchtitan.models.common.init import normal, ones, seeded_init_
 from torchtitan.models.registry import register_model
-from torchtitan.models.spec import (
+from torchtitan.models.common.spec import (
     ModelSize,
     ModelSpec,
     PipelineLayout,
@@ -149,7 +148,6 @@ SPEC = ModelSpec(
     args_cls=TinyArgs,
     flavors={"debug": TinyArgs()},
     model_cls=TinyDecoder,
-    parallelize=lambda model, inputs: parallelize_decoder(model, inputs, TP_PLAN, cp_attention=None),
     size=size,
     flops_per_token=flops,
     tp_plan=TP_PLAN,

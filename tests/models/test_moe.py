@@ -5,10 +5,11 @@ balancing, auxiliary-loss gradients, and activation-checkpoint recomputation."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan.models import moe as moe_module
-from torchtitan.models.moe import MoE, MoEArgs, count_moe_parameters, update_expert_bias
+from torchtitan.models.common import moe as moe_module
+from torchtitan.models.common.moe import MoE, MoEArgs, count_moe_parameters, update_expert_bias
 
 DIM = 16
 
@@ -220,3 +221,17 @@ def test_qwen3_moe_published_sizes(flavor, total, active, card):
     # Causal attention: (4096 + 1) / 2 keys per query on average.
     assert spec.flops_per_token(args, 4096) == pytest.approx(
         6 * (active - size.embedding) + 12 * a.n_layers * a.n_heads * a.head_dim * 4097 / 2, rel=1e-12)
+
+
+def test_an_expert_layer_without_the_expert_parallel_interface_is_named():
+    from torchtitan.models.common.moe import check_expert_layer
+
+    check_expert_layer(MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8)))  # the shared block has it all
+
+    class OwnMoE(nn.Module):  # a family's own class that forgot the interface
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.Linear(4, 4)
+
+    with pytest.raises(TypeError, match=r"OwnMoE .* has no experts.num_experts, experts.grad_scale, a `dispatcher`"):
+        check_expert_layer(OwnMoE())

@@ -328,7 +328,7 @@ def test_wrong_keys_and_shapes_are_named():
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
 def test_spec_and_tp_plan_names_match_the_model(flavor):
     spec = get_model_spec("qwen3")
-    assert spec.name == "qwen3" and callable(spec.parallelize) and "qwen3" in spec.hf.model_types
+    assert spec.name == "qwen3" and spec.kv_cache and "qwen3" in spec.hf.model_types
     TP_PLAN = spec.tp_plan
     args = spec.flavors[flavor]
     sizes = {"n_heads", "n_kv_heads", "vocab_size"} | ({"ffn hidden dim"} if args.moe is None else set())

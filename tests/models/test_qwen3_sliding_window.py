@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.moe import MoEArgs
+from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.qwen3.model import Transformer
 from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf

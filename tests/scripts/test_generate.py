@@ -13,8 +13,8 @@ import torch
 from conftest import REPO, launch
 from torchtitan.components.hf_checkpoint import save_hf, write_dcp_model
 from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.models.layers import kv_caches
-from torchtitan.models.moe import MoEArgs, moe_layers
+from torchtitan.models.common.layers import kv_caches
+from torchtitan.models.common.moe import MoEArgs, moe_layers
 from torchtitan.models.registry import get_model_spec
 
 SCRIPT = REPO / "scripts" / "generate.py"

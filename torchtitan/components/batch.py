@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.models.attention import document_ids, document_lengths
-from torchtitan.models.spec import IGNORE_INDEX
+from torchtitan.models.common.attention import document_ids, document_lengths
+from torchtitan.models.common.spec import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -58,19 +58,20 @@ def float8_linear_config(cfg: Float8):
     return dataclasses.replace(config, emulate=cfg.emulate)
 
 
-def convert_to_float8(model: nn.Module, cfg: Float8) -> list[str]:
-    """Swap, in place, every nn.Linear for a Float8Linear except those whose name contains one of
-    `cfg.filter_fqns` or whose dimensions are not multiples of 16. Returns the converted names."""
+def convert_to_float8(model: nn.Module, cfg: Float8, high_precision: tuple[str, ...] = ()) -> list[str]:
+    """Swap, in place, every nn.Linear for a Float8Linear except those whose name ends with one of
+    `high_precision` (the model spec's), contains one of `cfg.filter_fqns`, or whose dimensions are
+    not multiples of 16. Returns the converted names."""
     ao_float8 = _import_torchao_float8()
     config = float8_linear_config(cfg)
     converted: list[str] = []
 
     def keep_or_convert(module: nn.Module, fqn: str) -> bool:
-        if fqn.endswith("router.gate"):
-            # A mixture of experts' router: its scores pick the experts, and float8 rounding of the
-            # gate would change which ones; its matmul is tiny anyway. (The experts themselves are
-            # 3-D weights, not Linear layers: they stay in high precision.)
-            logger.info(f"float8: keeping the MoE router {fqn} in high precision")
+        kept = [suffix for suffix in high_precision if fqn.endswith(suffix)]
+        if kept:
+            # E.g. a mixture of experts' router: its scores pick the experts, and float8 rounding
+            # would change which ones.
+            logger.info(f"float8: keeping {fqn} in high precision (the model spec's high_precision {kept[0]!r})")
             return False
         matches = [f for f in cfg.filter_fqns if f and f in fqn]
         if matches:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.components import checkpoint
 from torchtitan.config.errors import UserError
-from torchtitan.models.spec import HFAdapter, ModelSpec
+from torchtitan.models.common.spec import HFAdapter, ModelSpec
 
 HF_CONFIG = "config.json"
 HF_SINGLE_FILE = "model.safetensors"

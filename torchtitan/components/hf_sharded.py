@@ -44,8 +44,8 @@ from torchtitan.components.hf_checkpoint import (
     write_json,
 )
 from torchtitan.config.errors import UserError
-from torchtitan.models.init import local_block
-from torchtitan.models.spec import HFAdapter
+from torchtitan.models.common.init import local_block
+from torchtitan.models.common.spec import HFAdapter
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ when the tokenizer has none); special-token strings inside the text are encoded 
 unless `allow_special=True`. `decode(ids)` drops special tokens (`skip_special_tokens=False` keeps
 their text) and ids at or above `vocab_size` (the model's padding rows, which `encode` never
 produces); it round-trips any text, non-ASCII included. `vocab_size` counts every id the tokenizer
-can produce, special tokens included (the model pads it: torchtitan.models.spec.padded_vocab_size).
+can produce, special tokens included (the model pads it: torchtitan.models.common.spec.padded_vocab_size).
 Every mistake in the files is a UserError naming the file and the fix.
 """
 

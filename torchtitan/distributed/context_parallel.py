@@ -1,7 +1,7 @@
 """Context parallelism: every sequence is split over the ranks of the `cp` mesh dimension, and attention
 sees the whole sequence through the project's own ring attention (PyTorch's experimental
 context_parallel has no CPU path; this one runs on CPU with gloo and on CUDA with nccl alike). It
-applies the mask rule of `torchtitan.models.attention`: query i sees key j when j <= i, i - j < window
+applies the mask rule of `torchtitan.models.common.attention`: query i sees key j when j <= i, i - j < window
 (when the layer has a sliding window) and both are in the same document (when document ids are given).
 
 Load balance: the sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r. Under a
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import visible
+from torchtitan.models.common.attention import visible
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -160,7 +160,7 @@ def _pair_masked_out(q_id: int, k_id: int, chunk: int, window: int | None) -> bo
 
 class ContextParallelAttention:
     """Attention of this rank's queries to the keys of the whole sequence split over `cp_mesh`, under
-    the mask rule of `torchtitan.models.attention` (causal, sliding window, document mask).
+    the mask rule of `torchtitan.models.common.attention` (causal, sliding window, document mask).
 
     Called as attention(q, k, v, doc_ids=None, window=None) with q [batch, heads, local_seq, head_dim],
     k, v [batch, kv_heads, local_seq, head_dim] (grouped-query heads are repeated after communication,

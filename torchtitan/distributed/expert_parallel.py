@@ -7,7 +7,7 @@ of a pipeline stage and tensor-parallel position are split into groups of ep con
 weights over the groups (mesh "expert_dp"). Under tensor parallel each rank routes its own slice of
 the sequence (see TokenLocal), so the all-to-all runs among ranks of the same TP position.
 
-Per MoE layer and micro-batch (torchtitan.models.moe.MoE calls the dispatcher with its assignments
+Per MoE layer and micro-batch (torchtitan.models.common.moe.MoE calls the dispatcher with its assignments
 sorted by global expert id):
 1. the assignment counts are exchanged (all-to-all of a [ep, experts/ep] table), so every rank knows
    how many tokens it receives for each of its experts from each source;
@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from torchtitan.models.common.moe import check_expert_layer
 
 
 class _AllToAll(torch.autograd.Function):
@@ -78,7 +80,8 @@ def _regroup(counts: torch.Tensor) -> torch.Tensor:
 
 
 def apply_ep(moe_layers: list[nn.Module], expert_mesh, tp: int) -> list[nn.Module]:
-    """Split the routed experts of each MoE layer over the "ep" dimension of `expert_mesh` (weights
+    """Split the routed experts of each MoE layer (the spec's expert_layers, each with the interface
+    of torchtitan.models.common.moe's "Experts as expert parallel sees them") over the "ep" dimension of `expert_mesh` (weights
     become DTensors sharded on the expert dim, replicated over tensor-parallel ranks) and route their
     tokens through ExpertParallel. Returns the experts modules, for FSDP over "expert_dp". Apply
     before tensor parallel (which replicates what remains) and FSDP."""
@@ -87,6 +90,7 @@ def apply_ep(moe_layers: list[nn.Module], expert_mesh, tp: int) -> list[nn.Modul
     dispatcher = ExpertParallel(ep_mesh)
     experts_modules = []
     for moe in moe_layers:
+        check_expert_layer(moe)
         experts = moe.experts
         if experts.num_experts % ep_mesh.size():
             raise ValueError(f"{experts.num_experts} experts cannot be split over {ep_mesh.size()} ranks")

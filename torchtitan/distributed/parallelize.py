@@ -1,9 +1,9 @@
-"""The order in which parallelisms are applied to a decoder (or a pipeline stage of one), shared by
-every family whose blocks live in `model.layers`; a family hands over its TP plan and where its
-attention is called.
+"""The order in which parallelisms are applied to a model (or a pipeline stage of one), for every
+family: what to apply where comes from the model's spec (its TP plan, where its blocks call
+attention, its expert layers), and its blocks live in `model.layers`.
 
-Order: expert parallel -> tensor parallel -> context parallel -> activation checkpointing -> compile ->
-FSDP (or DDP). Expert parallel places the routed experts' weights first (TP then replicates what
+Order: the family's pre_parallelize -> expert parallel -> tensor parallel -> context parallel ->
+activation checkpointing -> compile -> FSDP (or DDP). Expert parallel places the routed experts' weights first (TP then replicates what
 remains of an MoE block); TP goes before the wrappers because its plan is keyed by the blocks' own
 submodule names; checkpointing goes
 inside compile so the compiled graph includes the recomputation; FSDP goes last because it must
@@ -18,26 +18,32 @@ from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, apply_tp
-from torchtitan.models.moe import moe_layers
+from torchtitan.distributed.tensor_parallel import apply_tp
+from torchtitan.models.common.spec import ModelSpec, ParallelizeInputs
 
 
-def parallelize_decoder(model: nn.Module, inputs, tp_plan: TensorParallelPlan, cp_attention: str | None) -> nn.Module:
-    """Apply every enabled parallelism to `model` in place; `inputs` is a models.spec.ParallelizeInputs."""
+def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSpec) -> nn.Module:
+    """Apply every enabled parallelism to `model` in place, as `spec` describes it."""
+    if spec.pre_parallelize is not None:
+        spec.pre_parallelize(model, inputs)
     dims, mesh, parallelism, training = inputs.parallel_dims, inputs.mesh, inputs.parallelism, inputs.training
     experts, expert_dp_mesh = (), None
     if dims.ep_enabled:
-        experts = tuple(apply_ep([m for _, m in moe_layers(model)], inputs.expert_mesh, dims.tp))
+        if spec.expert_layers is None:
+            raise ValueError(f"model {spec.name} has no experts (its spec has no expert_layers)")
+        experts = tuple(apply_ep(spec.expert_layers(model), inputs.expert_mesh, dims.tp))
         em = inputs.expert_mesh
         expert_dp_mesh = em["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else em["dp_shard_mod_ep"]
     if dims.tp_enabled:
-        apply_tp(model, mesh["tp"], tp_plan, loss_parallel=not parallelism.disable_loss_parallel)
+        if spec.tp_plan is None:
+            raise ValueError(f"model {spec.name} has no tensor-parallel plan in its spec")
+        apply_tp(model, mesh["tp"], spec.tp_plan, loss_parallel=not parallelism.disable_loss_parallel)
         if parallelism.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp_enabled:
-        if cp_attention is None:
-            raise ValueError("this model does not support context parallel (its spec has no cp_attention)")
-        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method, cp_attention)
+        if spec.cp_attention is None:
+            raise ValueError(f"model {spec.name} does not support context parallel (its spec has no cp_attention)")
+        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method, spec.cp_attention)
     ac = inputs.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if training.compile:

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES
-from torchtitan.models.spec import PipelineLayout
+from torchtitan.models.common.spec import PipelineLayout
 
 # Schedules that place two stages per rank in a "V": rank r holds stages r and 2*pp-1-r.
 V_SCHEDULES = {"zbvzerobubble", "dualpipev"}

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.common.spec import ModelSpec
 
 
 def _llama3() -> ModelSpec:

@@ -1,6 +1,6 @@
 """Llama 3 / 3.1: the family's spec, built from its args, model, parallelize plan and HF adapter."""
 
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.common.spec import ModelSpec
 
 
 def build_spec() -> ModelSpec:
@@ -11,12 +11,12 @@ def build_spec() -> ModelSpec:
         args_cls=args.ModelArgs,
         flavors=args.flavors,
         model_cls=model.Transformer,
-        parallelize=parallelize.parallelize_llama,
         size=model.model_size,
         flops_per_token=model.flops_per_token,
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
-        cp_attention=parallelize.CP_ATTENTION,
+        cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
+        kv_cache=True,
         document_masks=True,
         hf=state_dict_adapter.ADAPTER,
     )

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from torchtitan.models.rotary import RopeScaling
+from torchtitan.models.common.rotary import RopeScaling
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Llama 3: the shared decoder (torchtitan.models.decoder) with RMSNorm, rotary embeddings (Meta's
+"""Llama 3: the shared decoder (torchtitan.models.common.decoder) with RMSNorm, rotary embeddings (Meta's
 complex layout, with Llama 3.1's long-context scaling when `rope_scaling` is set), grouped-query
 attention and a SwiGLU feed-forward; Llama 3.2's small flavors tie the output layer to the embedding.
 
@@ -10,13 +10,13 @@ that the same code runs on tensor-parallel shards.
 import torch
 from torch import nn
 
-from torchtitan.models.attention import sdpa_attention
-from torchtitan.models.decoder import Decoder, matmul_parameters
-from torchtitan.models.layers import FeedForward, KVCache
-from torchtitan.models.init import normal, ones, trunc_normal
+from torchtitan.models.common.attention import sdpa_attention
+from torchtitan.models.common.decoder import Decoder, matmul_parameters
+from torchtitan.models.common.layers import FeedForward, KVCache
+from torchtitan.models.common.init import normal, ones, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.rotary import RopeScaling, inv_frequencies
-from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
+from torchtitan.models.common.rotary import RopeScaling, inv_frequencies
+from torchtitan.models.common.spec import ModelSize, count_parameters, transformer_flops_per_token
 
 
 def precompute_freqs_cis(head_dim: int, end: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -44,7 +44,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         # A plain function, replaceable from outside: the trainer puts the chosen kernel here and
-        # context parallelism its ring attention (torchtitan.models.attention).
+        # context parallelism its ring attention (torchtitan.models.common.attention).
         self.attention_fn = sdpa_attention
         self.window: int | None = None  # Llama 3 attends to every earlier position
 

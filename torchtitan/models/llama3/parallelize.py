@@ -1,14 +1,9 @@
-"""Llama 3's tensor-parallel plan (as data) and its parallelize function; the order of techniques is
-the shared one of torchtitan.distributed.parallelize."""
+"""Llama 3's tensor-parallel plan (as data) and the sizes it splits. The trainer applies the
+parallelisms from the spec (torchtitan.distributed.parallelize.parallelize_model)."""
 
-from torch import nn
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_plan, decoder_top_plan
 
-from torchtitan.distributed.parallelize import parallelize_decoder
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, decoder_block_plan, decoder_top_plan
-
-# Where each block calls attention: context parallel replaces `attention.attention_fn`.
-CP_ATTENTION = "attention"
-# Llama's blocks are the standard decoder block (attention with the rotary table freqs_cis).
+# Llama's blocks are the standard decoder block (attention with a rotary table).
 TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=decoder_block_plan)
 
 
@@ -21,6 +16,3 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
 
-
-def parallelize_llama(model: nn.Module, inputs) -> nn.Module:
-    return parallelize_decoder(model, inputs, TP_PLAN, CP_ATTENTION)

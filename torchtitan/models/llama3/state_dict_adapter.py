@@ -16,12 +16,12 @@ output.weight is read from it (an lm_head.weight stored beside it must be an equ
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.hf_conversion import (
+from torchtitan.models.common.hf_conversion import (
     HF_LM_HEAD, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf, rope_config, rope_from_config,
     tied_output_hf_names, unsupported,
 )
 from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.spec import HFAdapter
+from torchtitan.models.common.spec import HFAdapter
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",

@@ -1,10 +1,10 @@
 """Qwen3 (dense): the family's spec, built from its args, model, parallelize plan and HF adapter."""
 
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.common.spec import ModelSpec
 
 
 def build_spec() -> ModelSpec:
-    from torchtitan.models import moe
+    from torchtitan.models.common import moe
     from torchtitan.models.qwen3 import args, model, parallelize, state_dict_adapter
 
     return ModelSpec(
@@ -12,12 +12,17 @@ def build_spec() -> ModelSpec:
         args_cls=args.ModelArgs,
         flavors=args.flavors,
         model_cls=model.Transformer,
-        parallelize=parallelize.parallelize_qwen3,
         size=model.model_size,
         flops_per_token=model.flops_per_token,
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
-        cp_attention=parallelize.CP_ATTENTION,
+        cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
+        kv_cache=True,
+        # Qwen3-MoE flavors: the MoE blocks, the router kept out of float8, the auxiliary losses'
+        # gradient scale set for the layout; none of it acts on a dense flavor.
+        expert_layers=moe.expert_layers,
+        high_precision=("router.gate",),
+        pre_parallelize=moe.configure_moe,
         document_masks=True,
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,

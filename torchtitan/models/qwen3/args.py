@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.moe import MoEArgs
+from torchtitan.models.common.moe import MoEArgs
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Qwen3 (dense): the shared decoder (torchtitan.models.decoder) with RMSNorm, rotary embeddings,
+"""Qwen3 (dense): the shared decoder (torchtitan.models.common.decoder) with RMSNorm, rotary embeddings,
 grouped-query attention and a SwiGLU feed-forward, laid out with Llama 3's module names so the shared
 tensor-parallel plan and pipeline layout apply. What differs from Llama 3:
 
@@ -9,7 +9,7 @@ tensor-parallel plan and pipeline layout apply. What differs from Llama 3:
   i + head_dim/2), so the Hugging Face adapter only renames; the rotary table is one real buffer
   [max_seq_len, 2 x head_dim] holding cos then sin;
 - the feed-forward width is given outright (`hidden_dim`, HF's intermediate_size);
-- optionally tied embeddings (the shared decoder's, torchtitan.models.decoder).
+- optionally tied embeddings (the shared decoder's, torchtitan.models.common.decoder).
 
 The code knows nothing of parallelism: attention reshapes with -1 heads so that the same code runs on
 tensor-parallel shards.
@@ -18,14 +18,14 @@ tensor-parallel shards.
 import torch
 from torch import nn
 
-from torchtitan.models.attention import sdpa_attention
-from torchtitan.models.decoder import Decoder, matmul_parameters
-from torchtitan.models.layers import FeedForward, KVCache
-from torchtitan.models.moe import MoE, count_moe_parameters, moe_layers
-from torchtitan.models.init import normal, ones, trunc_normal
+from torchtitan.models.common.attention import sdpa_attention
+from torchtitan.models.common.decoder import Decoder, matmul_parameters
+from torchtitan.models.common.layers import FeedForward, KVCache
+from torchtitan.models.common.moe import MoE, count_moe_parameters, moe_layers
+from torchtitan.models.common.init import normal, ones, trunc_normal
 from torchtitan.models.qwen3.args import ModelArgs
-from torchtitan.models.rotary import inv_frequencies
-from torchtitan.models.spec import ModelSize, count_parameters, transformer_flops_per_token
+from torchtitan.models.common.rotary import inv_frequencies
+from torchtitan.models.common.spec import ModelSize, count_parameters, transformer_flops_per_token
 
 
 def rope_table(head_dim: int, end: int, theta: float) -> torch.Tensor:
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         # A plain function, replaceable from outside: the trainer puts the chosen kernel here and
-        # context parallelism its ring attention (torchtitan.models.attention). SDPA's default scale
+        # context parallelism its ring attention (torchtitan.models.common.attention). SDPA's default scale
         # 1/sqrt(head_dim) is Qwen3's.
         self.attention_fn = sdpa_attention
         self.window = window  # this layer's sliding window (None: every earlier position)

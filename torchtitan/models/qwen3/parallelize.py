@@ -1,5 +1,5 @@
-"""Qwen3's tensor-parallel plan (as data) and its parallelize function; the order of techniques is
-the shared one of torchtitan.distributed.parallelize.
+"""Qwen3's tensor-parallel plan (as data) and the sizes it splits; the trainer applies the
+parallelisms from the spec (torchtitan.distributed.parallelize.parallelize_model).
 
 The plan is the standard decoder block's (Llama 3's module names) plus the per-head q/k norms. Those run inside attention on
 this rank's heads: the input [batch, seq, local heads, head_dim] is declared sharded on the heads
@@ -12,11 +12,8 @@ gradient clipping and FSDP on top expect.
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from torchtitan.distributed.tensor_parallel import TensorParallelPlan, TokenLocal, decoder_block_plan, decoder_top_plan
-from torchtitan.models.moe import MoE, configure_moe
-
-# Where each block calls attention: context parallel replaces `attention.attention_fn`.
-CP_ATTENTION = "attention"
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.tp_plan import TensorParallelPlan, TokenLocal, decoder_block_plan, decoder_top_plan
 
 
 def block_plan(block: nn.Module) -> dict:
@@ -49,11 +46,3 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         del sizes["ffn hidden dim"]
     return sizes
 
-
-def parallelize_qwen3(model: nn.Module, inputs) -> nn.Module:
-    # Imported here: it pulls in every parallelism (FSDP, compile, pipeline...), which building the
-    # spec, counting parameters or converting weights do not need.
-    from torchtitan.distributed.parallelize import parallelize_decoder
-
-    configure_moe(model, inputs)
-    return parallelize_decoder(model, inputs, TP_PLAN, CP_ATTENTION)

@@ -22,7 +22,7 @@ Qwen3-MoE experts. Ours are 3-D tensors per layer, experts first: w1 (gate) and 
 
 Sliding-window attention. Hugging Face's sliding mask (transformers 5 masking_utils,
 `sliding_window_overlay`) lets query i see key j when j <= i and j > i - sliding_window, i.e. the
-last `sliding_window` positions, itself included; ours (`torchtitan.models.attention.visible`) is
+last `sliding_window` positions, itself included; ours (`torchtitan.models.common.attention.visible`) is
 j <= i and i - j < window: the same set, so the window converts as it is, with no +-1.
 - Qwen3 dense: layer i slides when `layer_types[i] == "sliding_attention"`; Qwen3Config builds
   layer_types, when absent, as "sliding" for i >= max_window_layers if use_sliding_window (else no
@@ -45,13 +45,13 @@ import logging
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.hf_conversion import (
+from torchtitan.models.common.hf_conversion import (
     ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf, plain_rope_theta, rope_config,
     tied_output_hf_names, unsupported,
 )
-from torchtitan.models.moe import MoEArgs
+from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
-from torchtitan.models.spec import HFAdapter
+from torchtitan.models.common.spec import HFAdapter
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,14 @@ What is unusual here:
 - Expert capacity (optional): an expert keeps at most ceil(capacity_factor x tokens x top_k /
   experts) assignments, those with the highest scores; the others are dropped (the token then
   gets fewer expert outputs) and their share is reported.
+
+Experts as expert parallel sees them (torchtitan.distributed.expert_parallel, through a spec's
+`expert_layers`; a family with its own MoE class presents the same): a block has `experts`, a
+module with `num_experts` whose parameters all have the experts on dim 0, that multiplies its
+gradients by `grad_scale` (set by expert parallel) and is called as experts(tokens sorted by
+expert, tokens per expert); and a settable `dispatcher`, which, when set, the block calls as
+dispatcher(experts, sorted tokens, tokens per expert) in place of experts(...). `check_expert_layer`
+says what a block lacks.
 """
 
 import logging
@@ -34,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.layers import FeedForward
+from torchtitan.models.common.layers import FeedForward
 
 logger = logging.getLogger(__name__)
 
@@ -371,6 +379,25 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def check_expert_layer(block: nn.Module) -> None:
+    """TypeError naming what `block` lacks of the expert-parallel interface (module docstring)."""
+    experts = getattr(block, "experts", None)
+    missing = [what for what, ok in [
+        ("an `experts` module", isinstance(experts, nn.Module)),
+        ("experts.num_experts", isinstance(getattr(experts, "num_experts", None), int)),
+        ("experts.grad_scale", hasattr(experts, "grad_scale")),
+        ("a `dispatcher` attribute", hasattr(block, "dispatcher")),
+    ] if not ok]
+    if missing:
+        raise TypeError(f"{type(block).__name__} is given as an expert layer but has no {', '.join(missing)} "
+                        "(see torchtitan/models/common/moe.py, 'Experts as expert parallel sees them')")
+
+
+def expert_layers(model: nn.Module) -> list[MoE]:
+    """A family's spec.expert_layers when its experts are this module's MoE blocks."""
+    return [m for _, m in moe_layers(model)]
+
+
 def overrides_from_config(section) -> dict:
     """MoEArgs fields set by the [moe] config section (unset keys keep the flavor's values; 0 turns
     the bias balancing or the capacity limit off)."""
@@ -396,7 +423,7 @@ def _batch_group(inputs):
 
 
 def configure_moe(model: nn.Module, inputs) -> None:
-    """From a family's parallelize: the auxiliary losses' gradient scale. Their gradients are summed,
+    """A family's spec.pre_parallelize: the auxiliary losses' gradient scale. Their gradients are summed,
     not averaged, over gradient-accumulation micro-batches (a pipeline averages its microbatches
     itself) and over tensor-parallel ranks (each routes its own slice of the sequence)."""
     dims, t = inputs.parallel_dims, inputs.training

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.rotary import RopeScaling
+from torchtitan.models.common.rotary import RopeScaling
 
 # Some exports store the rotary frequencies; every family recomputes them from the rotary theta.
 ROTARY_INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")

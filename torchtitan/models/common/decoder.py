@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan.models.init import seeded_init_, trunc_normal
-from torchtitan.models.layers import KVCache, rotary_rows
+from torchtitan.models.common.init import seeded_init_, trunc_normal
+from torchtitan.models.common.layers import KVCache, rotary_rows
 
 EMBEDDING = "tok_embeddings.weight"
 Init = Callable[[torch.Tensor, torch.Generator], None]  # (full tensor, generator) -> fills it
@@ -52,7 +52,7 @@ class Decoder(nn.Module):
         raise NotImplementedError
 
     def init_for(self, name: str) -> Init:
-        """How parameter `name` is drawn (torchtitan.models.init); the tied embedding is drawn here."""
+        """How parameter `name` is drawn (torchtitan.models.common.init); the tied embedding is drawn here."""
         raise NotImplementedError
 
     # ---- shared ----

@@ -12,10 +12,10 @@ The model built by `spec.model_cls(args)` (on the meta device) must have:
   set to None on a pipeline stage that does not hold it; `forward` must skip a None module (the
   embedding passes its input through, the output returns its input);
 - `init_weights(seed, buffer_device=None)`: fill every parameter and buffer after `to_empty`, with
-  values that depend only on `seed` and the parameter's name (see `torchtitan.models.init`), so
+  values that depend only on `seed` and the parameter's name (see `torchtitan.models.common.init`), so
   that every parallel layout starts from the same weights;
 - where `spec.cp_attention` is set: in each block, the submodule at that path has an
-  `attention_fn(q, k, v, doc_ids=None, window=None)` attribute (torchtitan.models.attention) that the
+  `attention_fn(q, k, v, doc_ids=None, window=None)` attribute (torchtitan.models.common.attention) that the
   trainer sets to the chosen kernel and context parallel replaces, and the model has
   `set_token_positions(positions)` for rotary embeddings at global positions;
 - where `spec.document_masks` is set: `forward(tokens, doc_ids=ids)` ([batch, seq] document index
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import attended_pairs
+from torchtitan.models.common.attention import attended_pairs
 
 
 # A label that does not count: no loss, no gradient, not in the token count that normalizes the loss.
@@ -93,8 +93,9 @@ class HFAdapter:
 
 @dataclass(frozen=True)
 class ParallelizeInputs:
-    """What a family's `parallelize` gets besides the model: the degrees, the mesh and the config
-    sections that decide how to apply each technique (handed over by the trainer)."""
+    """What the parallelization of a model (and a family's hooks) gets besides the model: the
+    degrees, the mesh and the config sections that decide how to apply each technique (handed over
+    by the trainer)."""
 
     parallel_dims: Any  # torchtitan.distributed.parallel_dims.ParallelDims
     mesh: Any  # DeviceMesh with dims (pp, dp_replicate, dp_shard, cp, tp), or None for one process
@@ -110,19 +111,31 @@ class ModelSpec:
     args_cls: type
     flavors: dict[str, Any]  # flavor name -> args
     model_cls: Callable[[Any], nn.Module]  # args -> model (called under torch.device("meta"))
-    # (model or pipeline stage, ParallelizeInputs) -> the model, parallelized in place. Order: TP,
-    # CP, activation checkpointing, compile, FSDP/DDP (torchtitan.distributed.parallelize).
-    parallelize: Callable[[nn.Module, ParallelizeInputs], nn.Module]
     size: Callable[[Any], ModelSize]  # args -> parameter counts
     # (args, document lengths, or one int: a single document) -> training FLOPs per token, counting
     # the attention each layer's mask lets through (transformer_flops_per_token).
     flops_per_token: Callable[[Any, "int | list[int]"], float]
-    # The tensor-parallel plan as data (torchtitan.distributed.tensor_parallel.TensorParallelPlan; None:
+    # The tensor-parallel plan as data (torchtitan.models.common.tp_plan.TensorParallelPlan; None:
     # no TP) and args -> {name: (size, why)}, every size it splits, each to divide by the TP degree.
     tp_plan: Any
     tp_sizes: Callable[[Any], dict[str, tuple[int, str]]]
     pipeline: PipelineLayout = field(default_factory=PipelineLayout)
     cp_attention: str | None = "attention"  # path in a block of the module with `attention_fn`; None: no CP
+    # The model's (or a stage's) mixture-of-experts blocks, each as torchtitan.models.common.moe.MoE
+    # presents itself to expert parallel (see "Experts" in that module): `.experts` with `num_experts`,
+    # weights [num_experts, ...] and `grad_scale`, and a settable `.dispatcher`. None: no flavor of the
+    # family has routed experts (expert parallel is refused before launch).
+    expert_layers: Callable[[nn.Module], list[nn.Module]] | None = None
+    # Module-name suffixes that float8 training leaves in high precision (e.g. an MoE router, whose
+    # rounding would change the routing).
+    high_precision: tuple[str, ...] = ()
+    # forward(tokens, cache=layers.kv_caches(model, n), start_pos=p) decodes incrementally (generation).
+    kv_cache: bool = False
+    # (model or pipeline stage, ParallelizeInputs) before the parallelisms are applied: family-specific
+    # settings that depend on the layout (e.g. the MoE auxiliary losses' gradient scale). The
+    # parallelisms themselves follow tp_plan, cp_attention and expert_layers
+    # (torchtitan.distributed.parallelize.parallelize_model).
+    pre_parallelize: Callable[[nn.Module, ParallelizeInputs], None] | None = None
     hf: HFAdapter | None = None  # None: no Hugging Face export/import for this family
     # (logits, labels) -> the SUM of the token losses over labels that are not IGNORE_INDEX.
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
@@ -145,7 +158,7 @@ class ModelSpec:
         padded_vocab_size) and positions for exactly `seq_len` tokens (the rotary table is built for
         max_seq_len positions), the fields in `overrides` replaced (each must be a field of the
         args: `missing_fields`), and, for a family whose args have an `moe` field
-        (torchtitan.models.moe.MoEArgs), the given MoE settings replaced."""
+        (torchtitan.models.common.moe.MoEArgs), the given MoE settings replaced."""
         args = dataclasses.replace(
             self.flavors[flavor], vocab_size=padded_vocab_size(vocab_size), max_seq_len=max(seq_len, 1),
             **(overrides or {}),
@@ -153,6 +166,13 @@ class ModelSpec:
         if moe_overrides and getattr(args, "moe", None) is not None:
             args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **moe_overrides))
         return args
+
+    def has_experts(self, args) -> bool:
+        """Whether a model with `args` has routed experts (built on the meta device: costs nothing)."""
+        if self.expert_layers is None:
+            return False
+        with torch.device("meta"):
+            return bool(self.expert_layers(self.model_cls(args)))
 
     def missing_fields(self, names) -> list[str]:
         """The names that are not fields of this family's args."""

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import repeat_kv, sdpa_attention
+from torchtitan.models.common.attention import repeat_kv, sdpa_attention
 
 
 class KVCache:
