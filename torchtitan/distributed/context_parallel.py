@@ -162,8 +162,9 @@ class ContextParallelAttention:
     """Attention of this rank's queries to the keys of the whole sequence split over `cp_mesh`, under
     the mask rule of `torchtitan.models.common.attention` (causal, sliding window, document mask).
 
-    Called as attention(q, k, v, doc_ids=None, window=None) with q [batch, heads, local_seq, head_dim],
-    k, v [batch, kv_heads, local_seq, head_dim] (grouped-query heads are repeated after communication,
+    Called as attention(q, k, v, doc_ids=None, window=None) with q, k [batch, heads or kv_heads,
+    local_seq, head_dim] and v [batch, kv_heads, local_seq, v_head_dim] (v_head_dim may differ from
+    head_dim, as in MLA; grouped-query heads are repeated after communication,
     so only the kv heads travel), doc_ids [batch, local_seq] (this rank's document ids in local order,
     cut by `shard_sequence`; None: one document) and the layer's window (None: unlimited)."""
 
@@ -190,8 +191,8 @@ class ContextParallelAttention:
         return torch.cat([*first.unbind(0), *second.flip(0).unbind(0)], dim=-2)
 
     def _allgather(self, q, k, v, repeats: int, doc_ids, window) -> torch.Tensor:
-        kv = self._global_order(_AllGather.apply(torch.stack([k, v]), self.group))
-        k_all, v_all = _repeat_kv(kv[0], repeats), _repeat_kv(kv[1], repeats)
+        kv = self._global_order(_AllGather.apply(torch.cat([k, v], dim=-1), self.group))
+        k_all, v_all = (_repeat_kv(x, repeats) for x in kv.split([k.shape[-1], v.shape[-1]], dim=-1))
         seq = k_all.shape[-2]
         q_pos = local_positions(seq, self.cp, self.rank).to(q.device)
         k_pos = torch.arange(seq, device=q.device)
@@ -209,7 +210,8 @@ class ContextParallelAttention:
         q_docs = doc_ids.chunk(2, dim=-1) if doc_ids is not None else (None, None)
         q_ids = chunk_ids(self.rank, self.cp)
         parts: list[list] = [[], []]
-        kv = torch.stack([k, v])
+        # Keys and values travel as one block, concatenated on the features (their head dims may differ).
+        kv = torch.cat([k, v], dim=-1)
         kv_docs = doc_ids
         for step in range(self.cp):
             if step > 0:
@@ -217,8 +219,9 @@ class ContextParallelAttention:
                 if kv_docs is not None:  # the block's document ids travel with it; no gradient
                     kv_docs = _shift(kv_docs, self.group, 1)
             source = (self.rank - step) % self.cp  # whose block this rank holds at this step
-            k_chunks = _repeat_kv(kv[0], repeats).chunk(2, dim=-2)
-            v_chunks = _repeat_kv(kv[1], repeats).chunk(2, dim=-2)
+            k_block, v_block = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+            k_chunks = _repeat_kv(k_block, repeats).chunk(2, dim=-2)
+            v_chunks = _repeat_kv(v_block, repeats).chunk(2, dim=-2)
             k_docs = kv_docs.chunk(2, dim=-1) if kv_docs is not None else (None, None)
             for qi, q_id in enumerate(q_ids):
                 for ki, k_id in enumerate(chunk_ids(source, self.cp)):
