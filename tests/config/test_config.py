@@ -670,3 +670,80 @@ def test_a_negative_comm_timeout_is_refused_before_launch(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: invalid config: comm.train_timeout_seconds must be a positive number of "
                                    "seconds, got -5; set it to 1 or more (default 100)")
+
+
+# --- each section checks itself; [training] and [validation] share their rules ---------------
+
+
+def test_each_section_reports_its_own_problems():
+    from torchtitan.config import job_config as jc
+
+    assert jc.Training(local_batch_size=0).check() == [
+        "training.local_batch_size must be a positive integer, got 0; set it to 1 or more"]
+    assert jc.Optimizer(lr=0.0).check() == ["optimizer.lr must be greater than 0, got 0.0"]
+    assert jc.Optimizer(lr=float("nan")).check() == ["optimizer.lr must be greater than 0, got nan"]
+    assert jc.LRScheduler(min_lr_factor=2.0).check() == ["lr_scheduler.min_lr_factor must be in [0, 1], got 2.0"]
+    assert jc.Parallelism(tensor_parallel_degree=0).check() == [
+        "parallelism.tensor_parallel_degree must be 1 or more, got 0"]
+    assert jc.Checkpoint(interval=0).check() == ["checkpoint.interval must be a positive integer, got 0"]
+    assert jc.Metrics(log_freq=0).check() == [
+        "metrics.log_freq must be a positive integer, got 0; set it to 1 or more"]
+    assert jc.Comm(trace_buf_size=-1).check() == [
+        "comm.trace_buf_size must be 0 (flight recorder off) or more entries, got -1"]
+    assert jc.Job(stop_signals=["SIGKILL"]).check()[0].startswith("job.stop_signals: 'SIGKILL' is not a signal")
+    assert jc.Model(converters=["int4"]).check() == [
+        "model.converters: unknown converter 'int4'; the only one is 'float8'"]
+    assert jc.MoE(top_k=0).check() == ["moe.top_k must be 1 or more, got 0"]
+    assert jc.Profiling(profile_freq=0).check() == ["profiling.profile_freq must be a positive integer, got 0"]
+    assert jc.Float8(precompute_float8_dynamic_scale_for_fsdp=True).check() == [
+        "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true"]
+    assert jc.ActivationCheckpoint(mode="selective", selective_ac_option="0").check()[0].startswith(
+        "activation_checkpoint.selective_ac_option must be a positive integer")
+    # Every section's defaults pass its own rules; validation's only apply once enabled.
+    for f in dataclasses.fields(JobConfig):
+        assert getattr(getattr(JobConfig(), f.name), "check", list)() == [], f.name
+    assert jc.Validation(local_batch_size=0, freq=0).check() == []
+    assert len(jc.Validation(enabled=True, local_batch_size=0, freq=0).check()) == 2
+
+
+def test_a_section_check_reads_no_other_section():
+    from torchtitan.config import job_config as jc
+
+    # Rules spanning sections (microbatches, context-parallel seq_len) wait for the whole config.
+    assert jc.Training(local_batch_size=3, seq_len=102).check() == []
+    assert "training.local_batch_size = 3 is not a multiple of" in error_of(
+        ["--training.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_microbatch_size", "2"])
+
+
+@pytest.mark.parametrize("section", ["training", "validation"])
+def test_training_and_validation_share_their_data_rules(section):
+    from torchtitan.config import job_config as jc
+
+    cls = {"training": jc.Training, "validation": jc.Validation}[section]
+    on = {"enabled": True} if section == "validation" else {}
+    mixed = cls(dataset_mix=["1:data/web"], dataset_path="data/x", **on).check()
+    assert mixed == [f"{section}.dataset_mix is set, so {section}.dataset ({cls().dataset!r}) and "
+                     f"{section}.dataset_path ('data/x') are not used; remove them (a mixture names every source itself)"]
+    assert cls(dataset="local", **on).check() == [
+        f'{section}.dataset = "local" needs {section}.dataset_path; set it to the data file or folder '
+        "(.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)"]
+    assert cls(dataset="python_stdlib", dataset_path="x.jsonl", **on).check() == [
+        f"{section}.dataset_path = 'x.jsonl' is set but {section}.dataset = \"python_stdlib\" does not read it; "
+        f'set {section}.dataset = "local" (or "huggingface") to read it, or remove dataset_path']
+    assert cls(local_batch_size=0, **on).check() == [
+        f"{section}.local_batch_size must be a positive integer, got 0; set it to 1 or more"]
+    # The same rules, raised before launch with everything else.
+    flags = ["--validation.enabled"] if section == "validation" else []
+    message = error_of([*flags, f"--{section}.dataset_mix", "1:data/web", f"--{section}.dataset_path", "data/x",
+                        f"--{section}.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_microbatch_size", "2"])
+    assert f"{section}.dataset_mix is set, so {section}.dataset" in message
+    assert (f"{section}.local_batch_size = 3 is not a multiple of parallelism.pipeline_parallel_microbatch_size = 2"
+            in message)
+
+
+def test_a_zero_pipeline_microbatch_is_reported_not_divided_by():
+    message = error_of(["--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_microbatch_size", "0"])
+    assert message == "invalid config: parallelism.pipeline_parallel_microbatch_size must be 1 or more, got 0"

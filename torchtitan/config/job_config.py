@@ -8,6 +8,7 @@ message otherwise, so a recipe never silently loses an option.
 """
 
 import math
+import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
@@ -20,6 +21,25 @@ def opt(default, help: str):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+# Each section's check() returns every problem of its own values, as a message that names the keys and the fix;
+# rules that read two sections are in rules.py. Rules are written `ok, message` with ok as a comparison that holds
+# for good values, so that NaN fails it too.
+def _failed(*rules: tuple[bool, str]) -> list[str]:
+    return [message for ok, message in rules if not ok]
+
+
+def _positive(section: str, values, *names: str) -> list[str]:
+    return [
+        f"{section}.{name} must be a positive integer, got {getattr(values, name)}; set it to 1 or more"
+        for name in names
+        if not getattr(values, name) > 0
+    ]
+
+
+# Signals job.stop_signals may name: those schedulers send before a kill, and Ctrl-C's.
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,13 @@ class Job:
         "Time from a stop signal to exit. A step and save still running then are abandoned (exit code 1; the last "
         "complete checkpoint stays). Set it to the warning your scheduler gives (e.g. sbatch --signal=USR1@120).",
     )
+
+    def check(self) -> list[str]:
+        return _positive("job", self, "stop_grace_seconds") + [
+            f"job.stop_signals: {name!r} is not a signal a run can stop on; use names from {', '.join(STOP_SIGNALS)}"
+            for name in self.stop_signals
+            if name not in STOP_SIGNALS
+        ]
 
 
 @dataclass(frozen=True)
@@ -91,6 +118,22 @@ class Model:
         None, "The first layer with a sliding window (the layers before it attend fully). Unset: the flavor's (0)."
     )
 
+    def check(self) -> list[str]:
+        return _failed(
+            (self.sliding_window is None or self.sliding_window > 0,
+             f"model.sliding_window must be a positive number of positions, got {self.sliding_window}; leave it "
+             f"unset for attention over every earlier position"),
+            (self.max_window_layers is None or self.max_window_layers >= 0,
+             f"model.max_window_layers must be 0 or more, got {self.max_window_layers}"),
+            (not self.use_flex_attn or self.attn_backend in ("auto", "flex"),
+             f"model.use_flex_attn = true asks for FlexAttention but model.attn_backend = {self.attn_backend!r}; "
+             f"keep one"),
+        ) + [
+            f"model.converters: unknown converter {c!r}; the only one is 'float8'"
+            for c in self.converters
+            if c != "float8"
+        ]
+
 
 @dataclass(frozen=True)
 class Optimizer:
@@ -104,6 +147,15 @@ class Optimizer:
         "fused", "Kernel implementation of the optimizer step."
     )
 
+    def check(self) -> list[str]:
+        return _failed(
+            (self.lr > 0, f"optimizer.lr must be greater than 0, got {self.lr}"),
+            (self.eps > 0, f"optimizer.eps must be greater than 0, got {self.eps}"),
+            (self.weight_decay >= 0, f"optimizer.weight_decay must be 0 or more, got {self.weight_decay}"),
+            (0 <= self.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {self.beta1}"),
+            (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}"),
+        )
+
 
 @dataclass(frozen=True)
 class LRScheduler:
@@ -115,6 +167,15 @@ class LRScheduler:
     )
     decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "Shape of the decay.")
     min_lr_factor: float = opt(0.0, "Final learning rate as a fraction of the peak.")
+
+    def check(self) -> list[str]:
+        return _failed(
+            (self.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be 0 or more, got {self.warmup_steps}"),
+            (self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
+             f"lr_scheduler.decay_ratio must be in [0, 1] (or unset to decay over all steps after warmup), got "
+             f"{self.decay_ratio}"),
+            (0 <= self.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must be in [0, 1], got {self.min_lr_factor}"),
+        )
 
 
 MAX_MIX_PERIOD = 1_000_000  # a mixture's schedule is a pattern of this many samples at most (data/mixing.py)
@@ -158,6 +219,42 @@ def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
         raise UserError(f"{key}: " + "; ".join(problems))
     total = sum(weights)
     return [w / total for w in weights], specs
+
+
+# What dataset_path holds for the datasets that read it; python_stdlib and python_stdlib_test are embedded and
+# read none (c4 and c4_test read it when set).
+PATH_DATASETS = {
+    "local": "data file or folder (.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)",
+    "huggingface": "dataset name or path",
+    "tokens": "folder scripts/pretokenize.py wrote",
+}
+
+
+def _data_rules(section: str, values: "Training | Validation") -> list[str]:
+    """The rules [training] and [validation] share: batch size, and one source given one way (dataset_mix, or
+    dataset with dataset_path where it reads one). The rules that also read [parallelism] are in rules.py."""
+    problems = _positive(section, values, "local_batch_size")
+    dataset, path = values.dataset, values.dataset_path
+    if values.dataset_mix:
+        try:
+            parse_mix(values.dataset_mix, f"{section}.dataset_mix")
+        except UserError as e:
+            problems.append(str(e))
+        if dataset != type(values)().dataset or path is not None:
+            problems.append(
+                f"{section}.dataset_mix is set, so {section}.dataset ({dataset!r}) and {section}.dataset_path "
+                f"({path!r}) are not used; remove them (a mixture names every source itself)"
+            )
+    elif dataset in PATH_DATASETS and not path:
+        problems.append(
+            f'{section}.dataset = "{dataset}" needs {section}.dataset_path; set it to the {PATH_DATASETS[dataset]}'
+        )
+    elif dataset in ("python_stdlib", "python_stdlib_test") and path is not None:
+        problems.append(
+            f'{section}.dataset_path = {path!r} is set but {section}.dataset = "{dataset}" does not read it; set '
+            f'{section}.dataset = "local" (or "huggingface") to read it, or remove dataset_path'
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -262,6 +359,25 @@ class Training:
         10, "With skip_nonfinite_steps: stop the run when this many steps in a row are non-finite."
     )
 
+    def check(self) -> list[str]:
+        return _data_rules("training", self) + _positive(
+            "training", self, "seq_len", "steps", "gc_freq", "max_skipped_steps_in_a_row"
+        ) + _failed(
+            (self.global_batch_size == -1 or self.global_batch_size > 0,
+             f"training.global_batch_size must be -1 (local_batch_size x data-parallel degree) or a positive "
+             f"integer, got {self.global_batch_size}"),
+            (self.max_norm >= 0, f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}"),
+            (self.shuffle_buffer >= 1,
+             f"training.shuffle_buffer must be 1 or more documents, got {self.shuffle_buffer}"),
+            (self.data_workers >= 0,
+             f"training.data_workers must be 0 (read in the trainer) or more, got {self.data_workers}"),
+            (self.dataset != "tokens" or self.data_workers == 0,
+             f'training.data_workers = {self.data_workers} with training.dataset = "tokens": a token folder has '
+             "nothing to tokenize and is read memory-mapped in the trainer; set data_workers = 0"),
+            (bool(self.dataset_text_field),
+             "training.dataset_text_field is empty; set it to the field or column holding the text (default 'text')"),
+        )
+
 
 # Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
 # steps; FSDP must keep their blocks gathered between forward and backward.
@@ -336,6 +452,43 @@ class Parallelism:
         1, "The last stage holds this many fewer layers (it also holds the output layer and the loss)."
     )
 
+    def check(self) -> list[str]:
+        degrees = ("data_parallel_replicate_degree", "pipeline_parallel_degree", "pipeline_parallel_microbatch_size",
+                   "tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree")
+        fewer = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
+        splits = ("module_fqns_per_model_part", "pipeline_parallel_split_points")
+        pp = self.pipeline_parallel_degree
+        problems = [f"parallelism.{k} must be 1 or more, got {getattr(self, k)}" for k in degrees
+                    if not getattr(self, k) >= 1]
+        problems += [f"parallelism.{k} must be 0 or more, got {getattr(self, k)}" for k in fewer
+                     if not getattr(self, k) >= 0]
+        problems += [
+            f"parallelism.{k} splits the model into pipeline stages, but pipeline_parallel_degree is {pp}; set "
+            f"pipeline_parallel_degree > 1 or remove it" for k in splits if getattr(self, k) and not pp > 1
+        ]
+        problems += _failed((
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
+            f"got {self.data_parallel_shard_degree}",
+        ))
+        if pp > 1:
+            explicit = [k for k in splits if getattr(self, k)]
+            schedule, csv = self.pipeline_parallel_schedule, self.pipeline_parallel_schedule_csv
+            problems += _failed(
+                (not (schedule.lower() in ZERO_BUBBLE_SCHEDULES and self.fsdp_reshard_after_forward == "always"),
+                 f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with pipeline_parallel_schedule "
+                 f"= {schedule!r}: its split weight-gradient step needs the gathered block weights (resharding "
+                 "silently drops their gradients); use 'default'"),
+                (len(explicit) < 2,
+                 "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split "
+                 "the pipeline; set one of them"),
+                (not (explicit and self.pipeline_parallel_layers_per_stage is not None),
+                 f"parallelism.{explicit[0] if explicit else ''} and parallelism.pipeline_parallel_layers_per_stage "
+                 "both split the pipeline; set one of them"),
+                (not csv or os.path.isfile(csv), f"parallelism.pipeline_parallel_schedule_csv: {csv} does not exist"),
+            )
+        return problems
+
 
 @dataclass(frozen=True)
 class Metrics:
@@ -357,6 +510,12 @@ class Metrics:
         "(or as WANDB_MODE says); a resumed run continues the same wandb run.",
     )
 
+    def check(self) -> list[str]:
+        return _positive("metrics", self, "log_freq") + _failed((
+            self.device_peak_tflops >= 0,
+            f"metrics.device_peak_tflops must be 0 (auto) or more, got {self.device_peak_tflops}",
+        ))
+
 
 @dataclass(frozen=True)
 class Comm:
@@ -372,6 +531,20 @@ class Comm:
         "unless set in the environment); 0 turns it off.",
     )
 
+    def check(self) -> list[str]:
+        # A collective's time limit: 0 would time out every collective at once, a negative one is refused by
+        # the process group on every rank (gloo: "Invalid timeout") once the job has started.
+        problems = [
+            f"comm.{key} must be a positive number of seconds, got {getattr(self, key)}; set it to 1 or more "
+            f"(default {getattr(Comm(), key)})"
+            for key in ("init_timeout_seconds", "train_timeout_seconds")
+            if not getattr(self, key) > 0
+        ]
+        return problems + _failed((
+            self.trace_buf_size >= 0,
+            f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {self.trace_buf_size}",
+        ))
+
 
 @dataclass(frozen=True)
 class ActivationCheckpoint:
@@ -385,6 +558,14 @@ class ActivationCheckpoint:
         "With mode = selective: a positive integer N checkpoints every N-th block; 'op' keeps the outputs "
         "of attention and of every other matmul in each block and recomputes the rest.",
     )
+
+    def check(self) -> list[str]:
+        option = self.selective_ac_option
+        return _failed((
+            self.mode != "selective" or option == "op" or (option.isdigit() and int(option) > 0),
+            f"activation_checkpoint.selective_ac_option must be a positive integer (checkpoint every N-th block) "
+            f"or 'op' (operator-level policy), got {option!r}",
+        ))
 
 
 @dataclass(frozen=True)
@@ -403,6 +584,12 @@ class Float8:
     )
     emulate: bool = opt(False, "Emulate float8 matmuls in high precision (for testing on hardware without float8).")
 
+    def check(self) -> list[str]:
+        return _failed((
+            not self.precompute_float8_dynamic_scale_for_fsdp or self.enable_fsdp_float8_all_gather,
+            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true",
+        ))
+
 
 @dataclass(frozen=True)
 class Profiling:
@@ -414,6 +601,11 @@ class Profiling:
         "Record memory: CUDA allocator snapshots (and a dump on out-of-memory); on CPU a profiler memory timeline.",
     )
     save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory snapshot folder under dump_folder.")
+
+    def check(self) -> list[str]:
+        return _failed(
+            (self.profile_freq > 0, f"profiling.profile_freq must be a positive integer, got {self.profile_freq}")
+        )
 
 
 @dataclass(frozen=True)
@@ -466,6 +658,26 @@ class Checkpoint:
         "start from these weights.",
     )
 
+    def check(self) -> list[str]:
+        parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+        problems = [
+            f"checkpoint.exclude_from_loading: unknown part {part!r}; choose from {', '.join(parts)}"
+            for part in self.exclude_from_loading
+            if part not in parts
+        ]
+        return problems + _failed(
+            (self.hf_max_shard_mb >= 1, f"checkpoint.hf_max_shard_mb must be 1 or more, got {self.hf_max_shard_mb}"),
+            (self.interval > 0, f"checkpoint.interval must be a positive integer, got {self.interval}"),
+            (self.keep_latest_k >= 0,
+             f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {self.keep_latest_k}"),
+            (self.load_step >= -1, f"checkpoint.load_step must be -1 (newest) or a step number, got {self.load_step}"),
+            (not (self.initial_load_in_hf and not self.initial_load_model_only),
+             "checkpoint.initial_load_in_hf loads weights only; set checkpoint.initial_load_model_only = true"),
+            (not (self.create_seed_checkpoint and not self.enable_checkpoint),
+             "checkpoint.create_seed_checkpoint writes into the checkpoint folder; also set "
+             "checkpoint.enable_checkpoint = true"),
+        )
+
 
 @dataclass(frozen=True)
 class MoE:
@@ -484,6 +696,19 @@ class MoE:
         "Each expert keeps at most capacity_factor x tokens x top_k / experts assignments per micro-batch, the "
         "highest-scored; the rest are dropped (their share is reported). 0: no limit. Unset: the flavor's (no limit).",
     )
+
+    def check(self) -> list[str]:
+        problems = [
+            f"moe.{key} must be 0 (off) or more, got {getattr(self, key)}"
+            for key in ("load_balance_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "capacity_factor")
+            if not (getattr(self, key) is None or getattr(self, key) >= 0)
+        ]
+        return problems + _failed(
+            (self.top_k is None or self.top_k >= 1, f"moe.top_k must be 1 or more, got {self.top_k}")
+        )
+
+
+VALIDATION_DATASETS = ("python_stdlib_test", "python_stdlib", "local", "huggingface", "c4_test")
 
 
 @dataclass(frozen=True)
@@ -518,6 +743,19 @@ class Validation:
         "Global validation batches per run, always from the start of the set and never past its end; -1: every "
         "complete batch of one pass over the set.",
     )
+
+    def check(self) -> list[str]:
+        if not self.enabled:
+            return []  # a disabled section loads with any values (reference recipes name their own sets)
+        return _data_rules("validation", self) + _positive("validation", self, "freq") + _failed(
+            (self.steps == -1 or self.steps > 0,
+             f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {self.steps}"),
+            (self.dataset in VALIDATION_DATASETS,
+             f"validation.dataset = {self.dataset!r} is not available here; choose one of "
+             f"{', '.join(VALIDATION_DATASETS)} (local and huggingface read validation.dataset_path)"),
+            (self.seq_len == -1 or self.seq_len > 0,
+             f"validation.seq_len must be -1 (training.seq_len) or a positive integer, got {self.seq_len}"),
+        )
 
 
 @dataclass(frozen=True)
