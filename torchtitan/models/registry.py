@@ -36,9 +36,16 @@ def _qwen3() -> ModelSpec:
     return build_spec()
 
 
+def _deepseek_v3() -> ModelSpec:
+    from torchtitan.models.deepseek_v3 import build_spec
+
+    return build_spec()
+
+
 _BUILTIN: dict[str, Callable[[], ModelSpec]] = {
     "llama3": _llama3,
     "qwen3": _qwen3,
+    "deepseek_v3": _deepseek_v3,
 }
 _BUILT: dict[str, ModelSpec] = {}  # the built-in specs built so far
 _REGISTERED: dict[str, ModelSpec] = {}  # register_model's specs, as given

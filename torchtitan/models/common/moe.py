@@ -299,8 +299,10 @@ class MoE(nn.Module):
         slots = weighted.new_zeros(flat_ids.shape[0], shape[-1])
         slots[order] = weighted
         out = slots.view(-1, a.top_k, shape[-1]).sum(1)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+        if self.shared_experts is not None:  # its weights read as the router's (TokenLocal under TP)
+            se = self.shared_experts
+            w1, w2, w3 = (local_tensor(m.weight) for m in (se.w1, se.w2, se.w3))
+            out = out + F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)
         out = out.view(shape)
         aux = self._auxiliary_losses(scores, logits, ids, shape[0])
         if self.training and _in_training_forward():

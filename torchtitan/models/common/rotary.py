@@ -9,6 +9,16 @@ Llama 3.1 / 3.2 ("rope_type": "llama3" in config.json) stretch the long waveleng
 longer than original / low_freq_factor turns `factor` times slower; one shorter than
 original / high_freq_factor is kept; in between, the frequency moves linearly (in
 original / wavelength) from the slowed to the kept one.
+
+YaRN (DeepSeek-V2/V3, Kimi K2: "rope_type": "yarn") blends, per feature pair, the frequency
+interpolated `factor` times slower and the original one, by how many turns the pair makes over the
+original context: pairs with more than beta_fast turns keep their frequency, pairs with fewer than
+beta_slow are interpolated, a linear ramp over the pair index lies between (the bounds rounded
+outwards). The rotation's magnitude is `attention_factor` (mscale ratio), and MLA models scale the
+attention logits by mscale(factor, mscale_all_dim)^2 as well (`yarn_softmax_factor`).
+
+Two layouts of the rotation: adjacent feature pairs as complex numbers (Meta's, DeepSeek's:
+`complex_table` + `rotate_pairs`), or halves (Hugging Face's rotate_half, in the families that use it).
 """
 
 import math
@@ -25,6 +35,73 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's rotary scaling (config.json rope_scaling with rope_type "yarn")."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _turns_to_pair_index(turns: float, head_dim: int, theta: float, context: int) -> float:
+    """The (fractional) pair index whose wavelength fits `turns` times into `context` positions."""
+    return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def yarn_frequencies(head_dim: int, theta: float, y: YarnScaling) -> tuple[torch.Tensor, float]:
+    """([head_dim / 2] float32 frequencies, the rotation's magnitude) under YaRN."""
+    pairs = torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim
+    original = 1.0 / theta**pairs
+    low = max(math.floor(_turns_to_pair_index(y.beta_fast, head_dim, theta, y.original_max_position_embeddings)), 0)
+    high = min(math.ceil(_turns_to_pair_index(y.beta_slow, head_dim, theta, y.original_max_position_embeddings)),
+               head_dim - 1)
+    # 0 at pair `low` and before (original frequency kept), 1 from pair `high` on (interpolated).
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp
+    inv_freq = original / y.factor * (1 - keep) + original * keep
+    if y.mscale and y.mscale_all_dim:
+        magnitude = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    else:
+        magnitude = yarn_mscale(y.factor)
+    return inv_freq, float(magnitude)
+
+
+def yarn_softmax_factor(y: YarnScaling | None) -> float:
+    """What MLA multiplies its attention logits by, beyond 1/sqrt(head dim)."""
+    if y is None or not y.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+
+
+def complex_table(head_dim: int, end: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
+                  ) -> torch.Tensor:
+    """complex64 [end, head_dim / 2]: each position's rotation of each feature pair (its magnitude
+    YaRN's attention factor, else 1)."""
+    magnitude = 1.0
+    if isinstance(scaling, YarnScaling):
+        freqs, magnitude = yarn_frequencies(head_dim, theta, scaling)
+    else:
+        freqs = inv_frequencies(head_dim, theta, scaling)
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, magnitude), angles)
+
+
+def rotate_pairs(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, d] by the first `seq` rows of a complex_table (or this rank's
+    positions), adjacent features (2i, 2i+1) forming one complex number; in float32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(pairs * table[: x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
+    return rotated.type_as(x)
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

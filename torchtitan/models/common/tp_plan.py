@@ -87,3 +87,35 @@ class TensorParallelPlan:
 
     top: Callable[[bool], dict] = decoder_top_plan
     block: Callable[[nn.Module], dict] = decoder_block_plan
+
+
+class ReplicatedParams(ParallelStyle):
+    """For a module whose weight a model reads itself (through `replicated` / `grad_summed`) to
+    compute the same values on every TP rank, e.g. MLA's low-rank projections: its parameters
+    become DTensors replicated over the TP ranks; inputs and outputs are left alone."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def replicate_parameters(_name, submodule, mesh):
+            for name, param in list(submodule.named_parameters(recurse=False)):
+                submodule.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        return distribute_module(module, device_mesh, replicate_parameters)
+
+
+def replicated(weight):
+    """A weight as a plain tensor for a computation every TP rank repeats whole (same inputs, same
+    gradients): its gradient is the full one on each rank. A plain tensor is returned as it is."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def grad_summed(t, like):
+    """`t`, whose gradient will be summed over the ranks `like` (a replicated DTensor weight) is
+    replicated on: for a value every rank computes whole but each rank's heads use differently
+    (MLA's rotary key, shared by all heads). Without tensor parallel (`like` a plain tensor): `t`."""
+    if not isinstance(like, DTensor):
+        return t
+    from torch.distributed.tensor import Partial
+
+    mesh = like.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).to_local(
+        grad_placements=[Partial()] * mesh.ndim)

@@ -15,24 +15,17 @@ from torchtitan.models.common.decoder import Decoder, matmul_parameters
 from torchtitan.models.common.layers import FeedForward, KVCache
 from torchtitan.models.common.init import normal, ones, trunc_normal
 from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.common.rotary import RopeScaling, inv_frequencies
+from torchtitan.models.common.rotary import RopeScaling, complex_table, rotate_pairs
 from torchtitan.models.common.spec import ModelSize, count_parameters, transformer_flops_per_token
 
 
 def precompute_freqs_cis(head_dim: int, end: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    freqs = inv_frequencies(head_dim, theta, scaling)
-    t = torch.arange(end, dtype=torch.float32)
-    return torch.polar(torch.ones(end, head_dim // 2), torch.outer(t, freqs))  # complex64 [end, head_dim/2]
+    return complex_table(head_dim, end, theta, scaling)  # complex64 [end, head_dim/2]
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
     # Adjacent pairs of features are the real and imaginary parts (Meta's layout, not Hugging Face's halves).
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, -1)
-    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
+    return rotate_pairs(xq, freqs_cis), rotate_pairs(xk, freqs_cis)
 
 
 class Attention(nn.Module):

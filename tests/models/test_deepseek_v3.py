@@ -1,0 +1,105 @@
+"""DeepSeek-V3: published sizes, MLA's shapes, YaRN against transformers, FLOPs, and flavors refused
+before launch. Its parallel layouts are in tests/distributed/test_data_parallel_parity.py."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan.config import UserError
+from torchtitan.models.common.rotary import YarnScaling, yarn_frequencies, yarn_softmax_factor
+from torchtitan.models.registry import get_model_spec
+
+SPEC = get_model_spec("deepseek_v3")
+
+# (total, active) as the model cards give them: DeepSeek-V3 671B total / 37B activated; DeepSeek-V2-Lite
+# (our 16B) 15.7B / 2.4B; Kimi K2 1T / 32B. Activated counts exclude the input embedding (a lookup).
+PUBLISHED = {"671B": (671e9, 37e9), "16B": (15.7e9, 2.4e9), "kimi_k2": (1.0e12, 32e9)}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED)
+def test_parameter_counts_match_the_published_figures(flavor):
+    total, active = PUBLISHED[flavor]
+    size = SPEC.size(SPEC.flavors[flavor])
+    # The cards round: totals to their last digit (Kimi's "1T" to 3%), activated to 3%.
+    assert abs(size.total / total - 1) < (0.03 if flavor == "kimi_k2" else 0.001), size.total
+    assert abs((size.active - size.embedding) / active - 1) < 0.03, size.active - size.embedding
+
+
+def test_671b_counts_to_the_parameter():
+    # Independently: embedding + output, 3 dense and 58 MoE layers, final norm.
+    d, v, h = 7168, 129280, 128
+    mla = (d * 1536 + 1536 + 1536 * h * 192) + (d * (512 + 64) + 512 + 512 * h * (128 + 128)) + h * 128 * d
+    dense = 3 * d * 18432
+    moe = d * 256 + 3 * d * 2048 * (256 + 1)
+    norms = 2 * d
+    layers = 3 * (mla + dense + norms) + 58 * (mla + moe + norms)
+    assert SPEC.size(SPEC.flavors["671B"]).total == 2 * v * d + layers + d
+
+
+def test_mla_has_value_heads_of_their_own_width_and_trains():
+    args = SPEC.args_for_training("debugmodel", 4096, 64)
+    assert args.v_head_dim != args.qk_head_dim
+    with torch.device("meta"):
+        model = SPEC.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    attention = model.layers["1"].attention
+    assert attention.wkv_b.weight.shape == (args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank)
+    assert attention.wo.weight.shape == (args.dim, args.n_heads * args.v_head_dim)
+    assert type(model.layers["0"].feed_forward).__name__ == "FeedForward"  # the dense first layer
+    assert SPEC.has_experts(args) and len(SPEC.expert_layers(model)) == args.n_layers - args.n_dense_layers
+    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+    loss = SPEC.loss_sum_fn(model(tokens), tokens) / tokens.numel()
+    loss.backward()
+    assert torch.isfinite(loss) and model.layers["1"].attention.wkv_a.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scaling", [YarnScaling(40, 4096, 32, 1, 1.0, 1.0), YarnScaling(40, 4096, 32, 1, 0.707, 0.707),
+                                     YarnScaling(32, 4096, 1, 1, 1.0, 1.0), YarnScaling(4, 32, 32, 1, 1.0, 1.0)])
+def test_yarn_frequencies_are_transformers(scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.DeepseekV3Config(
+        qk_rope_head_dim=64, max_position_embeddings=scaling.factor * scaling.original_max_position_embeddings,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **{k: v for k, v in dataclasses.asdict(scaling).items()}},
+    )
+    theirs, magnitude = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours, our_magnitude = yarn_frequencies(64, 10000.0, scaling)
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0) and our_magnitude == pytest.approx(magnitude)
+    # The logits' extra factor: 1 without mscale_all_dim, else mscale(factor, mscale_all_dim)^2.
+    assert yarn_softmax_factor(scaling) == pytest.approx((0.1 * scaling.mscale_all_dim * torch.log(torch.tensor(
+        scaling.factor)).item() + 1) ** 2)
+
+
+def test_flops_count_active_parameters_and_mla_attention():
+    args = SPEC.flavors["671B"]
+    size = SPEC.size(args)
+    seq = 4096
+    pairs_per_token = (seq + 1) / 2
+    # Per layer and attended pair: scores over qk_head_dim and weighted values over v_head_dim, 2 FLOPs
+    # per multiply-add, 3x for forward and backward.
+    attention = args.n_layers * 6 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * pairs_per_token
+    assert SPEC.flops_per_token(args, seq) == pytest.approx(6 * (size.active - size.embedding) + attention)
+
+
+@pytest.mark.parametrize("moe, message", [
+    ({"num_expert_groups": 3}, r"num_expert_groups = 3 does not divide num_experts = 8"),
+    ({"num_limited_groups": 5}, r"num_limited_groups = 5 must be in \[1, 4\]"),
+])
+def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, moe, message):
+    from torchtitan.config import load_config
+    from torchtitan.models import registry
+    from torchtitan.train import preflight
+
+    monkeypatch.setattr(registry, "_ADDED_FLAVORS", {})
+    monkeypatch.setattr(registry, "_WITH_ADDED", {})
+    base = SPEC.flavors["debugmodel"]
+    registry.register_flavor("deepseek_v3", "bad_groups", dataclasses.replace(base, moe=dataclasses.replace(base.moe, **moe)))
+    from conftest import REPO
+
+    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name",
+                       "deepseek_v3", "--model.flavor", "bad_groups", "--training.seq_len", "64"])
+    with pytest.raises(UserError, match=message):
+        preflight(cfg, world_size=1)

@@ -1,0 +1,29 @@
+"""DeepSeek-V3 (and Kimi K2): the family's spec, built from its args, model, TP plan and HF adapter."""
+
+from torchtitan.models.common.spec import ModelSpec
+
+
+def build_spec() -> ModelSpec:
+    from torchtitan.models.common import moe
+    from torchtitan.models.deepseek_v3 import args, model, parallelize
+
+    return ModelSpec(
+        name="deepseek_v3",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        model_cls=model.Transformer,
+        size=model.model_size,
+        flops_per_token=model.flops_per_token,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
+        kv_cache=True,
+        expert_layers=moe.expert_layers,
+        high_precision=("router.gate",),
+        pre_parallelize=moe.configure_moe,
+        document_masks=True,
+        validate=args.validate,
+        post_optimizer_step=moe.balance_after_step,
+        post_skipped_step=moe.drop_step_counts,
+        metrics=moe.expert_load_metrics,
+    )

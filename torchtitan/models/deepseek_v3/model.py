@@ -1,0 +1,146 @@
+"""DeepSeek-V3: the shared decoder (torchtitan.models.common.decoder) with multi-head latent
+attention (MLA) and, after the first n_dense_layers layers, a mixture of experts with shared experts
+(torchtitan.models.common.moe: sigmoid scores, group-limited routing, a routed scaling factor and the
+bias balancing DeepSeek calls e_score_correction_bias).
+
+MLA, per block: queries come from x through an optional low-rank bottleneck (wq_a, q_norm, wq_b) or
+one projection (wq); keys and values from one low-rank latent (wkv_a: kv_lora_rank features plus a
+rotary key part shared by all heads; kv_norm; wkv_b: each head's non-rotary key part and its value).
+A head's query and key are [nope | rope] (qk_head_dim wide), its value v_head_dim wide, so q/k and v
+head dims differ. The rotary parts rotate adjacent feature pairs (DeepSeek's interleaved layout,
+`rotate_pairs`) with YaRN frequencies. The attention logits get YaRN's extra factor by scaling the
+queries (the kernels' own scale stays 1/sqrt(qk_head_dim)).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.common.attention import sdpa_attention
+from torchtitan.models.common.decoder import Decoder, matmul_parameters
+from torchtitan.models.common.init import normal, ones, trunc_normal
+from torchtitan.models.common.layers import FeedForward, KVCache
+from torchtitan.models.common.moe import MoE, count_moe_parameters, moe_layers
+from torchtitan.models.common.rotary import complex_table, rotate_pairs, yarn_softmax_factor
+from torchtitan.models.common.spec import ModelSize, count_parameters, transformer_flops_per_token
+from torchtitan.models.common.tp_plan import grad_summed, replicated
+from torchtitan.models.deepseek_v3.args import ModelArgs
+
+
+class MLA(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.nope, self.rope_dim, self.v_dim, self.kv_lora = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+        if a.q_lora_rank:
+            self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=a.norm_eps)
+            self.wq_b = nn.Linear(a.q_lora_rank, a.n_heads * a.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(a.dim, a.n_heads * a.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(a.dim, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(a.kv_lora_rank, eps=a.norm_eps)
+        self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
+        self.query_scale = yarn_softmax_factor(a.rope_scaling)
+        self.attention_fn = sdpa_attention  # the trainer's kernel, or context parallel's ring
+        self.window: int | None = None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # The low-rank projections and their norms are computed whole on every TP rank (their
+        # weights replicated, read through `replicated`); the per-head projections (wq / wq_b,
+        # wkv_b, wo) are split by heads. -1 heads: under TP the projections hold this rank's heads.
+        if hasattr(self, "wq_a"):
+            q_latent = F.linear(x, replicated(self.wq_a.weight))
+            q = self.wq_b(F.rms_norm(q_latent, q_latent.shape[-1:], replicated(self.q_norm.weight), self.q_norm.eps))
+        else:
+            q = self.wq(x)
+        q_nope, q_rope = q.view(bs, seq, -1, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
+        kv_a = replicated(self.wkv_a.weight)
+        latent = F.linear(x, kv_a[: self.kv_lora])
+        # The rotary key is shared by all heads: under TP each rank's heads give it a part of its gradient.
+        k_rope = grad_summed(F.linear(x, kv_a[self.kv_lora:]), self.wkv_a.weight)
+        latent = F.rms_norm(latent, latent.shape[-1:], replicated(self.kv_norm.weight), self.kv_norm.eps)
+        kv = self.wkv_b(latent).view(bs, seq, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        heads = k_nope.shape[2]
+        k_rope = rotate_pairs(k_rope.unsqueeze(2), rope).expand(-1, -1, heads, -1)
+        q = torch.cat([q_nope, rotate_pairs(q_rope, rope)], dim=-1)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            out = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window)
+        else:
+            out = cache.attend(q, k, v, start_pos, self.window)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, a: ModelArgs):
+        super().__init__()
+        self.attention = MLA(a)
+        dense = layer_id < a.n_dense_layers
+        self.feed_forward = FeedForward(a.dim, a.inter_dim) if dense else MoE(a.dim, a.moe)
+        self.attention_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.ffn_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        depth = layer_id + 1 if a.depth_init else a.n_layers
+        self.out_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs.
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope, doc_ids=doc_ids)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(Decoder):
+    def block(self, layer_id: int) -> nn.Module:
+        return TransformerBlock(layer_id, self.args)
+
+    def rotary_table(self) -> torch.Tensor:
+        a = self.args
+        return complex_table(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
+        super().init_weights(seed, buffer_device)
+        for _, moe in moe_layers(self):
+            moe.reset_buffers(buffer_device)
+
+    def init_for(self, name: str):
+        parts = name.split(".")
+        if name.endswith("norm.weight"):  # also q_norm / kv_norm
+            return ones()
+        if parts[0] == "tok_embeddings":
+            return normal(1.0)
+        if parts[0] == "output":
+            return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
+        block = self.layers[parts[1]]
+        # Input projections (and the router) at 0.02; output projections by depth.
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate"):
+            return trunc_normal(0.02)
+        return trunc_normal(block.out_init_std)  # wo, w2, w3
+
+
+def model_size(args: ModelArgs) -> ModelSize:
+    total, embedding = count_parameters(Transformer, args)
+    active = total
+    if args.moe is not None:  # a token uses top_k of the routed experts of each MoE layer
+        moe_total, moe_active = count_moe_parameters(args.moe, args.dim)
+        active -= (args.n_layers - args.n_dense_layers) * (moe_total - moe_active)
+    return ModelSize(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
+    # Attention: scores over qk_head_dim and weighted values over v_head_dim per head, forward and
+    # backward: 6 x heads x (qk + v) per attended pair, which transformer_flops_per_token counts as
+    # 12 x width: width = heads x (qk + v) / 2.
+    width = args.n_heads * (args.qk_head_dim + args.v_head_dim) / 2
+    return transformer_flops_per_token(matmul_parameters(model_size(args), args), width, [None] * args.n_layers,
+                                       doc_lengths)
