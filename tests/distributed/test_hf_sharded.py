@@ -3,12 +3,13 @@
 Folders made by transformers' own save_pretrained (random weights, small max_shard_size: many files
 and an index) for llama3's and Qwen3-MoE's debug flavors are loaded by training jobs under one
 process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, Qwen3's tied-embedding flavor under PP 2 and PP 2 x FSDP 2, and a Llama 3.2-like
-folder (tied, rotary scaled) under PP 2 x FSDP 2. Each trains one step that moves no
+folder (tied, rotary scaled) under PP 2 x FSDP 2, and DeepSeek-V3's debug flavor under PP 2 and
+EP 2 x FSDP 2. Each trains one step that moves no
 weight (gradients clipped to 1e-30, no weight decay) and exports at its end, under its own layout:
 - import: the step-1 loss equals transformers' loss on the same batch within 1e-5 (fp32);
 - round trip: the export holds the imported tensors bit for bit (fp32), in files of the hub's names
   with an index, config.json and generation_config.json;
-- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2 and both tied PP 2 x FSDP 2 exports with logits equal to the original
+- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2, both tied PP 2 x FSDP 2 and DeepSeek-V3's EP 2 x FSDP 2 exports with logits equal to the original
   folder's within 1e-4.
 """
 
@@ -34,7 +35,10 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {"llama": ("llama3", "debugmodel", {}), "moe": ("qwen3", "debugmodel_moe", {}),
             "tied": ("qwen3", "debugmodel_tied", {}),
             "llama32": ("llama3", "debugmodel", {"tie_word_embeddings": True, "rope_scaling": RopeScaling(
-                factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)})}
+                factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)}),
+            "ds": ("deepseek_v3", "debugmodel", {})}
+# DeepSeek-V3 jobs keep the balancing bias still (it is exported: a moved bias would differ from the import).
+STILL_BIAS = ["--moe.load_balance_coeff", "0"]
 STILL = ["--training.steps", "1", "--training.max_norm", "1e-30", "--optimizer.weight_decay", "0",
          "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32", "--checkpoint.hf_max_shard_mb", "2"]
 # name: (family key, local batch size for the global batch of 8, layout)
@@ -43,6 +47,7 @@ LAYOUTS = {
     2: {"llama_tp2": ("llama", 8, ["--parallelism.tensor_parallel_degree", "2"]),
         "llama_pp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
         "moe_ep2": ("moe", 4, ["--parallelism.expert_parallel_degree", "2"]),
+        "ds_pp2": ("ds", 8, ["--parallelism.pipeline_parallel_degree", "2", *STILL_BIAS]),
         # Tied embeddings: the embedding on the first stage, its copy as the output layer on the last.
         "tied_pp2": ("tied", 8, ["--parallelism.pipeline_parallel_degree", "2"])},
     4: {"llama_fsdp4": ("llama", 2, []),
@@ -52,7 +57,8 @@ LAYOUTS = {
         # FSDP over TP-sharded rows: strided shards, which are read whole and all-gathered.
         "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"]),
         "tied_pp2_fsdp2": ("tied", 4, ["--parallelism.pipeline_parallel_degree", "2"]),
-        "llama32_pp2_fsdp2": ("llama32", 4, ["--parallelism.pipeline_parallel_degree", "2"])},
+        "llama32_pp2_fsdp2": ("llama32", 4, ["--parallelism.pipeline_parallel_degree", "2"]),
+        "ds_ep2_fsdp2": ("ds", 2, ["--parallelism.expert_parallel_degree", "2", *STILL_BIAS])},
 }
 
 
@@ -129,7 +135,8 @@ def test_export_holds_the_imported_tensors_bit_for_bit(runs, name):
         assert torch.equal(ours_out[k], ours_in[k]), f"{name}: {k} changed"
 
 
-@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2"])
+@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2",
+                                  "ds_ep2_fsdp2"])
 def test_transformers_loads_the_export(runs, name):
     tmp, models, _ = runs
     out = tmp / name / "checkpoint" / "step-1-hf"

@@ -103,3 +103,61 @@ def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, m
                        "deepseek_v3", "--model.flavor", "bad_groups", "--training.seq_len", "64"])
     with pytest.raises(UserError, match=message):
         preflight(cfg, world_size=1)
+
+
+# ---- Hugging Face ----
+
+
+def materialized(args, seed: int = 1):
+    with torch.device("meta"):
+        model = SPEC.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model.eval()
+
+
+def test_export_is_deepseek_v3_for_transformers_with_the_balancing_bias(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torchtitan.components.hf_checkpoint import load_hf, save_hf
+
+    args = SPEC.args_for_training("debugmodel", 4096, 64)
+    model = materialized(args)
+    with torch.no_grad():  # a trained balancing state: it changes which experts tokens go to
+        for layer in SPEC.expert_layers(model):
+            layer.expert_bias.uniform_(-0.05, 0.05, generator=torch.Generator().manual_seed(2))
+    save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32, max_shard_bytes=2_000_000)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+        assert (theirs(tokens).logits - ours).abs().max().item() < 1e-4
+        # The bias matters: without it transformers routes other tokens elsewhere.
+        for layer in theirs.model.layers[args.n_dense_layers:]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+        assert (theirs(tokens).logits - ours).abs().max().item() > 1e-3
+    # Import reads it back: the same args and tensors.
+    sd, back = load_hf(tmp_path / "hf", SPEC.hf)
+    assert back.rope_scaling == args.rope_scaling and back.moe == args.moe and back.q_lora_rank == args.q_lora_rank
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(sd[name], tensor), name
+
+
+def test_import_skips_the_multi_token_prediction_layers_and_refuses_softmax_routing(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from torchtitan.components.hf_checkpoint import load_hf, save_hf
+
+    args = SPEC.args_for_training("debugmodel", 4096, 64)
+    save_hf(tmp_path / "hf", materialized(args).state_dict(), SPEC.hf, args, torch.float32)
+    # As the published checkpoints: one more layer (model.layers.<n_layers>) holding the MTP module.
+    shard = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(shard)
+    tensors[f"model.layers.{args.n_layers}.eh_proj.weight"] = torch.zeros(args.dim, 2 * args.dim)
+    save_file(tensors, shard)
+    sd, _ = load_hf(tmp_path / "hf", SPEC.hf)
+    assert not any(k.startswith(f"layers.{args.n_layers}.") for k in sd)
+    softmax = dataclasses.replace(args, moe=dataclasses.replace(args.moe, score_func="softmax"))
+    with pytest.raises(UserError, match="routes with sigmoid scores; this flavor uses 'softmax'"):
+        SPEC.hf.config(softmax)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.common.rotary import RopeScaling
+from torchtitan.models.common.rotary import RopeScaling, YarnScaling
 
 # Some exports store the rotary frequencies; every family recomputes them from the rotary theta.
 ROTARY_INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -47,31 +47,40 @@ def _rope_fields(config: dict) -> dict:
     return fields
 
 
-def rope_from_config(config: dict, default_theta: float, family: str, scaled: bool = False
-                     ) -> tuple[float, RopeScaling | None]:
-    """(rope theta, Llama 3.1 scaling or None) of a config.json. Scaling of another kind, or any
-    scaling when the family has none (`scaled` False), is refused."""
+_SCALING_NAMES = {"llama3": "Llama 3.1's scaling (rope_type 'llama3')", "yarn": "YaRN (rope_type 'yarn')"}
+
+
+def rope_from_config(config: dict, default_theta: float, family: str, kinds: tuple[str, ...] = ()
+                     ) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(rope theta, scaling or None) of a config.json, the scaling one of `kinds` ("llama3": Llama
+    3.1's, "yarn"); any other scaling is refused, naming what the family implements."""
     for field in ("rope_scaling", "rope_parameters"):
         if config.get(field) is not None and not isinstance(config[field], dict):
             raise unsupported(field, config[field], "it must be a mapping", family)
     rope = _rope_fields(config)
     theta = float(rope.get("rope_theta", config.get("rope_theta", default_theta)))
-    kinds = {field: config[field].get("rope_type", config[field].get("type", "default"))
+    found = {field: config[field].get("rope_type", config[field].get("type", "default"))
              for field in ("rope_scaling", "rope_parameters") if config.get(field) is not None}
-    scalings = {field: kind for field, kind in kinds.items() if kind != "default"}
+    scalings = {field: kind for field, kind in found.items() if kind != "default"}
     if not scalings:
         return theta, None
     for field, kind in scalings.items():
-        if kind != "llama3" or not scaled:
-            what = "Llama 3.1's scaling (rope_type 'llama3')" if scaled else "plain rotary embeddings without scaling"
+        if kind not in kinds:
+            what = " or ".join(_SCALING_NAMES[k] for k in kinds) or "plain rotary embeddings without scaling"
             raise unsupported(field, config[field], f"our model implements {what}", family)
+    kind = next(iter(scalings.values()))
     try:
-        scaling = RopeScaling(float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
-                              float(rope.get("high_freq_factor", 4.0)), int(rope["original_max_position_embeddings"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise unsupported("rope_scaling", rope, f"a 'llama3' scaling needs factor and "
+        if kind == "llama3":
+            return theta, RopeScaling(float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
+                                      float(rope.get("high_freq_factor", 4.0)),
+                                      int(rope["original_max_position_embeddings"]))
+        factor = rope.get("factor") or config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        return theta, YarnScaling(float(factor), int(rope["original_max_position_embeddings"]),
+                                  float(rope.get("beta_fast") or 32.0), float(rope.get("beta_slow") or 1.0),
+                                  float(rope.get("mscale") or 0.0), float(rope.get("mscale_all_dim") or 0.0))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise unsupported("rope_scaling", rope, f"a {kind!r} scaling needs factor and "
                           f"original_max_position_embeddings ({e!r})", family) from None
-    return theta, scaling
 
 
 def plain_rope_theta(config: dict, default: float, family: str) -> float:
@@ -79,14 +88,20 @@ def plain_rope_theta(config: dict, default: float, family: str) -> float:
     return rope_from_config(config, default, family)[0]
 
 
-def rope_config(theta: float, scaling: RopeScaling | None) -> dict:
+def rope_config(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict:
     """config.json's rotary fields, in both spellings (transformers 4.x and 5.x)."""
     params = {"rope_type": "default", "rope_theta": theta}
     legacy = None
-    if scaling is not None:
+    if isinstance(scaling, RopeScaling):
         legacy = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
                   "high_freq_factor": scaling.high_freq_factor,
                   "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    elif isinstance(scaling, YarnScaling):
+        legacy = {"rope_type": "yarn", "factor": scaling.factor,
+                  "original_max_position_embeddings": scaling.original_max_position_embeddings,
+                  "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow, "mscale": scaling.mscale,
+                  "mscale_all_dim": scaling.mscale_all_dim}
+    if legacy is not None:
         params = {**legacy, "rope_theta": theta}
     return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
 
@@ -141,3 +156,51 @@ def convert_from_hf(
             if not uses[n]:
                 del hf_sd[n]
     return out
+
+
+# Routed experts (torchtitan.models.common.moe): our 3-D weights, experts first, against the hub's
+# one tensor per expert and projection, or transformers 5's fused ones ([experts, 2 x hidden, dim]
+# gate rows then up rows, and down_proj [experts, dim, hidden]), under model.layers.N.mlp.experts.
+EXPERT_PROJECTIONS = {
+    "feed_forward.experts.w1": "gate_proj",
+    "feed_forward.experts.w3": "up_proj",
+    "feed_forward.experts.w2": "down_proj",
+}
+FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def expert_key(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+def experts_fused(names, layer: int) -> bool:
+    """Whether `names` (a state dict or a set of HF names) holds the experts of `layer` fused: either
+    fused tensor present (the other one, if absent, is then a missing key)."""
+    return f"model.layers.{layer}.{FUSED_GATE_UP}" in names or f"model.layers.{layer}.{FUSED_DOWN}" in names
+
+
+def expert_hf_names(layer: int, local: str, num_experts: int, present) -> list[str]:
+    """What our expert weight `local` (a key of EXPERT_PROJECTIONS) of `layer` is read from: the
+    layer's fused tensor if the folder fuses that layer, else one tensor per expert in expert order."""
+    proj = EXPERT_PROJECTIONS[local]
+    if experts_fused(present, layer):
+        return [f"model.layers.{layer}.{FUSED_DOWN if proj == 'down_proj' else FUSED_GATE_UP}"]
+    return [expert_key(layer, x, proj) for x in range(num_experts)]
+
+
+def expert_from_hf(layer: int, local: str, tensors: dict[str, torch.Tensor], num_experts: int,
+                   hidden_dim: int) -> torch.Tensor:
+    """Our expert weight from exactly expert_hf_names' tensors: stacked, or sliced from the fused one."""
+    proj = EXPERT_PROJECTIONS[local]
+    gate_up = tensors.get(f"model.layers.{layer}.{FUSED_GATE_UP}")
+    if gate_up is not None:
+        return (gate_up[:, :hidden_dim] if proj == "gate_proj" else gate_up[:, hidden_dim:]).contiguous()
+    down = tensors.get(f"model.layers.{layer}.{FUSED_DOWN}")
+    if down is not None:
+        return down
+    return torch.stack([tensors[expert_key(layer, x, proj)] for x in range(num_experts)])
+
+
+def expert_to_hf(layer: int, local: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our expert weight as the hub lays it out: one tensor per expert (views of ours)."""
+    return {expert_key(layer, x, EXPERT_PROJECTIONS[local]): w[x] for x in range(w.shape[0])}

@@ -5,7 +5,7 @@ from torchtitan.models.common.spec import ModelSpec
 
 def build_spec() -> ModelSpec:
     from torchtitan.models.common import moe
-    from torchtitan.models.deepseek_v3 import args, model, parallelize
+    from torchtitan.models.deepseek_v3 import args, model, parallelize, state_dict_adapter
 
     return ModelSpec(
         name="deepseek_v3",
@@ -22,6 +22,7 @@ def build_spec() -> ModelSpec:
         high_precision=("router.gate",),
         pre_parallelize=moe.configure_moe,
         document_masks=True,
+        hf=state_dict_adapter.ADAPTER,
         validate=args.validate,
         post_optimizer_step=moe.balance_after_step,
         post_skipped_step=moe.drop_step_counts,

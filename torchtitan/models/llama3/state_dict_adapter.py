@@ -200,7 +200,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
     # ffn_hidden_dim rounds int(8 dim / 3), optionally scaled, up to a multiple of multiple_of. With
     # multiple_of = intermediate_size the rounding lands on it from any start in [1, intermediate_size].
-    theta, scaling = rope_from_config(config, 10000.0, "Llama", scaled=True)
+    theta, scaling = rope_from_config(config, 10000.0, "Llama", kinds=("llama3",))
     intermediate = config["intermediate_size"]
     base = int(2 * (4 * dim) / 3)
     args = ModelArgs(

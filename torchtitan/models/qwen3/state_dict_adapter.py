@@ -46,7 +46,8 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf, plain_rope_theta, rope_config,
+    EXPERT_PROJECTIONS, FUSED_DOWN, FUSED_GATE_UP, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf,
+    expert_from_hf, expert_hf_names, expert_key, expert_to_hf, experts_fused, plain_rope_theta, rope_config,
     tied_output_hf_names, unsupported,
 )
 from torchtitan.models.common.moe import MoEArgs
@@ -76,14 +77,8 @@ _DENSE_FFN = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
 _MOE_ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
-# Our 3-D expert weight -> the hub's per-expert projection.
-_EXPERTS = {
-    "feed_forward.experts.w1": "gate_proj",
-    "feed_forward.experts.w3": "up_proj",
-    "feed_forward.experts.w2": "down_proj",
-}
+_EXPERTS = EXPERT_PROJECTIONS  # our 3-D expert weight -> the hub's per-expert projection
 _EXPERT_BIAS = "feed_forward.expert_bias"
-_FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 _OURS_TIED, _HF_TIED = "output.weight", "lm_head.weight"
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
 
@@ -117,10 +112,6 @@ def _name_pairs(args: ModelArgs) -> dict[str, str]:
     included, even when tied); not the MoE experts (not a rename) nor the expert bias (no HF name)."""
     ours = list(_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _per_layer(args)]
     return {name: _hf_name(name, args) for name in ours}
-
-
-def _expert_key(layer: int, expert: int, proj: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
 
 
 def _describe(args: ModelArgs) -> str:
@@ -214,13 +205,13 @@ def _hf_shapes(args: ModelArgs, fused_layers: set[int]) -> dict[str, tuple]:
         e, h, dim = args.moe.num_experts, args.moe.hidden_dim, args.dim
         for i in range(args.n_layers):
             if i in fused_layers:
-                shapes[f"model.layers.{i}.{_FUSED_GATE_UP}"] = (e, 2 * h, dim)
-                shapes[f"model.layers.{i}.{_FUSED_DOWN}"] = (e, dim, h)
+                shapes[f"model.layers.{i}.{FUSED_GATE_UP}"] = (e, 2 * h, dim)
+                shapes[f"model.layers.{i}.{FUSED_DOWN}"] = (e, dim, h)
             else:
                 for x in range(e):
-                    shapes[_expert_key(i, x, "gate_proj")] = (h, dim)
-                    shapes[_expert_key(i, x, "up_proj")] = (h, dim)
-                    shapes[_expert_key(i, x, "down_proj")] = (dim, h)
+                    shapes[expert_key(i, x, "gate_proj")] = (h, dim)
+                    shapes[expert_key(i, x, "up_proj")] = (h, dim)
+                    shapes[expert_key(i, x, "down_proj")] = (dim, h)
     return shapes
 
 
@@ -238,15 +229,9 @@ def _check_shapes(sd: dict, expected: dict[str, tuple]):
         )
 
 
-def _is_fused(names, layer: int) -> bool:
-    """Whether `names` (a state dict or a set of HF names) holds the experts of `layer` fused: either
-    fused tensor present (the other one, if absent, is then a missing key)."""
-    return f"model.layers.{layer}.{_FUSED_GATE_UP}" in names or f"model.layers.{layer}.{_FUSED_DOWN}" in names
-
-
 def _fused_layers(hf_sd, args: ModelArgs) -> set[int]:
     """The layers whose experts `hf_sd` holds fused."""
-    return set() if args.moe is None else {i for i in range(args.n_layers) if _is_fused(hf_sd, i)}
+    return set() if args.moe is None else {i for i in range(args.n_layers) if experts_fused(hf_sd, i)}
 
 
 # The per-tensor conversion (HFAdapter.hf_names / tensor_from_hf / tensor_to_hf). The whole-dict to_hf /
@@ -267,10 +252,7 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
     if args.moe is not None and local == _EXPERT_BIAS:
         return []
     if args.moe is not None and local in _EXPERTS:
-        if _is_fused(present, layer):
-            fused = _FUSED_DOWN if _EXPERTS[local] == "down_proj" else _FUSED_GATE_UP
-            return [f"model.layers.{layer}.{fused}"]
-        return [_expert_key(layer, x, _EXPERTS[local]) for x in range(args.moe.num_experts)]
+        return expert_hf_names(layer, local, args.moe.num_experts, present)
     return [_hf_name(ours, args)]
 
 
@@ -288,15 +270,7 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
         # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
         return torch.zeros(args.moe.num_experts)
     if args.moe is not None and local in _EXPERTS:
-        proj = _EXPERTS[local]
-        gate_up = tensors.get(f"model.layers.{layer}.{_FUSED_GATE_UP}")
-        if gate_up is not None:
-            h = args.moe.hidden_dim
-            return (gate_up[:, :h] if proj == "gate_proj" else gate_up[:, h:]).contiguous()
-        down = tensors.get(f"model.layers.{layer}.{_FUSED_DOWN}")
-        if down is not None:
-            return down
-        return torch.stack([tensors[_expert_key(layer, x, proj)] for x in range(args.moe.num_experts)])
+        return expert_from_hf(layer, local, tensors, args.moe.num_experts, args.moe.hidden_dim)
     return tensors[_hf_name(ours, args)]
 
 
@@ -308,7 +282,7 @@ def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch
     if (args.tie_word_embeddings and ours == _OURS_TIED) or (args.moe is not None and local == _EXPERT_BIAS):
         return {}
     if args.moe is not None and local in _EXPERTS:
-        return {_expert_key(layer, x, _EXPERTS[local]): w[x] for x in range(args.moe.num_experts)}
+        return expert_to_hf(layer, local, w)
     return {_hf_name(ours, args): w}
 
 
