@@ -6,7 +6,7 @@
         [trainer overrides, e.g. a layout]
 
 `make` writes a folder as the hub has it: transformers builds the Hugging Face model of our family's
-flavor (llama3 1B: Llama 3.2 1B's dimensions with an untied output layer; qwen3 1.7B: Qwen3-1.7B's)
+flavor (llama3 1B: Llama 3.2 1B's config, tied embeddings and rotary scaling included; qwen3 1.7B: Qwen3-1.7B's)
 from its config.json with random weights, and save_pretrained writes it in bfloat16 with
 max_shard_size="500MB". `run` builds the model under the layout the overrides give
 (default: FSDP over every process), loads the folder into it, exports it again (bfloat16, 500 MiB
@@ -37,10 +37,10 @@ def make(folder: str, model: str, flavor: str):
     (Path(folder) / "config.json").write_text(json.dumps(spec.hf.config(args, torch.bfloat16, None, None)))
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="500MB")
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    hf_model.save_pretrained(folder, max_shard_size="500MB")
     files = len(list(Path(folder).glob("*.safetensors")))
-    print(f"wrote {folder}: {model} {flavor}, {sum(p.numel() for p in model.parameters()):,} parameters, {files} files")
+    print(f"wrote {folder}: {model} {flavor}, {sum(p.numel() for p in hf_model.parameters()):,} parameters, {files} files")
 
 
 def run(folder: str, overrides: list[str]):
@@ -77,7 +77,11 @@ def run(folder: str, overrides: list[str]):
             return records
 
     setup_logging()
-    dump = Path("outputs") / "benchmark_hf"
+    # A fresh folder per launch (an export never overwrites a folder), named after the launcher's
+    # process so that every local rank picks the same, removed at the end.
+    import tempfile
+
+    dump = Path(tempfile.gettempdir()) / f"benchmark_hf_{os.getppid()}"
     cfg = load_config(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
                        "--model.name", "llama3", "--model.flavor", "1B", "--training.seq_len", "256",
                        "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_in_hf",
@@ -85,6 +89,9 @@ def run(folder: str, overrides: list[str]):
                        "--job.dump_folder", str(dump), *overrides])
     records = train(cfg, LoadAndExport)
     if os.environ.get("RANK", "0") == "0":
+        import shutil
+
+        shutil.rmtree(dump, ignore_errors=True)
         size = records[0]["folder_bytes"]
         print(f"folder {size / 2**30:.2f} GiB; per rank: peak memory growth while loading / exporting, bytes read, "
               f"load s, export s")

@@ -349,6 +349,8 @@ class Trainer:
             return []
         with self.phase("loading the checkpoint"):
             start_step, _ = self.checkpointer.load()
+            if self.device.type == "cpu":
+                dist_utils.release_host_memory()
         with self.phase("preparing the step"):
             self.prepare_step_state()
         self.validator = self.build_validator()
@@ -484,6 +486,8 @@ class Trainer:
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
             part.init_weights(seed=t.seed, buffer_device=self.device)
             part.train()
+        if self.device.type == "cpu":
+            dist_utils.release_host_memory()  # init drew each parameter whole, then kept its part
         self.shared_weights = SharedWeights()
         if pipeline is not None and pipeline.ties:
             self.shared_weights = build_shared_weights(pipeline.ties, parts, pipeline.stage_ids,

@@ -41,6 +41,16 @@ def tune_host_allocator():
     mallopt(m_mmap_max, 0)
 
 
+def release_host_memory():
+    """Return the freed parts of the heap to the OS (glibc's malloc_trim), after start-up's large
+    transients (the full tensors of the per-parameter init, the weights read for a load), which the
+    allocator tuned above would otherwise keep for the whole run. No-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def init_distributed(timeout_seconds: int, trace_buf_size: int = 0) -> tuple[torch.device, int, int]:
     """Returns (device, rank, world_size); a process group exists whenever launched by torchrun.
     `trace_buf_size` sizes the collectives' flight recorder unless the environment already does."""
