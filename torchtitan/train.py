@@ -124,10 +124,14 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     return dataclasses.replace(args, vocab_size=hf_vocab, **adopted)
 
 
+# Model args that [model] may set, and what a family without that field lacks.
+MODEL_OVERRIDES = {"sliding_window": "sliding-window attention", "max_window_layers": "sliding-window attention",
+                   "mtp_depth": "multi-token prediction", "mtp_loss_weight": "multi-token prediction"}
+
+
 def attention_overrides(model) -> dict:
-    """The model args that [model] sets for attention (sliding windows), where set."""
-    return {name: getattr(model, name) for name in ("sliding_window", "max_window_layers")
-            if getattr(model, name) is not None}
+    """The model args that [model] sets (sliding windows, multi-token prediction), where set."""
+    return {name: getattr(model, name) for name in MODEL_OVERRIDES if getattr(model, name) is not None}
 
 
 def check_attention(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
@@ -154,8 +158,8 @@ def check_attention(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None
     missing = spec.missing_fields(overrides)
     if missing:
         raise UserError(
-            f"model.{missing[0]} is set, but model '{spec.name}' has no sliding-window attention (its args have no "
-            f"{missing[0]} field); remove it"
+            f"model.{missing[0]} is set, but model '{spec.name}' has no {MODEL_OVERRIDES[missing[0]]} (its args have "
+            f"no {missing[0]} field); remove it"
         )
     if "max_window_layers" in overrides:
         args = spec.args_for_training(m.flavor, 1, cfg.training.seq_len, None, overrides)
@@ -247,7 +251,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         from torchtitan.components.hf_checkpoint import check_hf_folder, meta_shapes
 
         # From the files' headers: the family, missing files or tensors, dtypes, shapes.
-        check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, run_args))
+        check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, run_args), run_args)
     if spec.validate is not None:
         spec.validate(model_args, dims)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:

@@ -11,7 +11,8 @@ within BF16_TOL of the fp32 single-process run:
   CP 2, FSDP 2, TP 2 and PP 2; the expert bias after 6 steps
   and the reported expert loads are the same in every layout;
 - DeepSeek-V3's debug flavor (MLA with value heads narrower than query/key heads, shared and
-  routed experts) under FSDP 2, TP 2, PP 2, CP 2, EP 2, EP 2 x TP 2 and PP 2 x EP 2;
+  routed experts) under FSDP 2, TP 2, PP 2, CP 2, EP 2, EP 2 x TP 2 and PP 2 x EP 2, and with
+  multi-token prediction (2 depths) under FSDP 2 and EP 2;
 - Qwen3's debug flavor under FSDP 2, TP 2, PP 2 and CP 2, and its
   tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
@@ -68,6 +69,7 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
 # DeepSeek-V3's debug flavor: MLA (query bottleneck, value heads narrower than query/key heads, YaRN),
 # a dense first layer, then experts with a shared expert and sigmoid group-limited routing.
 DS = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+MTP2 = ["--model.mtp_depth", "2"]  # multi-token prediction, 2 depths
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 # Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
@@ -89,6 +91,7 @@ SINGLE = {
     "qwen3_tied_single": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"],
     "moe_single": MOE + ["--training.local_batch_size", "8"] + val(8),
     "ds_single": DS + ["--training.local_batch_size", "8"],
+    "ds_mtp_single": DS + MTP2 + ["--training.local_batch_size", "8"],
     # single_fp32 with validation: its training losses must be bitwise single_fp32's.
     "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
 }
@@ -153,6 +156,8 @@ TWO = {
     "ds_pp2": DS + ["--training.local_batch_size", "8"] + PP2,
     "ds_cp2": DS + ["--training.local_batch_size", "8"] + CP2,
     "ds_ep2": DS + ["--training.local_batch_size", "4"] + EP2,
+    "ds_mtp_fsdp2": DS + MTP2 + ["--training.local_batch_size", "4"],
+    "ds_mtp_ep2": DS + MTP2 + ["--training.local_batch_size", "4"] + EP2,
 }
 FOUR = {
     "hsdp2x2_bf16": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
@@ -207,7 +212,8 @@ SIXTEEN = {
 }
 
 
-DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2"]
+DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2", "ds_mtp_fsdp2",
+              "ds_mtp_ep2"]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
@@ -291,14 +297,14 @@ def losses(records):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe", "ds"):
+    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe", "ds_mtp", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
 @pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
-                                  "bc_qwen3_window_single", "ds_single"])
+                                  "bc_qwen3_window_single", "ds_single", "ds_mtp_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6

@@ -161,3 +161,74 @@ def test_import_skips_the_multi_token_prediction_layers_and_refuses_softmax_rout
     softmax = dataclasses.replace(args, moe=dataclasses.replace(args.moe, score_func="softmax"))
     with pytest.raises(UserError, match="routes with sigmoid scores; this flavor uses 'softmax'"):
         SPEC.hf.config(softmax)
+
+
+# ---- multi-token prediction ----
+
+
+def test_mtp_logits_predict_further_tokens_and_the_logged_loss_stays_the_next_token_loss():
+    from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
+
+    args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 64), mtp_depth=2)
+    model = materialized(args).train()
+    window = torch.randint(0, 4096, (2, 65), generator=torch.Generator().manual_seed(0))
+    tokens, labels = window[:, :-1], window[:, 1:].clone()
+    labels[0, 10] = IGNORE_INDEX  # e.g. the label after a document's end
+    logits = model(tokens)
+    assert logits.shape == (2, 64, 3, 4096)
+    loss = SPEC.loss_sum_fn(logits, labels)
+    assert torch.equal(loss, cross_entropy_sum(logits[:, :, 0], labels))  # the value: next-token only
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".eh_proj" in n)
+    # Depth 2's target at position i is label i + 2, counted only where labels i .. i + 2 all count.
+    from torchtitan.models.deepseek_v3.model import mtp_loss_sum
+
+    probe = torch.zeros(1, 6, 3, 8)
+    counted = []
+    for k in (1, 2):
+        one_hot = torch.zeros_like(probe)
+        one_hot[:, :, k] = 1.0  # only depth k's logits carry a gradient-bearing value
+        x = one_hot.clone().requires_grad_()
+        mtp_loss_sum(x, torch.tensor([[1, 2, IGNORE_INDEX, 3, 4, 5]])).backward()
+        counted.append(x.grad[0, :, k].abs().sum(-1).gt(0).tolist())
+    assert counted[0] == [True, False, False, True, True, False]  # labels i and i + 1 count, i + 1 in the window
+    assert counted[1] == [False, False, False, True, False, False]
+    # Evaluation (validation, generation) returns the next-token logits alone.
+    assert model.eval()(tokens).shape == (2, 64, 4096)
+
+
+def test_mtp_is_refused_where_it_does_not_run_yet_and_below_0():
+    from torchtitan.config import load_config
+    from torchtitan.train import preflight
+    from conftest import REPO
+
+    def cfg(*extra):
+        return load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name",
+                            "deepseek_v3", "--training.seq_len", "64", *extra])
+
+    with pytest.raises(UserError, match="model.mtp_depth must be 0 .* or more, got -1"):
+        cfg("--model.mtp_depth", "-1")
+    with pytest.raises(UserError, match=r"multi-token prediction \(mtp_depth = 1\) runs without "
+                                        r"parallelism.pipeline_parallel_degree so far"):
+        preflight(cfg("--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2",
+                      "--training.local_batch_size", "4"), world_size=2)
+    with pytest.raises(UserError, match="model.mtp_depth is set, but model 'llama3' has no multi-token prediction"):
+        preflight(load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+                               "--model.mtp_depth", "1"]), world_size=1)
+
+
+def test_mtp_modules_export_where_the_published_checkpoints_put_them(tmp_path):
+    from safetensors import safe_open
+
+    from torchtitan.components.hf_checkpoint import load_hf, save_hf
+
+    args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 64), mtp_depth=1)
+    model = materialized(args)
+    save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        mtp = {k.split(f"model.layers.{args.n_layers}.")[1] for k in f.keys() if k.startswith(f"model.layers.{args.n_layers}.")}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+            "embed_tokens.weight", "self_attn.q_a_proj.weight", "mlp.gate.e_score_correction_bias"} <= mtp
+    sd, back = load_hf(tmp_path / "hf", SPEC.hf)
+    assert back.mtp_depth == 1 and sd.keys() == model.state_dict().keys()
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())

@@ -184,10 +184,11 @@ def load_hf(
     return sd, hf_args
 
 
-def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shapes: dict[str, tuple] | None = None):
+def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shapes: dict[str, tuple] | None = None,
+                    args=None):
     """Everything that can be refused before a weight is read: the config's family, the files, the
-    dtypes, the tensor names and shapes (the adapter's conversion run on meta tensors) against
-    `expected_shapes` (our name -> shape). Returns the args of its config.json."""
+    dtypes, the tensor names and shapes (the adapter's conversion for `args`, default the config's,
+    run on meta tensors) against `expected_shapes` (our name -> shape). Returns the args of its config.json."""
     config = read_hf_config(folder)
     if config.get("model_type", adapter.model_types[0]) not in adapter.model_types:
         raise UserError(
@@ -195,7 +196,7 @@ def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shap
             f"{' or '.join(map(repr, adapter.model_types))}; choose the matching model.name"
         )
     hf_args = adapter.args_from_config(config)
-    ours = adapter.from_hf(HFFolder(folder).meta(), hf_args)
+    ours = adapter.from_hf(HFFolder(folder).meta(), args if args is not None else hf_args)
     if expected_shapes is not None:
         check_shapes({k: tuple(v.shape) for k, v in ours.items()}, expected_shapes, str(folder))
     return hf_args

@@ -117,6 +117,14 @@ class Model:
     max_window_layers: int | None = opt(
         None, "The first layer with a sliding window (the layers before it attend fully). Unset: the flavor's (0)."
     )
+    mtp_depth: int | None = opt(
+        None,
+        "Multi-token prediction for families that have it (deepseek_v3): this many modules after the last layer, "
+        "module k predicting the token k + 1 positions ahead. 0: off. Unset: the flavor's (0).",
+    )
+    mtp_loss_weight: float | None = opt(
+        None, "The weight of the multi-token-prediction modules' mean loss in the gradient. Unset: the flavor's (0.3)."
+    )
 
     def check(self) -> list[str]:
         return _failed(
@@ -125,6 +133,10 @@ class Model:
              f"unset for attention over every earlier position"),
             (self.max_window_layers is None or self.max_window_layers >= 0,
              f"model.max_window_layers must be 0 or more, got {self.max_window_layers}"),
+            (self.mtp_depth is None or self.mtp_depth >= 0,
+             f"model.mtp_depth must be 0 (no multi-token prediction) or more, got {self.mtp_depth}"),
+            (self.mtp_loss_weight is None or self.mtp_loss_weight >= 0,
+             f"model.mtp_loss_weight must be 0 or more, got {self.mtp_loss_weight}"),
             (not self.use_flex_attn or self.attn_backend in ("auto", "flex"),
              f"model.use_flex_attn = true asks for FlexAttention but model.attn_backend = {self.attn_backend!r}; "
              f"keep one"),

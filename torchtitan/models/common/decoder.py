@@ -87,16 +87,23 @@ class Decoder(nn.Module):
         (attention.document_ids: each token sees only its own document). Decoding: with `cache`
         (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
         and values are added to the cache."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if cache is None:
-            for layer in self.layers.values():
-                h = layer(h, self.rope, doc_ids=doc_ids)
+            h = self.trunk(tokens, doc_ids)
         else:
+            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
             rope = rotary_rows(self.rope, start_pos, tokens.shape[1])
             for layer_id, layer in self.layers.items():
                 h = layer(h, rope, cache[layer_id], start_pos)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def trunk(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedding and the blocks of the training forward (each may be absent on a pipeline
+        stage): the hidden states before the final norm."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope, doc_ids=doc_ids)
+        return h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):

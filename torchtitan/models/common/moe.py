@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.layers import FeedForward
+from torchtitan.models.common.layers import FeedForward, scale_gradient
 
 logger = logging.getLogger(__name__)
 
@@ -164,17 +164,6 @@ def local_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local(grad_placements=grads)
 
 
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -190,7 +179,7 @@ class GroupedExperts(nn.Module):
         """x: tokens sorted by expert, counts[e] of them for (local) expert e."""
         weights = [local_tensor(w) for w in (self.w1, self.w2, self.w3)]
         if self.grad_scale != 1.0:
-            weights = [_ScaleGradient.apply(w, self.grad_scale) for w in weights]
+            weights = [scale_gradient(w, self.grad_scale) for w in weights]
         w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
         h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
         return expert_matmul(h, w2, counts)

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (and Kimi K2): the family's spec, built from its args, model, TP plan and HF adapter."""
 
-from torchtitan.models.common.spec import ModelSpec
+from torchtitan.models.common.spec import ModelSpec, PipelineLayout
 
 
 def build_spec() -> ModelSpec:
@@ -22,6 +22,8 @@ def build_spec() -> ModelSpec:
         high_precision=("router.gate",),
         pre_parallelize=moe.configure_moe,
         document_masks=True,
+        loss_sum_fn=model.mtp_loss_sum,
+        pipeline=PipelineLayout(after=("norm", "output", "mtp")),
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,
         post_optimizer_step=moe.balance_after_step,

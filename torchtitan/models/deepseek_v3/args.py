@@ -30,6 +30,11 @@ class ModelArgs:
     max_seq_len: int = 4096
     # Scale each block's output-projection init by its depth (True) or by the model depth (False).
     depth_init: bool = True
+    # Multi-token prediction: mtp_depth modules after the last layer, module k predicting the token
+    # k + 1 positions further than the main output; their mean loss enters the gradient times
+    # mtp_loss_weight (the logged loss stays the next-token loss).
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     @property
     def qk_head_dim(self) -> int:
@@ -45,6 +50,17 @@ def validate(args: ModelArgs, dims) -> None:
         problems.append(f"qk_rope_head_dim = {args.qk_rope_head_dim} must be even (features rotate in pairs)")
     if args.n_dense_layers < args.n_layers and args.moe is None:
         problems.append("layers after n_dense_layers have experts: the flavor needs moe settings")
+    if args.mtp_depth < 0:
+        problems.append(f"mtp_depth = {args.mtp_depth} must be 0 (no multi-token prediction) or more")
+    if args.mtp_loss_weight < 0:
+        problems.append(f"mtp_loss_weight = {args.mtp_loss_weight} must be 0 or more")
+    if args.mtp_depth > 0:
+        unsupported = [name for name, degree in (("pipeline_parallel_degree", dims.pp), ("tensor_parallel_degree", dims.tp),
+                                                 ("context_parallel_degree", dims.cp)) if degree > 1]
+        if unsupported:
+            problems.append(f"multi-token prediction (mtp_depth = {args.mtp_depth}) runs without "
+                            f"{', '.join('parallelism.' + n for n in unsupported)} so far; set them to 1 (FSDP, HSDP, "
+                            "DDP and expert parallel work) or mtp_depth to 0")
     if args.moe is not None:
         problems += [f"moe: {p}" for p in args.moe.check()]
         if args.moe.num_experts % dims.ep:

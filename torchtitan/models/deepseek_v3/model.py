@@ -19,10 +19,12 @@ from torch import nn
 from torchtitan.models.common.attention import sdpa_attention
 from torchtitan.models.common.decoder import Decoder, matmul_parameters
 from torchtitan.models.common.init import normal, ones, trunc_normal
-from torchtitan.models.common.layers import FeedForward, KVCache
+from torchtitan.models.common.layers import FeedForward, KVCache, scale_gradient
 from torchtitan.models.common.moe import MoE, count_moe_parameters, moe_layers
 from torchtitan.models.common.rotary import complex_table, rotate_pairs, yarn_softmax_factor
-from torchtitan.models.common.spec import ModelSize, count_parameters, transformer_flops_per_token
+from torchtitan.models.common.spec import (
+    IGNORE_INDEX, ModelSize, count_parameters, cross_entropy_sum, transformer_flops_per_token,
+)
 from torchtitan.models.common.tp_plan import grad_summed, replicated
 from torchtitan.models.deepseek_v3.args import ModelArgs
 
@@ -99,9 +101,48 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MTPModule(nn.Module):
+    """Multi-token prediction, depth k: the previous depth's hidden states and the embedding of the
+    token k positions ahead, each normalized, concatenated (embedding first, as the published
+    weights expect) and projected back to dim, then one more block; `norm` before the shared output layer."""
+
+    def __init__(self, layer_id: int, a: ModelArgs):
+        super().__init__()
+        self.enorm, self.hnorm = nn.RMSNorm(a.dim, eps=a.norm_eps), nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.eh_proj = nn.Linear(2 * a.dim, a.dim, bias=False)
+        self.block = TransformerBlock(layer_id, a)
+        self.norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope, doc_ids=doc_ids)
+
+
 class Transformer(Decoder):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        # After the layers (a pipeline's last stage): module k at layer id n_layers + k.
+        self.mtp = nn.ModuleDict({str(k): MTPModule(args.n_layers + k, args) for k in range(args.mtp_depth)}) \
+            if args.mtp_depth else None
+
     def block(self, layer_id: int) -> nn.Module:
         return TransformerBlock(layer_id, self.args)
+
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, doc_ids: torch.Tensor | None = None):
+        """As the decoder's; in training with multi-token prediction, the logits of the main output and
+        of each MTP depth stacked on dim 2: [batch, seq, 1 + mtp_depth, vocab] (mtp_loss_sum reads
+        them). Depth k's logits at position i predict token i + k + 1; their gradient is scaled by
+        mtp_loss_weight / mtp_depth."""
+        if self.mtp is None or cache is not None or not self.training:
+            return super().forward(tokens, cache, start_pos, doc_ids)
+        h = self.trunk(tokens, doc_ids)
+        outs = [self.output(self.norm(h))]
+        scale = self.args.mtp_loss_weight / self.args.mtp_depth
+        for k, module in enumerate(self.mtp.values(), start=1):
+            ahead = F.pad(tokens[:, k:], (0, k))  # past the window: any id (its label is ignored)
+            h = module(h, self.tok_embeddings(ahead), self.rope, doc_ids)
+            outs.append(scale_gradient(self.output(module.norm(h)), scale))
+        return torch.stack(outs, dim=2)
 
     def rotary_table(self) -> torch.Tensor:
         a = self.args
@@ -121,7 +162,9 @@ class Transformer(Decoder):
             return normal(1.0)
         if parts[0] == "output":
             return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
-        block = self.layers[parts[1]]
+        if parts[0] == "mtp" and parts[2] == "eh_proj":
+            return trunc_normal(0.02)
+        block = self.layers[parts[1]] if parts[0] == "layers" else self.mtp[parts[1]].block
         # Input projections (and the router) at 0.02; output projections by depth.
         if name.removesuffix(".weight").rsplit(".", 1)[-1] in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate"):
             return trunc_normal(0.02)
@@ -129,18 +172,38 @@ class Transformer(Decoder):
 
 
 def model_size(args: ModelArgs) -> ModelSize:
+    """Parameter counts, the multi-token-prediction modules included (the published totals exclude them)."""
     total, embedding = count_parameters(Transformer, args)
     active = total
-    if args.moe is not None:  # a token uses top_k of the routed experts of each MoE layer
+    if args.moe is not None:  # a token uses top_k of the routed experts of each MoE layer (MTP blocks too)
         moe_total, moe_active = count_moe_parameters(args.moe, args.dim)
-        active -= (args.n_layers - args.n_dense_layers) * (moe_total - moe_active)
+        active -= (args.n_layers - args.n_dense_layers + args.mtp_depth) * (moe_total - moe_active)
     return ModelSize(total=total, active=active, embedding=embedding)
 
 
 def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
     # Attention: scores over qk_head_dim and weighted values over v_head_dim per head, forward and
     # backward: 6 x heads x (qk + v) per attended pair, which transformer_flops_per_token counts as
-    # 12 x width: width = heads x (qk + v) / 2.
+    # 12 x width: width = heads x (qk + v) / 2. Each MTP depth adds a block's attention and another
+    # pass through the (shared) output layer and embedding lookup.
     width = args.n_heads * (args.qk_head_dim + args.v_head_dim) / 2
-    return transformer_flops_per_token(matmul_parameters(model_size(args), args), width, [None] * args.n_layers,
-                                       doc_lengths)
+    matmul = matmul_parameters(model_size(args), args) + args.mtp_depth * args.vocab_size * args.dim
+    return transformer_flops_per_token(matmul, width, [None] * (args.n_layers + args.mtp_depth), doc_lengths)
+
+
+def mtp_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The spec's loss: the next-token cross entropy sum; with multi-token prediction's stacked logits
+    (Transformer.forward), plus each depth's sum over its labels, added so that it moves the
+    gradient but not the value (the logged loss stays the next-token loss). Depth k's label at i is
+    label i + k, counted only where labels i .. i + k all count (the chain stays in its document
+    when cross-document labels are ignored, and in the window)."""
+    if logits.dim() == 3:
+        return cross_entropy_sum(logits, labels)
+    total = cross_entropy_sum(logits[:, :, 0], labels)
+    extra = torch.zeros((), dtype=total.dtype, device=total.device)
+    valid = labels != IGNORE_INDEX
+    for k in range(1, logits.shape[2]):
+        ahead = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
+        valid = valid & (ahead != IGNORE_INDEX)
+        extra = extra + cross_entropy_sum(logits[:, :, k], torch.where(valid, ahead, IGNORE_INDEX))
+    return total + (extra - extra.detach())

@@ -4,9 +4,11 @@ Renames, and the routed experts between our 3-D weights and the hub's one tensor
 transformers 5's fused ones, read on import). No row is permuted: the published checkpoints rotate
 adjacent feature pairs of the rotary parts ("rope_interleave": true), as our MLA does. The balancing
 bias is the router's e_score_correction_bias, exported and imported, so an export computes what we
-train. Published checkpoints hold num_nextn_predict_layers multi-token-prediction layers after the
-last decoder layer (model.layers.61 for the 671B model), which transformers does not load: they are
-skipped on import.
+train. Multi-token prediction: module k is the published layer n_layers + k (model.layers.61 for
+the 671B model): its block's tensors under the block's names, enorm, hnorm, eh_proj and
+shared_head.norm, and copies of the embedding and the output layer (written on export, skipped on
+import: ours are shared). transformers does not load those layers; an import reads as many as the
+run's mtp_depth and skips the others.
 """
 
 import torch
@@ -65,10 +67,25 @@ def _layer_renames(layer: int, args: ModelArgs) -> dict[str, str]:
                  if k.split(".")[1] not in ("wq", "wq_a", "q_norm", "wq_b") or k.split(".")[1] in queries}
     ffn = _DENSE if layer < args.n_dense_layers else {
         k: v for k, v in _MOE.items() if "shared_experts" not in k or args.moe.num_shared_experts}
-    return {**attention, **ffn}
+    mtp = {f"mtp.{k}": v for k, v in _MTP.items()} if layer >= args.n_layers else {}
+    return {**attention, **ffn, **mtp}
+
+
+# A multi-token-prediction module's own tensors, beside its block's, in the published layer of
+# index n_layers + k (which also holds copies of the embedding and the output layer).
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "norm.weight": "shared_head.norm.weight"}
+_MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 
 
 def _split(ours: str, args: ModelArgs) -> tuple[int | None, str]:
+    """(HF layer index, our name within the layer) of our tensor; (None, ours) for a top-level one.
+    An MTP module k is layer n_layers + k: its block's tensors keep their names, its own get "mtp."."""
+    if ours.startswith("mtp."):
+        _, k, local = (ours.split(".", 2) + ["", ""])[:3]
+        if not k.isdigit() or int(k) >= args.mtp_depth:
+            raise KeyError(f"{ours} is not a tensor of {_describe(args)}")
+        return args.n_layers + int(k), local.removeprefix("block.") if local.startswith("block.") else "mtp." + local
     if not ours.startswith("layers."):
         return None, ours
     _, layer, local = (ours.split(".", 2) + ["", ""])[:3]
@@ -79,10 +96,11 @@ def _split(ours: str, args: ModelArgs) -> tuple[int | None, str]:
 
 def _our_names(args: ModelArgs) -> list[str]:
     names = list(_TOP_LEVEL)
-    for i in range(args.n_layers):
-        names += [f"layers.{i}.{local}" for local in _layer_renames(i, args)]
-        if i >= args.n_dense_layers:
-            names += [f"layers.{i}.{local}" for local in EXPERT_PROJECTIONS]
+    for i in range(args.n_layers + args.mtp_depth):
+        prefix = f"layers.{i}." if i < args.n_layers else f"mtp.{i - args.n_layers}."
+        for local in [*_layer_renames(i, args), *(EXPERT_PROJECTIONS if i >= args.n_dense_layers else ())]:
+            names.append(prefix + (local.removeprefix("mtp.") if local.startswith("mtp.") else
+                                   ("block." + local if i >= args.n_layers else local)))
     return names
 
 
@@ -108,16 +126,28 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     layer, local = _split(ours, args)
     if layer is None:
-        return {_TOP_LEVEL[ours]: w}
+        # The published MTP layers hold their own copies of the embedding and the output layer.
+        # (Clones: a safetensors file holds no two names of one storage.)
+        copies = {f"model.layers.{args.n_layers + k}.{_MTP_COPIES[ours]}": w.clone()
+                  for k in range(args.mtp_depth) if ours in _MTP_COPIES}
+        return {_TOP_LEVEL[ours]: w, **copies}
     if local in EXPERT_PROJECTIONS:
         return expert_to_hf(layer, local, w)
     return {f"model.layers.{layer}.{_layer_renames(layer, args)[local]}": w}
 
 
 def _mtp_layers(hf_sd, args: ModelArgs):
-    """The names of the multi-token-prediction layers stored after the decoder layers (skipped)."""
-    return [k for k in hf_sd if k.startswith("model.layers.") and k.split(".")[2].isdigit()
-            and int(k.split(".")[2]) >= args.n_layers]
+    """The names of the multi-token-prediction layers stored after the decoder layers that `args`
+    does not read (its mtp_depth first ones are read), and the MTP layers' copies of the embedding
+    and the output layer: skipped."""
+    skipped = []
+    for key in hf_sd:
+        parts = key.split(".")
+        if key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= args.n_layers:
+            copy = ".".join(parts[3:]) in _MTP_COPIES.values()
+            if copy or int(parts[2]) >= args.n_layers + args.mtp_depth:
+                skipped.append(key)
+    return skipped
 
 
 def _expected_hf(args: ModelArgs, present) -> list[str]:
@@ -199,7 +229,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
     }
@@ -246,6 +276,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
         norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         max_seq_len=config.get("max_position_embeddings", 4096),
+        mtp_depth=config.get("num_nextn_predict_layers") or 0,
     )
 
 
