@@ -64,7 +64,7 @@ size; a resume skips those shards without reading them) and without (the resume 
 N to count their documents). Also checks that the first window starts with document N and that both
 give the same first batch, and prints the ratio of the start-ups at the two positions.
 
-For scale: the debug model trains at about 2,150 tokens/s on CPU (README, scripts/benchmark.py), so
+For scale: the debug model trains at about 2,150 tokens/s on CPU (docs/performance.md, scripts/benchmark.py), so
 the target is at least 100x that, 215,400 tokens/s per rank. Not a test: it prints figures.
 """
 
@@ -89,7 +89,7 @@ from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config.job_config import Training  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "python_stdlib_4k.model"
-DEBUG_MODEL_TOKENS_PER_S = 2_154  # README: the debug model on CPU
+DEBUG_MODEL_TOKENS_PER_S = 2_154  # docs/performance.md: the debug model on CPU
 MIX_DOC_CHARS = 4096  # characters per document of the mixture's corpus
 MIX_ROW_GROUPS = 8  # row groups per parquet file of the mixture's corpus
 

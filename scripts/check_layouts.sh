@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run every layout command of the README's parallelism table for a few steps and print each one's
+# Run every layout command of docs/parallelism.md's layout table for a few steps and print each one's
 # last logged loss; exit non-zero if any fails. The table is the single list of layouts.
 #   bash scripts/check_layouts.sh [extra overrides, default: --training.steps 4]
 set -uo pipefail
@@ -20,6 +20,6 @@ while IFS= read -r cmd; do
         failed=$((failed + 1))
         echo "FAIL  ${cmd}  (log: ${log})"
     fi
-done < <(grep -o '^| [^|]* | `NGPU=[^`]*`' README.md | sed 's/.*`\(NGPU=[^`]*\)`/\1/')
+done < <(grep -o '^| [^|]* | `NGPU=[^`]*`' docs/parallelism.md | sed 's/.*`\(NGPU=[^`]*\)`/\1/')
 echo "${n} layouts, ${failed} failed"
 [ "${failed}" -eq 0 ] && [ "${n}" -gt 0 ]

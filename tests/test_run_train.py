@@ -109,7 +109,7 @@ def test_every_rank_reports_an_error_under_plain_torchrun(tmp_path):
 
 def readme_layout_commands() -> list[str]:
     """The commands of the README's layout table (the list scripts/check_layouts.sh runs)."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "parallelism.md").read_text()
     return re.findall(r"^\| [^|]* \| `(NGPU=[^`]*)`", text, flags=re.M)
 
 

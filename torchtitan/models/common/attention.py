@@ -141,7 +141,7 @@ def _mask_mod(doc_ids: torch.Tensor | None, window: int | None):
 
 
 # Off CUDA, from this window length on, one SDPA call per document beats one masked SDPA call over
-# the whole window (README, "Attention masks and the loss": measured on CPU at 256, 1024 and 2048).
+# the whole window (docs/models.md, "Attention masks and the loss": measured on CPU at 256, 1024 and 2048).
 SPLIT_FROM_SEQ_LEN = 1024
 
 
