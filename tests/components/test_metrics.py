@@ -1,4 +1,5 @@
 import glob
+import time
 import json
 import re
 
@@ -101,6 +102,10 @@ def test_wandb_offline_run_and_resume(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # wandb's service keeps its files under the temporary folder; a private one keeps another job's
+    # wandb run (a concurrent test session) out of this one's.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     from torchtitan.components.metrics import wandb_mode
 
     assert wandb_mode() == "offline"
@@ -113,7 +118,14 @@ def test_wandb_offline_run_and_resume(tmp_path, monkeypatch):
     run_id = (tmp_path / "wandb_run_id").read_text()
     runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and glob.glob(f"{runs[0]}/run-{run_id}.wandb")
-    logged = open(f"{runs[0]}/run-{run_id}.wandb", "rb").read()
+    # wandb's service process writes the run file; on a busy host it may still be writing it when
+    # finish() has returned (a 7-byte file was seen): wait for the records, up to 60 s.
+    deadline = time.monotonic() + 60
+    while True:
+        logged = open(f"{runs[0]}/run-{run_id}.wandb", "rb").read()
+        if set(wandb_values(logged, "loss")) == {5.0} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     # (in the step's history record, and again in the run's summary)
     assert set(wandb_values(logged, "loss")) == {5.0} and set(wandb_values(logged, "validation_loss")) == {6.0}
     assert b'{"steps":2}' in logged  # the run's config
