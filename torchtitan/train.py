@@ -33,7 +33,7 @@ from torchtitan.components.batch import BatchRule, valid_labels
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.metrics import MetricsLogger, MfuPeak, peak_memory_gib
-from torchtitan.components.optimizer import OptimizerGroup
+from torchtitan.components.optimizer import OptimizerGroup, check_param_groups
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import RunLock
 from torchtitan.components.stop_signals import StopSignals
@@ -254,6 +254,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, run_args), run_args)
     if spec.validate is not None:
         spec.validate(model_args, dims)
+    if cfg.optimizer.param_groups:
+        with torch.device("meta"):  # every pattern matches a parameter of the whole model
+            check_param_groups(spec.model_cls(model_args), cfg.optimizer)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise UserError("metrics.enable_wandb needs the wandb package: pip install wandb (or turn it off)")
     check_writable(cfg.job.dump_folder, "the config and metrics")
@@ -527,7 +530,13 @@ class Trainer:
         logger.info(f"attention: {mask}, {name} kernel (model.attn_backend = {m.attn_backend!r}){ring}")
 
     def build_optimizer(self) -> OptimizerGroup:
-        optim = OptimizerGroup(self.parts, self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
+        whole = None
+        if self.dims.pp_enabled:
+            # The parameter groups are decided on the whole model's names and modules (a stage holds a part).
+            with torch.device("meta"):
+                whole = self.spec.model_cls(self.model_args)
+        optim = OptimizerGroup(self.parts, self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps,
+                               whole_model=whole)
         if self.spec.post_optimizer_build is not None:
             self.spec.post_optimizer_build(self.parts, optim.optimizers)
         return optim

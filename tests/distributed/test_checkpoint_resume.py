@@ -29,7 +29,11 @@ CP2_TP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_d
            "--parallelism.tensor_parallel_degree", "2"]
 CP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
        "--parallelism.context_parallel_rotate_method", "alltoall"]
-QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+# Every parameter decayed (the default before norms and biases went undecayed): the tied flavor at this
+# learning rate amplifies rounding chaotically, and with the new default its gradient norm spikes (19.7 at
+# step 8), so that FSDP 4 -> TP 2 resumes differ by 1.4e-4 at step 9 (as much as FSDP 4 and FSDP 2 x TP 2
+# differ when run straight: 1.9e-2 by step 10); with it the tolerances below hold as measured.
+QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.weight_decay_norms_and_biases"]
 TP2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 EP2_FSDP2 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]

@@ -371,6 +371,22 @@ def check_writable(folder: str, what: str):
         raise UserError(f"cannot write {what} to {folder}: {reason}; choose another job.dump_folder")
 
 
+def _unscaled(values: list[float], mults: list[float] | None) -> float:
+    """The unmultiplied learning rate from a saved per-group list: a group without a multiplier's value
+    (exact), else the first group's divided by its multiplier."""
+    mults = mults or [1.0] * len(values)
+    for value, mult in zip(values, mults):
+        if mult == 1.0:
+            return value
+    return values[0] / mults[0]
+
+
+def _scaled(lr: float, group: dict) -> float:
+    """A group's learning rate from the unmultiplied one, as the optimizer built it (peak x multiplier)."""
+    mult = group.get("lr_mult", 1.0)
+    return lr if mult == 1.0 else lr * mult
+
+
 # ---------------------------------------------------------------------------------------------
 # The manager
 
@@ -596,25 +612,32 @@ class CheckpointManager:
         if "model" in to_load:
             for part, sd in zip(self.parts, model_sds):
                 set_model_state_dict(part, sd)
+        # The lr multipliers of the saving run's first optimizer's groups (absent before multipliers: all 1).
+        saved_mults = (state.get("lr_scheduler") or {}).get("lr_mults")
         if load_optimizer:
             self._share_loaded_optim_state(optim_sds, to_load["optimizer"]["state"])
             for part, opt, sd in zip(self.parts, self.optimizers, optim_sds):
                 set_optimizer_state_dict(part, opt, sd)
-                # One learning rate for all groups (their number depends on the layout: one per mesh).
+                # Groups differ between layouts (one per semantic group and device mesh, a pipeline stage
+                # holds some): each gets the saved unmultiplied learning rate times its own lr multiplier.
                 for group in opt.param_groups:
-                    group["lr"] = state["optimizer_lrs"][0]
+                    group["lr"] = _scaled(_unscaled(state["optimizer_lrs"], saved_mults), group)
         if model_only:
             logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s")
             return 0, 0
         if "lr_scheduler" not in excluded:
             for sched, opt in zip(self.lr_schedulers, self.optimizers):
-                # Per-group lists hold one value for all groups; the number of groups depends on the
-                # layout (one per device mesh, e.g. expert-parallel experts apart).
+                # The saved per-group lists are the saving layout's groups; this layout's groups take the
+                # saved unmultiplied peak times their own multiplier, and the schedule's value at the saved
+                # step (bit for bit what the uninterrupted run has there).
                 saved = dict(state["lr_scheduler"], lr_lambdas=[None])
-                for key in ("base_lrs", "_last_lr"):
-                    if isinstance(saved.get(key), list) and saved[key]:
-                        saved[key] = [saved[key][0]] * len(opt.param_groups)
+                saved.pop("lr_mults", None)
+                peak = _unscaled(saved["base_lrs"], saved_mults)
+                saved["base_lrs"] = [_scaled(peak, group) for group in opt.param_groups]
                 sched.load_state_dict(saved)
+                for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * fn(sched.last_epoch)
+                sched._last_lr = [group["lr"] for group in opt.param_groups]
         if "dataloader" not in excluded:
             self.dataloader.load_state_dict(state["dataloader"])
         self.counters.update(state.get("counters", {}))
@@ -719,6 +742,8 @@ class CheckpointManager:
 
     def _train_state(self, step: int, tokens: int, model_only: bool) -> dict:
         sched = {k: v for k, v in self.lr_schedulers[0].state_dict().items() if k != "lr_lambdas"}
+        # Each group's lr multiplier, so that a load can take the unmultiplied schedule from any group.
+        sched["lr_mults"] = [g.get("lr_mult", 1.0) for g in self.optimizers[0].param_groups]
         return train_state_record(
             step=step,
             tokens=tokens,

@@ -33,4 +33,6 @@ def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
 
 
 def build_lr_scheduler(optimizer: Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
+    """Every parameter group follows the schedule from its own initial lr: the peak times the group's
+    lr multiplier (optimizer.param_groups), so the multipliers hold at every step."""
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))

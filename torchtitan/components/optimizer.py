@@ -1,39 +1,183 @@
-"""Optimizer construction from the [optimizer] section."""
+"""Optimizer construction from the [optimizer] section.
+
+Parameter groups are decided by parameter name (FQN) and by the kind of module that owns the
+parameter, never by shard or rank, so every parallel layout groups the same parameters alike:
+- norm weights (the parameters of normalization modules, and any 1-D or scalar parameter) and biases
+  get no weight decay unless optimizer.weight_decay_norms_and_biases;
+- embeddings (nn.Embedding weights) get none when optimizer.weight_decay_embeddings = false;
+- optimizer.param_groups entries (a regular expression over the names, with an lr multiplier and a
+  weight decay) take the parameters they match, the first matching entry winning.
+A Parameter reachable under several names (a tied embedding and output layer) is decided once, from
+all its names and owning modules. Each group is further split by device mesh (see build_optimizer).
+"""
+
+import logging
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.config import UserError
+from torchtitan.config.job_config import parse_param_groups
+
+logger = logging.getLogger(__name__)
+
+# Modules whose parameters are norm weights (torch's normalization layers; batchnorm's base class
+# covers the batch and instance norms). Other families' own norm modules have 1-D weights.
+NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+# Wrapper modules that insert a component into parameter names (torchtitan's own wrappers do not).
+_WRAPPER_PARTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+@dataclass(frozen=True)
+class GroupSettings:
+    """A semantic parameter group: the same name and settings in every layout."""
+
+    name: str  # "decay", "no_decay", or an optimizer.param_groups pattern (+ " no_decay")
+    lr_mult: float
+    weight_decay: float
+
+
+def clean_name(name: str) -> str:
+    return _WRAPPER_PARTS.sub(r"\1", name)
+
+
+def _parameters_with_owners(model: nn.Module) -> list[tuple[nn.Parameter, list[str], list[nn.Module]]]:
+    """Each Parameter once, with every name it has in `model` and every module that holds it."""
+    found: dict[int, tuple[nn.Parameter, list[str], list[nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            entry = found.setdefault(id(p), (p, [], []))
+            entry[1].append(clean_name(f"{module_name}.{name}" if module_name else name))
+            entry[2].append(module)
+    return list(found.values())
+
+
+def classify_parameters(model: nn.Module, cfg: OptimizerConfig) -> tuple[dict[str, GroupSettings], set[str]]:
+    """{every parameter name of `model`: its group}, and the optimizer.param_groups patterns that
+    matched a parameter."""
+    rules = parse_param_groups(cfg.param_groups)
+    compiled = [(rule, re.compile(rule.pattern)) for rule in rules]
+    table: dict[str, GroupSettings] = {}
+    matched: set[str] = set()
+    for p, names, owners in _parameters_with_owners(model):
+        norm_or_bias = (p.dim() < 2 or any(isinstance(m, NORM_MODULES) for m in owners)
+                        or any(n.rsplit(".", 1)[-1].endswith("bias") for n in names))
+        embedding = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in owners)
+        excluded = ((norm_or_bias and not cfg.weight_decay_norms_and_biases)
+                    or (embedding and not cfg.weight_decay_embeddings))
+        default_decay = 0.0 if excluded else cfg.weight_decay
+        rule = next((r for r, regex in compiled if any(regex.search(n) for n in names)), None)
+        if rule is None:
+            settings = GroupSettings("no_decay" if excluded else "decay", 1.0, default_decay)
+        else:
+            matched.add(rule.pattern)
+            if rule.weight_decay is not None:
+                settings = GroupSettings(rule.pattern, rule.lr_mult, rule.weight_decay)
+            else:
+                settings = GroupSettings(rule.pattern + (" no_decay" if excluded else ""), rule.lr_mult,
+                                         default_decay)
+        for n in names:
+            table[n] = settings
+    return table, matched
+
+
+def parameter_name_hint(names) -> str:
+    """A few parameter names, for a message: those outside layers and of the first layer (index 0)."""
+    names = list(dict.fromkeys(names))
+    outside = [n for n in names if not re.search(r"(^|\.)\d+\.", n)]
+    first = [n for n in names if re.search(r"(^|\.)\d+\.", n) and not re.search(r"(^|\.)[1-9]\d*\.", n)]
+    sample = (outside[:4] + first)[:8]
+    return ", ".join(sample) + (f", ... ({len(names)} in all)" if len(names) > len(sample) else "")
+
+
+def check_patterns_matched(cfg: OptimizerConfig, matched: set[str], names) -> None:
+    """UserError naming each optimizer.param_groups pattern that matched no parameter of the whole model."""
+    missing = [rule.pattern for rule in parse_param_groups(cfg.param_groups) if rule.pattern not in matched]
+    if missing:
+        raise UserError(
+            f"optimizer.param_groups: {', '.join(repr(p) for p in missing)} "
+            f"{'matches' if len(missing) == 1 else 'match'} no parameter of the model (patterns are searched in "
+            f"the full names, e.g. {parameter_name_hint(names)}); fix or remove "
+            f"{'it' if len(missing) == 1 else 'them'}"
+        )
+
+
+def check_param_groups(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """Before launch, on the whole model (the meta device is enough): every pattern matches a parameter."""
+    if cfg.param_groups:
+        table, matched = classify_parameters(model, cfg)
+        check_patterns_matched(cfg, matched, table)
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, groups: dict[str, GroupSettings] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer of `model` (a whole model, or a pipeline stage given the whole model's `groups`
+    by name; without `groups`, `model` is taken as the whole model and every pattern must match)."""
     impl = {
         "fused": {"fused": True, "foreach": False},
         "foreach": {"fused": False, "foreach": True},
         "for-loop": {"fused": False, "foreach": False},
     }[cfg.implementation]
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    # One parameter group per device mesh: the fused and foreach kernels take each group's tensors
-    # together, and DTensors of different meshes (expert-parallel experts beside the dense weights)
-    # cannot meet in one kernel.
-    groups: dict[object, list] = {}
-    for p in model.parameters():
+    own, matched = classify_parameters(model, cfg)
+    if groups is None:
+        groups = own
+        check_patterns_matched(cfg, matched, own)
+    # One parameter group per semantic group and device mesh: the fused and foreach kernels take each
+    # group's tensors together, and DTensors of different meshes (expert-parallel experts beside the
+    # dense weights) cannot meet in one kernel.
+    by_group: dict[tuple[GroupSettings, object], list] = {}
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    param_groups = [{"params": params} for params in groups.values()]
+            name = clean_name(name)
+            settings = groups.get(name, own[name])
+            by_group.setdefault((settings, getattr(p, "device_mesh", None)), []).append(p)
+    param_groups = [
+        {"params": params, "name": s.name, "lr": cfg.lr * s.lr_mult, "lr_mult": s.lr_mult,
+         "weight_decay": s.weight_decay}
+        for (s, _), params in by_group.items()
+    ]
     return cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                **impl)
 
 
+def describe_groups(optimizers: list[torch.optim.Optimizer]) -> str:
+    """One line: each semantic group with its parameter count, lr multiplier and weight decay."""
+    counts: dict[tuple, int] = {}
+    for opt in optimizers:
+        for g in opt.param_groups:
+            key = (g.get("name", "?"), g.get("lr_mult", 1.0), g["weight_decay"])
+            counts[key] = counts.get(key, 0) + sum(p.numel() for p in g["params"])
+    return "; ".join(f"{name}: {n:,} parameters, lr x{mult:g}, weight decay {wd:g}"
+                     for (name, mult, wd), n in counts.items())
+
+
 class OptimizerGroup:
     """One optimizer and LR schedule per model part (several pipeline stages on a rank), stepped as
-    one. Separate optimizers keep each part's state keyed by the part's own parameter names."""
+    one. Separate optimizers keep each part's state keyed by the part's own parameter names.
+    `whole_model` (e.g. on the meta device): the model the parts were split from, whose names and
+    modules decide the parameter groups; None when the parts together are the whole model."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, lr_cfg, total_steps: int):
+    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, lr_cfg, total_steps: int,
+                 whole_model: nn.Module | None = None):
         from torchtitan.components.lr_scheduler import build_lr_scheduler
 
-        self.optimizers = [build_optimizer(part, cfg) for part in parts]
+        if whole_model is not None:
+            groups, matched = classify_parameters(whole_model, cfg)
+        else:
+            groups, matched = {}, set()
+            for part in parts:
+                table, found = classify_parameters(part, cfg)
+                groups.update(table)
+                matched |= found
+        check_patterns_matched(cfg, matched, groups)
+        self.optimizers = [build_optimizer(part, cfg, groups) for part in parts]
         self.schedulers = [build_lr_scheduler(opt, lr_cfg, total_steps) for opt in self.optimizers]
+        logger.info(f"optimizer parameter groups (this rank): {describe_groups(self.optimizers)}")
 
     def zero_grad(self):
         for opt in self.optimizers:
@@ -51,4 +195,10 @@ class OptimizerGroup:
 
     @property
     def lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        """The scheduled learning rate (of the groups without an lr multiplier)."""
+        sched = self.schedulers[0]
+        groups = sched.optimizer.param_groups
+        for lr, group in zip(sched.get_last_lr(), groups):
+            if group.get("lr_mult", 1.0) == 1.0:
+                return lr
+        return sched.get_last_lr()[0] / groups[0]["lr_mult"]

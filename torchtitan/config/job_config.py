@@ -9,6 +9,7 @@ message otherwise, so a recipe never silently loses an option.
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
@@ -147,6 +148,68 @@ class Model:
         ]
 
 
+PARAM_GROUP_SYNTAX = "PATTERN [lr_mult=X] [weight_decay=Y], e.g. 'tok_embeddings lr_mult=0.5 weight_decay=0'"
+PARAM_GROUP_OPTIONS = ("lr_mult", "weight_decay")
+
+
+@dataclass(frozen=True)
+class ParamGroupRule:
+    """One optimizer.param_groups entry: parameters whose name `pattern` matches (re.search) train at
+    lr_mult x the scheduled learning rate, with `weight_decay` (None: the parameter's default)."""
+
+    pattern: str
+    lr_mult: float = 1.0
+    weight_decay: float | None = None
+
+
+def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") -> list[ParamGroupRule]:
+    """The rules of optimizer.param_groups, in order; every problem at once as one UserError."""
+    rules, problems = [], []
+    for entry in entries:
+        if not entry.split():
+            problems.append(f"an entry is empty; write {PARAM_GROUP_SYNTAX}")
+            continue
+        pattern, *options = entry.split()
+        values: dict[str, float] = {}
+        bad = False
+        for option in options:
+            name, sep, text = option.partition("=")
+            try:
+                value = float(text)
+            except ValueError:
+                value = None
+            if not sep or name not in PARAM_GROUP_OPTIONS:
+                problems.append(f"{entry!r}: {option!r} is not an option; write {PARAM_GROUP_SYNTAX} (the pattern "
+                                f"cannot contain spaces)")
+            elif name in values:
+                problems.append(f"{entry!r}: {name} is given twice")
+            elif value is None or not math.isfinite(value):
+                problems.append(f"{entry!r}: {name} = {text!r} is not a number")
+            elif name == "lr_mult" and not value > 0:
+                problems.append(f"{entry!r}: lr_mult must be greater than 0, got {text}")
+            elif name == "weight_decay" and not value >= 0:
+                problems.append(f"{entry!r}: weight_decay must be 0 or more, got {text}")
+            else:
+                values[name] = value
+                continue
+            bad = True
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            problems.append(f"{entry!r}: {pattern!r} is not a regular expression ({e})")
+            bad = True
+        if not bad:
+            rules.append(ParamGroupRule(pattern, **values))
+    patterns = [r.pattern for r in rules]
+    duplicates = sorted({p for p in patterns if patterns.count(p) > 1})
+    if duplicates:
+        problems.append(f"{', '.join(map(repr, duplicates))} appears more than once; the first entry would take "
+                        f"every parameter it matches, so give each pattern once")
+    if problems:
+        raise UserError(f"{key}: " + "; ".join(problems))
+    return rules
+
+
 @dataclass(frozen=True)
 class Optimizer:
     name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer: AdamW (decoupled weight decay) or Adam.")
@@ -154,19 +217,49 @@ class Optimizer:
     beta1: float = opt(0.9, "Adam beta1.")
     beta2: float = opt(0.95, "Adam beta2.")
     eps: float = opt(1e-8, "Adam epsilon.")
-    weight_decay: float = opt(0.1, "Weight decay.")
+    weight_decay: float = opt(
+        0.1,
+        "Weight decay of the weight matrices (and embeddings, see weight_decay_embeddings); norm weights and "
+        "biases get none unless weight_decay_norms_and_biases = true.",
+    )
+    weight_decay_norms_and_biases: bool = opt(
+        False,
+        "Also decay norm weights (the parameters of normalization modules, and any 1-D or scalar parameter) and "
+        "biases. false (the default) leaves them undecayed, as current pre-training recipes do; true decays every "
+        "parameter, as this version did before.",
+    )
+    weight_decay_embeddings: bool = opt(
+        True, "Decay the token embeddings (nn.Embedding weights; a tied output layer shares them); false leaves them undecayed."
+    )
+    param_groups: list[str] = opt(
+        [],
+        "Groups of parameters with their own learning rate and weight decay: entries "
+        "'PATTERN [lr_mult=X] [weight_decay=Y]', e.g. [\"tok_embeddings lr_mult=0.5 weight_decay=0\", "
+        "\"layers\\\\.0\\\\. lr_mult=0.1\"] (on the command line comma-separated: a pattern given there cannot "
+        "contain a comma). PATTERN is a regular expression searched in each parameter's full name (e.g. "
+        "layers.0.attention.wq.weight; anchor it with ^ and $), the same in every parallel layout; a parameter "
+        "several patterns match joins the first entry's group. lr_mult (default 1) multiplies the scheduled "
+        "learning rate; weight_decay (default: as without the entry) replaces the decay. Each pattern must match "
+        "a parameter of the model (checked before launch).",
+    )
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
         "fused", "Kernel implementation of the optimizer step."
     )
 
     def check(self) -> list[str]:
-        return _failed(
+        problems = _failed(
             (self.lr > 0, f"optimizer.lr must be greater than 0, got {self.lr}"),
+            (not self.lr > 0 or self.lr < math.inf, f"optimizer.lr must be a finite number, got {self.lr}"),
             (self.eps > 0, f"optimizer.eps must be greater than 0, got {self.eps}"),
             (self.weight_decay >= 0, f"optimizer.weight_decay must be 0 or more, got {self.weight_decay}"),
             (0 <= self.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {self.beta1}"),
             (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}"),
         )
+        try:
+            parse_param_groups(self.param_groups)
+        except UserError as e:
+            problems.append(str(e))
+        return problems
 
 
 @dataclass(frozen=True)
