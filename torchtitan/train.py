@@ -524,7 +524,7 @@ class Trainer:
         name, fn = attention_backend("flex" if m.use_flex_attn else m.attn_backend, self.device.type, masked,
                                      m.attn_mask_type == "block_causal", self.cfg.training.seq_len)
         for part in parts:
-            set_attention_fn(part, self.spec.cp_attention, fn)
+            set_attention_fn(part, self.spec.cp_attention, fn, self.spec.blocks(part))
         ring = f"; context parallel's ring attention ({self.cfg.parallelism.context_parallel_rotate_method})" \
             if self.dims.cp_enabled else ""
         logger.info(f"attention: {mask}, {name} kernel (model.attn_backend = {m.attn_backend!r}){ring}")

@@ -158,6 +158,7 @@ TWO = {
     "ds_ep2": DS + ["--training.local_batch_size", "4"] + EP2,
     "ds_mtp_fsdp2": DS + MTP2 + ["--training.local_batch_size", "4"],
     "ds_mtp_ep2": DS + MTP2 + ["--training.local_batch_size", "4"] + EP2,
+    "ds_mtp_tp2": DS + MTP2 + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
 }
 FOUR = {
     "hsdp2x2_bf16": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
@@ -213,7 +214,7 @@ SIXTEEN = {
 
 
 DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2", "ds_mtp_fsdp2",
-              "ds_mtp_ep2"]
+              "ds_mtp_ep2", "ds_mtp_tp2"]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 

@@ -235,11 +235,13 @@ class ContextParallelAttention:
         return _Tie.apply(torch.cat([_merge(p) for p in parts], dim=-2), kv).to(q.dtype)
 
 
-def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str) -> None:
+def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str,
+             blocks=None) -> None:
     """Make `model` (a decoder or a pipeline stage of one) run on this rank's share of each sequence:
-    the attention of every block (`block.<attention_path>.attention_fn`) becomes context-parallel
-    and the model's rotary positions the global positions of the local tokens."""
+    the attention of every block (`block.<attention_path>.attention_fn`; `blocks`, default the
+    model's layers) becomes context-parallel and the model's rotary positions the global positions
+    of the local tokens."""
     attention = ContextParallelAttention(cp_mesh, rotate_method)
-    for block in model.layers.values():
+    for block in (model.layers.values() if blocks is None else blocks):
         block.get_submodule(attention_path).attention_fn = attention
     model.set_token_positions(local_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank()))

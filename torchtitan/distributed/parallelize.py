@@ -37,13 +37,15 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise ValueError(f"model {spec.name} has no tensor-parallel plan in its spec")
-        apply_tp(model, mesh["tp"], spec.tp_plan, loss_parallel=not parallelism.disable_loss_parallel)
+        apply_tp(model, mesh["tp"], spec.tp_plan, loss_parallel=not parallelism.disable_loss_parallel,
+                 blocks=spec.blocks(model))
         if parallelism.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp_enabled:
         if spec.cp_attention is None:
             raise ValueError(f"model {spec.name} does not support context parallel (its spec has no cp_attention)")
-        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method, spec.cp_attention)
+        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method, spec.cp_attention,
+                 spec.blocks(model))
     ac = inputs.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if training.compile:

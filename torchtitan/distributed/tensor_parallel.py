@@ -50,20 +50,27 @@ def check_tp_divisibility(sizes: dict[str, tuple[int, str]], tp: int, seq_len: i
         )
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel: bool) -> None:
-    """Shard `model` (on meta or materialized) in place over the 1D `tp_mesh` following `plan`.
+def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel: bool, blocks=None) -> None:
+    """Shard `model` (on meta or materialized) in place over the 1D `tp_mesh` following `plan`: its
+    top-level plan, then the block plan on each of `blocks` (default the model's layers; the spec's
+    `blocks(model)` adds blocks outside them, e.g. multi-token prediction's). A block object met twice
+    is sharded once.
 
     Apply before activation checkpointing, compile and FSDP: those wrap the blocks, and the plan is
     keyed by the blocks' original submodule names. Weights shared between modules (tied embeddings)
     are shared again afterwards: parallelize_module replaces each module's parameter separately.
     """
     shared = _shared_parameter_names(model)
-    # Modules absent on a pipeline stage are None and simply skipped.
-    top = {name: style for name, style in plan.top(loss_parallel).items() if getattr(model, name, None) is not None}
+    # Modules absent on a pipeline stage are None and simply skipped (a key may reach into one: "mtp.*.norm").
+    top = {name: style for name, style in plan.top(loss_parallel).items()
+           if getattr(model, name.split(".")[0], None) is not None}
     if top:
         parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan.block(block))
+    done = set()
+    for block in (model.layers.values() if blocks is None else blocks):
+        if id(block) not in done:
+            done.add(id(block))
+            parallelize_module(block, tp_mesh, plan.block(block))
     for names in shared:
         first = model.get_parameter(names[0])
         for name in names[1:]:

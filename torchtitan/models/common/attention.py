@@ -164,10 +164,11 @@ def attention_backend(name: str, device_type: str, masked: bool, documents: bool
     return name, {"sdpa": sdpa_attention, "split": split_attention}[name]
 
 
-def set_attention_fn(model: torch.nn.Module, path: str, fn: Callable) -> None:
+def set_attention_fn(model: torch.nn.Module, path: str, fn: Callable, blocks=None) -> None:
     """Make every block of `model` (a decoder or a pipeline stage of one) attend with `fn`: the
-    `attention_fn` of the submodule at `path` (the spec's cp_attention) in each block."""
-    for block in model.layers.values():
+    `attention_fn` of the submodule at `path` (the spec's cp_attention) in each block (`blocks`,
+    default the model's layers; spec.blocks(model) adds the others)."""
+    for block in (model.layers.values() if blocks is None else blocks):
         block.get_submodule(path).attention_fn = fn
 
 

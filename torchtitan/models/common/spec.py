@@ -121,6 +121,10 @@ class ModelSpec:
     tp_sizes: Callable[[Any], dict[str, tuple[int, str]]]
     pipeline: PipelineLayout = field(default_factory=PipelineLayout)
     cp_attention: str | None = "attention"  # path in a block of the module with `attention_fn`; None: no CP
+    # (model or pipeline stage) -> its blocks outside `layers` (e.g. multi-token prediction's), each
+    # called like a layer: the trainer sets their attention kernel, context parallel makes it its
+    # ring, and tensor parallel applies the TP plan's block plan to them (`blocks`). None: none.
+    extra_blocks: Callable[[nn.Module], list[nn.Module]] | None = None
     # The model's (or a stage's) mixture-of-experts blocks, each as torchtitan.models.common.moe.MoE
     # presents itself to expert parallel (see "Experts" in that module): `.experts` with `num_experts`,
     # weights [num_experts, ...] and `grad_scale`, and a settable `.dispatcher`. None: no flavor of the
@@ -166,6 +170,10 @@ class ModelSpec:
         if moe_overrides and getattr(args, "moe", None) is not None:
             args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **moe_overrides))
         return args
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Every block of a model or pipeline stage: those of `layers`, then `extra_blocks`'."""
+        return [*model.layers.values(), *(self.extra_blocks(model) if self.extra_blocks is not None else ())]
 
     def has_experts(self, args) -> bool:
         """Whether a model with `args` has routed experts (built on the meta device: costs nothing)."""

@@ -17,6 +17,7 @@ def build_spec() -> ModelSpec:
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
         cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
+        extra_blocks=model.mtp_blocks,
         kv_cache=True,
         expert_layers=moe.expert_layers,
         high_precision=("router.gate",),

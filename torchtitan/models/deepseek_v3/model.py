@@ -171,6 +171,12 @@ class Transformer(Decoder):
         return trunc_normal(block.out_init_std)  # wo, w2, w3
 
 
+def mtp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The spec's extra_blocks: the multi-token-prediction modules' blocks (none on a pipeline stage
+    without them)."""
+    return [module.block for module in model.mtp.values()] if getattr(model, "mtp", None) is not None else []
+
+
 def model_size(args: ModelArgs) -> ModelSize:
     """Parameter counts, the multi-token-prediction modules included (the published totals exclude them)."""
     total, embedding = count_parameters(Transformer, args)
@@ -200,10 +206,12 @@ def mtp_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if logits.dim() == 3:
         return cross_entropy_sum(logits, labels)
     total = cross_entropy_sum(logits[:, :, 0], labels)
-    extra = torch.zeros((), dtype=total.dtype, device=total.device)
+    # Summed from the first depth on, not from a plain zero: under loss parallel each term is a DTensor.
+    extra = None
     valid = labels != IGNORE_INDEX
     for k in range(1, logits.shape[2]):
         ahead = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
         valid = valid & (ahead != IGNORE_INDEX)
-        extra = extra + cross_entropy_sum(logits[:, :, k], torch.where(valid, ahead, IGNORE_INDEX))
+        term = cross_entropy_sum(logits[:, :, k], torch.where(valid, ahead, IGNORE_INDEX))
+        extra = term if extra is None else extra + term
     return total + (extra - extra.detach())

@@ -6,9 +6,16 @@ per-head projections are split by heads (wq or wq_b and wkv_b column-wise, wo ro
 low-rank projections and their norms (wq_a, q_norm, wkv_a, kv_norm) are computed whole on every
 rank with replicated weights (see MLA.forward). MoE blocks run token-locally (TokenLocal), as
 Qwen3-MoE's; the dense first layers use the standard feed-forward plan.
+
+Multi-token prediction: each module's block has the plan of a layer (the spec's extra_blocks); its
+norms run on the sequence-sharded stream like the final norm, and its projection eh_proj gathers the
+sequence, splits its output features and hands back a sequence slice (ColwiseParallel from and to
+Shard(1)). The embedding and output layer it uses are the model's.
 """
 
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.tp_plan import (
@@ -31,7 +38,17 @@ def block_plan(block: nn.Module) -> dict:
     return plan
 
 
-TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+def top_plan(loss_parallel: bool) -> dict:
+    return {
+        **decoder_top_plan(loss_parallel),
+        "mtp.*.enorm": SequenceParallel(),
+        "mtp.*.hnorm": SequenceParallel(),
+        "mtp.*.eh_proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
+        "mtp.*.norm": SequenceParallel(),
+    }
+
+
+TP_PLAN = TensorParallelPlan(top=top_plan, block=block_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:
