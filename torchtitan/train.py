@@ -24,6 +24,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -586,9 +587,10 @@ class Trainer:
         self.cp_positions = None
         if self.dims.cp_enabled:
             self.cp_positions = local_positions(t.seq_len, self.dims.cp, self.mesh["cp"].get_local_rank())
+        prepare_window = self.spec.prepare_window
         self.batch_rule = BatchRule(
             self.document_end_id, self.cfg.model.attn_mask_type == "block_causal", t.ignore_cross_document_labels,
-            self.cp_positions,
+            self.cp_positions, partial(prepare_window, self.model_args) if prepare_window is not None else None,
         )
         self.pp_group = self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None
         self.precompute_float8 = (
@@ -611,13 +613,13 @@ class Trainer:
         see only the tokens they train on."""
         t = self.cfg.training
         zeros = torch.zeros(t.local_batch_size * self.plan.grad_accum_steps, t.seq_len, dtype=torch.long)
-        zeros, labels, doc_ids = self.batch_rule.prepare(zeros, zeros, self.device)
+        zeros, labels, kwargs = self.batch_rule.prepare(zeros, zeros, self.device)
         self.step_loss.scale = torch.ones((), device=self.device)
         for part in self.parts:
             part.eval()
         with loss_parallel_context(self.loss_parallel), self.amp:
             pipeline_step(self.pipeline.schedule, zeros, labels, self.pipeline.is_first, self.pipeline.is_last,
-                          doc_ids)
+                          kwargs)
         for part in self.parts:
             part.train()
             part.zero_grad(set_to_none=True)
@@ -669,12 +671,12 @@ class Trainer:
             self.flops_since_log += self.spec.flops_per_token(self.model_args, lengths) * self.tokens_per_step
         else:
             self.flops_since_log += self.flops_per_token * self.tokens_per_step
-        # (inputs, labels[, doc_ids]) -> this rank's (inputs, labels, doc_ids or None) on the device;
-        # with context parallel, the tokens at cp_positions of each sequence.
+        # (inputs, labels[, doc_ids]) -> this rank's (inputs, labels, forward's keyword inputs) on the
+        # device; with context parallel, the tokens at cp_positions of each sequence.
         micro_batches = [self.batch_rule.prepare(batch[0], batch[1], self.device, *batch[2:]) for batch in micro_batches]
         scale = self.loss_scale([labels for _, labels, _ in micro_batches])
-        for inputs, labels, doc_ids in micro_batches:
-            loss_sum += self.forward_backward(inputs, labels, doc_ids, scale)
+        for inputs, labels, kwargs in micro_batches:
+            loss_sum += self.forward_backward(inputs, labels, kwargs, scale)
         self.shared_weights.sum_gradients()
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.pp_group,
@@ -734,12 +736,12 @@ class Trainer:
             ranks = self.loss_mesh.size()
         return (ranks / count.clamp(min=1)).float()
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None,
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict,
                          scale: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch (with a pipeline, of all of them at once); returns
         its summed token loss times `scale` (loss_scale), detached: summed over micro-batches and
-        averaged over the ranks of loss_mesh, that is the step's loss."""
-        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+        averaged over the ranks of loss_mesh, that is the step's loss. `kwargs`: forward's keyword
+        inputs (document ids, the family's own; batch.BatchRule)."""
         # With loss parallel the logits stay sharded over the vocabulary; the loss and its backward
         # must both run inside the context.
         with loss_parallel_context(self.loss_parallel):
@@ -747,7 +749,7 @@ class Trainer:
                 is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
                 self.step_loss.scale = scale
                 with self.amp:
-                    loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last, doc_ids)
+                    loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last, kwargs)
                 if loss is None:
                     loss = torch.zeros((), device=self.device)
             else:

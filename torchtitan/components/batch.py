@@ -9,14 +9,18 @@
   the ids do not cover, counts). Labels the loader set to IGNORE_INDEX stay ignored.
 - With `block_causal`, each token's document index goes with the batch, so attention stays inside
   documents.
-- Everything is cut to this rank's context-parallel positions (after the document ids are computed
-  on the whole window) and moved to the device.
+- A family may derive more from the whole window (spec.prepare_window, e.g. multi-token
+  prediction's further tokens and labels): labels with a last dim whose column 0 is the next-token
+  label, and extra keyword inputs of forward.
+- Everything is cut to this rank's context-parallel positions (after the document ids and the
+  family's tensors are computed on the whole window) and moved to the device.
 
 The loss of an optimizer step is the sum of the token losses over the labels that count divided by
 their number in the whole step (all data- and context-parallel ranks and accumulation micro-batches),
 so it does not depend on how the step's tokens are spread.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +36,14 @@ class BatchRule:
     block_causal: bool = False
     ignore_cross_document: bool = False
     cp_positions: torch.Tensor | None = None  # this rank's positions of each window (None: all)
+    # The family's (inputs, labels) -> (labels, {name: [batch, seq, ...] forward input}): spec.prepare_window.
+    prepare_window: Callable | None = None
 
     def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
                 doc_ids: torch.Tensor | None = None):
-        """(inputs, labels, doc_ids or None) of this rank, on `device`. `doc_ids`: the batch's own
-        document ids (None: from document_end_id)."""
+        """(inputs, labels, keyword inputs of forward) of this rank, on `device`: the keyword inputs
+        are `doc_ids` with block-causal attention and the family's own (prepare_window). `doc_ids`:
+        the batch's own document ids (None: from document_end_id)."""
         if self.ignore_cross_document:
             if doc_ids is None:
                 crossing = inputs == self.document_end_id
@@ -44,15 +51,14 @@ class BatchRule:
                 crossing = torch.zeros_like(inputs, dtype=torch.bool)
                 crossing[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
             labels = labels.masked_fill(crossing, IGNORE_INDEX)
+        extra = {}
         if self.block_causal:
-            if doc_ids is None:
-                doc_ids = document_ids(inputs, self.document_end_id)
-            doc_ids = shard_sequence(doc_ids, self.cp_positions).to(device, non_blocking=True)
-        else:
-            doc_ids = None
-        inputs = shard_sequence(inputs, self.cp_positions).to(device, non_blocking=True)
-        labels = shard_sequence(labels, self.cp_positions).to(device, non_blocking=True)
-        return inputs, labels, doc_ids
+            extra["doc_ids"] = doc_ids if doc_ids is not None else document_ids(inputs, self.document_end_id)
+        if self.prepare_window is not None:
+            labels, family = self.prepare_window(inputs, labels)
+            extra.update(family)
+        cut = lambda x: shard_sequence(x, self.cp_positions).to(device, non_blocking=True)  # noqa: E731
+        return cut(inputs), cut(labels), {name: cut(x) for name, x in extra.items()}
 
     def document_lengths(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None = None) -> list[int]:
         """The lengths of the documents attention runs within, over all rows of a (whole) batch."""
@@ -64,5 +70,8 @@ class BatchRule:
 
 
 def valid_labels(labels: torch.Tensor) -> torch.Tensor:
-    """The number of labels that count (not IGNORE_INDEX), as a float64 tensor on the labels' device."""
+    """The number of labels that count (not IGNORE_INDEX), as a float64 tensor on the labels' device.
+    Labels with a last dim (spec.prepare_window) count by their column 0, the next-token labels."""
+    if labels.dim() == 3:
+        labels = labels[..., 0]
     return (labels != IGNORE_INDEX).sum().double()

@@ -326,9 +326,9 @@ class Validator:
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0 or step == self.training_steps
 
-    def _batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """This rank's summed token loss of the batch (zero on pipeline ranks without the last stage)."""
-        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+    def _batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """This rank's summed token loss of the batch (zero on pipeline ranks without the last stage);
+        `kwargs`: forward's keyword inputs (batch.BatchRule)."""
         with loss_parallel_context(self.loss_parallel):
             if self.schedule is not None:
                 is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
@@ -361,8 +361,8 @@ class Validator:
             with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
                 for inputs, labels in self.data.batches():
                     # With context parallel, this rank's positions of each sequence (as in training).
-                    inputs, labels, doc_ids = self.batch_rule.prepare(inputs, labels, self.device)
-                    total += self._batch_loss(inputs, labels, doc_ids)
+                    inputs, labels, kwargs = self.batch_rule.prepare(inputs, labels, self.device)
+                    total += self._batch_loss(inputs, labels, kwargs)
                     count += valid_labels(labels)
                     batches += 1
         finally:

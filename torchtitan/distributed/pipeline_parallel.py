@@ -13,8 +13,9 @@ What is unusual here:
   up, which is already the gradient of the step's loss: the schedules are built with
   `scale_grads=False` (torch 2.13 defaults to dividing by n_microbatches). `StepLoss` is the
   schedule's loss_fn and holds the scale; `pipeline_step` returns the sum of the microbatch losses.
-- Document ids (block-causal attention) are keyword inputs of every stage: the schedule cuts tensor
-  kwargs into microbatches like the inputs and hands them to each stage's forward.
+- Document ids (block-causal attention) and a family's own per-token inputs (batch.BatchRule) are
+  keyword inputs of every stage: the schedule cuts tensor kwargs into microbatches like the inputs
+  and hands them to each stage's forward.
 - Gradient clipping must see every stage: `distributed.utils.clip_grad_norm_` with the pp group
   all-reduces the sum of squares over it (FSDP shards are already combined by DTensor).
 - Weights shared by modules on different stages (tied embeddings): each stage gets its own copy,
@@ -373,16 +374,15 @@ class StepLoss:
 
 
 def pipeline_step(schedule, inputs: torch.Tensor, labels: torch.Tensor, is_first: bool, is_last: bool,
-                  doc_ids: torch.Tensor | None = None):
+                  kwargs: dict | None = None):
     """One forward + backward of the local batch. Only the rank with the first stage needs `inputs`
     and only the rank with the last stage needs `labels` (other ranks may pass anything); every rank
-    passes `doc_ids` (block-causal attention) or None. Returns the sum of the microbatch losses on
-    the last-stage rank, None elsewhere."""
+    passes the keyword inputs of forward (`kwargs`: document ids, the family's; batch.BatchRule).
+    Returns the sum of the microbatch losses on the last-stage rank, None elsewhere."""
     losses: list[torch.Tensor] | None = [] if is_last else None
     target = labels if is_last else None
     args = (inputs,) if is_first else ()
-    kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
-    schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    schedule.step(*args, target=target, losses=losses, return_outputs=False, **(kwargs or {}))
     if not is_last:
         return None
     return torch.stack([loss.detach() for loss in losses]).sum()

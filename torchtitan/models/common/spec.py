@@ -143,6 +143,13 @@ class ModelSpec:
     hf: HFAdapter | None = None  # None: no Hugging Face export/import for this family
     # (logits, labels) -> the SUM of the token losses over labels that are not IGNORE_INDEX.
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    # (args, inputs, labels) of whole [batch, seq] windows, the labels that do not count already
+    # IGNORE_INDEX, before context parallel cuts each rank's positions -> (labels, {name: tensor}):
+    # the labels loss_sum_fn gets ([batch, seq], or [batch, seq, n] whose column 0 holds the
+    # next-token labels, the ones counted) and more keyword inputs of forward, [batch, seq, ...] each
+    # (every pipeline stage gets them). E.g. multi-token prediction's further tokens and labels,
+    # which context parallel must take from the whole window. None: labels as they are.
+    prepare_window: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]] | None = None
     document_masks: bool = False  # forward(tokens, doc_ids=...) attends within documents (block_causal)
     # (args, ParallelDims) -> None: family-specific checks before launch; raise UserError.
     validate: Callable[[Any, Any], None] | None = None

@@ -24,6 +24,7 @@ def build_spec() -> ModelSpec:
         pre_parallelize=moe.configure_moe,
         document_masks=True,
         loss_sum_fn=model.mtp_loss_sum,
+        prepare_window=model.prepare_window,
         pipeline=PipelineLayout(after=("norm", "output", "mtp")),
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,

@@ -128,19 +128,23 @@ class Transformer(Decoder):
     def block(self, layer_id: int) -> nn.Module:
         return TransformerBlock(layer_id, self.args)
 
-    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, doc_ids: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, doc_ids: torch.Tensor | None = None,
+                future_tokens: torch.Tensor | None = None):
         """As the decoder's; in training with multi-token prediction, the logits of the main output and
         of each MTP depth stacked on dim 2: [batch, seq, 1 + mtp_depth, vocab] (mtp_loss_sum reads
         them). Depth k's logits at position i predict token i + k + 1; their gradient is scaled by
-        mtp_loss_weight / mtp_depth."""
+        mtp_loss_weight / mtp_depth. `future_tokens` [batch, seq, mtp_depth] (prepare_window): column
+        k - 1 holds the token k positions ahead of each position, which depth k embeds; None: taken
+        from `tokens` (a whole window, not a context-parallel share)."""
         if self.mtp is None or cache is not None or not self.training:
             return super().forward(tokens, cache, start_pos, doc_ids)
         h = self.trunk(tokens, doc_ids)
         outs = [self.output(self.norm(h))]
         scale = self.args.mtp_loss_weight / self.args.mtp_depth
+        if future_tokens is None:
+            future_tokens = _ahead(tokens, self.args.mtp_depth)
         for k, module in enumerate(self.mtp.values(), start=1):
-            ahead = F.pad(tokens[:, k:], (0, k))  # past the window: any id (its label is ignored)
-            h = module(h, self.tok_embeddings(ahead), self.rope, doc_ids)
+            h = module(h, self.tok_embeddings(future_tokens[..., k - 1]), self.rope, doc_ids)
             outs.append(scale_gradient(self.output(module.norm(h)), scale))
         return torch.stack(outs, dim=2)
 
@@ -197,21 +201,46 @@ def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
     return transformer_flops_per_token(matmul, width, [None] * (args.n_layers + args.mtp_depth), doc_lengths)
 
 
-def mtp_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The spec's loss: the next-token cross entropy sum; with multi-token prediction's stacked logits
-    (Transformer.forward), plus each depth's sum over its labels, added so that it moves the
-    gradient but not the value (the logged loss stays the next-token loss). Depth k's label at i is
-    label i + k, counted only where labels i .. i + k all count (the chain stays in its document
-    when cross-document labels are ignored, and in the window)."""
-    if logits.dim() == 3:
-        return cross_entropy_sum(logits, labels)
-    total = cross_entropy_sum(logits[:, :, 0], labels)
-    # Summed from the first depth on, not from a plain zero: under loss parallel each term is a DTensor.
-    extra = None
-    valid = labels != IGNORE_INDEX
-    for k in range(1, logits.shape[2]):
+def _ahead(tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """[batch, seq, depth]: column k - 1 holds the token k positions ahead; past the window any id
+    (0; its label is ignored)."""
+    return torch.stack([F.pad(tokens[:, k:], (0, k)) for k in range(1, depth + 1)], dim=-1)
+
+
+def mtp_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """[batch, seq, 1 + depth]: column 0 the labels, column k depth k's: label i + k at position i,
+    counted only where labels i .. i + k all count (the chain stays in its document when
+    cross-document labels are ignored, and in the window)."""
+    columns, valid = [labels], labels != IGNORE_INDEX
+    for k in range(1, depth + 1):
         ahead = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
         valid = valid & (ahead != IGNORE_INDEX)
-        term = cross_entropy_sum(logits[:, :, k], torch.where(valid, ahead, IGNORE_INDEX))
+        columns.append(torch.where(valid, ahead, IGNORE_INDEX))
+    return torch.stack(columns, dim=-1)
+
+
+def prepare_window(args: ModelArgs, inputs: torch.Tensor, labels: torch.Tensor):
+    """The spec's prepare_window: with multi-token prediction, each depth's labels (mtp_labels) and
+    the tokens it embeds (forward's future_tokens), from the whole window: under context parallel a
+    rank's positions are not contiguous, so neither can be shifted from its own share."""
+    if not args.mtp_depth:
+        return labels, {}
+    return mtp_labels(labels, args.mtp_depth), {"future_tokens": _ahead(inputs, args.mtp_depth)}
+
+
+def mtp_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The spec's loss: the next-token cross entropy sum; with multi-token prediction's stacked logits
+    (Transformer.forward), plus each depth's sum over its labels (mtp_labels; [batch, seq] labels
+    are extended here), added so that it moves the gradient but not the value (the logged loss
+    stays the next-token loss). Evaluation's next-token logits read column 0 of stacked labels."""
+    if logits.dim() == 3:
+        return cross_entropy_sum(logits, labels[..., 0] if labels.dim() == 3 else labels)
+    if labels.dim() == 2:
+        labels = mtp_labels(labels, logits.shape[2] - 1)
+    total = cross_entropy_sum(logits[:, :, 0], labels[..., 0])
+    # Summed from the first depth on, not from a plain zero: under loss parallel each term is a DTensor.
+    extra = None
+    for k in range(1, logits.shape[2]):
+        term = cross_entropy_sum(logits[:, :, k], labels[..., k])
         extra = term if extra is None else extra + term
     return total + (extra - extra.detach())
