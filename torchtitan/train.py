@@ -34,7 +34,7 @@ from torchtitan.components.batch import BatchRule, valid_labels
 from torchtitan.components.checkpoint import CheckpointManager, check_writable, preflight_checkpoint
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.metrics import MetricsLogger, MfuPeak, peak_memory_gib
-from torchtitan.components.optimizer import OptimizerGroup, check_param_groups
+from torchtitan.components.optimizer import OptimizerGroup, check_muon_supported, check_param_groups
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import RunLock
 from torchtitan.components.stop_signals import StopSignals
@@ -255,6 +255,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, run_args), run_args)
     if spec.validate is not None:
         spec.validate(model_args, dims)
+    check_muon_supported(cfg.optimizer, spec.name, spec.adamw_params)
     if cfg.optimizer.param_groups:
         with torch.device("meta"):  # every pattern matches a parameter of the whole model
             check_param_groups(spec.model_cls(model_args), cfg.optimizer)
@@ -537,7 +538,7 @@ class Trainer:
             with torch.device("meta"):
                 whole = self.spec.model_cls(self.model_args)
         optim = OptimizerGroup(self.parts, self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps,
-                               whole_model=whole)
+                               whole_model=whole, adamw_params=self.spec.adamw_params or ())
         if self.spec.post_optimizer_build is not None:
             self.spec.post_optimizer_build(self.parts, optim.optimizers)
         return optim

@@ -9,6 +9,10 @@ parameter, never by shard or rank, so every parallel layout groups the same para
   weight decay) take the parameters they match, the first matching entry winning.
 A Parameter reachable under several names (a tied embedding and output layer) is decided once, from
 all its names and owning modules. Each group is further split by device mesh (see build_optimizer).
+
+With optimizer.name = "Muon", each group is also split by algorithm: Muon for the hidden matrices (2-D
+and stacked, e.g. MoE experts), AdamW for norm weights and biases, embeddings, and the parameters whose
+names match the model spec's `adamw_params` (the output layer, MoE routers). See components/muon.py.
 """
 
 import logging
@@ -38,6 +42,7 @@ class GroupSettings:
     name: str  # "decay", "no_decay", or an optimizer.param_groups pattern (+ " no_decay")
     lr_mult: float
     weight_decay: float
+    algorithm: str = "adamw"  # "muon" or "adamw" with optimizer.name = "Muon"; "adamw" otherwise
 
 
 def clean_name(name: str) -> str:
@@ -55,11 +60,13 @@ def _parameters_with_owners(model: nn.Module) -> list[tuple[nn.Parameter, list[s
     return list(found.values())
 
 
-def classify_parameters(model: nn.Module, cfg: OptimizerConfig) -> tuple[dict[str, GroupSettings], set[str]]:
+def classify_parameters(model: nn.Module, cfg: OptimizerConfig, adamw_params: tuple[str, ...] = ()
+                        ) -> tuple[dict[str, GroupSettings], set[str]]:
     """{every parameter name of `model`: its group}, and the optimizer.param_groups patterns that
-    matched a parameter."""
+    matched a parameter. `adamw_params`: the model spec's patterns of matrices Muon leaves to AdamW."""
     rules = parse_param_groups(cfg.param_groups)
     compiled = [(rule, re.compile(rule.pattern)) for rule in rules]
+    adamw_only = [re.compile(pattern) for pattern in adamw_params]
     table: dict[str, GroupSettings] = {}
     matched: set[str] = set()
     for p, names, owners in _parameters_with_owners(model):
@@ -69,16 +76,20 @@ def classify_parameters(model: nn.Module, cfg: OptimizerConfig) -> tuple[dict[st
         excluded = ((norm_or_bias and not cfg.weight_decay_norms_and_biases)
                     or (embedding and not cfg.weight_decay_embeddings))
         default_decay = 0.0 if excluded else cfg.weight_decay
+        algorithm = "adamw"
+        if cfg.name == "Muon" and not (norm_or_bias or embedding
+                                       or any(regex.search(n) for regex in adamw_only for n in names)):
+            algorithm = "muon"
         rule = next((r for r, regex in compiled if any(regex.search(n) for n in names)), None)
         if rule is None:
-            settings = GroupSettings("no_decay" if excluded else "decay", 1.0, default_decay)
+            settings = GroupSettings("no_decay" if excluded else "decay", 1.0, default_decay, algorithm)
         else:
             matched.add(rule.pattern)
             if rule.weight_decay is not None:
-                settings = GroupSettings(rule.pattern, rule.lr_mult, rule.weight_decay)
+                settings = GroupSettings(rule.pattern, rule.lr_mult, rule.weight_decay, algorithm)
             else:
                 settings = GroupSettings(rule.pattern + (" no_decay" if excluded else ""), rule.lr_mult,
-                                         default_decay)
+                                         default_decay, algorithm)
         for n in names:
             table[n] = settings
     return table, matched
@@ -112,18 +123,37 @@ def check_param_groups(model: nn.Module, cfg: OptimizerConfig) -> None:
         check_patterns_matched(cfg, matched, table)
 
 
+def check_muon_supported(cfg: OptimizerConfig, family: str, adamw_params: tuple[str, ...] | None) -> None:
+    """Before launch: Muon needs the family to name the matrices that are not hidden layers."""
+    if cfg.name == "Muon" and adamw_params is None:
+        raise UserError(
+            f"optimizer.name = 'Muon' needs to know which matrices of model {family!r} are not hidden layers (its "
+            f"output layer, any router), and its spec does not say (ModelSpec.adamw_params); add them to the spec, "
+            f"or use AdamW"
+        )
+
+
+def muon_settings(cfg: OptimizerConfig) -> dict:
+    """Muon's keys, unset ones at their defaults."""
+    from torchtitan.components import muon
+
+    def given(value, default):
+        return default if value is None else value
+
+    return dict(lr=given(cfg.muon_lr, cfg.lr), momentum=given(cfg.muon_momentum, muon.DEFAULT_MOMENTUM),
+                nesterov=given(cfg.muon_nesterov, muon.DEFAULT_NESTEROV),
+                ns_steps=given(cfg.muon_ns_steps, muon.DEFAULT_NS_STEPS),
+                adjust_lr=given(cfg.muon_adjust_lr, muon.DEFAULT_ADJUST_LR))
+
+
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, groups: dict[str, GroupSettings] | None = None
+    model: nn.Module, cfg: OptimizerConfig, groups: dict[str, GroupSettings] | None = None,
+    adamw_params: tuple[str, ...] = (),
 ) -> torch.optim.Optimizer:
     """The optimizer of `model` (a whole model, or a pipeline stage given the whole model's `groups`
-    by name; without `groups`, `model` is taken as the whole model and every pattern must match)."""
-    impl = {
-        "fused": {"fused": True, "foreach": False},
-        "foreach": {"fused": False, "foreach": True},
-        "for-loop": {"fused": False, "foreach": False},
-    }[cfg.implementation]
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    own, matched = classify_parameters(model, cfg)
+    by name; without `groups`, `model` is taken as the whole model and every pattern must match).
+    `adamw_params`: the model spec's patterns of matrices that Muon leaves to AdamW."""
+    own, matched = classify_parameters(model, cfg, adamw_params)
     if groups is None:
         groups = own
         check_patterns_matched(cfg, matched, own)
@@ -136,11 +166,30 @@ def build_optimizer(
             name = clean_name(name)
             settings = groups.get(name, own[name])
             by_group.setdefault((settings, getattr(p, "device_mesh", None)), []).append(p)
-    param_groups = [
-        {"params": params, "name": s.name, "lr": cfg.lr * s.lr_mult, "lr_mult": s.lr_mult,
-         "weight_decay": s.weight_decay}
-        for (s, _), params in by_group.items()
-    ]
+    own_class = cfg.name == "Muon" or cfg.state_dtype != "float32"
+    muon = muon_settings(cfg) if cfg.name == "Muon" else {}
+    param_groups = []
+    for (s, _), params in by_group.items():
+        # A Muon group's lr multiplier carries muon_lr / lr: the schedule and a resume (which restore
+        # each group's lr as the scheduled lr x its multiplier) then need nothing of their own.
+        mult = s.lr_mult * (muon["lr"] / cfg.lr if s.algorithm == "muon" else 1.0)
+        group = {"params": params, "name": s.name, "lr": cfg.lr * mult, "lr_mult": mult, "weight_decay": s.weight_decay}
+        if own_class:
+            group["algorithm"] = s.algorithm
+        param_groups.append(group)
+    if own_class:
+        from torchtitan.components.muon import MuonAdamW
+
+        settings = {k: v for k, v in muon.items() if k != "lr"}
+        return MuonAdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                         weight_decay=cfg.weight_decay, implementation=cfg.implementation,
+                         state_dtype=getattr(torch, cfg.state_dtype), **settings)
+    impl = {
+        "fused": {"fused": True, "foreach": False},
+        "foreach": {"fused": False, "foreach": True},
+        "for-loop": {"fused": False, "foreach": False},
+    }[cfg.implementation]
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     return cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                **impl)
 
@@ -150,10 +199,10 @@ def describe_groups(optimizers: list[torch.optim.Optimizer]) -> str:
     counts: dict[tuple, int] = {}
     for opt in optimizers:
         for g in opt.param_groups:
-            key = (g.get("name", "?"), g.get("lr_mult", 1.0), g["weight_decay"])
+            key = (g.get("name", "?"), g.get("algorithm"), g.get("lr_mult", 1.0), g["weight_decay"])
             counts[key] = counts.get(key, 0) + sum(p.numel() for p in g["params"])
-    return "; ".join(f"{name}: {n:,} parameters, lr x{mult:g}, weight decay {wd:g}"
-                     for (name, mult, wd), n in counts.items())
+    return "; ".join(f"{name}{f' ({algo})' if algo else ''}: {n:,} parameters, lr x{mult:g}, weight decay {wd:g}"
+                     for (name, algo, mult, wd), n in counts.items())
 
 
 class OptimizerGroup:
@@ -163,20 +212,22 @@ class OptimizerGroup:
     modules decide the parameter groups; None when the parts together are the whole model."""
 
     def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, lr_cfg, total_steps: int,
-                 whole_model: nn.Module | None = None):
+                 whole_model: nn.Module | None = None, adamw_params: tuple[str, ...] = ()):
         from torchtitan.components.lr_scheduler import build_lr_scheduler
 
         if whole_model is not None:
-            groups, matched = classify_parameters(whole_model, cfg)
+            groups, matched = classify_parameters(whole_model, cfg, adamw_params)
         else:
             groups, matched = {}, set()
             for part in parts:
-                table, found = classify_parameters(part, cfg)
+                table, found = classify_parameters(part, cfg, adamw_params)
                 groups.update(table)
                 matched |= found
         check_patterns_matched(cfg, matched, groups)
-        self.optimizers = [build_optimizer(part, cfg, groups) for part in parts]
+        self.optimizers = [build_optimizer(part, cfg, groups, adamw_params) for part in parts]
         self.schedulers = [build_lr_scheduler(opt, lr_cfg, total_steps) for opt in self.optimizers]
+        self.state_dtype = cfg.state_dtype
+        self.steps_taken = 0
         logger.info(f"optimizer parameter groups (this rank): {describe_groups(self.optimizers)}")
 
     def zero_grad(self):
@@ -187,6 +238,12 @@ class OptimizerGroup:
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.step()
             sched.step()
+        self.steps_taken += 1
+        if self.steps_taken == 1:  # the state exists from the first step on
+            from torchtitan.components.muon import state_bytes
+
+            logger.info(f"optimizer state ({self.state_dtype}): {state_bytes(self.optimizers) / 2**20:,.2f} MiB "
+                        f"on this rank")
 
     def step_schedulers(self):
         """Advance the learning-rate schedules alone (a skipped step)."""

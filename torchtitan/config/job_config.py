@@ -210,9 +210,17 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
     return rules
 
 
+MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr")
+
+
 @dataclass(frozen=True)
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer: AdamW (decoupled weight decay) or Adam.")
+    name: Literal["AdamW", "Adam", "Muon"] = opt(
+        "AdamW",
+        "Optimizer: AdamW (decoupled weight decay), Adam, or Muon (momentum orthogonalized by Newton-Schulz "
+        "iterations) for the hidden matrices with AdamW for the rest: embeddings, norms, biases, and the "
+        "parameters the model family names (the output layer, MoE routers). See docs/optimizers.md.",
+    )
     lr: float = opt(8e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "Adam beta1.")
     beta2: float = opt(0.95, "Adam beta2.")
@@ -245,6 +253,27 @@ class Optimizer:
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
         "fused", "Kernel implementation of the optimizer step."
     )
+    state_dtype: Literal["float32", "bfloat16"] = opt(
+        "float32",
+        "Dtype of the optimizer state (AdamW's moments, Muon's momentum). bfloat16 halves its memory; the "
+        "update is still computed in float32 (AdamW and Muon only).",
+    )
+    # Muon's keys have no value of their own until set (None): set with another optimizer they are refused, so
+    # a recipe never believes it tuned an optimizer it does not run. Unset with Muon: the default named.
+    muon_lr: float | None = opt(
+        None,
+        "Muon's peak learning rate (the hidden matrices), scheduled like optimizer.lr; unset: optimizer.lr "
+        "(with muon_adjust_lr = match_rms_adamw the update's RMS is AdamW's, so AdamW's rate serves).",
+    )
+    muon_momentum: float | None = opt(None, "Muon's momentum, in [0, 1); unset: 0.95.")
+    muon_nesterov: bool | None = opt(None, "Muon's Nesterov momentum; unset: true.")
+    muon_ns_steps: int | None = opt(None, "Newton-Schulz iterations of Muon's orthogonalization (1 to 99); unset: 5.")
+    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] | None = opt(
+        None,
+        "Muon's learning rate per A x B matrix: match_rms_adamw (lr x 0.2 x sqrt(max(A, B)), Moonlight: the "
+        "update's RMS matches AdamW's), original (lr x sqrt(max(1, A / B)), Keller Jordan's) or none; unset: "
+        "match_rms_adamw.",
+    )
 
     def check(self) -> list[str]:
         problems = _failed(
@@ -254,7 +283,22 @@ class Optimizer:
             (self.weight_decay >= 0, f"optimizer.weight_decay must be 0 or more, got {self.weight_decay}"),
             (0 <= self.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {self.beta1}"),
             (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}"),
+            (self.muon_lr is None or 0 < self.muon_lr < math.inf,
+             f"optimizer.muon_lr must be a finite number greater than 0, got {self.muon_lr}"),
+            (self.muon_momentum is None or 0 <= self.muon_momentum < 1,
+             f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}"),
+            (self.muon_ns_steps is None or 1 <= self.muon_ns_steps <= 99,
+             f"optimizer.muon_ns_steps must be between 1 and 99, got {self.muon_ns_steps}"),
+            (self.state_dtype == "float32" or self.name != "Adam",
+             "optimizer.state_dtype = 'bfloat16' works with optimizer.name = 'AdamW' or 'Muon', not 'Adam'"),
         )
+        muon_keys = [f"optimizer.{k}" for k in MUON_KEYS if getattr(self, k) is not None]
+        if muon_keys and self.name != "Muon":
+            problems.append(
+                f"{', '.join(muon_keys)} {'applies' if len(muon_keys) == 1 else 'apply'} to optimizer.name = 'Muon' "
+                f"only, and it is {self.name!r}; remove {'it' if len(muon_keys) == 1 else 'them'} or set "
+                f"optimizer.name = 'Muon'"
+            )
         try:
             parse_param_groups(self.param_groups)
         except UserError as e:

@@ -133,6 +133,11 @@ class ModelSpec:
     # Module-name suffixes that float8 training leaves in high precision (e.g. an MoE router, whose
     # rounding would change the routing).
     high_precision: tuple[str, ...] = ()
+    # Regular expressions searched in full parameter names: the matrices that are not hidden layers, which
+    # optimizer.name = "Muon" leaves to AdamW (the output layer, MoE routers); embeddings (by their
+    # nn.Embedding owner) and 1-D parameters go to AdamW without being named. None: not declared, and Muon
+    # is refused for the family (it would orthogonalize the output layer's updates).
+    adamw_params: tuple[str, ...] | None = None
     # forward(tokens, cache=layers.kv_caches(model, n), start_pos=p) decodes incrementally (generation).
     kv_cache: bool = False
     # (model or pipeline stage, ParallelizeInputs) before the parallelisms are applied: family-specific

@@ -26,6 +26,7 @@ def build_spec() -> ModelSpec:
         loss_sum_fn=model.mtp_loss_sum,
         prepare_window=model.prepare_window,
         pipeline=PipelineLayout(after=("norm", "output", "mtp")),
+        adamw_params=(r"^output\.", r"\.router\.gate\."),  # Muon leaves these to AdamW
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,
         post_optimizer_step=moe.balance_after_step,

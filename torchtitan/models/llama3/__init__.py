@@ -18,5 +18,6 @@ def build_spec() -> ModelSpec:
         cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
         kv_cache=True,
         document_masks=True,
+        adamw_params=(r"^output\.",),  # Muon leaves the output layer to AdamW
         hf=state_dict_adapter.ADAPTER,
     )

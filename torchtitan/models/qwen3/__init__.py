@@ -24,6 +24,7 @@ def build_spec() -> ModelSpec:
         high_precision=("router.gate",),
         pre_parallelize=moe.configure_moe,
         document_masks=True,
+        adamw_params=(r"^output\.", r"\.router\.gate\."),  # Muon leaves these to AdamW
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,
         # Qwen3-MoE flavors balance their experts and report the load; no-ops for dense flavors.
