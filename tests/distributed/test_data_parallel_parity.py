@@ -12,7 +12,8 @@ within BF16_TOL of the fp32 single-process run:
   and the reported expert loads are the same in every layout;
 - DeepSeek-V3's debug flavor (MLA with value heads narrower than query/key heads, shared and
   routed experts) under FSDP 2, TP 2, PP 2, CP 2, EP 2, EP 2 x TP 2 and PP 2 x EP 2, and with
-  multi-token prediction (2 depths) under FSDP 2 and EP 2;
+  multi-token prediction (2 depths) under FSDP 2, EP 2, TP 2, CP 2, PP 2, PP 2 x TP 2 and PP 2 x EP 2,
+  its single-process step 3 resumed under PP 2 and its PP 2 step 3 under FSDP 4;
 - Qwen3's debug flavor under FSDP 2, TP 2, PP 2 and CP 2, and its
   tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
@@ -91,7 +92,7 @@ SINGLE = {
     "qwen3_tied_single": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"],
     "moe_single": MOE + ["--training.local_batch_size", "8"] + val(8),
     "ds_single": DS + ["--training.local_batch_size", "8"],
-    "ds_mtp_single": DS + MTP2 + ["--training.local_batch_size", "8"],
+    "ds_mtp_single": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"],
     # single_fp32 with validation: its training losses must be bitwise single_fp32's.
     "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
 }
@@ -160,6 +161,12 @@ TWO = {
     "ds_mtp_ep2": DS + MTP2 + ["--training.local_batch_size", "4"] + EP2,
     "ds_mtp_tp2": DS + MTP2 + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
     "ds_mtp_cp2": DS + MTP2 + ["--training.local_batch_size", "8"] + CP2,
+    # MTP's last stage borrows the input embedding (one weight, one checkpoint entry under its name):
+    # PP 2 saves at step 3 for a resume under FSDP 4; the single process's step 3 resumes under PP 2.
+    "ds_mtp_pp2": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
+    "copy_ds_mtp_single": {"copy": ["{tmp}/ds_mtp_single/checkpoint/step-3",
+                                    "{tmp}/ds_mtp_pp2_resumed/checkpoint/step-3"]},
+    "ds_mtp_pp2_resumed": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
 }
 FOUR = {
     "hsdp2x2_bf16": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
@@ -196,6 +203,10 @@ FOUR = {
     "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2 + val(4),
     "ds_ep2_tp2": DS + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
     "ds_pp2_ep2": DS + ["--training.local_batch_size", "4"] + PP2 + EP2,
+    "ds_mtp_pp2_tp2": DS + MTP2 + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + PP2,
+    "ds_mtp_pp2_ep2": DS + MTP2 + ["--training.local_batch_size", "4"] + PP2 + EP2,
+    "copy_ds_mtp_pp2": {"copy": ["{tmp}/ds_mtp_pp2/checkpoint/step-3", "{tmp}/ds_mtp_fsdp4_resumed/checkpoint/step-3"]},
+    "ds_mtp_fsdp4_resumed": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "2"],
 }
 EIGHT = {
     "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
@@ -215,7 +226,7 @@ SIXTEEN = {
 
 
 DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2", "ds_mtp_fsdp2",
-              "ds_mtp_ep2", "ds_mtp_tp2", "ds_mtp_cp2"]
+              "ds_mtp_ep2", "ds_mtp_tp2", "ds_mtp_cp2", "ds_mtp_pp2", "ds_mtp_pp2_tp2", "ds_mtp_pp2_ep2"]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
@@ -453,11 +464,13 @@ def test_mixture_fsdp2_and_resumed_under_fsdp4_match_one_process(runs):
 
 
 
-@pytest.mark.parametrize("name", ["qwen3_tied_pp2_zbv_resumed", "qwen3_tied_fsdp4_resumed"])
+@pytest.mark.parametrize("name", ["qwen3_tied_pp2_zbv_resumed", "qwen3_tied_fsdp4_resumed", "ds_mtp_pp2_resumed",
+                                  "ds_mtp_fsdp4_resumed"])
 def test_tied_embeddings_resume_between_pipelined_and_unsplit_layouts(runs, name):
     # One process -> PP 2 (both copies on one rank) and PP 2 -> FSDP 4: the copies' optimizer state
-    # is stored under the canonical name, so the resumed steps continue the single process's.
-    ref, got = runs["qwen3_tied_single"], runs[name]
+    # is stored under the canonical name, so the resumed steps continue the single process's. The
+    # same for the input embedding that MTP's last stage borrows (one name on both stages).
+    ref, got = runs["qwen3_tied_single" if name.startswith("qwen3") else "ds_mtp_single"], runs[name]
     assert [r["step"] for r in got] == [4, 5, 6]
     for r, g in zip(ref[3:], got):
         assert abs(r["loss"] - g["loss"]) < FP32_TOL, f"{name} step {g['step']}: {g['loss']} vs {r['loss']}"

@@ -108,6 +108,30 @@ def test_shared_weights_across_stages_are_found_with_each_stage_name():
             assert all(stage_rank(s, pp, style) == rank for s in stage_ids_for_rank(rank, pp, stages, style))
 
 
+def test_a_borrowed_module_is_copied_to_the_stage_that_reads_it_under_its_own_name():
+    # DeepSeek-V3's multi-token prediction (last stage) embeds further tokens with the input embedding.
+    import dataclasses
+
+    from torchtitan.distributed.pipeline_parallel import shared_weights
+
+    spec = get_model_spec("deepseek_v3")
+    layout = spec.pipeline
+    for depth in (0, 2):
+        args = dataclasses.replace(spec.args_for_training("debugmodel", 4096, 32), mtp_depth=depth)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        parts = split_module_names(layout, args.n_layers, 2)
+        first, last = (build_stage_model(model, layout, part) for part in parts)
+        assert first.borrowed == frozenset() and first.tok_embeddings is not None
+        if depth == 0:  # no reader: no copy
+            assert last.borrowed == frozenset() and last.tok_embeddings is None
+            assert shared_weights(model, parts, layout) == []
+            continue
+        assert last.borrowed == {"tok_embeddings"} and last.tok_embeddings is not None
+        assert shared_weights(model, parts, layout) == [{0: "tok_embeddings.weight", 1: "tok_embeddings.weight"}]
+        assert shared_weights(model, split_module_names(layout, args.n_layers, 1), layout) == []
+
+
 def test_explicit_parts_override_and_are_checked():
     parts = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
     assert split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=parts) == parts

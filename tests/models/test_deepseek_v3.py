@@ -197,7 +197,7 @@ def test_mtp_logits_predict_further_tokens_and_the_logged_loss_stays_the_next_to
     assert model.eval()(tokens).shape == (2, 64, 4096)
 
 
-def test_mtp_is_refused_where_it_does_not_run_yet_and_below_0():
+def test_mtp_is_refused_below_0_and_for_families_without_it():
     from torchtitan.config import load_config
     from torchtitan.train import preflight
     from conftest import REPO
@@ -208,10 +208,9 @@ def test_mtp_is_refused_where_it_does_not_run_yet_and_below_0():
 
     with pytest.raises(UserError, match="model.mtp_depth must be 0 .* or more, got -1"):
         cfg("--model.mtp_depth", "-1")
-    with pytest.raises(UserError, match=r"multi-token prediction \(mtp_depth = 1\) runs without "
-                                        r"parallelism.pipeline_parallel_degree so far"):
-        preflight(cfg("--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2",
-                      "--training.local_batch_size", "4"), world_size=2)
+    # Every layout runs it (tests/distributed/test_data_parallel_parity.py): PP 2 passes preflight.
+    preflight(cfg("--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2",
+                  "--training.local_batch_size", "4"), world_size=2)
     with pytest.raises(UserError, match="model.mtp_depth is set, but model 'llama3' has no multi-token prediction"):
         preflight(load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
                                "--model.mtp_depth", "1"]), world_size=1)

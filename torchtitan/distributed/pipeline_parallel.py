@@ -18,8 +18,10 @@ What is unusual here:
   and hands them to each stage's forward.
 - Gradient clipping must see every stage: `distributed.utils.clip_grad_norm_` with the pp group
   all-reduces the sum of squares over it (FSDP shards are already combined by DTensor).
-- Weights shared by modules on different stages (tied embeddings): each stage gets its own copy,
-  kept equal by distributed.shared_weights (`Pipeline.ties` lists them).
+- Weights shared by modules on different stages (tied embeddings; a module another stage borrows,
+  PipelineLayout.shared, e.g. the input embedding for multi-token prediction on the last stage):
+  each stage gets its own copy, kept equal by distributed.shared_weights (`Pipeline.ties` lists them).
+  A borrowed module keeps its name, so a checkpoint holds one copy under it.
 - FSDP under the zero-bubble schedules: see `apply_fsdp_to_stage`.
 """
 
@@ -232,15 +234,20 @@ def _check_explicit_split(layout: PipelineLayout, n_layers: int, num_stages: int
     return [list(p) for p in parts]
 
 
-def shared_weights(model: nn.Module, parts: list[list[str]]) -> list[dict[int, str]]:
+def shared_weights(model: nn.Module, parts: list[list[str]], layout: PipelineLayout | None = None) -> list[dict[int, str]]:
     """The parameters that modules of two or more stages use (an input embedding tied to the output
-    layer): for each, {stage id: the name it has on that stage}. Each stage gets its own copy, which
-    distributed.shared_weights keeps equal."""
+    layer, a module borrowed by another stage: `layout.shared`): for each, {stage id: the name it has
+    on that stage}. Each stage gets its own copy, which distributed.shared_weights keeps equal."""
     stage_of = {name: i for i, part in enumerate(parts) for name in part}
     users: dict[int, dict[int, str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module = name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
         users.setdefault(id(param), {}).setdefault(stage_of[module], name)
+    for module, reader in (layout.shared if layout is not None else ()):
+        if getattr(model, reader, None) is None or stage_of[reader] == stage_of[module]:
+            continue
+        for name, param in getattr(model, module).named_parameters(prefix=module):
+            users[id(param)].setdefault(stage_of[reader], name)
     return [stages for stages in users.values() if len(stages) > 1]
 
 
@@ -251,7 +258,8 @@ def _first_and_last(names: list[str]) -> list[str]:
 def build_stage_model(
     model_or_factory: nn.Module | Callable[[], nn.Module], layout: PipelineLayout, module_names: list[str]
 ) -> nn.Module:
-    """A copy of the (meta) model that keeps only `module_names`; parameter FQNs are unchanged."""
+    """A copy of the (meta) model that keeps only `module_names`, and copies of the modules those
+    borrow (`layout.shared`, named in the copy's `borrowed`); parameter FQNs are unchanged."""
     # Copying a meta model allocates nothing; a factory's fresh model needs no copy.
     if isinstance(model_or_factory, nn.Module):
         model = copy.deepcopy(model_or_factory)
@@ -261,9 +269,12 @@ def build_stage_model(
     known = {*layout.before, *layout.after} | {f"layers.{k}" for k in model.layers}
     if keep - known:
         raise UserError(f"model part names unknown modules {sorted(keep - known)}")
+    borrowed = {module for module, reader in layout.shared
+                if reader in keep and module not in keep and getattr(model, reader, None) is not None}
     for name in (*layout.before, *layout.after):
-        if name not in keep:
+        if name not in keep and name not in borrowed:
             setattr(model, name, None)
+    model.borrowed = frozenset(borrowed)
     for k in list(model.layers):
         if f"layers.{k}" not in keep:
             del model.layers[k]
@@ -471,7 +482,7 @@ def split_for_rank(
     style = schedule_style(parallelism.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)
     stages = [build_stage_model(whole, layout, parts[i]) for i in stage_ids]
-    return stages, Pipeline(stage_ids, num_stages, style, pp_mesh, shared_weights(whole, parts))
+    return stages, Pipeline(stage_ids, num_stages, style, pp_mesh, shared_weights(whole, parts, layout))
 
 
 def attach_schedule(pipeline: Pipeline, model_parts, parallelism, local_batch_size: int, device, loss_fn):

@@ -35,6 +35,9 @@ class Decoder(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if self.tied:
             self.output.weight = self.tok_embeddings.weight
+        # Top-level modules a pipeline stage keeps only for another module to use (PipelineLayout.shared):
+        # its forward does not apply them in their own place.
+        self.borrowed: frozenset[str] = frozenset()
         # Global positions of the tokens this rank holds when sequences are split over ranks (context
         # parallel); None: positions 0, 1, 2, ...
         self.token_positions: torch.Tensor | None = None
@@ -99,8 +102,9 @@ class Decoder(nn.Module):
 
     def trunk(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The embedding and the blocks of the training forward (each may be absent on a pipeline
-        stage): the hidden states before the final norm."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        stage, or the embedding borrowed by a later stage): the hidden states before the final norm."""
+        embeds = self.tok_embeddings is not None and "tok_embeddings" not in self.borrowed
+        h = self.tok_embeddings(tokens) if embeds else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope, doc_ids=doc_ids)
         return h

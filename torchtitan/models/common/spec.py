@@ -10,7 +10,8 @@ The model built by `spec.model_cls(args)` (on the meta device) must have:
   while the names of the others stay those of the full model.
 - the top-level modules named in `spec.pipeline` (before and after `layers`), each of which may be
   set to None on a pipeline stage that does not hold it; `forward` must skip a None module (the
-  embedding passes its input through, the output returns its input);
+  embedding passes its input through, the output returns its input), and also a module the stage
+  only keeps for another to use (named in the model's `borrowed`; PipelineLayout.shared);
 - `init_weights(seed, buffer_device=None)`: fill every parameter and buffer after `to_empty`, with
   values that depend only on `seed` and the parameter's name (see `torchtitan.models.common.init`), so
   that every parallel layout starts from the same weights;
@@ -67,6 +68,12 @@ class PipelineLayout:
 
     before: tuple[str, ...] = ("tok_embeddings",)
     after: tuple[str, ...] = ("norm", "output")
+    # (module, reader): a stage that holds `reader` (not None) but not `module` keeps a copy of
+    # `module` under its own name, for `reader` to use; the stage's forward does not apply it in its
+    # own place (the model's `borrowed` names it). The copies are one weight, kept equal
+    # (pipeline_parallel.shared_weights). E.g. multi-token prediction on the last stage embeds
+    # tokens with the input embedding.
+    shared: tuple[tuple[str, str], ...] = ()
 
     def module_names(self, n_layers: int) -> list[str]:
         return [*self.before, *(f"layers.{i}" for i in range(n_layers)), *self.after]

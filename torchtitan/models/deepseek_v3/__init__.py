@@ -25,7 +25,8 @@ def build_spec() -> ModelSpec:
         document_masks=True,
         loss_sum_fn=model.mtp_loss_sum,
         prepare_window=model.prepare_window,
-        pipeline=PipelineLayout(after=("norm", "output", "mtp")),
+        # Multi-token prediction (on the last stage) embeds further tokens with the input embedding.
+        pipeline=PipelineLayout(after=("norm", "output", "mtp"), shared=(("tok_embeddings", "mtp"),)),
         adamw_params=(r"^output\.", r"\.router\.gate\."),  # Muon leaves these to AdamW
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,

@@ -54,12 +54,6 @@ def validate(args: ModelArgs, dims) -> None:
         problems.append(f"mtp_depth = {args.mtp_depth} must be 0 (no multi-token prediction) or more")
     if args.mtp_loss_weight < 0:
         problems.append(f"mtp_loss_weight = {args.mtp_loss_weight} must be 0 or more")
-    if args.mtp_depth > 0:
-        unsupported = [name for name, degree in (("pipeline_parallel_degree", dims.pp),) if degree > 1]
-        if unsupported:
-            problems.append(f"multi-token prediction (mtp_depth = {args.mtp_depth}) runs without "
-                            f"{', '.join('parallelism.' + n for n in unsupported)} so far; set them to 1 (FSDP, HSDP, DDP, "
-                            "tensor, context and expert parallel work) or mtp_depth to 0")
     if args.moe is not None:
         problems += [f"moe: {p}" for p in args.moe.check()]
         if args.moe.num_experts % dims.ep:
