@@ -127,6 +127,10 @@ class ModelSpec:
     tp_plan: Any
     tp_sizes: Callable[[Any], dict[str, tuple[int, str]]]
     pipeline: PipelineLayout = field(default_factory=PipelineLayout)
+    # (args, a block of the meta model, seq_len) -> torchtitan.models.common.activations.ActivationCounts:
+    # what the block keeps for backward per token. None: the layout planner (torchtitan.planner) and
+    # [memory_estimation] refuse the family.
+    activation_counts: Callable[[Any, nn.Module, int], Any] | None = None
     cp_attention: str | None = "attention"  # path in a block of the module with `attention_fn`; None: no CP
     # (model or pipeline stage) -> its blocks outside `layers` (e.g. multi-token prediction's), each
     # called like a layer: the trainer sets their attention kernel, context parallel makes it its

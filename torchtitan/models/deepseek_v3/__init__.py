@@ -4,6 +4,7 @@ from torchtitan.models.common.spec import ModelSpec, PipelineLayout
 
 
 def build_spec() -> ModelSpec:
+    from torchtitan.models.deepseek_v3.activations import block_counts
     from torchtitan.models.common import moe
     from torchtitan.models.deepseek_v3 import args, model, parallelize, state_dict_adapter
 
@@ -16,6 +17,7 @@ def build_spec() -> ModelSpec:
         flops_per_token=model.flops_per_token,
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
+        activation_counts=block_counts,  # what a block keeps for backward (the layout planner)
         cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
         extra_blocks=model.mtp_blocks,
         kv_cache=True,

@@ -4,6 +4,7 @@ from torchtitan.models.common.spec import ModelSpec
 
 
 def build_spec() -> ModelSpec:
+    from torchtitan.models.common.activations import standard_block_counts
     from torchtitan.models.common import moe
     from torchtitan.models.qwen3 import args, model, parallelize, state_dict_adapter
 
@@ -16,6 +17,7 @@ def build_spec() -> ModelSpec:
         flops_per_token=model.flops_per_token,
         tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes,
+        activation_counts=standard_block_counts,  # what a block keeps for backward (the layout planner)
         cp_attention="attention",  # where each block calls attention: context parallel replaces its attention_fn
         kv_cache=True,
         # Qwen3-MoE flavors: the MoE blocks, the router kept out of float8, the auxiliary losses'

@@ -1,0 +1,145 @@
+"""The layout planner (torchtitan.planner, scripts/plan.py):
+- the analytic per-rank parameter shards equal those of the real parallelization over a fake process
+  group, for every kind of layout (FSDP, HSDP, TP, PP 1F1B and ZBV, CP, EP, EP x TP) of the three
+  families, and at 512 ranks for Llama 3 405B and 256 for Qwen3-MoE 235B-A22B (slow);
+- the memory terms follow the layout: FSDP divides the parameter state, full checkpointing keeps
+  less than none, a pipeline's last stage holds the logits;
+- plan.py ranks layouts, writes a recipe that loads back to the best layout, and refuses bad input
+  with exit 2 and one line: a world size the recipe's fixed degrees cannot divide, a memory no
+  layout fits (with the smallest need), a family without activation counts (naming the field), an
+  --output that exists;
+- the recipe it writes for the debug model on 4 CPU processes trains as it is (slow).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import load_config
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.planner.memory import estimate_memory, param_shards
+from torchtitan.planner.plan import Planning, estimate_config
+from torchtitan.planner.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[2]
+PLAN = REPO / "scripts" / "plan.py"
+DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+LAYOUTS = {
+    "fsdp4": (4, []),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_1f1b_fsdp2": (4, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp2_zbv": (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "cp2_tp2": (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "tied_pp2_tp2": (4, ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--parallelism.tensor_parallel_degree",
+                         "2"] + PP2),
+    "moe_ep2_tp2": (8, MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "moe_ep4_hsdp": (8, MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree",
+                               "2"]),
+    "dsv3_pp2_ep2": (8, DSV3 + PP2 + ["--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+def config(*args: str):
+    return load_config(DEBUG + ["--training.compile", "false", *args])
+
+
+def check_against_simulation(world: int, args: list[str]):
+    cfg = config(*args)
+    p = Planning.of(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    analytic = param_shards(p.spec, p.model, dims, cfg.parallelism)
+    simulated = simulate(p.spec, p.args, dims, cfg)
+    assert set(simulated) == set(analytic) == set(range(dims.pp))
+    for rank, held in simulated.items():
+        assert held == {name: s.local for name, s in analytic[rank].items()}, rank
+    return analytic
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_analytic_shards_equal_the_simulated_ones(name):
+    world, args = LAYOUTS[name]
+    analytic = check_against_simulation(world, args)
+    assert all(sum(s.local for s in held.values()) > 0 for held in analytic.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,args", [
+    (512, ["--model.flavor", "405B", "--training.seq_len", "8192", "--parallelism.tensor_parallel_degree", "8",
+           "--parallelism.pipeline_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "4"]),
+    (256, ["--model.name", "qwen3", "--model.flavor", "235B-A22B", "--training.seq_len", "4096",
+           "--parallelism.tensor_parallel_degree", "4", "--parallelism.pipeline_parallel_degree", "4",
+           "--parallelism.data_parallel_shard_degree", "16", "--parallelism.expert_parallel_degree", "8"]),
+], ids=["llama3_405B_512", "qwen3_235B_A22B_256"])
+def test_simulation_at_scale(world, args):
+    analytic = check_against_simulation(world, args)
+    assert len(analytic) == 4 if world == 256 else 16
+
+
+def test_memory_terms_follow_the_layout():
+    one = estimate_config(config(), 1, "cpu")
+    fsdp4 = estimate_config(config(), 4, "cpu")
+    assert fsdp4.memory.params == pytest.approx(one.memory.params / 4, rel=0.01)
+    assert fsdp4.memory.optimizer == 2 * fsdp4.memory.params
+    full = estimate_config(config("--activation_checkpoint.mode", "full"), 4, "cpu")
+    assert full.memory.activations < fsdp4.memory.activations / 2
+    cfg = config(*PP2)
+    p = Planning.of(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, 2)
+    last = estimate_memory(p.spec, p.model, p.args, dims, cfg, "cpu")
+    assert last.pp_rank in (0, 1) and (last.logits > 0) == (last.pp_rank == 1)
+
+
+def run_plan(*args: str, cwd=REPO):
+    return subprocess.run([sys.executable, str(PLAN), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_plan_writes_the_best_layout_as_a_recipe(tmp_path):
+    out = tmp_path / "best.toml"
+    proc = run_plan(*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "4", "--device", "cpu",
+                    "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "every parameter shard equals the estimate's" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("1  ")]
+    best = rows[0].split()[1]
+    cfg = load_config(["--job.config_file", str(out)])
+    est = estimate_config(cfg, 4, "cpu")
+    assert est.layout() == best
+    assert cfg.training.global_batch_size == 16  # the recipe's own: local_batch_size 4 x 4 ranks
+    again = run_plan(*DEBUG, "--ngpu", "4", "--gpu_memory_gib", "4", "--device", "cpu", "--output", str(out))
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ngpu", "12", "--gpu_memory_gib", "80", "--parallelism.tensor_parallel_degree", "8"],
+     "does not divide the world size 12"),
+    (["--ngpu", "2", "--gpu_memory_gib", "0.001", "--device", "cpu"], "the smallest needs"),
+    (["--ngpu", "2", "--gpu_memory_gib", "80", "--experimental.custom_import",
+      str(REPO / "tests" / "models" / "test_custom_family.py"), "--model.name", "tiny_nope", "--model.flavor", "debug"],
+     "its spec has no activation_counts"),
+])
+def test_plan_refuses_bad_input(args, message):
+    proc = run_plan(*DEBUG, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_written_recipe_trains_on_4_processes(tmp_path):
+    out = tmp_path / "best.toml"
+    proc = run_plan(*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "4", "--device", "cpu",
+                    "--no-simulate", "--output", str(out), "--training.steps", "4", "--job.dump_folder",
+                    str(tmp_path / "run"), "--checkpoint.no-enable_checkpoint")
+    assert proc.returncode == 0, proc.stderr
+    train = subprocess.run(["bash", "run_train.sh"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**__import__("os").environ, "NGPU": "4", "CONFIG_FILE": str(out)})
+    assert train.returncode == 0, train.stderr[-3000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) >= 2

@@ -1,0 +1,309 @@
+"""The layout planner: every layout of a recipe at a world size, its memory per rank and step time,
+ranked (scripts/plan.py is its command line).
+
+Searched: tensor parallel within a node (powers of two whose splits divide the model's sizes),
+pipeline parallel (degrees that give every stage a layer; the recipe's schedule), context parallel
+(powers of two up to 8 dividing the sequence), data parallel sharding and HSDP replicas (one replica
+per node group when FSDP would span more than a node), expert parallel for MoE flavors (powers of two
+dividing the experts and the shard ranks), activation checkpointing (none, op, full) and the
+micro-batch size. A degree the recipe (or the command line) sets to anything but its default is kept
+fixed. The global batch in sequences is the recipe's training.global_batch_size, or local_batch_size
+x the data-parallel degree of the recipe's own layout at this world size.
+"""
+
+import dataclasses
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+from torchtitan.config import UserError
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.planner.memory import GiB, MemoryEstimate, estimate_memory, meta_model, param_shards, replace
+from torchtitan.planner.timing import Hardware, StepTime, step_time
+
+logger = logging.getLogger(__name__)
+
+AC_MODES = (("none", "2"), ("selective", "op"), ("full", "2"))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    cfg: object  # the JobConfig of this layout
+    dims: ParallelDims
+    memory: MemoryEstimate
+    time: StepTime
+    tokens_per_s: float  # per device
+    mfu: float
+
+    @property
+    def step_time(self) -> float:
+        return self.time.total
+
+    def layout(self) -> str:
+        d, ac = self.dims, self.cfg.activation_checkpoint
+        parts = [f"pp{d.pp}" if d.pp > 1 else "", f"rep{d.dp_replicate}" if d.dp_replicate > 1 else "",
+                 f"fsdp{d.dp_shard}" if d.dp_shard > 1 else "", f"cp{d.cp}" if d.cp > 1 else "",
+                 f"tp{d.tp}" if d.tp > 1 else "", f"ep{d.ep}" if d.ep > 1 else ""]
+        return "x".join(p for p in parts if p) or "single"
+
+    def ac(self) -> str:
+        ac = self.cfg.activation_checkpoint
+        return ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
+
+
+def planning_args(spec, cfg):
+    """The model args the job would build: the tokenizer's vocabulary when its file is there (as the
+    trainer does), else the flavor's."""
+    from torchtitan.train import model_args_for_run
+
+    path = cfg.model.tokenizer_path
+    if path and os.path.exists(path):
+        from torchtitan.components.tokenizer import Tokenizer
+
+        return model_args_for_run(spec, cfg, Tokenizer(path).vocab_size)
+    flavor = spec.flavors[cfg.model.flavor]
+    return spec.args_for_training(cfg.model.flavor, flavor.vocab_size, cfg.training.seq_len)
+
+
+def default_hardware(device_type: str, gpus_per_node: int, cfg) -> Hardware:
+    """CUDA: H100/H200 figures (989 dense bf16 TFLOP/s; 450 GB/s NVLink, 50 GB/s per GPU across nodes),
+    40% of the peak. CPU (this machine): the matmul peak measured now in the training dtype, the
+    efficiency the default run reaches (calibrated by scripts/validate_memory_estimate.py), and gloo's
+    bandwidth between processes of one host."""
+    if device_type == "cuda":
+        peak = cfg.metrics.device_peak_tflops * 1e12 if cfg.metrics.device_peak_tflops > 0 else 989e12
+        return Hardware(peak, 0.40, 450e9, 50e9, gpus_per_node)
+    import torch
+
+    from torchtitan.components.metrics import measure_matmul_tflops
+
+    peak = measure_matmul_tflops(torch.float32, seconds=0.3) * 1e12
+    return Hardware(peak, CPU_EFFICIENCY, CPU_BANDWIDTH, CPU_BANDWIDTH, gpus_per_node)
+
+
+# Calibrated on this 2-core host (scripts/validate_memory_estimate.py; README table).
+CPU_EFFICIENCY = 0.35
+CPU_BANDWIDTH = 1.0e9
+
+
+@dataclass
+class Planning:
+    """What every layout of one recipe shares, computed once: the spec, the args, the meta model, the
+    FLOPs per token, and the parameter shards of each (degrees, pipeline split) seen."""
+
+    spec: object
+    args: object
+    model: object
+    flops_per_token: float
+    shards: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg) -> "Planning":
+        from torchtitan.models.registry import get_model_spec, import_custom_module
+
+        import_custom_module(cfg.experimental.custom_import)
+        spec = get_model_spec(cfg.model.name)
+        args = planning_args(spec, cfg)
+        return cls(spec, args, meta_model(spec, args), spec.flops_per_token(args, cfg.training.seq_len))
+
+    def param_shards(self, dims, par):
+        key = (dims, par.pipeline_parallel_schedule, par.disable_loss_parallel, par.pipeline_parallel_layers_per_stage,
+               tuple(par.pipeline_parallel_split_points), tuple(map(tuple, par.module_fqns_per_model_part)),
+               par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers)
+        if key not in self.shards:
+            self.shards[key] = param_shards(self.spec, self.model, dims, par)
+        return self.shards[key]
+
+
+def estimate_config(cfg, world_size: int, device_type: str, hw: Hardware | None = None,
+                    planning: Planning | None = None) -> Estimate:
+    """Memory and step time of `cfg`'s own layout on `world_size` ranks."""
+    p = planning or Planning.of(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    shards = p.param_shards(dims, cfg.parallelism)
+    memory = estimate_memory(p.spec, p.model, p.args, dims, cfg, device_type, shards)
+    gathered = sum(s.gathered for s in shards[memory.pp_rank].values())
+    moe_blocks = len(p.spec.expert_layers(p.model)) // dims.pp if p.spec.expert_layers is not None else 0
+    hw = hw or default_hardware(device_type, world_size, cfg)
+    time = step_time(p.flops_per_token, p.args, dims, cfg, gathered, moe_blocks, hw)
+    t = cfg.training
+    global_batch, _ = dims.batch(t.local_batch_size, t.global_batch_size)
+    tokens = global_batch * t.seq_len / world_size / time.total
+    mfu = tokens * p.flops_per_token / hw.peak_flops
+    return Estimate(cfg, dims, memory, time, tokens, mfu)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def _fixed(cfg) -> dict[str, int]:
+    """Degrees the recipe sets to something other than their defaults: kept as they are."""
+    p = cfg.parallelism
+    fixed = {}
+    for key, default in (("tensor_parallel_degree", 1), ("pipeline_parallel_degree", 1),
+                         ("context_parallel_degree", 1), ("expert_parallel_degree", 1),
+                         ("data_parallel_replicate_degree", 1), ("data_parallel_shard_degree", -1)):
+        if getattr(p, key) != default:
+            fixed[key] = getattr(p, key)
+    return fixed
+
+
+def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
+    """Every layout config of the search (see the module docstring)."""
+    from torchtitan.distributed.pipeline_parallel import plan_split
+    from torchtitan.distributed.tensor_parallel import check_tp_divisibility
+
+    fixed = _fixed(cfg)
+    product = 1
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "data_parallel_replicate_degree"):
+        product *= fixed.get(key, 1)
+    product *= fixed.get("data_parallel_shard_degree", 1)
+    if world_size % product:
+        raise UserError(
+            f"the recipe fixes parallel degrees ({', '.join(f'{k} = {v}' for k, v in fixed.items())}) whose product "
+            f"{product} does not divide the world size {world_size}; choose a world size that is a multiple of "
+            f"{product}, or leave those degrees to the planner (remove them from the recipe)"
+        )
+    t = cfg.training
+    has_experts = spec.has_experts(args)
+    num_experts = args.moe.num_experts if has_experts else 1
+    own = ParallelDims.from_config(cfg.parallelism, world_size) if not world_size % product else None
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * own.dp_degree
+
+    def options(key, values):
+        return [fixed[key]] if key in fixed else values
+
+    for tp in options("tensor_parallel_degree", _powers_of_two(min(gpus_per_node, world_size))):
+        if tp > 1:
+            if spec.tp_plan is None:
+                continue
+            try:
+                check_tp_divisibility(spec.tp_sizes(args), tp, t.seq_len)
+            except UserError:
+                continue
+        for pp in options("pipeline_parallel_degree", [p for p in range(1, args.n_layers + 1)
+                                                       if world_size % (tp * p) == 0]):
+            if pp > 1:
+                try:
+                    plan_split(spec.pipeline, args.n_layers, pp, cfg.parallelism)
+                except UserError:
+                    continue
+            for cp in options("context_parallel_degree", [c for c in _powers_of_two(8) if t.seq_len % (2 * c) == 0]):
+                if cp > 1 and spec.cp_attention is None or world_size % (tp * pp * cp):
+                    continue
+                dp = world_size // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                replicas = [fixed["data_parallel_replicate_degree"]] if "data_parallel_replicate_degree" in fixed else \
+                    sorted({1, max(1, dp * tp * cp // gpus_per_node) if dp * tp * cp > gpus_per_node else 1})
+                for rep in replicas:
+                    if dp % rep:
+                        continue
+                    shard = dp // rep
+                    eps = [1]
+                    if has_experts:
+                        eps = options("expert_parallel_degree",
+                                      [e for e in _powers_of_two(num_experts) if num_experts % e == 0
+                                       and (shard * cp) % e == 0])
+                    for ep, (mode, option) in itertools.product(eps, AC_MODES):
+                        local = global_batch // dp
+                        micros = [m for m in (1, 2, 4, 8) if local % m == 0 and (pp == 1 or local // m >= pp)]
+                        for micro in (micros if pp > 1 else [local]):
+                            yield replace(
+                                cfg,
+                                parallelism={"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
+                                             "context_parallel_degree": cp, "data_parallel_replicate_degree": rep,
+                                             "data_parallel_shard_degree": shard, "expert_parallel_degree": ep,
+                                             "pipeline_parallel_microbatch_size": micro if pp > 1 else 1},
+                                training={"local_batch_size": local, "global_batch_size": global_batch},
+                                activation_checkpoint={"mode": mode, "selective_ac_option": option},
+                            )
+
+
+def plan(cfg, world_size: int, gpus_per_node: int, memory_bytes: float, device_type: str = "cuda",
+         hw: Hardware | None = None) -> tuple[list[Estimate], list[Estimate]]:
+    """(layouts that fit `memory_bytes` per rank, fastest first; those that do not, smallest first)."""
+    from torchtitan.planner.memory import missing_counts
+
+    p = Planning.of(cfg)
+    missing_counts(p.spec)
+    hw = hw or default_hardware(device_type, gpus_per_node, cfg)
+    fits, too_big = [], []
+    for candidate in candidates(cfg, world_size, gpus_per_node, p.spec, p.args):
+        try:
+            est = estimate_config(candidate, world_size, device_type, hw, p)
+        except UserError:
+            continue
+        (fits if est.memory.total <= memory_bytes else too_big).append(est)
+    fits.sort(key=lambda e: e.step_time)
+    too_big.sort(key=lambda e: e.memory.total)
+    return fits, too_big
+
+
+def table(estimates: list[Estimate], limit: int = 20) -> str:
+    rows = ["rank  layout                  AC           micro  params  grads  optim  activ  logits  buffers  total GiB"
+            "  step s  tokens/s/dev   MFU"]
+    for i, e in enumerate(estimates[:limit], 1):
+        m = e.memory
+        micro = e.cfg.parallelism.pipeline_parallel_microbatch_size if e.dims.pp > 1 else e.cfg.training.local_batch_size
+        rows.append(
+            f"{i:>4}  {e.layout():<22}  {e.ac():<11}  {micro:>5}  {m.params / GiB:6.2f}  {m.grads / GiB:5.2f}  "
+            f"{m.optimizer / GiB:5.2f}  {m.activations / GiB:5.2f}  {m.logits / GiB:6.2f}  {m.buffers / GiB:7.2f}  "
+            f"{m.total / GiB:9.2f}  {e.step_time:6.2f}  {e.tokens_per_s:12,.0f}  {e.mfu:5.1%}"
+        )
+    return "\n".join(rows)
+
+
+def explain(e: Estimate, memory_bytes: float) -> str:
+    """What does not fit, for the best layout that does not."""
+    terms = e.memory.terms()
+    largest = max(terms, key=terms.get)
+    fixes = {
+        "params": "more FSDP or pipeline ranks (shard the parameters further)",
+        "grads": "more FSDP or pipeline ranks",
+        "optimizer": "more FSDP or pipeline ranks (the optimizer state is sharded with the parameters)",
+        "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
+        "logits": "tensor parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
+        "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
+        "fragmentation": "a smaller total",
+        "reserved": "a device with more memory",
+    }
+    return (f"the best layout that does not fit, {e.layout()} with AC {e.ac()}, needs {e.memory.total / GiB:.2f} GiB "
+            f"per rank of {memory_bytes / GiB:.2f}; its largest term is {largest} ({terms[largest] / GiB:.2f} GiB): "
+            f"{fixes[largest]}")
+
+
+def write_recipe(e: Estimate, path: str) -> None:
+    """The layout as a TOML recipe run_train.sh takes as it is (every key resolved)."""
+    from torchtitan.config.manager import config_to_toml
+
+    header = (f"# Written by scripts/plan.py: {e.layout()} with AC {e.ac()} on {e.dims.world_size} ranks; estimated "
+              f"{e.memory.total / GiB:.2f} GiB per rank, {e.step_time:.3f} s per step.\n")
+    with open(path, "w") as f:
+        f.write(header + config_to_toml(e.cfg))
+
+
+def check_by_simulation(e: Estimate) -> float:
+    """Apply `e`'s layout for real over a fake process group (torchtitan.planner.simulate) and check
+    that every rank's parameter shards are the estimate's; returns the seconds it took."""
+    import time
+
+    from torchtitan.models.registry import get_model_spec
+    from torchtitan.planner.simulate import simulate
+
+    start = time.perf_counter()
+    spec = get_model_spec(e.cfg.model.name)
+    args = planning_args(spec, e.cfg)
+    cfg = replace(e.cfg, training={"compile": False})
+    expected = param_shards(spec, meta_model(spec, args), e.dims, cfg.parallelism)
+    for pp_rank, held in simulate(spec, args, e.dims, cfg).items():
+        want = {name: s.local for name, s in expected[pp_rank].items()}
+        if held != want:
+            wrong = sorted(set(held) ^ set(want)) or [n for n in held if held[n] != want[n]]
+            raise RuntimeError(f"the simulation of {e.layout()} disagrees with the estimate at pipeline rank {pp_rank}: "
+                               f"{wrong[:5]} (simulated {[held.get(n) for n in wrong[:5]]}, estimated "
+                               f"{[want.get(n) for n in wrong[:5]]})")
+    return time.perf_counter() - start
