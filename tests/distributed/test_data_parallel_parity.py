@@ -7,6 +7,8 @@ within BF16_TOL of the fp32 single-process run:
   module lists), alone and with FSDP and TP;
 - context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP, op-level
   activation checkpointing, and full activation checkpointing plus compile;
+- Muon (optimizer.name = "Muon": hidden matrices and stacked experts orthogonalized whole) under FSDP 2,
+  TP 2, PP 2 and FSDP 2 x TP 2, and Qwen3-MoE's experts with Muon under EP 2 and EP 2 x FSDP 2;
 - Qwen3-MoE's debug flavor without expert parallel under FSDP 2, and with EP 2 alone and with
   CP 2, FSDP 2, TP 2 and PP 2; the expert bias after 6 steps
   and the reported expert loads are the same in every layout;
@@ -76,6 +78,13 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
 VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
 
+# Muon for the hidden matrices. Its Newton-Schulz iteration raises a matrix's near-zero singular values about
+# 3.4-fold per iteration, so the layouts' float32 rounding of the gradients grows faster than under AdamW: at
+# Muon's lr 2e-3 the step-6 loss of FSDP 2, TP 2 and EP 2 measured 1.2e-5 to 1.4e-5 off one process; at 5e-4,
+# at most 1.9e-6 in every Muon case below. Orthogonalizing each FSDP shard alone (not the whole matrix) is off
+# by 4.4e-4 at step 2 (measured), so the cases still tell a wrong update from rounding.
+MUON = ["--optimizer.name", "Muon", "--optimizer.muon_lr", "5e-4"]
+MOE_MUON = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"] + MUON
 
 SAVE3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
 
@@ -93,6 +102,8 @@ SINGLE = {
     "moe_single": MOE + ["--training.local_batch_size", "8"] + val(8),
     "ds_single": DS + ["--training.local_batch_size", "8"],
     "ds_mtp_single": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"],
+    "muon_single": MUON + ["--training.local_batch_size", "8"],
+    "moe_muon_single": MOE_MUON + ["--training.local_batch_size", "8"],
     # single_fp32 with validation: its training losses must be bitwise single_fp32's.
     "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
 }
@@ -150,6 +161,10 @@ TWO = {
     "qwen3_tied_pp2_zbv_resumed": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"] + PP2
     + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "moe_fsdp2": MOE + ["--training.local_batch_size", "4"],
+    "muon_fsdp2": MUON + ["--training.local_batch_size", "4"],
+    "muon_tp2": MUON + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "muon_pp2": MUON + ["--training.local_batch_size", "8"] + PP2,
+    "moe_muon_ep2": MOE_MUON + ["--training.local_batch_size", "4"] + EP2,
     "moe_ep2": MOE + ["--training.local_batch_size", "4"] + EP2,
     "moe_ep2_cp2": MOE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"] + EP2,
     "ds_fsdp2": DS + ["--training.local_batch_size", "4"],
@@ -199,6 +214,8 @@ FOUR = {
                                "{tmp}/qwen3_tied_fsdp4_resumed/checkpoint/step-3"]},
     "qwen3_tied_fsdp4_resumed": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "2"],
     "moe_ep2_fsdp2": MOE + ["--training.local_batch_size", "2"] + EP2,
+    "muon_fsdp2_tp2": MUON + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "moe_muon_ep2_fsdp2": MOE_MUON + ["--training.local_batch_size", "2"] + EP2,
     "moe_ep2_tp2": MOE + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
     "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2 + val(4),
     "ds_ep2_tp2": DS + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
@@ -227,6 +244,7 @@ SIXTEEN = {
 
 DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2", "ds_mtp_fsdp2",
               "ds_mtp_ep2", "ds_mtp_tp2", "ds_mtp_cp2", "ds_mtp_pp2", "ds_mtp_pp2_tp2", "ds_mtp_pp2_ep2"]
+MUON_LAYOUTS = ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_fsdp2_tp2", "moe_muon_ep2", "moe_muon_ep2_fsdp2"]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
@@ -310,7 +328,7 @@ def losses(records):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe", "ds_mtp", "ds"):
+    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
@@ -350,7 +368,7 @@ def test_mtp_moves_the_gradient_not_the_logged_loss(runs):
      "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2",
      "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2", "qwen3_tied_pp2", "qwen3_tied_pp2_zbv",
      "qwen3_tied_pp2_fsdp2", "qwen3_tied_pp4",
-     *MOE_LAYOUTS, *BC_LAYOUTS, *DS_LAYOUTS],
+     *MOE_LAYOUTS, *BC_LAYOUTS, *DS_LAYOUTS, *MUON_LAYOUTS],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     reference = reference_of(name)
@@ -367,6 +385,14 @@ def test_fp32_layouts_match_single_process(runs, name):
     # FSDP 2 x TP 2, with loss differences of at most 3.8e-6 throughout.
     norm_tol = 3e-3 if "tied" in name else 1e-3
     assert max(norms) < norm_tol, f"{name}: grad norm relative diffs {norms}"
+
+
+def test_muon_is_another_optimizer(runs):
+    # The same weights at step 1, then Muon's updates: other losses than AdamW's, and still falling.
+    for muon, adamw in (("muon_single", "single_fp32"), ("moe_muon_single", "moe_single")):
+        assert losses(runs[muon])[0] == losses(runs[adamw])[0]
+        assert losses(runs[muon])[1] != losses(runs[adamw])[1]
+        assert losses(runs[muon])[-1] < losses(runs[muon])[0] - 0.3
 
 
 @pytest.mark.parametrize("name", ["single_bf16", "fsdp2_bf16", "hsdp2x2_bf16", "fsdp2_cp2_bf16"])
