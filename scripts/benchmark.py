@@ -1,8 +1,9 @@
 """Throughput of the trainer against a minimal hand-written PyTorch loop training the same model,
-or (--attention 1) of the trainer's attention masks and kernels against each other.
+or (--attention 1) of the trainer's attention masks and kernels against each other, or (--optimizers 1)
+of the trainer with AdamW against the trainer with Muon.
 
     python scripts/benchmark.py [--nproc N] [--steps S] [--warmup W] [--threads T] [--repeat R] \\
-        [--attention 1] --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
+        [--attention 1 | --optimizers 1] --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
 
 Two measurements, each in its own process (or torchrun launch when N > 1), so that the peak
 resident memory of one does not hide that of the other (RSS maxima only grow):
@@ -28,6 +29,12 @@ trainer's own choice, attention.attention_backend), tokens/s and its ratio to ca
 MFU (block_causal counts only the attention its mask lets through), the first step's time (on CUDA
 mostly compilation) and the step-1 loss. Documents must be short against seq_len for block_causal
 to matter: scripts/short_documents.py writes such a corpus.
+
+--optimizers 1: the trainer alone, once with optimizer.name = AdamW and once with Muon (the recipe's
+other optimizer keys for both; Muon's own keys for the Muon run only), each in its own process.
+Reported per optimizer: the median step time (the trainer's per-step time, data loading included),
+tokens/s, peak memory, the step-1 loss (the same for both: the update comes after it), and the ratio
+of the step times, Muon over AdamW.
 
 On a shared machine the load of others drifts over a run: --repeat R runs the pair R times, in
 alternating order (framework first, then bare first, ...), and pools the steps of all repeats.
@@ -60,9 +67,9 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 # Options of this script; everything else is a trainer override.
 OWN_OPTIONS = {"--nproc": int, "--steps": int, "--warmup": int, "--threads": int, "--repeat": int, "--worker": str,
-               "--result": str, "--attention": int}
+               "--result": str, "--attention": int, "--optimizers": int}
 DEFAULTS = {"nproc": 1, "steps": 30, "warmup": 10, "threads": None, "repeat": 1, "worker": None, "result": None,
-            "attention": 0}
+            "attention": 0, "optimizers": 0}
 PARTS = ("framework", "bare")
 
 
@@ -125,6 +132,9 @@ def check_supported(cfg) -> None:
             "causal", "auto", False, False):
         raise UserError("the bare loop attends causally with the model's default kernel and counts every label: "
                         "compare masks and kernels with --attention 1")
+    if cfg.optimizer.name == "Muon" or cfg.optimizer.state_dtype != "float32":
+        raise UserError("the bare loop steps torch's AdamW or Adam with float32 state: compare Muon with AdamW in "
+                        "the trainer with --optimizers 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +149,7 @@ def run_framework(cfg) -> dict:
     setup_logging()
     records = train(cfg)
     return {
-        "steps": [{k: r[k] for k in ("step", "tps", "tflops", "mfu", "memory_gib")} for r in records],
+        "steps": [{k: r[k] for k in ("step", "tps", "tflops", "mfu", "memory_gib", "time")} for r in records],
         # The trainer logs MFU against its peak; recover the peak to show it beside the bare loop's.
         "peak_tflops": records[-1]["tflops"] * 100 / records[-1]["mfu"],
         "threads": torch.get_num_threads(),
@@ -435,6 +445,51 @@ def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -
     return 0
 
 
+def without_muon_keys(overrides: list[str]) -> list[str]:
+    """The overrides less Muon's own keys (refused with AdamW), as --key value or --key=value."""
+    out, skip = [], False
+    for arg in overrides:
+        if skip:
+            skip = False
+        elif arg.startswith("--optimizer.muon_") or arg.startswith("--optimizer.muon-"):
+            skip = "=" not in arg
+        else:
+            out.append(arg)
+    return out
+
+
+def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path) -> int:
+    variants = [("AdamW", without_muon_keys(overrides) + ["--optimizer.name", "AdamW"]),
+                ("Muon", overrides + ["--optimizer.name", "Muon"])]
+    runs = {label: [] for label, _ in variants}
+    for repeat in range(opts["repeat"]):
+        for label, argv in variants if repeat % 2 == 0 else variants[::-1]:
+            result, log = tmp / f"{label}_{repeat}.json", tmp / f"{label}_{repeat}.log"
+            with open(log, "w") as f:
+                subprocess.run(worker_command("framework", opts, argv, result), env=env, stdout=f,
+                               stderr=subprocess.STDOUT)
+            if not result.exists():
+                print(f"error: the {label} run failed; log {log}:\n{log.read_text()[-6000:]}", file=sys.stderr)
+                return 1
+            data = json.loads(result.read_text())
+            runs[label].append(data)
+            print(f"{label}: {summarize([data], opts['warmup'])['tps']:,.0f} tokens/s, log {log}", flush=True)
+    rows = {}
+    for label, results in runs.items():
+        summary = summarize(results, opts["warmup"])
+        # "time" is the seconds since the run started, logged every step: a step's time is the difference.
+        summary["step_ms"] = 1000 * statistics.median(
+            b["time"] - a["time"] for result in results for a, b in zip(result["steps"], result["steps"][1:])
+            if b["step"] > opts["warmup"])
+        summary["first_loss"] = results[0]["first_loss"]
+        rows[label] = summary
+    print(f"{'optimizer':<12}{'step ms':>10}{'tokens/s':>11}{'peak GiB':>10}{'loss 1':>9}")
+    for label, r in rows.items():
+        print(f"{label:<12}{r['step_ms']:>10.1f}{r['tps']:>11,.0f}{r['memory_gib']:>10.3f}{r['first_loss']:>9.4f}")
+    print(f"step time Muon/AdamW: {rows['Muon']['step_ms'] / rows['AdamW']['step_ms']:.2f}")
+    return 0
+
+
 def launch(opts: dict, overrides: list[str]) -> int:
     from torchtitan.config import HelpRequested, UserError, load_config
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -443,8 +498,9 @@ def launch(opts: dict, overrides: list[str]) -> int:
         print("error: need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(overrides)
-        if not opts["attention"]:
+        # --optimizers 1 runs Muon too: Muon's keys must load (the AdamW run leaves them out).
+        cfg = load_config(overrides + (["--optimizer.name", "Muon"] if opts["optimizers"] else []))
+        if not opts["attention"] and not opts["optimizers"]:
             check_supported(cfg)
         t = cfg.training
         dims = ParallelDims.from_config(cfg.parallelism, opts["nproc"])
@@ -467,6 +523,8 @@ def launch(opts: dict, overrides: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="benchmark_"))
     if opts["attention"]:
         return run_attention(opts, overrides, cfg, env, tmp)
+    if opts["optimizers"]:
+        return run_optimizers(opts, overrides, env, tmp)
     runs = {part: [] for part in PARTS}
     for repeat in range(opts["repeat"]):
         # Alternating the order spreads a drift in background load evenly over the two.

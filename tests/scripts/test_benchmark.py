@@ -131,3 +131,20 @@ def test_one_process_end_to_end():
 def test_two_processes_with_activation_checkpointing():
     check_report(run(*TINY, "--nproc", "2", "--steps", "3", "--warmup", "1", "--activation_checkpoint.mode", "full",
                      timeout=300))
+
+
+def test_muon_is_compared_with_adamw_not_with_the_bare_loop(bench):
+    proc = run(*TINY, "--optimizer.name", "Muon", timeout=60)
+    assert proc.returncode == 2 and "--optimizers 1" in proc.stderr
+    argv = ["--optimizer.muon_lr", "0.02", "--optimizer.lr=1e-3", "--optimizer.muon_nesterov=false", "--x", "1"]
+    assert bench.without_muon_keys(argv) == ["--optimizer.lr=1e-3", "--x", "1"]
+
+
+def test_optimizers_end_to_end():
+    proc = run(*TINY, "--optimizers", "1", "--steps", "3", "--warmup", "1", "--optimizer.muon_lr", "0.01")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["AdamW"], ["Muon"])
+            and "tokens/s," not in line}
+    assert rows.keys() == {"AdamW", "Muon"}
+    assert rows["AdamW"][-1] == rows["Muon"][-1]  # the step-1 loss: the same model and data
+    assert re.fullmatch(r"step time Muon/AdamW: \d+\.\d\d", proc.stdout.strip().splitlines()[-1])
