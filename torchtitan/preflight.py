@@ -26,6 +26,8 @@ def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfi
     from torchtitan.train import preflight
 
     plan = preflight(cfg, world_size)
+    if plan.memory_estimate:
+        print(plan.memory_estimate, flush=True)
     if check_lock:
         refuse_if_locked(cfg.job.dump_folder)
     # Opening the data source as rank 0 finds a missing path or an empty dataset.

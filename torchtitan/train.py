@@ -82,6 +82,7 @@ class Plan:
     global_batch_size: int
     grad_accum_steps: int
     spec: ModelSpec
+    memory_estimate: str | None = None  # [memory_estimation]: the estimate of this layout, one line
 
 
 # Model args that shape no tensor, taken from the initial Hugging Face folder's config.json when the
@@ -266,7 +267,13 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
     )
     validate.preflight_validation(cfg, dims.dp_degree)  # the validation set holds a global batch
-    return Plan(dims, global_batch, accum, spec)
+    memory = None
+    if cfg.memory_estimation.enabled:
+        from torchtitan.planner.plan import check_memory
+
+        memory = check_memory(cfg, world_size, dist_utils.device_type(),
+                              int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return Plan(dims, global_batch, accum, spec, memory)
 
 
 def set_determinism(seed: int, deterministic: bool):
@@ -648,6 +655,8 @@ class Trainer:
             f"{self.plan.grad_accum_steps} accumulation step(s)) | params {t.mixed_precision_param} | peak "
             f"{self.peak.tflops:.3f} TFLOP/s {self.peak.source} | {t.steps} steps"
         )
+        if self.plan.memory_estimate:
+            logger.info(self.plan.memory_estimate)
         if cfg.lr_scheduler.warmup_steps > t.steps:
             logger.warning(
                 f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps ({t.steps}): "

@@ -310,27 +310,26 @@ def test_planned_keys_inert_accepted(tmp_path):
         """
         [job]
         print_args = true
-        [memory_estimation]
-        enabled = false
-        disable_fake_mode = true
+        [metrics]
+        save_for_all_ranks = false
         [parallelism]
+        enable_compiled_autograd = false
         tensor_parallel_degree = 1
         pipeline_parallel_schedule = "1F1B"
         [activation_checkpoint]
         mode = "none"
         """,
     )
-    cfg = load_recipe(path, "--training.compile", "false", "--memory_estimation.disable_fake_mode", "x",
-                      "--job.print_args")
-    assert not hasattr(cfg, "memory_estimation")  # planned values are validated, not stored
+    cfg = load_recipe(path, "--training.compile", "false", "--job.print_args")
+    assert not hasattr(cfg.metrics, "save_for_all_ranks")  # planned values are validated, not stored
     assert cfg == dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
 
 
 def test_planned_key_active_rejected_in_toml(tmp_path):
-    path = write(tmp_path / "recipe.toml", "[memory_estimation]\nenabled = true\n")
+    path = write(tmp_path / "recipe.toml", "[memory_estimation]\nenabled = true\ndisable_fake_mode = true\n")
     msg = str(pytest.raises(UserError, load_recipe, path).value)
-    assert msg.startswith("memory_estimation.enabled = true")
-    assert "not supported yet: memory estimation is not implemented" in msg
+    assert msg.startswith("memory_estimation.disable_fake_mode = true")
+    assert "not supported yet: the estimate is computed from the model spec" in msg
     assert "Remove it or set it to false." in msg
 
 

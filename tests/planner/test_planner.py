@@ -143,3 +143,25 @@ def test_the_written_recipe_trains_on_4_processes(tmp_path):
     assert train.returncode == 0, train.stderr[-3000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) >= 2
+
+
+def preflight(*args: str):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "torchtitan.preflight", *DEBUG, "--memory_estimation.enabled", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "WORLD_SIZE": "2"})
+
+
+def test_memory_estimation_prints_the_estimate_before_launch():
+    proc = preflight()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("memory estimate for fsdp2 with AC none: ")
+    assert "the host's memory over its 2 process(es)" in proc.stdout
+
+
+def test_memory_estimation_refuses_a_layout_that_cannot_fit():
+    proc = preflight("--model.flavor", "8B", "--training.seq_len", "8192")
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert line.startswith("error: memory_estimation: fsdp2 needs an estimated") and "\n" not in line
+    assert "the largest term is activations" in line and "activation checkpointing" in line

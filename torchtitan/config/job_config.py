@@ -908,6 +908,17 @@ class Validation:
 
 
 @dataclass(frozen=True)
+class MemoryEstimation:
+    enabled: bool = opt(
+        False,
+        "Before launch, print the estimated memory per rank of this recipe's layout (parameters, gradients, "
+        "optimizer state, activations, logits, communication buffers: torchtitan.planner) and refuse a layout that "
+        "cannot fit the device memory (on CPU: the host memory per process of this node). scripts/plan.py compares "
+        "every layout.",
+    )
+
+
+@dataclass(frozen=True)
 class Experimental:
     custom_import: str = opt(
         "",
@@ -933,6 +944,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     moe: MoE = field(default_factory=MoE)
     validation: Validation = field(default_factory=Validation)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     experimental: Experimental = field(default_factory=Experimental)
 
 
@@ -948,7 +960,7 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
         "enable_compiled_autograd": False,
     },
     "metrics": {"save_for_all_ranks": False},
-    "memory_estimation": {"enabled": False, "disable_fake_mode": ANY},
+    "memory_estimation": {"disable_fake_mode": False},
     "experimental": {"custom_args_module": ""},
 }
 
@@ -956,7 +968,7 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
 PLANNED_WHY: dict[str, str] = {
     "parallelism": "this parallelism option is not implemented",
     "metrics": "this metrics backend is not implemented",
-    "memory_estimation": "memory estimation is not implemented",
+    "memory_estimation": "the estimate is computed from the model spec and never runs the model in fake mode",
     "experimental": "custom config sections are not supported; a custom model registers through experimental.custom_import",
 }
 PLANNED_WHY["parallelism.enable_compiled_autograd"] = "compiled autograd is not supported (it broke FSDP2 parity)"

@@ -257,23 +257,25 @@ def table(estimates: list[Estimate], limit: int = 20) -> str:
     return "\n".join(rows)
 
 
+FIXES = {
+    "params": "more FSDP or pipeline ranks (shard the parameters further)",
+    "grads": "more FSDP or pipeline ranks",
+    "optimizer": "more FSDP or pipeline ranks (the optimizer state is sharded with the parameters)",
+    "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
+    "logits": "tensor parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
+    "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
+    "fragmentation": "a smaller total",
+    "reserved": "a device with more memory",
+}
+
+
 def explain(e: Estimate, memory_bytes: float) -> str:
     """What does not fit, for the best layout that does not."""
     terms = e.memory.terms()
-    largest = max(terms, key=terms.get)
-    fixes = {
-        "params": "more FSDP or pipeline ranks (shard the parameters further)",
-        "grads": "more FSDP or pipeline ranks",
-        "optimizer": "more FSDP or pipeline ranks (the optimizer state is sharded with the parameters)",
-        "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
-        "logits": "tensor parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
-        "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
-        "fragmentation": "a smaller total",
-        "reserved": "a device with more memory",
-    }
+    largest = e.memory.largest()
     return (f"the best layout that does not fit, {e.layout()} with AC {e.ac()}, needs {e.memory.total / GiB:.2f} GiB "
             f"per rank of {memory_bytes / GiB:.2f}; its largest term is {largest} ({terms[largest] / GiB:.2f} GiB): "
-            f"{fixes[largest]}")
+            f"{FIXES[largest]}")
 
 
 def write_recipe(e: Estimate, path: str) -> None:
@@ -307,3 +309,37 @@ def check_by_simulation(e: Estimate) -> float:
                                f"{wrong[:5]} (simulated {[held.get(n) for n in wrong[:5]]}, estimated "
                                f"{[want.get(n) for n in wrong[:5]]})")
     return time.perf_counter() - start
+
+
+def device_memory(device_type: str, processes_per_node: int) -> tuple[float, str]:
+    """(bytes one rank may use, what that is): a GPU's memory, or on CPU this node's memory shared by
+    its processes."""
+    if device_type == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return total / processes_per_node, f"the host's memory over its {processes_per_node} process(es)"
+
+
+def check_memory(cfg, world_size: int, device_type: str, processes_per_node: int) -> str:
+    """[memory_estimation]: the estimate of `cfg`'s own layout as one line; UserError when it cannot fit."""
+    p = Planning.of(cfg)
+    from torchtitan.planner.memory import missing_counts
+
+    missing_counts(p.spec)
+    # The step time is not reported here: no matmul peak is measured before launch.
+    hw = Hardware(1e12, 1.0, 1e9, 1e9, processes_per_node)
+    e = estimate_config(cfg, world_size, device_type, hw, p)
+    capacity, what = device_memory(device_type, processes_per_node)
+    terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in e.memory.terms().items() if value)
+    line = (f"memory estimate for {e.layout()} with AC {e.ac()}: {e.memory.total / GiB:.2f} GiB per rank (largest, "
+            f"pipeline rank {e.memory.pp_rank}; {terms} GiB) of {capacity / GiB:.2f} GiB, {what}")
+    if e.memory.total > capacity:
+        largest = e.memory.largest()
+        raise UserError(f"memory_estimation: {e.layout()} needs an estimated {e.memory.total / GiB:.2f} GiB per rank, "
+                        f"more than the {capacity / GiB:.2f} GiB of {what}; the largest term is {largest} "
+                        f"({e.memory.terms()[largest] / GiB:.2f} GiB): {FIXES[largest]} (scripts/plan.py compares "
+                        f"every layout)")
+    return line
