@@ -78,9 +78,9 @@ def run(argv: list[str]) -> int:
     if opts.simulate:
         from torchtitan.planner.plan import check_by_simulation
 
-        took = check_by_simulation(best)
-        print(f"simulated {best.layout()} on a fake process group of {opts.ngpu} ranks ({best.dims.pp} pipeline "
-              f"rank(s), {took:.1f} s): every parameter shard equals the estimate's")
+        took, ranks = check_by_simulation(best)
+        print(f"simulated {best.layout()} on a fake process group of {opts.ngpu} ranks ({ranks} of its {best.dims.pp} "
+              f"pipeline rank(s): one per distinct stage, {took:.1f} s): every parameter shard equals the estimate's")
     if opts.output:
         write_recipe(best, opts.output)
         print(f"wrote {opts.output}: NGPU={opts.ngpu} CONFIG_FILE={opts.output} ./run_train.sh")

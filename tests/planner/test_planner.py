@@ -165,3 +165,17 @@ def test_memory_estimation_refuses_a_layout_that_cannot_fit():
     line = proc.stderr.strip()
     assert line.startswith("error: memory_estimation: fsdp2 needs an estimated") and "\n" not in line
     assert "the largest term is activations" in line and "activation checkpointing" in line
+
+
+@pytest.mark.slow
+def test_the_published_405B_layout_fits_80_GiB():
+    """Llama 3 405B's published training layout (TP 8 x PP 16 x data parallel, full checkpointing, seq 8192)."""
+    from torchtitan.planner.memory import GiB
+
+    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml"),
+                       "--parallelism.pipeline_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "4",
+                       "--training.global_batch_size", "256"])
+    e = estimate_config(cfg, 512, "cuda", __import__("torchtitan.planner.timing", fromlist=["Hardware"]).Hardware(
+        989e12, 0.4, 450e9, 50e9, 8))
+    assert e.layout() == "pp16xfsdp4xtp8" and e.ac() == "full"
+    assert 10 * GiB < e.memory.total < 80 * GiB

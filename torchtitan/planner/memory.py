@@ -21,6 +21,7 @@ Terms (bytes):
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -120,39 +121,66 @@ def _chunk(size: int, parts: int) -> int:
 class Shard:
     local: int  # elements this rank holds
     gathered: int  # elements FSDP all-gathers for compute (after TP and EP: what the rank computes with)
+    module: str = ""  # its top-level module or block
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    module: str  # its top-level module or block ("layers.N"): what a pipeline stage holds
+    shape: tuple[int, ...]
+    expert: bool  # a routed expert's weight (split by expert parallel)
+    tp_dim: int | None  # the dim the TP plan splits (None: replicated)
+    first_name: str  # the first name of its Parameter (a tied weight has two)
+
+
+_PARAMS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def param_table(spec, model: nn.Module, loss_parallel: bool) -> list[ParamInfo]:
+    """Every parameter name of `model` with what decides its shards (computed once per model)."""
+    per_model = _PARAMS.setdefault(model, {})
+    if loss_parallel not in per_model:
+        tp_dims = _tp_shard_dims(model, spec.tp_plan, loss_parallel) if spec.tp_plan is not None else {}
+        experts = set()
+        if spec.expert_layers is not None:
+            for moe in spec.expert_layers(model):
+                experts |= {id(p) for p in moe.experts.parameters()}
+        first: dict[int, str] = {}
+        table = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
+            table.append(ParamInfo(name, _top_module(name), tuple(p.shape), id(p) in experts, tp_dims.get(name),
+                                   first[id(p)]))
+        per_model[loss_parallel] = table
+    return per_model[loss_parallel]
 
 
 def param_shards(spec, model: nn.Module, dims, parallelism) -> dict[int, dict[str, Shard]]:
     """{pp rank: {parameter name: Shard}} for the meta `model` under `dims` (ParallelDims), at
     coordinate 0 of the other mesh dimensions. A weight tied across pipeline stages is held (a copy)
-    by each stage that uses it."""
-    tp_dims = _tp_shard_dims(model, spec.tp_plan, not parallelism.disable_loss_parallel) if dims.tp > 1 else {}
-    experts = set()
-    if dims.ep > 1:
-        for moe in spec.expert_layers(model):
-            experts |= {id(p) for p in moe.experts.parameters()}
+    by each stage that uses it; on one stage it is one tensor (under its first name)."""
+    table = param_table(spec, model, not parallelism.disable_loss_parallel)
     fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    names = _module_names_by_pp_rank(spec, model, dims, parallelism)
-    shards: dict[int, dict[str, int]] = {}
-    for pp_rank, modules in names.items():
-        held = {}
+    shards: dict[int, dict[str, Shard]] = {}
+    for pp_rank, modules in _module_names_by_pp_rank(spec, model, dims, parallelism).items():
         modules = set(modules)
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if _top_module(name) not in modules:
+        held, taken = {}, set()
+        for info in table:
+            if info.module not in modules:
                 continue
-            shape = list(p.shape)
-            if id(p) in experts:
+            shape = list(info.shape)
+            if info.expert and dims.ep > 1:
                 shape[0] = _chunk(shape[0], dims.ep)
                 gathered = math.prod(shape)
                 shape[0] = _chunk(shape[0], fsdp // dims.ep)
             else:
-                if name in tp_dims:
-                    d = tp_dims[name]
-                    shape[d] = _chunk(shape[d], dims.tp)
+                if info.tp_dim is not None and dims.tp > 1:
+                    shape[info.tp_dim] = _chunk(shape[info.tp_dim], dims.tp)
                 gathered = math.prod(shape)
                 shape[0] = _chunk(shape[0], fsdp)
-            held[name] = Shard(math.prod(shape), gathered)
-        shards[pp_rank] = _dedup_tied(model, held)
+            held[info.name] = Shard(math.prod(shape), gathered, info.module)
+        shards[pp_rank] = _dedup_tied(table, held)
     return shards
 
 
@@ -162,14 +190,10 @@ def _top_module(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
-def _dedup_tied(model: nn.Module, held: dict[str, Shard]) -> dict[str, Shard]:
-    """One entry per Parameter object (a tied embedding and output layer on one stage are one tensor)."""
-    seen, out = set(), {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in held and id(p) not in seen:
-            seen.add(id(p))
-            out[name] = held[name]
-    return out
+def _dedup_tied(table: list[ParamInfo], held: dict[str, Shard]) -> dict[str, Shard]:
+    """One entry per Parameter object: a tied embedding and output layer held by one stage are one
+    tensor, under its first name."""
+    return {i.name: held[i.name] for i in table if i.name in held and not (i.first_name != i.name and i.first_name in held)}
 
 
 def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[int, list[str]]:
@@ -211,10 +235,22 @@ def block_bytes_per_token(counts, tp: int, act_bytes: int, mode: str) -> float:
     return (counts.split / tp + counts.gathered) * act_bytes + counts.fp32 / tp * 4 + counts.int64 / tp * 8
 
 
+_COUNTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def block_counts(spec, args, block: nn.Module, seq_len: int):
+    """spec.activation_counts of a block, computed once per block and sequence length (the planner
+    asks for the same blocks of one meta model for every layout)."""
+    per_seq = _COUNTS.setdefault(block, {})
+    if seq_len not in per_seq:
+        per_seq[seq_len] = spec.activation_counts(args, block, seq_len)
+    return per_seq[seq_len]
+
+
 def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len: int, tp: int, act_bytes: int,
                       ac_mode: str, ac_option: str) -> tuple[float, float]:
     """(bytes one micro-batch of `tokens` keeps over these blocks, the backward's working set)."""
-    per_block = [block_bytes_per_token(spec.activation_counts(args, b, seq_len), tp, act_bytes, "none") * tokens
+    per_block = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "none") * tokens
                  for b in blocks]
     if not per_block:
         return 0.0, 0.0
@@ -223,7 +259,7 @@ def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len:
     if ac_mode == "full" or (ac_mode == "selective" and ac_option == "1"):
         kept = [boundary for _ in per_block]
     elif ac_mode == "selective" and ac_option == "op":
-        kept = [block_bytes_per_token(spec.activation_counts(args, b, seq_len), tp, act_bytes, "op") * tokens + boundary
+        kept = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "op") * tokens + boundary
                 for b in blocks]
     elif ac_mode == "selective":
         n = int(ac_option)
@@ -281,8 +317,8 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         buffers = 0.0
         if fsdp:
             per_module: dict[str, int] = {}
-            for name, sh in held.items():
-                per_module[_top_module(name)] = per_module.get(_top_module(name), 0) + sh.gathered
+            for sh in held.values():
+                per_module[sh.module] = per_module.get(sh.module, 0) + sh.gathered
             block_gathered = [n for m, n in per_module.items() if m.startswith("layers.")]
             all_gathered = sum(sh.gathered for sh in held.values())
             largest = max(block_gathered, default=0)

@@ -13,6 +13,7 @@ x the data-parallel degree of the recipe's own layout at this world size.
 
 import dataclasses
 import itertools
+import re
 import logging
 import os
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class Planning:
     args: object
     model: object
     flops_per_token: float
+    moe_blocks: int  # blocks with routed experts
     shards: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -105,7 +107,9 @@ class Planning:
         import_custom_module(cfg.experimental.custom_import)
         spec = get_model_spec(cfg.model.name)
         args = planning_args(spec, cfg)
-        return cls(spec, args, meta_model(spec, args), spec.flops_per_token(args, cfg.training.seq_len))
+        model = meta_model(spec, args)
+        moe_blocks = len(spec.expert_layers(model)) if spec.expert_layers is not None else 0
+        return cls(spec, args, model, spec.flops_per_token(args, cfg.training.seq_len), moe_blocks)
 
     def param_shards(self, dims, par):
         key = (dims, par.pipeline_parallel_schedule, par.disable_loss_parallel, par.pipeline_parallel_layers_per_stage,
@@ -124,7 +128,7 @@ def estimate_config(cfg, world_size: int, device_type: str, hw: Hardware | None 
     shards = p.param_shards(dims, cfg.parallelism)
     memory = estimate_memory(p.spec, p.model, p.args, dims, cfg, device_type, shards)
     gathered = sum(s.gathered for s in shards[memory.pp_rank].values())
-    moe_blocks = len(p.spec.expert_layers(p.model)) // dims.pp if p.spec.expert_layers is not None else 0
+    moe_blocks = p.moe_blocks // dims.pp
     hw = hw or default_hardware(device_type, world_size, cfg)
     time = step_time(p.flops_per_token, p.args, dims, cfg, gathered, moe_blocks, hw)
     t = cfg.training
@@ -288,9 +292,10 @@ def write_recipe(e: Estimate, path: str) -> None:
         f.write(header + config_to_toml(e.cfg))
 
 
-def check_by_simulation(e: Estimate) -> float:
+def check_by_simulation(e: Estimate) -> tuple[float, int]:
     """Apply `e`'s layout for real over a fake process group (torchtitan.planner.simulate) and check
-    that every rank's parameter shards are the estimate's; returns the seconds it took."""
+    that every rank's parameter shards are the estimate's, for one pipeline rank per distinct stage
+    shape; returns (the seconds it took, the pipeline ranks simulated)."""
     import time
 
     from torchtitan.models.registry import get_model_spec
@@ -301,14 +306,20 @@ def check_by_simulation(e: Estimate) -> float:
     args = planning_args(spec, e.cfg)
     cfg = replace(e.cfg, training={"compile": False})
     expected = param_shards(spec, meta_model(spec, args), e.dims, cfg.parallelism)
-    for pp_rank, held in simulate(spec, args, e.dims, cfg).items():
+    # One rank per distinct stage shape: pipeline ranks whose blocks differ only in their layer ids hold
+    # the same shards.
+    shapes: dict[tuple, int] = {}
+    for pp_rank, held in expected.items():
+        shape = tuple(sorted((re.sub(r"^layers\.\d+\.", "layers.*.", n), s.local) for n, s in held.items()))
+        shapes.setdefault(shape, pp_rank)
+    for pp_rank, held in simulate(spec, args, e.dims, cfg, sorted(shapes.values())).items():
         want = {name: s.local for name, s in expected[pp_rank].items()}
         if held != want:
             wrong = sorted(set(held) ^ set(want)) or [n for n in held if held[n] != want[n]]
             raise RuntimeError(f"the simulation of {e.layout()} disagrees with the estimate at pipeline rank {pp_rank}: "
                                f"{wrong[:5]} (simulated {[held.get(n) for n in wrong[:5]]}, estimated "
                                f"{[want.get(n) for n in wrong[:5]]})")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, len(shapes)
 
 
 def device_memory(device_type: str, processes_per_node: int) -> tuple[float, str]:

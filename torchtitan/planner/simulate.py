@@ -61,6 +61,7 @@ def simulate_rank(spec, args, dims, cfg, pp_rank: int) -> dict[str, int]:
         return held
 
 
-def simulate(spec, args, dims, cfg) -> dict[int, dict[str, int]]:
-    """{pp rank: {parameter name: elements}} from the real parallelization of every pipeline rank."""
-    return {r: simulate_rank(spec, args, dims, cfg, r) for r in range(dims.pp)}
+def simulate(spec, args, dims, cfg, pp_ranks=None) -> dict[int, dict[str, int]]:
+    """{pp rank: {parameter name: elements}} from the real parallelization of these pipeline ranks
+    (default: all)."""
+    return {r: simulate_rank(spec, args, dims, cfg, r) for r in (range(dims.pp) if pp_ranks is None else pp_ranks)}
