@@ -2,8 +2,9 @@
 - the analytic per-rank parameter shards equal those of the real parallelization over a fake process
   group, for every kind of layout (FSDP, HSDP, TP, PP 1F1B and ZBV, CP, EP, EP x TP) of the three
   families, and at 512 ranks for Llama 3 405B and 256 for Qwen3-MoE 235B-A22B (slow);
-- the memory terms follow the layout: FSDP divides the parameter state, full checkpointing keeps
-  less than none, a pipeline's last stage holds the logits;
+- the memory terms follow the layout: FSDP divides the parameter state, bf16 optimizer state halves
+  it, Muon keeps one momentum for its matrices, CPU offload moves the state off the device, full
+  checkpointing keeps less than none, a pipeline's last stage holds the logits;
 - plan.py ranks layouts, writes a recipe that loads back to the best layout, and refuses bad input
   with exit 2 and one line: a world size the recipe's fixed degrees cannot divide, a memory no
   layout fits (with the smallest need), a family without activation counts (naming the field), an
@@ -89,6 +90,13 @@ def test_memory_terms_follow_the_layout():
     assert fsdp4.memory.optimizer == 2 * fsdp4.memory.params
     full = estimate_config(config("--activation_checkpoint.mode", "full"), 4, "cpu")
     assert full.memory.activations < fsdp4.memory.activations / 2
+    bf16 = estimate_config(config("--optimizer.state_dtype", "bfloat16"), 4, "cpu")
+    assert bf16.memory.optimizer == fsdp4.memory.optimizer / 2
+    muon = estimate_config(config("--optimizer.name", "Muon"), 4, "cpu")
+    # Muon keeps one momentum for the hidden matrices (most of the debug model), two moments elsewhere.
+    assert fsdp4.memory.params < muon.memory.optimizer < 0.7 * fsdp4.memory.optimizer
+    offload = estimate_config(config("--training.enable_cpu_offload"), 4, "cuda")
+    assert offload.memory.params == offload.memory.grads == offload.memory.optimizer == 0
     cfg = config(*PP2)
     p = Planning.of(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, 2)

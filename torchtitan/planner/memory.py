@@ -8,7 +8,10 @@ Terms (bytes):
 - params: this rank's shards in float32 (torch.chunk rules: TP from the spec's plan, EP on the expert
   dim, FSDP on dim 0 of what TP and EP left);
 - grads: the same shapes, float32;
-- optimizer: AdamW / Adam keep two float32 moments per parameter element;
+- optimizer: AdamW / Adam keep two moments per parameter element, Muon one momentum for the matrices
+  it takes (two for the rest), in optimizer.state_dtype;
+- with training.enable_cpu_offload, parameters, gradients and optimizer state are in host memory and
+  not counted;
 - activations: what the live micro-batches keep for backward (the spec's activation_counts per block,
   under the activation-checkpointing mode, times the pipeline schedule's live micro-batches), plus
   one block's worth for the backward's working set (and recomputation);
@@ -279,11 +282,26 @@ def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int
 # ---- the estimate ----
 
 
+def optimizer_states(spec, model: nn.Module, optimizer_cfg) -> dict[str, int]:
+    """{parameter name: state tensors per element}: AdamW's and Adam's two moments, Muon's one momentum
+    (for the matrices Muon takes: torchtitan.components.optimizer decides, as in training)."""
+    if optimizer_cfg.name != "Muon":
+        return {name: 2 for name, _ in model.named_parameters(remove_duplicate=False)}
+    from torchtitan.components.optimizer import classify_parameters
+
+    groups, _ = classify_parameters(model, optimizer_cfg, spec.adamw_params or ())
+    return {name: 1 if g.algorithm == "muon" else 2 for name, g in groups.items()}
+
+
 def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
-                    shards: dict[int, dict[str, Shard]] | None = None) -> MemoryEstimate:
+                    shards: dict[int, dict[str, Shard]] | None = None,
+                    states: dict[str, int] | None = None) -> MemoryEstimate:
     """The largest rank's memory for `cfg`'s layout (`dims`: ParallelDims) of the meta `model`
-    (`shards`: its param_shards, when already computed)."""
+    (`shards`: its param_shards and `states`: its optimizer_states, when already computed). With CPU
+    offload the parameters, gradients and optimizer state are in host memory: not counted."""
     missing_counts(spec)
+    states = states or optimizer_states(spec, model, cfg.optimizer)
+    state_bytes = DTYPE_BYTES[cfg.optimizer.state_dtype]
     par, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
     shards = shards or param_shards(spec, model, dims, par)
     fsdp = dims.fsdp_enabled
@@ -300,7 +318,6 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         micro, n_micro = t.local_batch_size, 1
     tokens = micro * seq
     names = _module_names_by_pp_rank(spec, model, dims, par)
-    optimizer_factor = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 2
     best = None
     for pp_rank, modules in names.items():
         held = shards[pp_rank]
@@ -328,8 +345,10 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
             gathered = 2 * largest if resharded else sum(block_gathered)
             root = all_gathered - sum(block_gathered)
             buffers = (gathered + root) * act_bytes + 2 * largest * reduce_bytes
+        state = state_bytes * sum(sh.local * states.get(name, 2) for name, sh in held.items())
+        on_device = 0 if t.enable_cpu_offload else 1
         estimate = MemoryEstimate(
-            params=4 * n_params, grads=4 * n_params, optimizer=4 * optimizer_factor * n_params,
+            params=4 * n_params * on_device, grads=4 * n_params * on_device, optimizer=state * on_device,
             activations=activations, logits=logits, buffers=buffers,
             fragmentation=FRAGMENTATION.get(device_type, 1.10), reserved=RESERVED.get(device_type, 0),
             pp_rank=pp_rank,

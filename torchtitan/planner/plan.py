@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from torchtitan.config import UserError
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.planner.memory import GiB, MemoryEstimate, estimate_memory, meta_model, param_shards, replace
+from torchtitan.planner.memory import (
+    GiB,
+    MemoryEstimate,
+    estimate_memory,
+    meta_model,
+    optimizer_states,
+    param_shards,
+    replace,
+)
 from torchtitan.planner.timing import Hardware, StepTime, step_time
 
 logger = logging.getLogger(__name__)
@@ -98,6 +106,7 @@ class Planning:
     model: object
     flops_per_token: float
     moe_blocks: int  # blocks with routed experts
+    states: dict  # optimizer state tensors per parameter element, by name (memory.optimizer_states)
     shards: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -109,7 +118,8 @@ class Planning:
         args = planning_args(spec, cfg)
         model = meta_model(spec, args)
         moe_blocks = len(spec.expert_layers(model)) if spec.expert_layers is not None else 0
-        return cls(spec, args, model, spec.flops_per_token(args, cfg.training.seq_len), moe_blocks)
+        return cls(spec, args, model, spec.flops_per_token(args, cfg.training.seq_len), moe_blocks,
+                   optimizer_states(spec, model, cfg.optimizer))
 
     def param_shards(self, dims, par):
         key = (dims, par.pipeline_parallel_schedule, par.disable_loss_parallel, par.pipeline_parallel_layers_per_stage,
@@ -126,7 +136,7 @@ def estimate_config(cfg, world_size: int, device_type: str, hw: Hardware | None 
     p = planning or Planning.of(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     shards = p.param_shards(dims, cfg.parallelism)
-    memory = estimate_memory(p.spec, p.model, p.args, dims, cfg, device_type, shards)
+    memory = estimate_memory(p.spec, p.model, p.args, dims, cfg, device_type, shards, p.states)
     gathered = sum(s.gathered for s in shards[memory.pp_rank].values())
     moe_blocks = p.moe_blocks // dims.pp
     hw = hw or default_hardware(device_type, world_size, cfg)
