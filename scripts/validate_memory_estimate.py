@@ -38,8 +38,9 @@ LAYOUTS = [
     ("ep2", 2, MOE + ["--parallelism.expert_parallel_degree", "2"]),
     ("fsdp2_full_ac", 2, ["--activation_checkpoint.mode", "full"]),
     ("fsdp2_op_ac", 2, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
-    ("fsdp2_float8", 2, ["--model.converters", "float8"]),
 ]
+# Float8 is left out: this CPU has no float8 matmul kernel (oneDNN's reference one takes about 1 s for
+# 256 x 256), so six steps take hours; the planner does not model float8 yet either.
 
 
 def worker(argv: list[str]) -> int:
