@@ -66,7 +66,7 @@ def worker(argv: list[str]) -> int:
 def measure(nproc: int, args: list[str], folder: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", os.path.abspath(__file__), "--worker", *args, "--job.dump_folder", folder]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     peaks = []
