@@ -17,7 +17,8 @@ from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.components.data.mixing import counts_after, integer_weights, next_source, schedule
 from torchtitan.config import load_config
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import Training, parse_mix
+from torchtitan.config.entries import parse_mix
+from torchtitan.config.job_config import Training
 
 CHARS = CharTokenizer()
 ALPHABETS = ("abcdefgh ", "KLMNOPQR ", "0123456789 ")

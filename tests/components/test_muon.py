@@ -111,6 +111,23 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw():
     assert all(model.get_parameter(n).ndim in (2, 3) for n in muon)
 
 
+def test_param_groups_can_give_matrices_to_adamw():
+    """optimizer=AdamW in an optimizer.param_groups entry: the matched matrices train by AdamW (two
+    moments, which the planner counts), the others by Muon; lr_mult still applies."""
+    from torchtitan.planner.memory import optimizer_states
+
+    spec, model = meta_model("llama3", "debugmodel")
+    cfg = Optimizer(name="Muon", param_groups=["^layers\\.0\\.attention\\. optimizer=AdamW lr_mult=0.5"])
+    opt = build_optimizer(model, cfg, adamw_params=spec.adamw_params)
+    algo = algorithms(model, opt)
+    assert algo["layers.0.attention.wq.weight"] == algo["layers.0.attention.wo.weight"] == "adamw"
+    assert algo["layers.0.feed_forward.w1.weight"] == algo["layers.1.attention.wq.weight"] == "muon"
+    mult = {id(p): g["lr_mult"] for g in opt.param_groups for p in g["params"]}
+    assert mult[id(model.get_parameter("layers.0.attention.wq.weight"))] == 0.5
+    states = optimizer_states(spec, model, cfg)
+    assert states["layers.0.attention.wq.weight"] == 2 and states["layers.1.attention.wq.weight"] == 1
+
+
 def test_a_tied_output_layer_is_an_embedding():
     spec, model = meta_model("qwen3", "debugmodel_tied")
     algo = algorithms(model, build_optimizer(model, Optimizer(name="Muon"), adamw_params=()))
@@ -228,6 +245,12 @@ def test_bf16_adamw_is_torchs_formula_in_float32():
         (["--optimizer.name", "Muon", "--optimizer.muon_adjust_lr", "rms"], "optimizer.muon_adjust_lr: expected one of"),
         (["--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16"], "works with optimizer.name = 'AdamW' or"),
         (["--optimizer.lr", "-1"], "optimizer.lr must be greater than 0"),
+        (["--optimizer.param_groups", "wq optimizer=AdamW"],
+         "optimizer=AdamW ('wq') chooses between Muon and AdamW, and optimizer.name is 'AdamW'"),
+        (["--optimizer.name", "Muon", "--optimizer.param_groups", "wq optimizer=SGD"],
+         "optimizer = 'SGD' is not an option; optimizer=AdamW"),
+        (["--optimizer.name", "Muon", "--optimizer.param_groups", "wq optimizer=AdamW optimizer=adamw"],
+         "optimizer = 'adamw' is given twice"),
     ],
 )
 def test_bad_keys_are_refused(argv, message):

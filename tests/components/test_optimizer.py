@@ -53,7 +53,7 @@ from torch import nn  # noqa: E402
 
 from torchtitan.components.optimizer import OptimizerGroup, check_param_groups  # noqa: E402
 from torchtitan.config import LRScheduler, UserError, load_config  # noqa: E402
-from torchtitan.config.job_config import parse_param_groups  # noqa: E402
+from torchtitan.config.entries import parse_param_groups  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -635,7 +635,7 @@ def test_only_switched_off_sections_accept_any_value():
 
 
 def test_a_mixture_whose_schedule_would_not_repeat_soon_is_refused():
-    from torchtitan.config.job_config import parse_mix
+    from torchtitan.config.entries import parse_mix
 
     # The source of global sample k is the schedule's pattern at k mod T, T the weights' common denominator.
     weights, specs = parse_mix(["0.123456:a", "0.876544:b"], "training.dataset_mix")

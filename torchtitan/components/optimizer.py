@@ -24,7 +24,7 @@ from torch import nn
 
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.config import UserError
-from torchtitan.config.job_config import parse_param_groups
+from torchtitan.config.entries import parse_param_groups
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +76,11 @@ def classify_parameters(model: nn.Module, cfg: OptimizerConfig, adamw_params: tu
         excluded = ((norm_or_bias and not cfg.weight_decay_norms_and_biases)
                     or (embedding and not cfg.weight_decay_embeddings))
         default_decay = 0.0 if excluded else cfg.weight_decay
+        rule = next((r for r, regex in compiled if any(regex.search(n) for n in names)), None)
         algorithm = "adamw"
-        if cfg.name == "Muon" and not (norm_or_bias or embedding
+        if cfg.name == "Muon" and not (norm_or_bias or embedding or (rule is not None and rule.adamw)
                                        or any(regex.search(n) for regex in adamw_only for n in names)):
             algorithm = "muon"
-        rule = next((r for r, regex in compiled if any(regex.search(n) for n in names)), None)
         if rule is None:
             settings = GroupSettings("no_decay" if excluded else "decay", 1.0, default_decay, algorithm)
         else:

@@ -55,7 +55,8 @@ from torchtitan.components.data.mixing import integer_weights, next_source, sour
 from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import JobConfig, Training, Validation, parse_mix
+from torchtitan.config.entries import parse_mix
+from torchtitan.config.job_config import JobConfig, Training, Validation
 from torchtitan.components.batch import valid_labels
 from torchtitan.distributed.tensor_parallel import loss_parallel_context
 

@@ -9,11 +9,10 @@ message otherwise, so a recipe never silently loses an option.
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Literal
 
+from torchtitan.config.entries import parse_mix, parse_param_groups
 from torchtitan.config.errors import UserError
 
 
@@ -148,68 +147,6 @@ class Model:
         ]
 
 
-PARAM_GROUP_SYNTAX = "PATTERN [lr_mult=X] [weight_decay=Y], e.g. 'tok_embeddings lr_mult=0.5 weight_decay=0'"
-PARAM_GROUP_OPTIONS = ("lr_mult", "weight_decay")
-
-
-@dataclass(frozen=True)
-class ParamGroupRule:
-    """One optimizer.param_groups entry: parameters whose name `pattern` matches (re.search) train at
-    lr_mult x the scheduled learning rate, with `weight_decay` (None: the parameter's default)."""
-
-    pattern: str
-    lr_mult: float = 1.0
-    weight_decay: float | None = None
-
-
-def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") -> list[ParamGroupRule]:
-    """The rules of optimizer.param_groups, in order; every problem at once as one UserError."""
-    rules, problems = [], []
-    for entry in entries:
-        if not entry.split():
-            problems.append(f"an entry is empty; write {PARAM_GROUP_SYNTAX}")
-            continue
-        pattern, *options = entry.split()
-        values: dict[str, float] = {}
-        bad = False
-        for option in options:
-            name, sep, text = option.partition("=")
-            try:
-                value = float(text)
-            except ValueError:
-                value = None
-            if not sep or name not in PARAM_GROUP_OPTIONS:
-                problems.append(f"{entry!r}: {option!r} is not an option; write {PARAM_GROUP_SYNTAX} (the pattern "
-                                f"cannot contain spaces)")
-            elif name in values:
-                problems.append(f"{entry!r}: {name} is given twice")
-            elif value is None or not math.isfinite(value):
-                problems.append(f"{entry!r}: {name} = {text!r} is not a number")
-            elif name == "lr_mult" and not value > 0:
-                problems.append(f"{entry!r}: lr_mult must be greater than 0, got {text}")
-            elif name == "weight_decay" and not value >= 0:
-                problems.append(f"{entry!r}: weight_decay must be 0 or more, got {text}")
-            else:
-                values[name] = value
-                continue
-            bad = True
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            problems.append(f"{entry!r}: {pattern!r} is not a regular expression ({e})")
-            bad = True
-        if not bad:
-            rules.append(ParamGroupRule(pattern, **values))
-    patterns = [r.pattern for r in rules]
-    duplicates = sorted({p for p in patterns if patterns.count(p) > 1})
-    if duplicates:
-        problems.append(f"{', '.join(map(repr, duplicates))} appears more than once; the first entry would take "
-                        f"every parameter it matches, so give each pattern once")
-    if problems:
-        raise UserError(f"{key}: " + "; ".join(problems))
-    return rules
-
-
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr")
 
 
@@ -247,8 +184,9 @@ class Optimizer:
         "contain a comma). PATTERN is a regular expression searched in each parameter's full name (e.g. "
         "layers.0.attention.wq.weight; anchor it with ^ and $), the same in every parallel layout; a parameter "
         "several patterns match joins the first entry's group. lr_mult (default 1) multiplies the scheduled "
-        "learning rate; weight_decay (default: as without the entry) replaces the decay. Each pattern must match "
-        "a parameter of the model (checked before launch).",
+        "learning rate; weight_decay (default: as without the entry) replaces the decay; optimizer=AdamW (with "
+        "optimizer.name = 'Muon') trains the matched parameters by AdamW where Muon would take them. Each "
+        "pattern must match a parameter of the model (checked before launch).",
     )
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
         "fused", "Kernel implementation of the optimizer step."
@@ -300,9 +238,14 @@ class Optimizer:
                 f"optimizer.name = 'Muon'"
             )
         try:
-            parse_param_groups(self.param_groups)
+            forced = [rule.pattern for rule in parse_param_groups(self.param_groups) if rule.adamw]
         except UserError as e:
             problems.append(str(e))
+            forced = []
+        if forced and self.name != "Muon":
+            problems.append(f"optimizer.param_groups: optimizer=AdamW ({', '.join(map(repr, forced))}) chooses between "
+                            f"Muon and AdamW, and optimizer.name is {self.name!r}; remove it or set optimizer.name = "
+                            f"'Muon'")
         return problems
 
 
@@ -327,51 +270,6 @@ class LRScheduler:
         )
 
 
-MAX_MIX_PERIOD = 1_000_000  # a mixture's schedule is a pattern of this many samples at most (data/mixing.py)
-MIX_SYNTAX = "WEIGHT:SOURCE, e.g. 0.6:data/web (a list in TOML, comma-separated on the command line)"
-
-
-def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
-    """The weights (normalized to sum 1) and source specs of a mixture; every problem at once as one UserError."""
-    weights, specs, problems = [], [], []
-    for entry in entries:
-        weight, sep, spec = entry.partition(":")
-        try:
-            value = Fraction(weight.strip())
-        except (ValueError, ZeroDivisionError):
-            value = None
-        if not sep or not spec.strip():
-            problems.append(f"{entry!r} is not {MIX_SYNTAX}")
-        elif value is None:
-            problems.append(f"{entry!r}: the weight {weight.strip()!r} is not a number")
-        elif value < 0:
-            problems.append(f"{entry!r}: the weight is negative")
-        else:
-            weights.append(value)
-            specs.append(spec.strip())
-    if not entries:
-        problems.append(f"it is empty; give one or more {MIX_SYNTAX}")
-    elif not problems and sum(weights) == 0:
-        problems.append("every weight is zero; give at least one source a positive weight")
-    duplicates = sorted({s for s in specs if specs.count(s) > 1})
-    if duplicates:
-        problems.append(f"{', '.join(duplicates)} appears more than once; give each source once with its total weight")
-    if not problems:
-        total = sum(weights)
-        period = math.lcm(*((w / total).denominator for w in weights))
-        if period > MAX_MIX_PERIOD:
-            problems.append(
-                f"the weights' schedule would repeat only every {period:,} samples (the common denominator of the "
-                f"normalized weights; at most {MAX_MIX_PERIOD:,}); round the weights to fewer digits"
-            )
-    if problems:
-        raise UserError(f"{key}: " + "; ".join(problems))
-    total = sum(weights)
-    return [w / total for w in weights], specs
-
-
-# What dataset_path holds for the datasets that read it; python_stdlib and python_stdlib_test are embedded and
-# read none (c4 and c4_test read it when set).
 PATH_DATASETS = {
     "local": "data file or folder (.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)",
     "huggingface": "dataset name or path",

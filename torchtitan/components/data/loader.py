@@ -18,7 +18,8 @@ from torchtitan.components.data.sources import build_source
 from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import Training, parse_mix
+from torchtitan.config.entries import parse_mix
+from torchtitan.config.job_config import Training
 
 logger = logging.getLogger(__name__)
 
