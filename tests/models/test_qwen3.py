@@ -10,7 +10,8 @@ import torch
 from torchtitan.config.errors import UserError
 from torchtitan.models.qwen3.args import ModelArgs, flavors
 from torchtitan.models.qwen3.model import Transformer, flops_per_token, model_size
-from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
+from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
+from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
 
 VOCAB = 151936

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, save_hf
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
-from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
+from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
+from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
 
 SPEC = get_model_spec("qwen3")

@@ -12,7 +12,8 @@ from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.qwen3.model import Transformer
-from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
+from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
+from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 
