@@ -1,12 +1,15 @@
 """The planner's memory and step-time estimates against measured runs on this machine.
 
-    python scripts/validate_memory_estimate.py [--steps 6] [--only NAME,...] [--markdown]
+    python scripts/validate_memory_estimate.py [--only NAME,...] [--terms] [--allocated-only] [--section.key value ...]
 
-For each layout of LAYOUTS (small flavors, up to 4 processes), trains a few steps with torchrun and
-measures on each rank the peak resident memory above the memory the process held just before it
-built the model (the kernel's VmHWM, restarted there), and the median step time after the first two
-steps; then prints, per layout, the estimate of torchtitan.planner for the same config (on CPU:
-the largest rank's training state, no reserve) against the largest measured rank, and the error.
+For each layout of LAYOUTS (small flavors, up to 4 processes) it trains 6 steps with torchrun twice:
+- under PyTorch's profiler, whose allocation events give the most bytes the CPU allocator held at
+  once on each rank (what torch.cuda.max_memory_allocated counts on GPU);
+- without it, for the peak resident memory above what the process held just before it built the
+  model (the kernel's VmHWM, restarted there) and the median step time after the first two steps.
+It prints, per layout, the planner's estimate for the same config (torchtitan.planner; its terms
+before the allocator's fragmentation factor) against the largest rank's allocated peak, the error,
+the resident peak, and the estimated step time against the measured one.
 """
 
 import argparse
@@ -24,67 +27,98 @@ BASE = ["--training.steps", "6", "--metrics.log_freq", "1", "--training.seq_len"
         "4", "--checkpoint.no-enable_checkpoint", "--validation.no-enabled"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
-# (name, processes, overrides)
+DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+# (name, processes, overrides). bf16 under FSDP's policy (bf16 parameters for compute) where FSDP
+# shards; without it under autocast over float32 parameters (single, tp2, pp2_1f1b); single_fp32 in
+# float32.
 LAYOUTS = [
+    ("single_fp32", 1, ["--training.mixed_precision_param", "float32"]),
     ("single", 1, []),
+    ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("pp2_1f1b", 2, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
     ("fsdp2", 2, []),
     ("fsdp4", 4, []),
     ("hsdp2x2", 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
-    ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
     ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    ("pp2_1f1b", 2, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
-    ("pp2_zbv", 2, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    ("fsdp2_pp2_1f1b", 4, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    ("fsdp2_pp2_zbv", 4, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     ("cp2", 2, ["--parallelism.context_parallel_degree", "2"]),
     ("ep2", 2, MOE + ["--parallelism.expert_parallel_degree", "2"]),
     ("fsdp2_full_ac", 2, ["--activation_checkpoint.mode", "full"]),
     ("fsdp2_op_ac", 2, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    ("fsdp2_accum2", 2, ["--training.global_batch_size", "16"]),
+    # Emulated: this CPU has no float8 matmul kernel (oneDNN's reference one takes about 1 s for
+    # 256 x 256); emulation runs the same casts and keeps the same tensors, with the matmul upcast,
+    # so its time is not float8's (these rows are measured for memory only).
+    ("fsdp2_float8", 2, ["--model.converters", "float8", "--float8.emulate"]),
+    ("fsdp2_float8_all_gather", 2, ["--model.converters", "float8", "--float8.emulate",
+                                    "--float8.enable_fsdp_float8_all_gather"]),
+    ("dsv3_fsdp2", 2, DSV3),
+    ("dsv3_mtp_fsdp2", 2, DSV3 + ["--model.mtp_depth", "1"]),
 ]
-# Float8 is left out: this CPU has no float8 matmul kernel (oneDNN's reference one takes about 1 s for
-# 256 x 256), so six steps take hours; the planner does not model float8 yet either.
 
 
 def worker(argv: list[str]) -> int:
-    """One rank: the trainer, with the peak memory counted from just before the model is built."""
+    """One rank: the trainer, with the peak allocated memory (--profile) or the peak resident memory
+    above what the process held just before the model was built (without: the profiler's own memory
+    and time would count)."""
     from torchtitan import train
     from torchtitan.components.hf_sharded import peak_rss, restart_peak_rss
+    from torchtitan.planner.allocations import memory_profile, peak_bytes
+
+    profiling = "--profile" in argv
+    if profiling:
+        argv.remove("--profile")
 
     class MeasuringTrainer(train.Trainer):
         def build_model(self):
             self.memory_baseline = restart_peak_rss()
+            if profiling:
+                self.profiler = memory_profile()
+                self.profiler.__enter__()
             return super().build_model()
 
         def run(self):
             history = super().run()
-            out = os.path.join(self.cfg.job.dump_folder, f"memory_rank{self.rank}.json")
-            with open(out, "w") as f:
-                json.dump({"baseline": self.memory_baseline, "peak": peak_rss()}, f)
+            m = {"resident": peak_rss() - self.memory_baseline}
+            if profiling:
+                self.profiler.__exit__(None, None, None)
+                m = {"allocated": peak_bytes(self.profiler)}
+            with open(os.path.join(self.cfg.job.dump_folder, f"memory_rank{self.rank}.json"), "w") as f:
+                json.dump(m, f)
             return history
 
     return train.main(argv, MeasuringTrainer)
 
 
-def measure(nproc: int, args: list[str], folder: str) -> dict:
+def measure(nproc: int, args: list[str], folder: str, profiling: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", os.path.abspath(__file__), "--worker", *args, "--job.dump_folder", folder]
+    if profiling:
+        cmd.append("--profile")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    peaks = []
+    ranks = []
     for r in range(nproc):
         with open(os.path.join(folder, f"memory_rank{r}.json")) as f:
-            m = json.load(f)
-        peaks.append(m["peak"] - m["baseline"])
+            ranks.append(json.load(f))
+    result = {key: max(m[key] for m in ranks) for key in ranks[0]}
     rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
     # "time" is the time since the first step began: one step's time is the difference.
     times = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if b["step"] == a["step"] + 1]
-    return {"peak": max(peaks), "peaks": peaks, "step_time": statistics.median(times)}
+    result["step_time"] = statistics.median(times)
+    return result
 
 
-def estimate(nproc: int, args: list[str], hw):
+def estimate(nproc: int, args: list[str]):
+    """The planner's estimate for `nproc` processes on this host (its CPU hardware: one device per
+    process)."""
     from torchtitan.config import load_config
-    from torchtitan.planner.plan import estimate_config
+    from torchtitan.planner.plan import default_hardware, estimate_config
 
-    return estimate_config(load_config(args), nproc, "cpu", hw)
+    cfg = load_config(args)
+    return estimate_config(cfg, nproc, "cpu", default_hardware("cpu", nproc, cfg))
 
 
 def main() -> int:
@@ -93,25 +127,32 @@ def main() -> int:
         return worker(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated layout names")
-    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--terms", action="store_true", help="print the estimate's terms (MiB) after each row")
+    p.add_argument("--allocated-only", action="store_true",
+                   help="only the profiled run: no resident peak or step time (their columns are left empty)")
     opts, extra = p.parse_known_args()
     only = set(filter(None, opts.only.split(",")))
-    from torchtitan.config import load_config
-    from torchtitan.planner.plan import default_hardware
-
-    hw = default_hardware("cpu", 4, load_config(BASE))  # the matmul peak measured once, for every row
-    print("| layout | processes | estimated MiB | measured MiB (largest rank) | error | est. step s | measured step s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | processes | estimated MiB | allocated MiB (largest rank) | error | resident MiB | est. step s | "
+          "measured step s | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, nproc, overrides in LAYOUTS:
         if only and name not in only:
             continue
         args = BASE + overrides + extra
-        est = estimate(nproc, args, hw)
+        est = estimate(nproc, args)
         with tempfile.TemporaryDirectory() as folder:
-            got = measure(nproc, args, folder)
-        err = est.memory.total / got["peak"] - 1
-        print(f"| {name} | {nproc} | {est.memory.total / 2**20:.0f} | {got['peak'] / 2**20:.0f} | {err:+.1%} | "
-              f"{est.step_time:.3f} | {got['step_time']:.3f} |", flush=True)
+            got = measure(nproc, args, folder, profiling=True)
+        err = est.memory.subtotal / got["allocated"] - 1
+        row = f"| {name} | {nproc} | {est.memory.subtotal / 2**20:.0f} | {got['allocated'] / 2**20:.0f} | {err:+.1%} | "
+        if opts.allocated_only or "--float8.emulate" in overrides:
+            row += " | | | |"
+        else:
+            with tempfile.TemporaryDirectory() as folder:
+                got |= measure(nproc, args, folder, profiling=False)
+            row += (f"{got['resident'] / 2**20:.0f} | {est.step_time:.3f} | {got['step_time']:.3f} | "
+                    f"{est.step_time / got['step_time'] - 1:+.0%} |")
+        terms = " ".join(f"{k} {v / 2**20:.0f}" for k, v in est.memory.terms().items() if v)
+        print(row + (f" {terms}" if opts.terms else ""), flush=True)
     return 0
 
 

@@ -58,6 +58,23 @@ def float8_linear_config(cfg: Float8):
     return dataclasses.replace(config, emulate=cfg.emulate)
 
 
+def high_precision_reason(fqn: str, linear: nn.Linear, cfg: Float8, high_precision: tuple[str, ...] = ()) -> str | None:
+    """Why convert_to_float8 keeps the Linear `fqn` in high precision, or None: it converts it."""
+    kept = [suffix for suffix in high_precision if fqn.endswith(suffix)]
+    if kept:
+        # E.g. a mixture of experts' router: its scores pick the experts, and float8 rounding would
+        # change which ones.
+        return f"the model spec's high_precision {kept[0]!r}"
+    matches = [f for f in cfg.filter_fqns if f and f in fqn]
+    if matches:
+        return f"float8.filter_fqns entry {matches[0]!r}"
+    dims = (linear.in_features, linear.out_features)
+    if any(d % _FLOAT8_DIM_MULTIPLE for d in dims):
+        return (f"in/out features {dims[0]}x{dims[1]} are not both multiples of {_FLOAT8_DIM_MULTIPLE}, which "
+                f"float8 matmuls need")
+    return None
+
+
 def convert_to_float8(model: nn.Module, cfg: Float8, high_precision: tuple[str, ...] = ()) -> list[str]:
     """Swap, in place, every nn.Linear for a Float8Linear except those whose name ends with one of
     `high_precision` (the model spec's), contains one of `cfg.filter_fqns`, or whose dimensions are
@@ -67,22 +84,9 @@ def convert_to_float8(model: nn.Module, cfg: Float8, high_precision: tuple[str, 
     converted: list[str] = []
 
     def keep_or_convert(module: nn.Module, fqn: str) -> bool:
-        kept = [suffix for suffix in high_precision if fqn.endswith(suffix)]
-        if kept:
-            # E.g. a mixture of experts' router: its scores pick the experts, and float8 rounding
-            # would change which ones.
-            logger.info(f"float8: keeping {fqn} in high precision (the model spec's high_precision {kept[0]!r})")
-            return False
-        matches = [f for f in cfg.filter_fqns if f and f in fqn]
-        if matches:
-            logger.info(f"float8: keeping {fqn} in high precision (float8.filter_fqns entry {matches[0]!r})")
-            return False
-        dims = (module.in_features, module.out_features)
-        if any(d % _FLOAT8_DIM_MULTIPLE for d in dims):
-            logger.info(
-                f"float8: keeping {fqn} in high precision (in/out features {dims[0]}x{dims[1]} are not both "
-                f"multiples of {_FLOAT8_DIM_MULTIPLE}, which float8 matmuls need)"
-            )
+        reason = high_precision_reason(fqn, module, cfg, high_precision)
+        if reason:
+            logger.info(f"float8: keeping {fqn} in high precision ({reason})")
             return False
         converted.append(fqn)
         return True

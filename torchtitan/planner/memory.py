@@ -4,22 +4,29 @@ Everything is computed for the rank at coordinate 0 of every mesh dimension but 
 largest shard where sizes do not divide: DTensor and FSDP2 split like torch.chunk), once per
 pipeline rank; the worst pipeline rank is the layout's figure.
 
-Terms (bytes):
+Terms (bytes), at the step's peak (the start of backward, when every micro-batch the schedule holds
+has kept its activations and the loss's gradient is being computed):
 - params: this rank's shards in float32 (torch.chunk rules: TP from the spec's plan, EP on the expert
   dim, FSDP on dim 0 of what TP and EP left);
-- grads: the same shapes, float32;
+- grads: float32 gradients of the same shapes where they are live at the peak: with gradient
+  accumulation or a pipeline (earlier micro-batches have made them); otherwise they are freed before
+  the forward (zero_grad) and count only where the end of backward, with all of them and one
+  block's backward, is above the peak of the forward;
 - optimizer: AdamW / Adam keep two moments per parameter element, Muon one momentum for the matrices
   it takes (two for the rest), in optimizer.state_dtype;
 - with training.enable_cpu_offload, parameters, gradients and optimizer state are in host memory and
   not counted;
 - activations: what the live micro-batches keep for backward (the spec's activation_counts per block,
-  under the activation-checkpointing mode, times the pipeline schedule's live micro-batches), plus
-  one block's worth for the backward's working set (and recomputation);
-- logits: the last stage's output layer and loss (logits in the compute dtype, their float32 copy
-  and log-softmax, the gradient);
-- buffers: FSDP's gathered parameters (two blocks in the compute dtype, or the whole stage where it
-  is not resharded after forward) and unsharded gradients before reduce-scatter (two blocks);
-- the allocator's fragmentation, a stated factor on the sum.
+  under the activation-checkpointing mode, times the pipeline schedule's live micro-batches); with
+  checkpointing, plus the one block being recomputed where that is more than the loss's backward;
+- logits: the last stage's output and loss: the final norm's tensors, the logits in the compute
+  dtype and the float32 log-softmax that cross-entropy keeps, and the two float32 gradients of the
+  loss's backward;
+- buffers: FSDP's gathered parameters (two blocks in the compute dtype, float8 weights in one byte
+  with float8 all-gather, or the whole stage where it is not resharded after forward) and unsharded
+  gradients before reduce-scatter (two blocks; a pipeline stage's whole); autocast's bf16 copies of
+  the parameters;
+- what the device holds beyond the allocator's peak: a stated factor on the sum and a constant.
 """
 
 import dataclasses
@@ -43,13 +50,14 @@ from torchtitan.distributed.pipeline_parallel import (
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# The allocator's overhead on what is live at the peak (fragmentation, rounding): CUDA's caching
-# allocator; glibc's heap on CPU (measured by scripts/validate_memory_estimate.py on this host).
-FRAGMENTATION = {"cuda": 1.10, "cpu": 1.05}
-# What a rank holds besides the training state: on CUDA, the context and communication buffers (not
-# in torch.cuda.max_memory_allocated, but on the device); on CPU the comparison is made above the
-# process's memory before the model is built.
-RESERVED = {"cuda": 2 * GiB, "cpu": 0}
+# What a device holds beyond the allocator's peak, as a factor on that peak and a constant. CUDA: the
+# caching allocator's fragmentation and rounding; the context and communication buffers (not in
+# torch.cuda.max_memory_allocated, but on the device). CPU: a process's resident memory over the CPU
+# allocator's peak (glibc's heap, gloo, the interpreter) was 1.2x to 3.1x the peak on this host for
+# the debug models, the most for DeepSeek-V3's many small routing tensors
+# (scripts/validate_memory_estimate.py); 2x and 0.75 GiB bound every row.
+FRAGMENTATION = {"cuda": 1.10, "cpu": 2.0}
+RESERVED = {"cuda": 2 * GiB, "cpu": 3 * GiB // 4}
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,8 @@ class MemoryEstimate:
                 "fragmentation": self.subtotal * (self.fragmentation - 1), "reserved": self.reserved}
 
     def largest(self) -> str:
-        terms = self.terms()
+        """The largest of the terms a layout can change (fragmentation and the reserve follow them)."""
+        terms = {k: v for k, v in self.terms().items() if k not in ("fragmentation", "reserved")}
         return max(terms, key=terms.get)
 
 
@@ -209,6 +218,25 @@ def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[
             for r in range(dims.pp)}
 
 
+def _float8_gathered(spec, model: nn.Module, cfg) -> set[str]:
+    """The weights FSDP all-gathers in float8 (float8.enable_fsdp_float8_all_gather): those of the
+    Linear layers convert_to_float8 converts."""
+    if "float8" not in cfg.model.converters or not cfg.float8.enable_fsdp_float8_all_gather:
+        return set()
+    from torchtitan.components.float8 import high_precision_reason
+
+    return {f"{fqn}.weight" for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
+            and high_precision_reason(fqn, m, cfg.float8, spec.high_precision) is None}
+
+
+def _extra_blocks(spec, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The spec's extra blocks (e.g. multi-token prediction's), each with its top-level module's name."""
+    if spec.extra_blocks is None:
+        return []
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(b)].split(".")[0], b) for b in spec.extra_blocks(model)]
+
+
 def _extra_top_modules(spec, model: nn.Module) -> list[str]:
     """Top-level modules with parameters that the pipeline layout does not list (e.g. multi-token
     prediction heads): one process holds them."""
@@ -231,10 +259,14 @@ def live_microbatches(schedule: str, pp: int, pp_rank: int, n_micro: int) -> tup
     return min(pp - pp_rank + 1, n_micro), 2
 
 
-def block_bytes_per_token(counts, tp: int, act_bytes: int, mode: str) -> float:
-    """Bytes per token one block keeps: everything ("none"), or what the op policy keeps ("op")."""
+def block_bytes_per_token(counts, tp: int, act_bytes: int, mode: str, autocast: bool = False) -> float:
+    """Bytes per token one block keeps: everything ("none"), or what the op policy keeps ("op");
+    `autocast`: bf16 under torch.autocast over float32 parameters (act_bytes 2)."""
     if mode == "op":
-        return counts.op_kept / tp * act_bytes + counts.fp32 / tp * 4
+        return counts.op_kept / tp * act_bytes + counts.op_fp32 / tp * 4
+    if autocast:
+        return ((counts.split - counts.autocast_moved) / tp + counts.gathered + counts.autocast_casts) * act_bytes \
+            + (counts.fp32 + counts.autocast_moved) / tp * 4 + counts.int64 / tp * 8
     return (counts.split / tp + counts.gathered) * act_bytes + counts.fp32 / tp * 4 + counts.int64 / tp * 8
 
 
@@ -251,14 +283,16 @@ def block_counts(spec, args, block: nn.Module, seq_len: int):
 
 
 def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len: int, tp: int, act_bytes: int,
-                      ac_mode: str, ac_option: str) -> tuple[float, float]:
-    """(bytes one micro-batch of `tokens` keeps over these blocks, the backward's working set)."""
-    per_block = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "none") * tokens
+                      ac_mode: str, ac_option: str, autocast: bool = False) -> tuple[float, float]:
+    """(bytes one micro-batch of `tokens` keeps over these blocks, the largest block's own: what its
+    recomputation brings back under checkpointing)."""
+    per_block = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "none", autocast) * tokens
                  for b in blocks]
     if not per_block:
         return 0.0, 0.0
     dim = args.dim
-    boundary = tokens * dim / tp * act_bytes  # a checkpointed block keeps its input (sequence-sharded under TP)
+    # A checkpointed block keeps its input (sequence-sharded under TP; float32 under autocast).
+    boundary = tokens * dim / tp * (4 if autocast else act_bytes)
     if ac_mode == "full" or (ac_mode == "selective" and ac_option == "1"):
         kept = [boundary for _ in per_block]
     elif ac_mode == "selective" and ac_option == "op":
@@ -272,11 +306,15 @@ def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len:
     return float(sum(kept)), float(max(per_block))
 
 
-def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int) -> float:
-    """The last stage's output and loss: the final norm's input and gathered output, the logits in the
-    compute dtype, their float32 copy and log-softmax, and the gradient of both at the start of backward."""
-    vocab = args.vocab_size / (tp if loss_parallel else 1)
-    return tokens * (vocab * (2 * act_bytes + 12) + args.dim * (act_bytes + act_bytes / tp + 4))
+def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int) -> tuple[float, float]:
+    """The last stage's output and loss: (what stays until the loss's backward: the final norm's input
+    and gathered output, the logits in the compute dtype and cross-entropy's float32 log-softmax; what
+    its backward adds: the float32 gradients of the log-softmax and of its input, live together, and
+    under loss parallel a third, DTensor's sharded log-softmax backward's own)."""
+    sharded = loss_parallel and tp > 1
+    vocab = args.vocab_size / (tp if sharded else 1)
+    kept = tokens * (vocab * (act_bytes + 4) + args.dim * (act_bytes + act_bytes / tp + 4))
+    return kept, tokens * vocab * (12 if sharded else 8)
 
 
 # ---- the estimate ----
@@ -305,9 +343,11 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
     par, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
     shards = shards or param_shards(spec, model, dims, par)
     fsdp = dims.fsdp_enabled
-    # Without FSDP, bf16 runs under autocast, which keeps float32 inputs and their bf16 copies: about
-    # what float32 keeps (tests/models/test_activation_counts.py measures the block kinds).
-    act_bytes = DTYPE_BYTES[t.mixed_precision_param] if fsdp else 4
+    # Without FSDP, bf16 runs under autocast over the float32 parameters: bf16 matmuls, float32 norms
+    # and residuals, a bf16 copy of each matmul's float32 input and of each parameter (the family's
+    # autocast counts; tests/models/test_activation_counts.py measures them).
+    autocast = not fsdp and t.mixed_precision_param != "float32"
+    act_bytes = DTYPE_BYTES[t.mixed_precision_param]
     reduce_bytes = DTYPE_BYTES[t.mixed_precision_reduce] if fsdp else 4
     seq = t.seq_len // dims.cp
     _, accum = dims.batch(t.local_batch_size, t.global_batch_size)
@@ -318,37 +358,58 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         micro, n_micro = t.local_batch_size, 1
     tokens = micro * seq
     names = _module_names_by_pp_rank(spec, model, dims, par)
+    float8_gathered = _float8_gathered(spec, model, cfg) if fsdp else set()
+    extra_blocks = _extra_blocks(spec, model)
     best = None
     for pp_rank, modules in names.items():
         held = shards[pp_rank]
         n_params = sum(sh.local for sh in held.values())
         blocks = [model.get_submodule(m) for m in modules if m.startswith("layers.")]
+        blocks += [b for top, b in extra_blocks if top in modules]
         live, _ = live_microbatches(par.pipeline_parallel_schedule, dims.pp, pp_rank, n_micro) if dims.pp > 1 else (1, 1)
-        kept, working = stage_activations(spec, args, blocks, tokens, seq, dims.tp, act_bytes, ac.mode,
-                                          ac.selective_ac_option)
-        activations = kept * live + working * (2 if ac.mode != "none" else 1)
+        kept, recomputed = stage_activations(spec, args, blocks, tokens, seq, dims.tp, act_bytes, ac.mode,
+                                             ac.selective_ac_option, autocast)
         last = spec.pipeline.after[-1] in modules
         # Logits come out in the training dtype under FSDP's policy and under autocast alike.
         logit_bytes = DTYPE_BYTES[t.mixed_precision_param]
-        logits = logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes) if last else 0.0
-        buffers = 0.0
+        logits_kept, loss_backward = (logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes)
+                                      if last else (0.0, 0.0))
+        # Multi-token prediction's blocks feed the output layer and the loss again: their logits and
+        # log-softmax are kept together; the loss's backward runs one output at a time.
+        logits_kept *= 1 + sum(block_counts(spec, args, b, seq).outputs for b in blocks)
+        # The peak is at the start of backward: the loss's gradients or, under checkpointing, the first
+        # recomputed block on top of everything kept (a stage without the loss: the recomputed block).
+        activations = kept * live + max(recomputed if ac.mode != "none" else 0.0, loss_backward)
+        logits = logits_kept
+        grads = 4 * n_params
+        if not (accum > 1 or dims.pp > 1):
+            # Freed by zero_grad before the forward: they count where the end of backward (all of them,
+            # one block's working set, the last kept boundary) is above the start of backward.
+            grads = max(0.0, grads + recomputed - activations - logits)
+        # Autocast's bf16 copies of the parameters, cached for the forward and kept for backward.
+        buffers = n_params * act_bytes if autocast else 0.0
         if fsdp:
-            per_module: dict[str, int] = {}
-            for sh in held.values():
-                per_module[sh.module] = per_module.get(sh.module, 0) + sh.gathered
-            block_gathered = [n for m, n in per_module.items() if m.startswith("layers.")]
-            all_gathered = sum(sh.gathered for sh in held.values())
-            largest = max(block_gathered, default=0)
+            # Gathered bytes and elements per module (float8 all-gather sends converted weights in 1 byte).
+            per_module: dict[str, list[float]] = {}
+            for name, sh in held.items():
+                entry = per_module.setdefault(sh.module, [0.0, 0])
+                entry[0] += sh.gathered * (1 if name in float8_gathered else act_bytes)
+                entry[1] += sh.gathered
+            blocks_gathered = [v for m, v in per_module.items() if m.startswith("layers.")]
+            largest_bytes, largest = max(blocks_gathered, default=(0.0, 0))
             resharded = par.fsdp_reshard_after_forward != "never" and not (
                 dims.pp > 1 and (par.fsdp_reshard_after_forward == "default"
                                  or par.pipeline_parallel_schedule.lower() in ZERO_BUBBLE_SCHEDULES))
-            gathered = 2 * largest if resharded else sum(block_gathered)
-            root = all_gathered - sum(block_gathered)
-            buffers = (gathered + root) * act_bytes + 2 * largest * reduce_bytes
+            gathered = 2 * largest_bytes if resharded else sum(b for b, _ in blocks_gathered)
+            root = sum(b for m, (b, _) in per_module.items() if not m.startswith("layers."))
+            # A pipeline stage's backward skips the gradient reduce-scatter until its last micro-batch
+            # (torch.distributed.pipelining): the stage's unsharded gradients accumulate meanwhile.
+            unsharded_grads = sum(sh.gathered for sh in held.values()) if dims.pp > 1 else 2 * largest
+            buffers = gathered + root + unsharded_grads * reduce_bytes
         state = state_bytes * sum(sh.local * states.get(name, 2) for name, sh in held.items())
         on_device = 0 if t.enable_cpu_offload else 1
         estimate = MemoryEstimate(
-            params=4 * n_params * on_device, grads=4 * n_params * on_device, optimizer=state * on_device,
+            params=4 * n_params * on_device, grads=grads * on_device, optimizer=state * on_device,
             activations=activations, logits=logits, buffers=buffers,
             fragmentation=FRAGMENTATION.get(device_type, 1.10), reserved=RESERVED.get(device_type, 0),
             pp_rank=pp_rank,

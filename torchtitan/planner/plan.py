@@ -12,10 +12,11 @@ x the data-parallel degree of the recipe's own layout at this world size.
 """
 
 import dataclasses
+import functools
 import itertools
-import re
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 from torchtitan.config import UserError
@@ -77,22 +78,41 @@ def planning_args(spec, cfg):
 
 def default_hardware(device_type: str, gpus_per_node: int, cfg) -> Hardware:
     """CUDA: H100/H200 figures (989 dense bf16 TFLOP/s; 450 GB/s NVLink, 50 GB/s per GPU across nodes),
-    40% of the peak. CPU (this machine): the matmul peak measured now in the training dtype, the
-    efficiency the default run reaches (calibrated by scripts/validate_memory_estimate.py), and gloo's
-    bandwidth between processes of one host."""
+    40% of the peak. CPU (this machine; a "device" is one of `gpus_per_node` processes on the host):
+    the matmul peak measured now in the training dtype with the threads a process gets (torchrun
+    gives each of several processes one, OMP_NUM_THREADS=1; more processes than cores share them),
+    the efficiency calibrated for that dtype, and gloo's bandwidth between processes of one host."""
     if device_type == "cuda":
         peak = cfg.metrics.device_peak_tflops * 1e12 if cfg.metrics.device_peak_tflops > 0 else 989e12
         return Hardware(peak, 0.40, 450e9, 50e9, gpus_per_node)
     import torch
 
+    dtype = cfg.training.mixed_precision_param
+    threads = torch.get_num_threads() if gpus_per_node == 1 else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    peak = _cpu_matmul_peak(dtype, threads) * min(1.0, cores / (gpus_per_node * threads))
+    return Hardware(peak, CPU_EFFICIENCY[dtype], CPU_BANDWIDTH, CPU_BANDWIDTH, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_matmul_peak(dtype: str, threads: int) -> float:
+    import torch
+
     from torchtitan.components.metrics import measure_matmul_tflops
 
-    peak = measure_matmul_tflops(torch.float32, seconds=0.3) * 1e12
-    return Hardware(peak, CPU_EFFICIENCY, CPU_BANDWIDTH, CPU_BANDWIDTH, gpus_per_node)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return measure_matmul_tflops(getattr(torch, dtype), seconds=0.3) * 1e12
+    finally:
+        torch.set_num_threads(before)
 
 
-# Calibrated on this 2-core host (scripts/validate_memory_estimate.py; README table).
-CPU_EFFICIENCY = 0.35
+# The fraction of the measured matmul peak a training step reaches on this 2-core host, by training
+# dtype: the single-process float32 row and the FSDP 2 row of scripts/validate_memory_estimate.py
+# (docs/planning.md). In bfloat16 the CPU's matrix units make matmuls fast and the rest of the step
+# (elementwise, norms, attention) dominates.
+CPU_EFFICIENCY = {"float32": 0.44, "bfloat16": 0.061, "float16": 0.061}
 CPU_BANDWIDTH = 1.0e9
 
 
@@ -278,8 +298,6 @@ FIXES = {
     "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
     "logits": "tensor parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
     "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
-    "fragmentation": "a smaller total",
-    "reserved": "a device with more memory",
 }
 
 

@@ -10,11 +10,21 @@ parallel (with sequence parallel) divides them:
   log-sum-exp, router scores), split;
 - `int64`: routing indices of a mixture of experts, split;
 - `op_kept`: what the per-operator checkpointing policy keeps (torchtitan.distributed.
-  activation_checkpoint: attention's output and every other matmul's), split, compute dtype.
+  activation_checkpoint: attention's output and every other matmul's, counted within the block),
+  split, compute dtype; the block's input, which checkpointing also keeps, is the planner's to add;
+- `op_fp32`: what that policy keeps in float32 (attention's log-sum-exp), split;
+- `autocast_casts`, `autocast_moved`: bf16 under torch.autocast over float32 parameters (the
+  trainer's bf16 without FSDP), as measured on CPU: the bf16 copies autocast makes of float32
+  tensors, one per matmul that reads them (where the bf16 count has one shared copy; gathered); split
+  elements kept in float32 instead of bf16 (ops that autocast leaves alone: the grouped expert
+  matmuls);
+- `outputs`: how many more times the block's result goes through the output layer and the loss (a
+  multi-token prediction depth's block: once).
 The standard block's counts below are those of its eager forward on CPU: tests/models/
 test_activation_counts.py traces a real block's saved tensors and compares.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -27,6 +37,10 @@ class ActivationCounts:
     fp32: float
     int64: float
     op_kept: float
+    op_fp32: float = 0.0
+    autocast_casts: float = 0.0
+    autocast_moved: float = 0.0
+    outputs: int = 0
 
 
 def standard_attention_counts(attention: nn.Module) -> ActivationCounts:
@@ -42,10 +56,11 @@ def standard_attention_counts(attention: nn.Module) -> ActivationCounts:
     fp32 = dim + 1 + dim + heads + dim  # the norm's input, rsqrt and x * rsqrt; log-sum-exp; the residual sum
     if getattr(attention, "q_norm", None) is not None:  # per-head norms: input, rsqrt, x * rsqrt
         fp32 += 2 * q + heads + 2 * kv + kv_heads
-    # Kept by the op policy: attention's output (and its log-sum-exp), wq's and wv's outputs (1st and
-    # 3rd matmul), and the block input that checkpointing saves.
-    op_kept = q + q + kv + dim
-    return ActivationCounts(split=split, gathered=dim, fp32=fp32, int64=0, op_kept=op_kept)
+    # Kept by the op policy: attention's output and log-sum-exp, wq's and wv's outputs (1st and 3rd
+    # matmul).
+    # Under autocast wq, wk and wv each cast the float32 norm output.
+    return ActivationCounts(split=split, gathered=dim, fp32=fp32, int64=0, op_kept=q + q + kv, op_fp32=heads,
+                            autocast_casts=2 * dim)
 
 
 def swiglu_counts(feed_forward: nn.Module) -> ActivationCounts:
@@ -53,7 +68,8 @@ def swiglu_counts(feed_forward: nn.Module) -> ActivationCounts:
     x * rsqrt, its gathered output, w1's and w3's outputs, silu's output and the product w2 reads. The
     op policy keeps w1's and w2's outputs (5th and 7th matmul)."""
     dim, hidden = feed_forward.w1.in_features, feed_forward.w1.out_features
-    return ActivationCounts(split=4 * hidden, gathered=dim, fp32=1 + dim, int64=0, op_kept=hidden + dim)
+    return ActivationCounts(split=4 * hidden, gathered=dim, fp32=1 + dim, int64=0, op_kept=hidden + dim,
+                            autocast_casts=dim)  # w1 and w3 each cast the norm output
 
 
 def moe_counts(moe: nn.Module) -> ActivationCounts:
@@ -69,14 +85,18 @@ def moe_counts(moe: nn.Module) -> ActivationCounts:
     shared = getattr(moe, "shared_experts", None)
     if shared is not None:
         split += 4 * shared.w1.out_features
-    # The op policy keeps the router's matmul (scores) and the shared experts' 1st and 3rd matmuls.
-    op_kept = args.num_experts + (shared.w1.out_features + dim if shared is not None else 0)
-    return ActivationCounts(split=split, gathered=0, fp32=fp32, int64=3 * k, op_kept=op_kept)
+    # The op policy keeps the router's matmul (scores, the 5th after attention's four) and one of the
+    # shared experts' SwiGLU projections (which ones is set by how many small matmuls routing made).
+    op_kept = args.num_experts + (shared.w1.out_features if shared is not None else 0)
+    # Under autocast the routed experts' grouped matmuls run in float32 (the norm output's), and the
+    # router and the shared experts' w1 and w3 each cast the norm output.
+    return ActivationCounts(split=split, gathered=0, fp32=fp32, int64=3 * k, op_kept=op_kept,
+                            autocast_casts=2 * dim if shared is not None else 0,
+                            autocast_moved=k * (dim + 4 * hidden))
 
 
 def add(*counts: ActivationCounts) -> ActivationCounts:
-    return ActivationCounts(*(sum(getattr(c, f) for c in counts) for f in ("split", "gathered", "fp32", "int64",
-                                                                         "op_kept")))
+    return ActivationCounts(*(sum(getattr(c, f.name) for c in counts) for f in dataclasses.fields(ActivationCounts)))
 
 
 def standard_block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:

@@ -1,6 +1,8 @@
 """What a DeepSeek-V3 block keeps for backward per token (torchtitan.models.common.activations):
 multi-head latent attention, then SwiGLU or the MoE."""
 
+import dataclasses
+
 from torch import nn
 
 from torchtitan.models.common.activations import ActivationCounts, add, moe_counts, swiglu_counts
@@ -21,12 +23,34 @@ def mla_counts(attention: nn.Module, seq_len: int) -> ActivationCounts:
     gathered = dim + sum(ranks)
     fp32 = (2 * dim + 1 + dim + sum(2 * r + 1 for r in ranks)
             + 2 * heads * qk + heads * seq_len + heads * attention.v_dim)
-    # The op policy keeps every other aten.mm output: wq_a (or wq), the latent projection, wo; and the
-    # block input. (The math attention is made of bmm, which the policy recomputes.)
-    op_kept = (q_rank or heads * qk) + attention.kv_lora + dim + dim
-    return ActivationCounts(split=split, gathered=gathered, fp32=fp32, int64=0, op_kept=op_kept)
+    # The op policy keeps every other aten.mm output (the math attention is bmm, recomputed): with a
+    # query rank, wq_a's, the latent's and wkv_b's (1st, 3rd, 5th of 6); without, wq's, the rotary
+    # key's and wo's (1st, 3rd, 5th of 5).
+    if q_rank:
+        op_kept = q_rank + attention.kv_lora + heads * (attention.nope + attention.v_dim)
+    else:
+        op_kept = heads * qk + attention.rope_dim + dim
+    # Under autocast the three projections of the block input each cast it.
+    return ActivationCounts(split=split, gathered=gathered, fp32=fp32, int64=0, op_kept=op_kept,
+                            autocast_casts=2 * dim)
+
+
+def mtp_counts(dim: int) -> ActivationCounts:
+    """What a multi-token prediction module keeps besides its block: its two input norms (input,
+    rsqrt and x * rsqrt, float32) and their concatenation, which eh_proj reads; its result goes
+    through the output layer and the loss once more (the norm before it counted there)."""
+    return ActivationCounts(split=0, gathered=2 * dim, fp32=2 * (2 * dim + 1), int64=0, op_kept=0, outputs=1)
 
 
 def block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
-    ffn = block.feed_forward
-    return add(mla_counts(block.attention, seq_len), moe_counts(ffn) if hasattr(ffn, "router") else swiglu_counts(ffn))
+    ffn, attention = block.feed_forward, block.attention
+    if hasattr(ffn, "router"):
+        counts = moe_counts(ffn)
+    else:
+        counts = swiglu_counts(ffn)
+        if not hasattr(attention, "wq_a"):  # five matmuls before it: SwiGLU's w3 is the odd one kept, alone
+            counts = dataclasses.replace(counts, op_kept=ffn.w3.out_features)
+    counts = add(mla_counts(attention, seq_len), counts)
+    if block.layer_id >= args.n_layers:  # a multi-token prediction module's block
+        counts = add(counts, mtp_counts(args.dim))
+    return counts

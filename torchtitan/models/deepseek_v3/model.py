@@ -83,6 +83,7 @@ class MLA(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, a: ModelArgs):
         super().__init__()
+        self.layer_id = layer_id  # n_layers + k - 1 for multi-token prediction's depth k
         self.attention = MLA(a)
         dense = layer_id < a.n_dense_layers
         self.feed_forward = FeedForward(a.dim, a.inter_dim) if dense else MoE(a.dim, a.moe)

@@ -1,0 +1,25 @@
+"""scripts/validate_memory_estimate.py: the planner's memory estimate against the CPU allocator's
+measured peak, for a few rows of its table (the whole table is the script's to print: docs/planning.md).
+Within 10% for each: one process in float32, FSDP with the op checkpointing policy, a 1F1B pipeline
+over FSDP (whose stage keeps its unsharded gradients over the micro-batches), and DeepSeek-V3 with
+multi-token prediction under FSDP."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_estimates_are_within_10_percent_of_the_allocated_peak():
+    rows = ["single_fp32", "fsdp2_op_ac", "fsdp2_pp2_1f1b", "dsv3_mtp_fsdp2"]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "validate_memory_estimate.py"), "--allocated-only",
+                           "--only", ",".join(rows)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| \d+ \| \d+ \| \d+ \| ([-+][\d.]+)%", proc.stdout, re.M)}
+    assert sorted(errors) == sorted(rows), proc.stdout
+    assert all(abs(e) < 10 for e in errors.values()), proc.stdout
