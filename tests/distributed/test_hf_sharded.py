@@ -11,6 +11,13 @@ weight (gradients clipped to 1e-30, no weight decay) and exports at its end, und
   with an index, config.json and generation_config.json;
 - transformers loads the PP 2 x TP 2, EP 2 x FSDP 2, both tied PP 2 x FSDP 2 and DeepSeek-V3's EP 2 x FSDP 2 exports with logits equal to the original
   folder's within 1e-4.
+
+Reads (tests/distributed/hf_load_worker.py loads folders written by our adapters, float32, straight into
+each rank's shards, without training): every rank's tensors equal their part of the folder's, and
+a rank reads exactly its own shards' bytes wherever each shard is one block: renames, Llama's
+permuted q/k (head-aligned rows), experts stacked from one tensor per expert or sliced from the
+fused ones, under FSDP 4, FSDP 2 x TP 2 (strided shards), EP 2 x FSDP 2; rows that cross a head
+boundary (FSDP 3) read those heads' rows, each rank under 40% of the folder.
 """
 
 import dataclasses
@@ -19,8 +26,9 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch
-from torchtitan.components.hf_checkpoint import HFFolder, load_hf
+from conftest import REPO, TINY, launch, run_script
+from torchtitan.components.hf_checkpoint import HFFolder, load_hf, save_hf
+from torchtitan.models.common.hf_conversion import FUSED_DOWN, FUSED_GATE_UP
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.models.registry import get_model_spec
 from torchtitan.models.common.rotary import RopeScaling
@@ -145,3 +153,77 @@ def test_transformers_loads_the_export(runs, name):
     with torch.no_grad():
         diff = (loaded(tokens).logits - models[name.split("_")[0]](tokens).logits).abs().max().item()
     assert diff < 1e-4
+
+
+def fuse_experts(hf_sd: dict, layers: int) -> dict:
+    """The hub layout's per-expert tensors as transformers 5 holds them in memory: gate_up_proj
+    [experts, 2 x hidden, dim] (gate rows first) and down_proj [experts, dim, hidden] per layer."""
+    out = dict(hf_sd)
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        per = {k: out.pop(k) for k in list(out) if k.startswith(prefix)}
+        experts = range(len(per) // 3)
+        if per:
+            out[f"model.layers.{layer}.{FUSED_GATE_UP}"] = torch.stack([
+                torch.cat([per[f"{prefix}{e}.gate_proj.weight"], per[f"{prefix}{e}.up_proj.weight"]]) for e in experts])
+            out[f"model.layers.{layer}.{FUSED_DOWN}"] = torch.stack([per[f"{prefix}{e}.down_proj.weight"] for e in experts])
+    return out
+
+
+def adapter_folder(path, family: str, flavor: str, fused: bool):
+    """A float32 folder written by our adapter (1 MiB files) from the flavor's seeded init; with
+    `fused`, the experts as transformers 5's fused tensors."""
+    spec = get_model_spec(family)
+    args = spec.args_for_training(flavor, 4096, 64)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        sd = {k: v.float().normal_() if v.is_floating_point() else v for k, v in spec.model_cls(args).state_dict().items()}
+    adapter = spec.hf
+    if fused:
+        adapter = dataclasses.replace(adapter, to_hf=lambda sd, args: fuse_experts(spec.hf.to_hf(sd, args), args.n_layers))
+    save_hf(path, sd, adapter, args, torch.float32, max_shard_bytes=2**20)
+    return path
+
+
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# name: (family, flavor, experts fused, layout, each rank reads exactly its shards' bytes)
+READS = {
+    3: {"llama_fsdp3": ("llama3", "debugmodel", False, [], False)},
+    4: {"llama_fsdp4": ("llama3", "debugmodel", False, [], True),
+        "llama_fsdp2_tp2": ("llama3", "debugmodel", False, ["--parallelism.tensor_parallel_degree", "2"], True),
+        "moe_fsdp4": ("qwen3", "debugmodel_moe", False, [], True),
+        "moe_ep2_fsdp2": ("qwen3", "debugmodel_moe", False, EP2, True),
+        "moe_fused_ep2_fsdp2": ("qwen3", "debugmodel_moe", True, EP2, True),
+        "ds_ep2_fsdp2": ("deepseek_v3", "debugmodel", False, EP2, True)},
+}
+
+
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_reads")
+    folders = {}
+    results = {}
+    for nproc, cases in READS.items():
+        spec = []
+        for name, (family, flavor, fused, layout, _) in cases.items():
+            key = (family, flavor, fused)
+            if key not in folders:
+                folders[key] = adapter_folder(tmp / f"{family}_{flavor}_{fused}", *key)
+            spec.append({"name": name, "folder": str(folders[key]), "argv": [
+                "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", family,
+                "--model.flavor", flavor, *layout]})
+        (tmp / f"cases_{nproc}.json").write_text(json.dumps(spec))
+        run_script(REPO / "tests" / "distributed" / "hf_load_worker.py",
+                   [str(tmp / f"cases_{nproc}.json"), str(tmp / f"out_{nproc}.json")], nproc, tmp)
+        results.update(json.loads((tmp / f"out_{nproc}.json").read_text()))
+    return results
+
+
+@pytest.mark.parametrize("name", [n for cases in READS.values() for n in cases])
+def test_each_rank_reads_only_its_shards(reads, name):
+    exact = next(cases[name][-1] for cases in READS.values() if name in cases)
+    for rank, r in enumerate(reads[name]):
+        assert not r["mismatches"], f"{name} rank {rank}: {r['mismatches'][:5]} differ from the folder"
+        if exact:
+            assert r["bytes_read"] == r["own_bytes"], (name, rank, r)
+        assert r["bytes_read"] < 0.4 * r["folder_bytes"], (name, rank, r)

@@ -7,11 +7,13 @@ modules; both directions walk those tensors in order through the family's per-te
 
 Load (`load_hf_into`): everything that can be refused is refused first, from the files' headers
 (hf_checkpoint.check_hf_folder). Then each rank reads, for each tensor it holds, only what it needs:
-where our tensor is one Hugging Face tensor renamed (the adapter returns its input unchanged) and the
-rank holds a block of it, just that block's bytes; otherwise (a layout change such as the rotary
-permutation of Llama's q/k, or experts stacked from one tensor per expert) the source tensors of that
-one tensor, from which the rank keeps its shard. Peak memory above the model's own shards: about one
-tensor.
+where the rank holds a block of our tensor, just the bytes of that block: of the one Hugging Face
+tensor it renames (the adapter returns its input unchanged), or, for a layout change (the rotary
+permutation of Llama's q/k, experts stacked from one tensor per expert or sliced from a fused one),
+those the family's HFAdapter.block_from_hf reads (the heads' rows, the block's experts). Otherwise (a
+shard that is not one block, such as FSDP over TP's rows; a conversion without block_from_hf) the
+source tensors of that one tensor, from which the rank keeps its shard. Peak memory above the
+model's own shards: about one tensor.
 
 Save (`save_hf_sharded`): the files are planned identically on every rank from the model's shapes:
 consecutive tensors up to max_shard_bytes, a file never spanning two pipeline stages. Each file has
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from torchtitan.components.hf_checkpoint import (
@@ -70,6 +72,13 @@ def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFA
     hf = HFFolder(folder)
     present = frozenset(hf.shapes)
     read = 0
+
+    def read_block(hf_name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal read
+        piece = hf.read(hf_name, offset, shape)
+        read += piece.numel() * piece.element_size()
+        return piece
+
     before = restart_peak_rss()
     with torch.no_grad():
         for name, target in _owned_tensors(parts).items():
@@ -77,11 +86,13 @@ def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFA
             if local.numel() == 0:
                 continue
             sources = adapter.hf_names(name, args, present)
-            block = local_block(target) if isinstance(target, DTensor) and len(sources) == 1 else None
-            if block is not None and _is_rename(adapter, name, sources[0], hf, args):
-                piece = hf.read(sources[0], block[1], block[0])
-                read += piece.numel() * piece.element_size()
-            else:
+            shape, offset = (local_block(target) if isinstance(target, DTensor) else None) or (None, None)
+            piece = None
+            if shape is not None and len(sources) == 1 and _is_rename(adapter, name, sources[0], hf, args):
+                piece = read_block(sources[0], offset, shape)
+            elif shape is not None and sources and adapter.block_from_hf is not None:
+                piece = adapter.block_from_hf(name, read_block, args, present, offset, shape)
+            if piece is None:
                 inputs = {n: hf.read(n) for n in sources}
                 read += sum(t.numel() * t.element_size() for t in inputs.values())
                 piece = adapter.tensor_from_hf(name, inputs, args)
@@ -220,7 +231,8 @@ def _whole_on(t: torch.Tensor, writer: int) -> torch.Tensor | None:
         return t
     mesh, rank = t.device_mesh, dist.get_rank()
     ranks = mesh.mesh.flatten().tolist()
-    if local_block(t) is None or writer not in ranks:
+    # Other ranks' blocks are computed from their coordinates, which needs plain placements.
+    if not all(type(p) in (Shard, Replicate) for p in t.placements) or writer not in ranks:
         whole = t.full_tensor()  # a collective over t's mesh
         return whole if rank == writer else None
     replicated = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]

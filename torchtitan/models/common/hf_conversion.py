@@ -201,6 +201,19 @@ def expert_from_hf(layer: int, local: str, tensors: dict[str, torch.Tensor], num
     return torch.stack([tensors[expert_key(layer, x, proj)] for x in range(num_experts)])
 
 
+def expert_block_from_hf(layer: int, local: str, read, present, hidden_dim: int, offset: tuple[int, ...],
+                         shape: tuple[int, ...]) -> torch.Tensor:
+    """The block (offset, shape) of expert_from_hf's result, reading only its bytes: the block's
+    experts, each its block of one tensor per expert, or one block of the fused tensor."""
+    proj = EXPERT_PROJECTIONS[local]
+    if experts_fused(present, layer):
+        fused, shift = (FUSED_DOWN, 0) if proj == "down_proj" else \
+            (FUSED_GATE_UP, 0 if proj == "gate_proj" else hidden_dim)
+        return read(f"model.layers.{layer}.{fused}", (offset[0], offset[1] + shift, *offset[2:]), shape)
+    return torch.stack([read(expert_key(layer, x, proj), offset[1:], shape[1:])
+                        for x in range(offset[0], offset[0] + shape[0])])
+
+
 def expert_to_hf(layer: int, local: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Our expert weight as the hub lays it out: one tensor per expert (views of ours)."""
     return {expert_key(layer, x, EXPERT_PROJECTIONS[local]): w[x] for x in range(w.shape[0])}

@@ -22,11 +22,24 @@ def stable_seed(seed: int, key: str) -> int:
 
 
 def local_block(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(shape, global offset) of this rank's block of DTensor `t`, when its placements make the local
-    tensor one block of the whole (plain Shard and Replicate); None otherwise (e.g. _StridedShard)."""
-    if not all(type(p) in (Shard, Replicate) for p in t.placements):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    """(shape, global offset) of this rank's block of DTensor `t`, when its local tensor is one block
+    of the whole; None otherwise. Plain Shard and Replicate placements always give one block; other
+    shardings of a dimension (_StridedShard: FSDP over tensor- or expert-parallel shards of the same
+    dimension) often do too, which DTensor's own placement of a small index probe per dimension shows."""
+    if all(type(p) in (Shard, Replicate) for p in t.placements):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(shape), tuple(offset)
+    shape, offset = [], []
+    for dim, size in enumerate(t.shape):
+        # Placements of other dimensions leave this one whole; a 1-D probe along it stands for the tensor.
+        placements = [p if getattr(p, "dim", None) == dim else Replicate() for p in t.placements]
+        probe = torch.arange(size).view([size if d == dim else 1 for d in range(t.dim())])
+        held = distribute_tensor(probe, t.device_mesh, placements, src_data_rank=None).to_local().flatten().cpu()
+        start = int(held[0]) if held.numel() else 0
+        if not torch.equal(held, torch.arange(start, start + held.numel())):
+            return None
+        shape.append(held.numel())
+        offset.append(start)
     return tuple(shape), tuple(offset)
 
 

@@ -96,6 +96,12 @@ class HFAdapter:
     tensor_from_hf: Callable[[str, dict[str, torch.Tensor], Any], torch.Tensor]
     # (our name, our tensor, args) -> its HF tensors by name ({} for one that is not exported)
     tensor_to_hf: Callable[[str, torch.Tensor, Any], dict[str, torch.Tensor]]
+    # For a tensor whose layout changes (stacked experts, permuted rows), one block of it read from
+    # only the HF bytes that block needs, so that a sharded rank need not read the whole:
+    # (our name, read, args, all HF names present, block offset, block shape) -> that block of
+    # tensor_from_hf's result, or None where the family has no cheaper way (the loader then reads the
+    # sources whole). read(HF name, offset, shape) returns that block of the stored tensor.
+    block_from_hf: Callable[..., torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)

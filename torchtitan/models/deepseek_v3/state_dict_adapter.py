@@ -15,8 +15,8 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    EXPERT_PROJECTIONS, ROTARY_INV_FREQ, check_keys, convert_from_hf, expert_from_hf, expert_hf_names, expert_to_hf,
-    rope_config, rope_from_config, unsupported,
+    EXPERT_PROJECTIONS, ROTARY_INV_FREQ, check_keys, convert_from_hf, expert_block_from_hf, expert_from_hf,
+    expert_hf_names, expert_to_hf, rope_config, rope_from_config, unsupported,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.spec import HFAdapter
@@ -121,6 +121,15 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
         return expert_from_hf(layer, local, tensors, args.moe.num_experts, args.moe.hidden_dim)
     ((_, w),) = tensors.items()
     return w.float() if local == "feed_forward.expert_bias" else w  # our bias buffer is float32
+
+
+def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], offset, shape) -> torch.Tensor | None:
+    """A block of the experts read from only its experts' bytes (HFAdapter.block_from_hf); None for
+    the rest."""
+    layer, local = _split(ours, args)
+    if layer is None or local not in EXPERT_PROJECTIONS or layer < args.n_dense_layers:
+        return None
+    return expert_block_from_hf(layer, local, read, present, args.moe.hidden_dim, offset, shape)
 
 
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -289,4 +298,5 @@ ADAPTER = HFAdapter(
     hf_names=hf_names,
     tensor_from_hf=tensor_from_hf,
     tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
 )

@@ -113,6 +113,20 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     return w if heads is None else _halves_to_pairs(w, heads, args.head_dim, hf)
 
 
+def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], offset, shape) -> torch.Tensor | None:
+    """A block of q or k from only the rows of the heads it overlaps (HFAdapter.block_from_hf): the
+    permutation moves rows within a head, so those heads' rows, permuted, hold the block. None for
+    the rest (renames, which the loader reads by block anyway)."""
+    heads = _heads(ours, args)
+    if heads is None:
+        return None
+    hd = args.head_dim
+    first, end = offset[0] // hd, -(-(offset[0] + shape[0]) // hd)
+    rows = read(_hf_name(ours, args), (first * hd, *offset[1:]), ((end - first) * hd, *shape[1:]))
+    start = offset[0] - first * hd
+    return _halves_to_pairs(rows, end - first, hd, _hf_name(ours, args))[start:start + shape[0]]
+
+
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     """{HF name: tensor} of our tensor `ours`; q and k permuted (a copy), the rest as they are; {} for
     a tied output.weight (Hugging Face ties it to the embedding on load)."""
@@ -232,4 +246,5 @@ ADAPTER = HFAdapter(
     hf_names=hf_names,
     tensor_from_hf=tensor_from_hf,
     tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
 )

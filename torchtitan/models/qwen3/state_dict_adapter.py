@@ -33,7 +33,7 @@ import torch
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
     EXPERT_PROJECTIONS, FUSED_DOWN, FUSED_GATE_UP, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf,
-    expert_from_hf, expert_hf_names, expert_key, expert_to_hf, experts_fused, tied_output_hf_names,
+    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_key, expert_to_hf, experts_fused, tied_output_hf_names,
 )
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.qwen3.hf_config import MODEL_TYPES, args_from_hf_config, check_exportable, hf_config
@@ -222,6 +222,15 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     return tensors[_hf_name(ours, args)]
 
 
+def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], offset, shape) -> torch.Tensor | None:
+    """A block of the experts read from only its experts' bytes (HFAdapter.block_from_hf); None for
+    the rest (renames, which the loader reads by block anyway)."""
+    layer, local = _split(ours, args)
+    if args.moe is None or local not in _EXPERTS:
+        return None
+    return expert_block_from_hf(layer, local, read, present, args.moe.hidden_dim, offset, shape)
+
+
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     """{HF name: tensor} of our tensor `ours`: {} for a tied output.weight (Hugging Face ties it to the
     embedding on load) and for expert_bias (no counterpart; to_hf warns when it is non-zero); the
@@ -285,4 +294,5 @@ ADAPTER = HFAdapter(
     hf_names=hf_names,
     tensor_from_hf=tensor_from_hf,
     tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
 )
