@@ -280,3 +280,27 @@ def test_a_copy_keeps_muon_state_keys():
     keys = {k for s in opt.state.values() for k in s}
     assert keys == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
     copy.deepcopy(opt.state_dict())  # plain tensors and numbers: what DCP flattens by parameter name
+
+
+@pytest.mark.slow
+def test_spread_orthogonalization_equals_one_process_and_shares_the_work(tmp_path):
+    """tests/distributed/muon_worker.py on 4 processes: 3 Muon steps of sharded parameters (FSDP's rows,
+    TP's columns, experts split inside their matrices, HSDP, EP x FSDP, uneven and empty pieces) equal
+    one process's bit for bit, with the Newton-Schulz spread over the ranks and with it repeated; spread,
+    each rank runs a share of the iterations; split over two mesh dims, every rank runs them all."""
+    from conftest import run_script
+
+    run_script(REPO / "tests" / "distributed" / "muon_worker.py", [str(tmp_path / "out.json")], 4, tmp_path)
+    results = __import__("json").loads((tmp_path / "out.json").read_text())
+    for name, r in results.items():
+        assert r["equal_spread"] and r["equal_repeated"], (name, r)
+        repeated = r["calls_repeated"]
+        assert len(set(repeated)) == 1, (name, r)  # without spreading, every rank runs every matrix
+        if name == "rows_and_cols":
+            assert r["calls"] == repeated, r
+        else:
+            # Each matrix's iterations once per group of ranks along the split dim: the shares sum to
+            # the repeated count (times the groups: 2 under HSDP's replicas, EP's expert groups).
+            groups = 2 if name in ("hsdp2x2", "ep2_fsdp2") else 1
+            assert sum(r["calls"]) == repeated[0] * groups, (name, r)
+            assert max(r["calls"]) < repeated[0], (name, r)

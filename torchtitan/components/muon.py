@@ -14,9 +14,11 @@ dims (MoE experts [experts, out, in]): each matrix is orthogonalized alone.
 What is unusual here:
 - Sharded parameters (DTensors): the orthogonalization needs each whole matrix. When this rank's
   shard holds whole matrices (a replicated parameter; experts split on the expert dim only) it runs
-  on the shard; otherwise the update is gathered (full_tensor), orthogonalized on every rank alike,
-  and this rank keeps its own part (a redistribute from replicated takes the local chunk without
-  communication). Every layout thus computes what one process computes.
+  on the shard. Matrices split along one mesh dim (FSDP, TP, HSDP) each get one owner among that
+  dim's ranks, which gathers the pieces, orthogonalizes and scatters them back
+  (SpreadOrthogonalization), so the ranks share the iterations. Otherwise (split over two mesh dims:
+  FSDP over TP's rows) the update is gathered (full_tensor), orthogonalized on every rank alike, and
+  this rank keeps its own part. Every layout thus computes what one process computes.
 - The Newton-Schulz iterations run in bfloat16, as torch.optim.Muon and the reference do (the
   iteration is built to tolerate it, and bf16 matmuls are 2-4x faster).
 - state_dtype = bfloat16 keeps the momentum and AdamW's moments in bf16; the update is computed in
@@ -27,7 +29,8 @@ What is unusual here:
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw as torch_adamw
 
 # The quintic Newton-Schulz coefficients of Keller Jordan's Muon (as torch.optim.Muon's).
@@ -79,7 +82,8 @@ def holds_whole_matrices(p: torch.Tensor) -> bool:
 
 
 def orthogonalize(update: torch.Tensor, p: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton-Schulz of `update` (this rank's shard, laid out like `p`'s), each matrix whole; this rank's part."""
+    """Newton-Schulz of `update` (this rank's shard, laid out like `p`'s), each matrix whole, on every
+    rank alike; this rank's part."""
     if holds_whole_matrices(p):
         return newton_schulz(update, steps)
     mesh, placements = p.device_mesh, p.placements
@@ -89,24 +93,103 @@ def orthogonalize(update: torch.Tensor, p: torch.Tensor, steps: int) -> torch.Te
     return replicated.redistribute(mesh, placements).to_local()
 
 
+def split_mesh_dim(p: torch.Tensor) -> int | None:
+    """The one mesh dim whose plain Shard splits `p`'s matrices, when every other mesh dim replicates
+    `p` or splits only its leading (stack) dims: the ranks along that dim then hold the pieces of the
+    same matrices, torch.chunk's along one dim, which one of them can gather whole. None otherwise
+    (whole matrices, or matrices split over two mesh dims, e.g. FSDP over TP's rows)."""
+    if not isinstance(p, DTensor):
+        return None
+    splitting = [i for i, pl in enumerate(p.placements) if pl.is_shard() and pl.dim >= p.ndim - 2]
+    if len(splitting) != 1 or type(p.placements[splitting[0]]) is not Shard:
+        return None
+    if any(type(pl) not in (Shard, Replicate) for pl in p.placements):
+        return None
+    return splitting[0]
+
+
+class SpreadOrthogonalization:
+    """Newton-Schulz of matrices split along one mesh dim (FSDP's, TP's, HSDP's shard dim), spread
+    over that dim's ranks instead of repeated on each: every matrix has one owner, the rank least
+    loaded so far (by elements) among its group, the same choice on every rank. The owner gathers the
+    pieces (cast to bf16 first, where the iterations start anyway, so the result is the same bits),
+    orthogonalizes, and scatters each rank's piece back. Per rank: 1/n of the iterations, and its own
+    pieces sent and received once, instead of every matrix gathered whole."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.jobs = []  # (p, update, mesh dim)
+        self.loads: dict[tuple[int, ...], list[int]] = {}
+
+    def add(self, p: torch.Tensor, update: torch.Tensor, dim: int):
+        self.jobs.append((p, update, dim))
+
+    def run(self) -> list[torch.Tensor]:
+        """Each added update's orthogonalized piece for this rank, in order."""
+        plans = []
+        for p, update, dim in self.jobs:
+            mesh = p.device_mesh
+            group, me = mesh.get_group(dim), mesh.get_local_rank(dim)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            loads = self.loads.setdefault(ranks, [0] * len(ranks))
+            owner = min(range(len(ranks)), key=lambda r: (loads[r], r))
+            loads[owner] += p.numel()
+            split = p.placements[dim].dim
+            sizes = [len(c) for c in torch.arange(p.shape[split]).chunk(len(ranks))]
+            sizes += [0] * (len(ranks) - len(sizes))
+            piece = _pad(update.to(torch.bfloat16), split, max(sizes))
+            pieces = [torch.empty_like(piece) for _ in ranks] if me == owner else None
+            work = dist.gather(piece, pieces, group=group, group_dst=owner, async_op=True)
+            plans.append((p, update, split, sizes, group, me, owner, pieces, work))
+        # All gathers, then this rank's iterations, then all scatters: the ranks' iterations overlap.
+        for *_, work in plans:
+            work.wait()
+        scatters = []
+        for p, update, split, sizes, group, me, owner, pieces, _ in plans:
+            if me == owner:
+                full = torch.cat([x.narrow(split, 0, n) for x, n in zip(pieces, sizes)], dim=split)
+                ortho = newton_schulz(full, self.steps)
+                pieces = [_pad(x, split, max(sizes)) for x in ortho.split(sizes, dim=split)]
+            mine = torch.empty_like(_pad(update.to(torch.bfloat16), split, max(sizes)))
+            scatters.append((mine, split, sizes[me], dist.scatter(mine, pieces, group=group, group_src=owner,
+                                                                   async_op=True)))
+        out = []
+        for mine, split, size, work in scatters:
+            work.wait()
+            out.append(mine.narrow(split, 0, size))
+        return out
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`x` zero-padded along `dim` to `size` (gather and scatter take equal pieces)."""
+    if x.shape[dim] == size:
+        return x.contiguous()
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Groups with algorithm "muon" (matrices, or stacks of them) take Muon's step, the others AdamW's.
 
     Muon's group keys: lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr; AdamW's: lr,
     weight_decay, betas, eps. `implementation` (fused, foreach, for-loop) is the AdamW kernel used with
-    float32 state; `state_dtype` the dtype of every state tensor but AdamW's step count.
+    float32 state; `state_dtype` the dtype of every state tensor but AdamW's step count; `spread`
+    spreads the Newton-Schulz of matrices split along one mesh dim over its ranks
+    (SpreadOrthogonalization) rather than repeating it on each.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  momentum: float = DEFAULT_MOMENTUM, nesterov: bool = DEFAULT_NESTEROV,
                  ns_steps: int = DEFAULT_NS_STEPS, adjust_lr: str = DEFAULT_ADJUST_LR,
-                 implementation: str = "for-loop", state_dtype: torch.dtype = torch.float32):
+                 implementation: str = "for-loop", state_dtype: torch.dtype = torch.float32,
+                 spread: bool = True):
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, adjust_lr=adjust_lr, algorithm="adamw")
         super().__init__(params, defaults)
-        self.implementation, self.state_dtype = implementation, state_dtype
+        self.implementation, self.state_dtype, self.spread = implementation, state_dtype, spread
         for group in self.param_groups:
             if group["algorithm"] not in ("muon", "adamw"):
                 raise ValueError(f"a group's algorithm must be 'muon' or 'adamw', got {group['algorithm']!r}")
@@ -142,6 +225,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict, params: list[torch.Tensor]):
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        updates = []
         for p in params:
             (buf,) = self._state(p, "momentum_buffer")
             grad, buf_local = local(p.grad), local(buf)
@@ -149,8 +233,18 @@ class MuonAdamW(torch.optim.Optimizer):
             momentum.lerp_(grad.float(), 1 - mu)
             if momentum is not buf_local:
                 buf_local.copy_(momentum)
-            update = grad.float().lerp(momentum, mu) if group["nesterov"] else momentum
-            ortho = orthogonalize(update, p, group["ns_steps"])
+            updates.append(grad.float().lerp(momentum, mu) if group["nesterov"] else momentum)
+        spread = SpreadOrthogonalization(group["ns_steps"])
+        orthos = [None] * len(params)
+        for i, (p, update) in enumerate(zip(params, updates)):
+            dim = split_mesh_dim(p) if self.spread else None
+            if dim is None:
+                orthos[i] = orthogonalize(update, p, group["ns_steps"])
+            else:
+                spread.add(p, update, dim)
+        spread_out = iter(spread.run())
+        for p, ortho in zip(params, orthos):
+            ortho = next(spread_out) if ortho is None else ortho
             p_local = local(p)
             p_local.mul_(1 - lr * wd)
             p_local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2], p.shape[-1]))
