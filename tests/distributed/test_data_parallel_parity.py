@@ -7,8 +7,9 @@ within BF16_TOL of the fp32 single-process run:
   module lists), alone and with FSDP and TP;
 - context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP, op-level
   activation checkpointing, and full activation checkpointing plus compile;
-- Muon (optimizer.name = "Muon": hidden matrices and stacked experts orthogonalized whole) under FSDP 2,
-  TP 2, PP 2 and FSDP 2 x TP 2, and Qwen3-MoE's experts with Muon under EP 2 and EP 2 x FSDP 2;
+- Muon (optimizer.name = "Muon": hidden matrices and stacked experts orthogonalized whole, the work
+  spread over the ranks that split them) under FSDP 2, TP 2, PP 2, CP 2, HSDP 2 x 2 and FSDP 2 x TP 2,
+  and the experts of Qwen3-MoE (EP 2, EP 2 x FSDP 2) and DeepSeek-V3 (EP 2 x FSDP 2) with Muon;
 - Qwen3-MoE's debug flavor without expert parallel under FSDP 2, and with EP 2 alone and with
   CP 2, FSDP 2, TP 2 and PP 2; the expert bias after 6 steps
   and the reported expert loads are the same in every layout;
@@ -104,6 +105,7 @@ SINGLE = {
     "ds_mtp_single": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"],
     "muon_single": MUON + ["--training.local_batch_size", "8"],
     "moe_muon_single": MOE_MUON + ["--training.local_batch_size", "8"],
+    "ds_muon_single": DS + MUON + ["--training.local_batch_size", "8"],
     # single_fp32 with validation: its training losses must be bitwise single_fp32's.
     "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
 }
@@ -164,6 +166,7 @@ TWO = {
     "muon_fsdp2": MUON + ["--training.local_batch_size", "4"],
     "muon_tp2": MUON + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
     "muon_pp2": MUON + ["--training.local_batch_size", "8"] + PP2,
+    "muon_cp2": MUON + ["--training.local_batch_size", "8"] + CP2,
     "moe_muon_ep2": MOE_MUON + ["--training.local_batch_size", "4"] + EP2,
     "moe_ep2": MOE + ["--training.local_batch_size", "4"] + EP2,
     "moe_ep2_cp2": MOE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"] + EP2,
@@ -216,6 +219,8 @@ FOUR = {
     "moe_ep2_fsdp2": MOE + ["--training.local_batch_size", "2"] + EP2,
     "muon_fsdp2_tp2": MUON + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
     "moe_muon_ep2_fsdp2": MOE_MUON + ["--training.local_batch_size", "2"] + EP2,
+    "muon_hsdp2x2": MUON + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+    "ds_muon_ep2_fsdp2": DS + MUON + ["--training.local_batch_size", "2"] + EP2,
     "moe_ep2_tp2": MOE + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
     "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2 + val(4),
     "ds_ep2_tp2": DS + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
@@ -244,7 +249,8 @@ SIXTEEN = {
 
 DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2", "ds_mtp_fsdp2",
               "ds_mtp_ep2", "ds_mtp_tp2", "ds_mtp_cp2", "ds_mtp_pp2", "ds_mtp_pp2_tp2", "ds_mtp_pp2_ep2"]
-MUON_LAYOUTS = ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_fsdp2_tp2", "moe_muon_ep2", "moe_muon_ep2_fsdp2"]
+MUON_LAYOUTS = ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_cp2", "muon_fsdp2_tp2", "muon_hsdp2x2", "moe_muon_ep2",
+                "moe_muon_ep2_fsdp2", "ds_muon_ep2_fsdp2"]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
@@ -328,7 +334,7 @@ def losses(records):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds"):
+    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
