@@ -16,8 +16,10 @@ Reads (tests/distributed/hf_load_worker.py loads folders written by our adapters
 each rank's shards, without training): every rank's tensors equal their part of the folder's, and
 a rank reads exactly its own shards' bytes wherever each shard is one block: renames, Llama's
 permuted q/k (head-aligned rows), experts stacked from one tensor per expert or sliced from the
-fused ones, under FSDP 4, FSDP 2 x TP 2 (strided shards), EP 2 x FSDP 2; rows that cross a head
-boundary (FSDP 3) read those heads' rows, each rank under 40% of the folder.
+fused ones, under FSDP 4, FSDP 2 x TP 2 (strided shards), EP 2 x FSDP 2, tied embeddings read once; rows that cross a head
+boundary (FSDP 3) read those heads' rows, each rank under 40% of the folder. Exported again from
+those shards in bf16 (each block cast before it is sent to its file's writer), every tensor is the
+folder's cast to bf16.
 """
 
 import dataclasses
@@ -192,6 +194,8 @@ READS = {
     4: {"llama_fsdp4": ("llama3", "debugmodel", False, [], True),
         "llama_fsdp2_tp2": ("llama3", "debugmodel", False, ["--parallelism.tensor_parallel_degree", "2"], True),
         "moe_fsdp4": ("qwen3", "debugmodel_moe", False, [], True),
+        # The output layer is the embedding: read once.
+        "tied_fsdp4": ("qwen3", "debugmodel_tied", False, [], True),
         "moe_ep2_fsdp2": ("qwen3", "debugmodel_moe", False, EP2, True),
         "moe_fused_ep2_fsdp2": ("qwen3", "debugmodel_moe", True, EP2, True),
         "ds_ep2_fsdp2": ("deepseek_v3", "debugmodel", False, EP2, True)},
@@ -227,3 +231,5 @@ def test_each_rank_reads_only_its_shards(reads, name):
         if exact:
             assert r["bytes_read"] == r["own_bytes"], (name, rank, r)
         assert r["bytes_read"] < 0.4 * r["folder_bytes"], (name, rank, r)
+    # Exported again from the shards in bf16: each tensor is the folder's cast to bf16.
+    assert reads[name][0]["exported"] > 10 and not reads[name][0]["export_differs"], reads[name][0]

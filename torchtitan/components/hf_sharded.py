@@ -80,12 +80,19 @@ def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFA
         return piece
 
     before = restart_peak_rss()
+    filled = set()
     with torch.no_grad():
         for name, target in _owned_tensors(parts).items():
             local = target.to_local() if isinstance(target, DTensor) else target
             if local.numel() == 0:
                 continue
             sources = adapter.hf_names(name, args, present)
+            # Tied embeddings: the output layer is the embedding's own tensor, already filled from
+            # the same sources (a stored lm_head.weight makes other sources: tensor_from_hf checks it).
+            key = (local.data_ptr(), tuple(local.shape), tuple(sources))
+            if key in filled:
+                continue
+            filled.add(key)
             shape, offset = (local_block(target) if isinstance(target, DTensor) else None) or (None, None)
             piece = None
             if shape is not None and len(sources) == 1 and _is_rename(adapter, name, sources[0], hf, args):
@@ -195,7 +202,7 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
                 continue
             tensors = {}
             for name in file_items:
-                whole = _whole_on(held[name], writer)
+                whole = _whole_on(held[name], writer, dtype)
                 if rank == writer:
                     tensors.update({k: v.to("cpu", dtype).contiguous()
                                     for k, v in adapter.tensor_to_hf(name, whole, args).items()})
@@ -222,22 +229,23 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
     return {"files": written}
 
 
-def _whole_on(t: torch.Tensor, writer: int) -> torch.Tensor | None:
-    """The whole of our tensor `t` on rank `writer` (None elsewhere, but for a plain tensor, which
-    every rank holding it has whole). A DTensor's ranks each send their own block to the writer,
-    one sender per distinct block (coordinate 0 of every dimension it is replicated over), so no
-    other rank ever holds the whole; placements that are not plain blocks are all-gathered."""
+def _whole_on(t: torch.Tensor, writer: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The whole of our tensor `t` in `dtype` on rank `writer` (None elsewhere, but for a plain tensor,
+    which every rank holding it has whole). A DTensor's ranks each send their own block, cast to
+    `dtype` (an export in bf16 of float32 weights sends and holds half the bytes), to the writer, one
+    sender per distinct block (coordinate 0 of every dimension it is replicated over), so no other
+    rank ever holds the whole; placements that are not plain blocks are all-gathered."""
     if not isinstance(t, DTensor):
-        return t
+        return t.to(dtype)
     mesh, rank = t.device_mesh, dist.get_rank()
     ranks = mesh.mesh.flatten().tolist()
     # Other ranks' blocks are computed from their coordinates, which needs plain placements.
     if not all(type(p) in (Shard, Replicate) for p in t.placements) or writer not in ranks:
-        whole = t.full_tensor()  # a collective over t's mesh
+        whole = t.to(dtype).full_tensor()  # a collective over t's mesh
         return whole if rank == writer else None
     replicated = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]
-    local = t.to_local()
-    whole = torch.empty(t.shape, dtype=t.dtype, device=local.device) if rank == writer else None
+    local = t.to_local().to(dtype)
+    whole = torch.empty(t.shape, dtype=dtype, device=local.device) if rank == writer else None
     for flat, sender in enumerate(ranks):
         coordinate = list(torch.unravel_index(torch.tensor(flat), tuple(mesh.mesh.shape)))
         coordinate = [int(c) for c in coordinate]
@@ -252,7 +260,7 @@ def _whole_on(t: torch.Tensor, writer: int) -> torch.Tensor | None:
         elif rank == sender:
             dist.send(local.contiguous(), dst=writer)
         else:
-            block = torch.empty(shape, dtype=t.dtype, device=local.device)
+            block = torch.empty(shape, dtype=dtype, device=local.device)
             dist.recv(block, src=sender)
             whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(block)
     return whole
