@@ -37,6 +37,16 @@ def test_missing_tokenizer():
         preflight(cfg("--model.tokenizer_path", "/no/such.model"), world_size=1)
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_split_backward_schedules_refuse_blocks_after_the_layers(schedule):
+    # DeepSeek-V3's multi-token prediction blocks fail in the weight pass of a split backward (measured).
+    argv = ["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "8"]
+    with pytest.raises(UserError, match=f"{schedule} splits each backward .* model.mtp_depth = 0"):
+        preflight(cfg(*argv, "--model.mtp_depth", "1"), world_size=2)
+    preflight(cfg(*argv), world_size=2)  # without them it runs
+
+
 def test_unknown_flavor():
     with pytest.raises(UserError, match="unknown model.flavor '2B'"):
         preflight(cfg("--model.flavor", "2B"), world_size=1)

@@ -41,6 +41,7 @@ from torchtitan.components.stop_signals import StopSignals
 from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
 from torchtitan.components import validate
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
+from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import local_positions
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -232,6 +233,18 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         )
     if dims.pp_enabled:
         plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
+        schedule = cfg.parallelism.pipeline_parallel_schedule
+        if schedule.lower() in ZERO_BUBBLE_SCHEDULES and spec.extra_blocks is not None:
+            with torch.device("meta"):
+                extra = len(spec.extra_blocks(spec.model_cls(model_args)))
+            if extra:
+                # Measured: their second backward pass (the weights') finds the graph already freed.
+                raise UserError(
+                    f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into an input and a "
+                    f"weight pass, which model {spec.name}'s {extra} block(s) after its layers (e.g. multi-token "
+                    f"prediction) do not support; choose 1F1B or Interleaved1F1B, or remove those blocks "
+                    f"(for deepseek_v3: model.mtp_depth = 0)"
+                )
     if dims.ep_enabled and not spec.has_experts(model_args):
         raise UserError(
             f"parallelism.expert_parallel_degree = {dims.ep} splits the experts of a mixture-of-experts model, but "

@@ -16,7 +16,8 @@ within BF16_TOL of the fp32 single-process run:
 - DeepSeek-V3's debug flavor (MLA with value heads narrower than query/key heads, shared and
   routed experts) under FSDP 2, TP 2, PP 2, CP 2, EP 2, EP 2 x TP 2 and PP 2 x EP 2, and with
   multi-token prediction (2 depths) under FSDP 2, EP 2, TP 2, CP 2, PP 2, PP 2 x TP 2 and PP 2 x EP 2,
-  its single-process step 3 resumed under PP 2 and its PP 2 step 3 under FSDP 4;
+  and with block-causal masks under CP 2 (alltoall), its single-process step 3
+  resumed under PP 2 and its PP 2 step 3 under FSDP 4;
 - Qwen3's debug flavor under FSDP 2, TP 2, PP 2 and CP 2, and its
   tied-embedding flavor under FSDP 2, TP 2 and FSDP 2 x TP 2, each against its own single process;
 - up to PP 2 x FSDP 2 x TP 2, FSDP 2 x CP 2 x TP 2 and PP 2 x CP 2 x TP 2 on 8 processes, and
@@ -278,14 +279,16 @@ def block_causal_args(tmp) -> list[str]:
 
 def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
     """Block-causal attention on short documents, labels across documents ignored (reference: bc_single;
-    bc_qwen3_window_*: Qwen3 with sliding windows of 8, bc_moe_*: the MoE flavor). sd_causal_single:
+    bc_qwen3_window_*: Qwen3 with sliding windows of 8, bc_moe_*: the MoE flavor, bc_ds_mtp_*: DeepSeek-V3
+    with multi-token prediction). sd_causal_single:
     the same data with causal attention, every label counted."""
     bc = block_causal_args(tmp)
     window = QWEN + ["--model.sliding_window", "8", "--model.max_window_layers", "1"]
     moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
     lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
     return ({"bc_single": bc + lb(8) + val(8), "bc_qwen3_window_single": bc + window + lb(8),
-             "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8)},
+             "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8),
+             "bc_ds_mtp_single": bc + DS + MTP2 + lb(8)},
             {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
              "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_pp2": bc + lb(8) + PP2 + val(8),
@@ -298,6 +301,9 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_cp2_allgather": bc + lb(8) + CP2 + val(8),
              "bc_cp2_alltoall": bc + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
              "bc_moe_ep2": bc + moe + lb(4) + EP2,
+             # Multi-token prediction's targets and its blocks' masks under the ring, per document.
+             "bc_ds_mtp_cp2": bc + DS + MTP2 + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
+                                                             "alltoall"],
              "bc_qwen3_window_tp2": bc + window + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
              "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
@@ -307,7 +313,7 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
 
 BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_pp2_zbv",
               "bc_pp2_interleaved_accum2", "bc_fsdp2_ac_op_compile", "bc_cp2_allgather",
-              "bc_cp2_alltoall", "bc_moe_ep2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
+              "bc_cp2_alltoall", "bc_moe_ep2", "bc_ds_mtp_cp2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
               "bc_fsdp2_tp2"]
 
 
@@ -334,14 +340,14 @@ def losses(records):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_qwen3_window", "bc_moe", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
+    for prefix in ("bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
 @pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
-                                  "bc_qwen3_window_single", "ds_single", "ds_mtp_single"])
+                                  "bc_qwen3_window_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6

@@ -140,21 +140,25 @@ class SpreadOrthogonalization:
             piece = _pad(update.to(torch.bfloat16), split, max(sizes))
             pieces = [torch.empty_like(piece) for _ in ranks] if me == owner else None
             work = dist.gather(piece, pieces, group=group, group_dst=owner, async_op=True)
-            plans.append((p, update, split, sizes, group, me, owner, pieces, work))
+            # The buffers stay referenced until the collective is waited on: gloo reads and writes
+            # them from its own threads.
+            plans.append((p, update, split, sizes, group, me, owner, pieces, work, piece))
         # All gathers, then this rank's iterations, then all scatters: the ranks' iterations overlap.
-        for *_, work in plans:
+        for *_, work, _ in plans:
             work.wait()
         scatters = []
-        for p, update, split, sizes, group, me, owner, pieces, _ in plans:
+        for p, update, split, sizes, group, me, owner, pieces, _, _ in plans:
             if me == owner:
                 full = torch.cat([x.narrow(split, 0, n) for x, n in zip(pieces, sizes)], dim=split)
                 ortho = newton_schulz(full, self.steps)
                 pieces = [_pad(x, split, max(sizes)) for x in ortho.split(sizes, dim=split)]
-            mine = torch.empty_like(_pad(update.to(torch.bfloat16), split, max(sizes)))
+            shape = list(update.shape)
+            shape[split] = max(sizes)
+            mine = update.new_empty(shape, dtype=torch.bfloat16)
             scatters.append((mine, split, sizes[me], dist.scatter(mine, pieces, group=group, group_src=owner,
-                                                                   async_op=True)))
+                                                                   async_op=True), pieces))
         out = []
-        for mine, split, size, work in scatters:
+        for mine, split, size, work, _ in scatters:
             work.wait()
             out.append(mine.narrow(split, 0, size))
         return out
