@@ -290,3 +290,19 @@ def test_no_lane_is_tied_to_one_source_when_the_period_divides_the_global_batch(
         assert sorted(source_of(w) for w in got[10 * step : 10 * step + 10]) == [0] * 5 + [1] * 3 + [2] * 2
     metrics = loader.dataset.mixture_metrics(len(got))
     assert all(metrics[f"data_epoch/{i}"] >= 1 for i in range(3)), metrics
+
+
+def test_one_source_under_two_spellings_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    for other in [f"{folder}/", "shards", "./shards/", str(tmp_path / "link"), f"{folder}/../shards"]:
+        with pytest.raises(UserError, match=r"are the same source .*give each source once"):
+            parse_mix([f"1:{folder}", f"2:{other}"], "training.dataset_mix")
+    with pytest.raises(UserError, match=r"'shards/a.jsonl' is inside 'shards'"):
+        parse_mix(["1:shards", "1:shards/a.jsonl"], "training.dataset_mix")
+    with pytest.raises(UserError, match="hf:org/data appears more than once"):
+        parse_mix(["1:hf:org/data", "1:hf:org/data"], "training.dataset_mix")
+    assert parse_mix(["1:shards", "1:hf:org/data"], "training.dataset_mix")[1] == ["shards", "hf:org/data"]

@@ -3,6 +3,7 @@
 Each parser reports every problem of a list at once, as one UserError."""
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -109,9 +110,7 @@ def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
         problems.append(f"it is empty; give one or more {MIX_SYNTAX}")
     elif not problems and sum(weights) == 0:
         problems.append("every weight is zero; give at least one source a positive weight")
-    duplicates = sorted({s for s in specs if specs.count(s) > 1})
-    if duplicates:
-        problems.append(f"{', '.join(duplicates)} appears more than once; give each source once with its total weight")
+    problems += _repeated_sources(specs)
     if not problems:
         total = sum(weights)
         period = math.lcm(*((w / total).denominator for w in weights))
@@ -124,6 +123,37 @@ def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
         raise UserError(f"{key}: " + "; ".join(problems))
     total = sum(weights)
     return [w / total for w in weights], specs
+
+
+HF_PREFIX = "hf:"  # a mixture's SOURCE that names a Hugging Face dataset
+
+
+def _source_identity(spec: str) -> str:
+    """What a mixture's SOURCE reads, whatever its spelling: the real path of a file or folder (trailing
+    slashes, `./`, `..` and links resolved), else the name itself (a named dataset, hf:ORG/NAME)."""
+    path = spec[len(HF_PREFIX):] if spec.startswith(HF_PREFIX) else spec
+    return os.path.realpath(path) if path and os.path.exists(path) else spec
+
+
+def _repeated_sources(specs: list[str]) -> list[str]:
+    """A source given twice, under any spelling, or a file or folder inside another source's folder:
+    its documents would be read by two sources, outside the weights."""
+    problems, named = [], {}  # identity -> the specs that name it
+    for spec in specs:
+        named.setdefault(_source_identity(spec), []).append(spec)
+    for identity, names in named.items():
+        if len(names) > 1:
+            names = list(dict.fromkeys(names))
+            same = (f"{names[0]} appears more than once" if len(names) == 1 else
+                    f"{' and '.join(map(repr, names))} are the same source ({identity})")
+            problems.append(f"{same}; give each source once with its total weight")
+    paths = [(identity, names[0]) for identity, names in named.items() if os.path.isabs(identity)]
+    for outer, outer_spec in paths:
+        for inner, inner_spec in paths:
+            if inner.startswith(outer.rstrip(os.sep) + os.sep):
+                problems.append(f"{inner_spec!r} is inside {outer_spec!r}, so its documents would be read by both "
+                                "sources; give each document to one source (raise a weight instead of listing it twice)")
+    return problems
 
 
 # What dataset_path holds for the datasets that read it; python_stdlib and python_stdlib_test are embedded and

@@ -25,9 +25,9 @@ from fractions import Fraction
 
 from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.components.token_file import PROGRESS, TOKENS
+from torchtitan.config.entries import HF_PREFIX
 from torchtitan.config.errors import UserError
 
-HF_PREFIX = "hf:"
 NAMED_SOURCES = ("python_stdlib", "c4", "c4_test")
 
 
