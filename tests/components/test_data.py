@@ -273,7 +273,7 @@ def test_state_is_plain_and_small(docs_path):
     state = loader.state_dict()
     ds = state["dataset_state"]
     assert json_round_trip(state) == state
-    assert ds["version"] == 4 and ds["next_sample"] == 6
+    assert ds["version"] == 5 and ds["next_sample"] == 6
     assert [p for p, _ in ds["lanes"]] == [0, 1]  # a lane per sample of the global batch of 2
     for _, (position,) in ds["lanes"]:  # one source
         assert set(position) == {"next_sample", "epoch", "doc_index", "token_offset", "carry"}

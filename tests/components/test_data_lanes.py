@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CharTokenizer
+from conftest import CharTokenizer, lane_streams
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.files import FilesSource
 from torchtitan.components.data.lanes import document_ranges, lane_share
@@ -37,7 +37,7 @@ def test_every_document_is_dealt_to_one_lane_per_epoch(units, lanes, seed):
         dealt = []
         for lane in range(lanes):
             share = lane_share(lane, lanes, epoch, units, seed)
-            dealt += [(u, d) for u in share.units for d in range(share.phase, sizes[u], share.stride)]
+            dealt += [(u, d) for u in share.units for d in range(share.part, sizes[u], share.sharers)]
         assert sorted(dealt) == [(u, d) for u in range(units) for d in range(sizes[u])], epoch
     # In each cycle of `lanes` epochs a lane reads every document once (shuffled or not).
     for cycle in range(2):
@@ -45,7 +45,7 @@ def test_every_document_is_dealt_to_one_lane_per_epoch(units, lanes, seed):
             seen = []
             for e in range(cycle * lanes, (cycle + 1) * lanes):
                 share = lane_share(lane, lanes, e, units, seed)
-                seen += [(u, d) for u in share.units for d in range(share.phase, sizes[u], share.stride)]
+                seen += [(u, d) for u in share.units for d in range(share.part, sizes[u], share.sharers)]
             assert sorted(seen) == [(u, d) for u in range(units) for d in range(sizes[u])], (cycle, lane)
 
 
@@ -87,7 +87,7 @@ def test_fewer_files_than_lanes_split_parquet_by_row_group_and_json_lines_by_byt
 RANK_SCRIPT = """
 import hashlib, json, sys
 sys.path[:0] = {paths!r}
-from conftest import CharTokenizer
+from conftest import CharTokenizer, lane_streams
 from torchtitan.components.data import build_dataloader
 from torchtitan.config.job_config import Training
 import pyarrow.parquet, zstandard  # imported before counting: their modules are read from disk too
@@ -236,3 +236,103 @@ def test_more_data_workers_than_lanes_start_one_per_lane_and_say_so(tmp_path, ca
         next(iter(loader))
     assert len(loader.dataset.worker_pids()) == 2
     assert "training.data_workers = 3, but this rank reads 2 lane(s)" in caplog.text
+
+
+# --- lanes that share a unit read different parts of it --------------------------------------------
+
+
+def one_document(kind: str, folder: Path, text: str) -> dict:
+    """Training keys of a source holding the single document `text`: one .txt file, a one-line JSON
+    lines file, a one-row parquet file, or a mixture of such a file and a source of many documents."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "txt":
+        (folder / "book.txt").write_text(text)
+        return {"dataset": "local", "dataset_path": str(folder / "book.txt")}
+    if kind == "jsonl":
+        (folder / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+        return {"dataset": "local", "dataset_path": str(folder / "one.jsonl")}
+    if kind == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        pa = pytest.importorskip("pyarrow")
+        pq.write_table(pa.table({"text": [text]}), folder / "one.parquet")
+        return {"dataset": "local", "dataset_path": str(folder / "one.parquet")}
+    assert kind == "mixture"
+    book = one_document("txt", folder / "book", text)["dataset_path"]
+    rng = random.Random(1)
+    (folder / "many.jsonl").write_text("".join(json.dumps({"text": random_text(rng, 20, 200)}) + "\n"
+                                               for _ in range(300)))
+    return {"dataset_mix": [f"0.5:{book}", f"0.5:{folder / 'many.jsonl'}"]}
+
+
+def global_batches(keys: dict, seq_len: int, global_batch: int, dp: int, steps: int, shuffle: bool) -> list:
+    """The rows of each global batch (rank 0's rows first), each row a window of seq_len + 1 tokens."""
+    iters = [iter(build_dataloader(Training(seq_len=seq_len, local_batch_size=global_batch // dp,
+                                            shuffle_documents=shuffle, **keys), CharTokenizer(), r, dp, global_batch))
+             for r in range(dp)]
+    batches = []
+    for _ in range(steps):
+        rows = []
+        for it in iters:
+            inputs, labels = next(it)
+            rows += [tuple(row + [last]) for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
+        batches.append(rows)
+    return batches
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("global_batch, dp", [(1, 1), (8, 1), (64, 1), (8, 2), (64, 2)])
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "mixture"])
+def test_no_two_rows_of_a_batch_are_equal_on_a_single_document(tmp_path, kind, global_batch, dp, shuffle):
+    rng = random.Random(0)
+    keys = one_document(kind, tmp_path, random_text(rng, 3000, 3000))
+    batches = global_batches(keys, 32, global_batch, dp, 3, shuffle)
+    for step, rows in enumerate(batches):
+        assert len(rows) == global_batch
+        assert len(set(rows)) == len(rows), f"step {step + 1}: a batch of {global_batch} holds a row twice"
+    assert len({row for rows in batches for row in rows}) == 3 * global_batch  # and no row is read again
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_an_epoch_covers_a_single_document_once(tmp_path, kind, shuffle):
+    """8 lanes on one document of T tokens: in epoch 0 lane p reads part p, tokens [p T/8, (p+1) T/8) of
+    the document's stream (shuffled: of the stream rotated by the epoch's offset), so that together the
+    lanes read each token once."""
+    rng = random.Random(0)
+    text = random_text(rng, 2000, 2000)
+    tokens = CharTokenizer().encode(text, bos=True, eos=True)
+    lanes, seq_len = 8, 16
+    n = len(tokens)
+    steps = n // lanes // (seq_len + 1) + 2  # enough windows for every lane to finish its part
+    batches = global_batches(one_document(kind, tmp_path, text), seq_len, lanes, 1, steps, shuffle)
+    streams = lane_streams([list(row) for rows in batches for row in rows], lanes)
+    parts = [streams[p][: (p + 1) * n // lanes - p * n // lanes] for p in range(lanes)]
+    covered = [t for part in parts for t in part]
+    assert len(covered) == n
+    if shuffle:
+        offset = next(i for i in range(n) if tokens[i:] + tokens[:i] == covered)
+        assert offset > 0  # the cut points moved (a seeded offset in [0, n): 0 has odds 1 / n)
+    else:
+        assert covered == tokens
+
+
+def test_a_json_lines_file_is_never_cut_into_an_empty_piece(tmp_path):
+    path = tmp_path / "few.jsonl"
+    path.write_text("\n".join(json.dumps({"text": "x" * size}) for size in [5000, 10, 3000]) + "\n\n\n")
+    source = FilesSource(str(path))
+    units = source.units(8)
+    counts = [len(list(source.unit_texts(u, 0))) for u in units]
+    assert all(counts) and sum(counts) == 3 and len(units) > 1, counts
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "y" * 10_000}) + "\n")
+    assert FilesSource(str(tmp_path / "one.jsonl")).units(64) == [(0, 0, 1)]
+
+
+def test_the_first_log_lines_say_how_the_data_was_cut(tmp_path, caplog):
+    keys = one_document("txt", tmp_path, "a short book of thirty-one char")  # 33 tokens: 4 per lane
+    with caplog.at_level("INFO"):
+        global_batches(keys, 16, 8, 1, 1, False)
+    assert "data: local: 1 documents, 1 unit(s) for 8 lanes: up to 8 lanes share a unit (each lane reads a 1/8 " \
+           "part of a document's tokens)" in caplog.text
+    assert "dataset local is small for its lanes: a unit of 33 tokens is shared by 8 lanes, 4 tokens each per " \
+           "epoch, less than one sequence of seq_len + 1 = 17" in caplog.text
+    assert "repeats the unit's tokens about 4.1 times" in caplog.text

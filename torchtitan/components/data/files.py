@@ -150,7 +150,10 @@ class FilesSource:
         if files >= target:
             return [(i, 0, 1) for i in range(files)]
         k = -(-target // files)
-        return [(i, j, n) for i in range(files) for n in [self.file(i).max_pieces(k)] for j in range(n)]
+        units = [(i, j, n) for i in range(files) for n in [self.file(i).max_pieces(k)] for j in range(n)]
+        # Data states of version 4 cut JSON lines into byte ranges even where one held no line.
+        self.units_differ_from_v4 = any(getattr(self.file(i), "pieces_dropped", False) for i in range(files))
+        return units
 
     def unit_count(self, unit: tuple[int, int, int]) -> int | None:
         """The unit's number of documents: known without reading it (parquet, Arrow), or counted when it

@@ -139,7 +139,19 @@ class _JsonFile:
         self._records: list[str] | None = None  # arrays: the texts
 
     def max_pieces(self, k: int) -> int:
-        return max(1, min(k, self.size)) if not self.array and self.compression is None else 1
+        """Up to k byte ranges, each holding a line: a range with none would leave its lane nothing to read
+        (a file of fewer, longer lines than k). Fewer ranges until each holds one."""
+        if self.array or self.compression is not None:
+            return 1
+        n = max(1, min(k, self.size))
+        with open_raw(self.path) as f:
+            while n > 1:
+                held = sum(_holds_a_line(f, j * self.size // n, (j + 1) * self.size // n) for j in range(n))
+                if held == n:
+                    break
+                n = max(1, held)
+        self.pieces_dropped = n < min(k, self.size)
+        return n
 
     def _array_texts(self) -> list[str]:
         if self._records is None:
@@ -191,6 +203,46 @@ class _JsonFile:
                 yield _parse_json_line(line, self.field, where)
             n += 1
         return n
+
+
+def _chunks(f, start: int, limit: int | None = None) -> Iterator[bytes]:
+    """The bytes of open file f from `start` (up to `limit`), in chunks that grow from 4 KiB: a check that
+    needs only the first few bytes of each of many places reads little."""
+    f.seek(start)
+    size = 4096
+    while limit is None or start < limit:
+        chunk = f.read(size if limit is None else min(size, limit - start))
+        if not chunk:
+            return
+        yield chunk
+        start += len(chunk)
+        size = min(2 * size, 1 << 20)
+
+
+def _holds_a_line(f, lo: int, hi: int) -> bool:
+    """Whether bytes [lo, hi) of a JSON lines file hold the start of a non-blank line: what _JsonFile._lines
+    reads of that piece."""
+    start, pos = (None, lo - 1) if lo else (0, 0)
+    if start is None:  # the first line start at or after lo
+        for chunk in _chunks(f, lo - 1, hi):
+            i = chunk.find(b"\n")
+            if i >= 0:
+                start = pos + i + 1
+                break
+            pos += len(chunk)
+        if start is None or start >= hi:
+            return False
+    line_start, pos = start, start
+    for chunk in _chunks(f, start):
+        text = chunk.lstrip()
+        skipped = chunk[: len(chunk) - len(text)]
+        newline = skipped.rfind(b"\n")
+        if newline >= 0:
+            line_start = pos + newline + 1
+        if text or line_start >= hi:  # the first non-blank byte, in a line starting at line_start
+            return bool(text) and line_start < hi
+        pos += len(chunk)
+    return False
 
 
 def _one_line(error: BaseException) -> str:

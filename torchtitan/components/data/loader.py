@@ -1,6 +1,7 @@
 """Each rank's share of every step, as a resumable loader of (inputs, labels) batches."""
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -11,9 +12,9 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components.data.lanes import LaneView, source_units
+from torchtitan.components.data.lanes import LaneView, SharedUnits
 from torchtitan.components.data.mixing import counts_at, integer_weights, schedule, source_at, source_kind
-from torchtitan.components.data.packing import TokenizedSource, TokenStream
+from torchtitan.components.data.packing import TokenStream, encode_document
 from torchtitan.components.data.sources import build_source
 from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
@@ -23,9 +24,12 @@ from torchtitan.config.job_config import Training
 
 logger = logging.getLogger(__name__)
 
-# Version 4: every lane's position (components/data/lanes.py). Version 2 added the document order,
-# version 3 mixtures; their positions are in one stream per source, which lanes do not read.
-STATE_VERSION = 4
+# Version 5: every lane's position (components/data/lanes.py), lanes that share a unit each reading a part
+# of it. Version 4 had them share its documents round robin (and cut JSON lines into byte ranges even where
+# one held no line): its positions mean the same where no source has fewer units than lanes, and load
+# there. Version 2 added the document order, version 3 mixtures; their positions are in one stream per
+# source, which lanes do not read.
+STATE_VERSION = 5
 
 
 def _order_name(seed: int | None) -> str:
@@ -42,15 +46,20 @@ class Part:
     path: str
     shuffle_seed: int | None  # None: stored order
     shuffle_block: int  # a streamed lane's shuffle block
-    _units: dict = field(default_factory=dict)  # lanes -> the source's units for them
+    _units: dict = field(default_factory=dict)  # (lanes, window length) -> the source's SharedUnits
     _logged_epoch: int = 0
+
+    def units(self, lanes: int, seq_len: int) -> SharedUnits:
+        """The source's units for `lanes` lanes (shared by its lanes in this process)."""
+        if (lanes, seq_len) not in self._units:
+            encode = _as_tokens if self.tokenizer is None else functools.partial(encode_document, self.tokenizer)
+            self._units[lanes, seq_len] = SharedUnits(self.source, lanes, encode, seq_len + 1)
+        return self._units[lanes, seq_len]
 
     def stream(self, lane: int, lanes: int, seq_len: int) -> TokenStream:
         """The token stream of lane `lane` of `lanes` of this source."""
-        if lanes not in self._units:
-            self._units[lanes] = source_units(self.source, lanes)
-        view = LaneView(self.source, self._units[lanes], lane, lanes, self.shuffle_seed, self.shuffle_block)
-        stream = TokenStream(view if self.tokenizer is None else TokenizedSource(view, self.tokenizer), seq_len + 1)
+        view = LaneView(self.units(lanes, seq_len), lane, lanes, self.shuffle_seed, self.shuffle_block)
+        stream = TokenStream(view, seq_len + 1)
         stream.on_new_epoch = self._log_epoch
         return stream
 
@@ -77,6 +86,10 @@ class Part:
                 "repeats%s)", self.name, epoch - 1, documents, epoch,
                 ", in a new order" if self.shuffle_seed is not None else "",
             )
+
+
+def _as_tokens(document):
+    return document  # a token folder's documents are tokens already
 
 
 def open_part(source, tokenizer, name: str, path: str = "", shuffle_seed: int | None = None,
@@ -144,6 +157,11 @@ class PackedDataset(IterableDataset):
         ]
         self.workers, self.gather = workers, gather
         self.document_end_id = document_end_id
+        if dp_rank == 0:
+            for part in parts:
+                source = part.source
+                documents = f"{source.num_documents():,} documents, " if source.random_access else ""
+                logger.info("data: %s: %s%s", part.name, documents, part.units(global_batch_size, seq_len).describe())
         self._pool: LaneWorkers | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -208,7 +226,16 @@ class PackedDataset(IterableDataset):
                 "with the torchtitan that wrote it, or start the data from the beginning with "
                 "checkpoint.exclude_from_loading = ['dataloader']"
             )
-        if version != STATE_VERSION:
+        if version == 4:
+            changed = [part.name for part in self.parts if not part.units(self.global_batch_size, self.seq_len).same_as_v4]
+            if changed:
+                raise UserError(
+                    f"the checkpoint's data loader state has version 4, from before lanes that share a source's unit "
+                    f"read different parts of it (version {STATE_VERSION}); {', '.join(changed)} has fewer units than "
+                    "lanes, so its saved positions are in another sample order; resume with the torchtitan that wrote "
+                    "it, or start the data from the beginning with checkpoint.exclude_from_loading = ['dataloader']"
+                )
+        elif version != STATE_VERSION:
             raise UserError(
                 f"the checkpoint's data loader state has version {version}; this torchtitan reads version "
                 f"{STATE_VERSION}: resume with the torchtitan that wrote it"

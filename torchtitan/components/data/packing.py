@@ -21,24 +21,10 @@ def encode_document(tokenizer, text: str | None) -> list[int]:
     return tokenizer.encode(text, bos=True, eos=True) if text else []
 
 
-class TokenizedSource:
-    """A lane's share of a text source (lanes.LaneView) seen as documents of tokens (encode_document
-    of each text)."""
-
-    def __init__(self, view, tokenizer):
-        self.view, self.tokenizer = view, tokenizer
-        self.name, self.lanes = view.name, view.lanes
-
-    def documents(self, epoch: int, start: int) -> Iterator[list[int]]:
-        for text in self.view.documents(epoch, start):
-            yield encode_document(self.tokenizer, text)
-
-
 class TokenStream:
     """Windows of window_len tokens cut from one lane's token stream of one source, one after another.
 
-    `docs`: the lane's documents of tokens, epoch by epoch (`documents(epoch, start)`: a lanes.LaneView
-    of a token folder, or a TokenizedSource over a text source's).
+    `docs`: the lane's documents of tokens, epoch by epoch (`documents(epoch, start)`: a lanes.LaneView).
 
     The position is (epoch, doc_index, offset): the next token is `offset` into the token list of the
     document at position `doc_index` of the lane's epoch. `carry` holds tokens read but not yet part of
