@@ -14,11 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import CharTokenizer, lane_streams
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.files import FilesSource
 from torchtitan.components.data.lanes import document_ranges, lane_share
+from torchtitan.config import UserError
 from torchtitan.config.job_config import Training
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -87,7 +89,7 @@ def test_fewer_files_than_lanes_split_parquet_by_row_group_and_json_lines_by_byt
 RANK_SCRIPT = """
 import hashlib, json, sys
 sys.path[:0] = {paths!r}
-from conftest import CharTokenizer, lane_streams
+from conftest import CharTokenizer
 from torchtitan.components.data import build_dataloader
 from torchtitan.config.job_config import Training
 import pyarrow.parquet, zstandard  # imported before counting: their modules are read from disk too
@@ -256,6 +258,24 @@ def one_document(kind: str, folder: Path, text: str) -> dict:
         pa = pytest.importorskip("pyarrow")
         pq.write_table(pa.table({"text": [text]}), folder / "one.parquet")
         return {"dataset": "local", "dataset_path": str(folder / "one.parquet")}
+    if kind == "arrow":
+        pa = pytest.importorskip("pyarrow")
+        table = pa.table({"text": [text]})
+        with pa.ipc.new_file(str(folder / "one.arrow"), table.schema) as writer:
+            writer.write_table(table)
+        return {"dataset": "local", "dataset_path": str(folder / "one.arrow")}
+    if kind == "tokens":
+        from torchtitan.components.data.files import FilesSource as Files
+        from torchtitan.components.token_file import pretokenize
+
+        source = one_document("jsonl", folder / "text", text)["dataset_path"]
+        pretokenize(Files(source), CharTokenizer(), folder / "tokens", source_description={"description": source},
+                    workers=1, log=lambda *_: None)
+        return {"dataset": "tokens", "dataset_path": str(folder / "tokens")}
+    if kind == "datasets":  # a datasets stream of one shard (a local folder: no network)
+        pytest.importorskip("datasets")
+        one_document("jsonl", folder / "hf", text)
+        return {"dataset": "huggingface", "dataset_path": str(folder / "hf")}
     assert kind == "mixture"
     book = one_document("txt", folder / "book", text)["dataset_path"]
     rng = random.Random(1)
@@ -295,6 +315,19 @@ def test_no_two_rows_of_a_batch_are_equal_on_a_single_document(tmp_path, kind, g
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
 def test_an_epoch_covers_a_single_document_once(tmp_path, kind, shuffle):
+    _covers_once(tmp_path, kind, shuffle)
+
+
+@pytest.mark.parametrize("kind", ["arrow", "tokens", "datasets"])
+def test_other_readers_give_distinct_rows_and_cover_a_single_document_once(tmp_path, kind):
+    for global_batch, dp in [(8, 2), (64, 1)]:
+        keys = one_document(kind, tmp_path / f"{global_batch}", random_text(random.Random(0), 3000, 3000))
+        rows = [row for rows in global_batches(keys, 32, global_batch, dp, 2, True) for row in rows]
+        assert len(set(rows)) == len(rows) == 2 * global_batch, (kind, global_batch, dp)
+    _covers_once(tmp_path / "cover", kind, False)
+
+
+def _covers_once(tmp_path, kind, shuffle):
     """8 lanes on one document of T tokens: in epoch 0 lane p reads part p, tokens [p T/8, (p+1) T/8) of
     the document's stream (shuffled: of the stream rotated by the epoch's offset), so that together the
     lanes read each token once."""
@@ -314,6 +347,30 @@ def test_an_epoch_covers_a_single_document_once(tmp_path, kind, shuffle):
         assert offset > 0  # the cut points moved (a seeded offset in [0, n): 0 has odds 1 / n)
     else:
         assert covered == tokens
+
+
+def test_a_version_4_state_loads_only_where_no_unit_is_shared(tmp_path):
+    """Version 4 dealt a shared unit's documents round robin: its positions mean the same only for a
+    source with at least as many units as lanes."""
+    rng = random.Random(0)
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"text": random_text(rng, 50, 100)}) + "\n" for _ in range(40)))
+    single = one_document("txt", tmp_path / "one", random_text(rng, 3000, 3000))
+    for keys, loads in [({"dataset": "local", "dataset_path": str(many)}, True), (single, False)]:
+        loader = build_dataloader(Training(seq_len=16, local_batch_size=4, **keys), CharTokenizer(), 0, 1, 4)
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        state["dataset_state"]["version"] = 4
+        fresh = build_dataloader(Training(seq_len=16, local_batch_size=4, **keys), CharTokenizer(), 0, 1, 4)
+        if loads:
+            fresh.load_state_dict(state)
+            assert torch.equal(next(iter(fresh))[0], next(it)[0])
+        else:
+            with pytest.raises(UserError, match="version 4, from before lanes that share a source's unit read "
+                                                "different parts of it .* local has fewer units than lanes"):
+                fresh.load_state_dict(state)
+                next(iter(fresh))
 
 
 def test_a_json_lines_file_is_never_cut_into_an_empty_piece(tmp_path):
