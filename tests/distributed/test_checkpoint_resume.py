@@ -6,6 +6,7 @@ resume + 5 steps against 10 straight,
 and a full filesystem during a save (SIGKILLs at random moments: test_fault_soak.py)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -128,26 +129,42 @@ def test_resume_is_bit_identical(runs, layout):
     assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight if x["step"] > SAVED]
 
 
-# DDP all-reduces gradients in buckets where FSDP reduce-scatters them; Adam amplifies that rounding
-# difference step by step (measured: 7e-6 after one step, 2.2e-5 at most over 10), so DDP gets 5e-5.
-# The first resumed step is exact wherever the forward computes the same way: weights and optimizer
-# state load bit for bit. Context parallel computes attention per sequence chunk (alltoall merges
-# partial softmaxes) and tensor parallel sums row-parallel partial products over ranks: a different
-# rounding (within 1e-6 at the first step; FSDP 2 x CP 2 measured one float32 ulp of the loss, 4.8e-7).
-# PP 2 x FSDP 2 sums the loss over microbatches: on the lanes' samples (since each rank reads its
-# share) its first resumed step measured one ulp (4.8e-7) off FSDP 4's, bit-exact on the old order.
-@pytest.mark.parametrize(
-    "target, tol, exact_first",
-    [("fsdp4_to_fsdp2", 1e-5, True), ("fsdp4_to_hsdp", 1e-5, True), ("fsdp4_to_ddp2", 5e-5, True),
-     ("fsdp4_to_fsdp2_tp2", 1e-5, False), ("fsdp4_to_pp2_fsdp2", 1e-5, False), ("fsdp4_to_fsdp2_cp2", 1e-5, False),
-     ("fsdp4_to_cp2", 1e-5, False)],
-)
-def test_reshard_matches_uninterrupted_run(runs, target, tol, exact_first):
-    tmp, r = runs
-    ref, got = losses(r["fsdp4_straight"], first_step=SAVED + 1), losses(r[target])
+# A resume under another layout is not the same arithmetic as the run it is compared with, so it is
+# held to a tolerance, not to bit equality. Weights and optimizer state load bit for bit, but the first
+# resumed step already sums the loss and the gradients in another grouping: over 2 ranks instead of 4
+# (FSDP 2, DDP 2, HSDP), over sequence chunks (CP), over row-parallel partial products (TP) or over
+# microbatches (PP). Which grouping happens to round alike depends on the CPU's kernels: FSDP 4 -> FSDP 2's
+# first resumed step was bit-exact on one Xeon and one float32 ulp off on an AMD EPYC. So the first
+# resumed step must be within FIRST_STEP_ULPS ulps of the loss (measured: at most 1 ulp, in any layout),
+# and the later steps, where Adam amplifies that rounding, within `tol`: FSDP 4 -> FSDP 2 measured 7.6e-6
+# by step 10 (AMD EPYC), DDP's bucketed all-reduce 2.2e-5; each tolerance leaves about 3x margin. A real
+# defect is far outside them: a lost optimizer state, a shifted learning-rate step or a skipped batch
+# moves the loss by 1e-3 or more within two steps. Bit equality is asserted where the arithmetic is the
+# same by construction: the same layout (test_resume_is_bit_identical).
+FIRST_STEP_ULPS = 4
+
+
+def float32_ulp(x: float) -> float:
+    """The spacing of float32 numbers at x (the losses are float32)."""
+    return torch.finfo(torch.float32).eps * 2.0 ** math.floor(math.log2(abs(x)))
+
+
+def assert_follows(ref, got, tol):
+    """The resumed losses `got` follow the uninterrupted run's `ref` of another layout (see above)."""
     assert len(got) == STEPS - SAVED
-    assert got[0] == ref[0] if exact_first else abs(got[0] - ref[0]) < 1e-6
-    assert max(abs(a - b) for a, b in zip(ref, got)) < tol
+    assert abs(got[0] - ref[0]) <= FIRST_STEP_ULPS * float32_ulp(ref[0]), (ref, got)
+    assert max(abs(a - b) for a, b in zip(ref, got)) < tol, (ref, got)
+
+
+@pytest.mark.parametrize(
+    "target, tol",
+    [("fsdp4_to_fsdp2", 3e-5), ("fsdp4_to_hsdp", 3e-5), ("fsdp4_to_ddp2", 7e-5),
+     ("fsdp4_to_fsdp2_tp2", 3e-5), ("fsdp4_to_pp2_fsdp2", 3e-5), ("fsdp4_to_fsdp2_cp2", 3e-5),
+     ("fsdp4_to_cp2", 3e-5)],
+)
+def test_reshard_matches_uninterrupted_run(runs, target, tol):
+    tmp, r = runs
+    assert_follows(losses(r["fsdp4_straight"], first_step=SAVED + 1), losses(r[target]), tol)
     # The data position carried over: the same global samples were consumed, none skipped or repeated.
     end_ref = train_state(tmp, "fsdp4_straight", STEPS)["dataloader"]["dataset_state"]
     end_got = train_state(tmp, target, STEPS)["dataloader"]["dataset_state"]
@@ -162,15 +179,12 @@ def test_muon_momentum_reshards(runs):
     # Muon's momentum (hidden matrices) and AdamW's moments (the rest), kept in bf16, are saved under
     # parameter names like AdamW's state and load into another layout; the resumed steps follow the
     # uninterrupted run (measured: the first resumed step exact, 5.7e-6 at most over the five; 1.9e-6 with
-    # float32 state).
+    # float32 state; 3x margin).
     import torch
     import torch.distributed.checkpoint as dcp
 
     tmp, r = runs
-    ref, got = losses(r["muon_fsdp4_straight"], first_step=SAVED + 1), losses(r["muon_fsdp4_to_fsdp2_tp2"])
-    assert len(got) == STEPS - SAVED
-    assert abs(got[0] - ref[0]) < 1e-6, (ref, got)
-    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    assert_follows(losses(r["muon_fsdp4_straight"], first_step=SAVED + 1), losses(r["muon_fsdp4_to_fsdp2_tp2"]), 2e-5)
     assert losses(r["muon_fsdp4_straight"]) != losses(r["fsdp4_straight"])  # Muon ran
     metadata = dcp.FileSystemReader(str(tmp / "muon_fsdp4_straight" / "checkpoint" / f"step-{SAVED}")).read_metadata()
     keys = set(metadata.state_dict_metadata)
@@ -184,10 +198,8 @@ def test_muon_momentum_reshards(runs):
 @pytest.mark.parametrize("source, target", [("moe_ep2_fsdp2", "moe_ep2_fsdp2_to_fsdp4"), ("moe_fsdp4", "moe_fsdp4_to_ep4")])
 def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
     tmp, r = runs
-    ref, got = losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[target])
-    assert len(got) == STEPS - SAVED
-    assert got[0] == pytest.approx(ref[0], abs=1e-6)  # weights, bias and optimizer state restored
-    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    # weights, bias and optimizer state restored
+    assert_follows(losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[target]), 3e-5)
     # The final bias equals the uninterrupted run's: it was restored and then updated alike.
     from torchtitan.components.hf_checkpoint import read_dcp_model
     from torchtitan.models.registry import get_model_spec
@@ -206,10 +218,8 @@ def test_tied_embeddings_reshard(runs, target):
     # The tied flavor amplifies TP's rounding step by step (as in test_data_parallel_parity.py): on the
     # lanes' samples measured 4.8e-7 at the first resumed step and 1.05e-5 at the fifth under TP 2.
     tmp, r = runs
-    ref, got = losses(r["qwen3_tied_fsdp4_straight"], first_step=SAVED + 1), losses(r[target])
-    assert len(got) == STEPS - SAVED
-    assert abs(got[0] - ref[0]) < 1e-6, (ref, got)  # the shared weight and its optimizer state loaded
-    assert max(abs(a - b) for a, b in zip(ref, got)) < 2e-5, (ref, got)
+    # the shared weight and its optimizer state loaded
+    assert_follows(losses(r["qwen3_tied_fsdp4_straight"], first_step=SAVED + 1), losses(r[target]), 3e-5)
     state = train_state(tmp, target, STEPS)
     assert state["model"]["name"] == "qwen3" and state["model"]["args"]["tie_word_embeddings"] is True
 
@@ -219,9 +229,7 @@ def test_model_parallel_checkpoint_resumes_as_fsdp(runs, source):
     # Saved at step SAVED by a CP x TP or PP x FSDP run, continued as FSDP 4: the losses follow the
     # source layout's own uninterrupted run (same model, data and optimizer state).
     tmp, r = runs
-    ref, got = losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[f"{source}_to_fsdp4"])
-    assert len(got) == STEPS - SAVED
-    assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
+    assert_follows(losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[f"{source}_to_fsdp4"]), 3e-5)
     assert train_state(tmp, f"{source}_to_fsdp4", STEPS)["dataloader"]["dataset_state"]["next_sample"] == STEPS * 8
 
 
