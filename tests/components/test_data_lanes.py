@@ -388,7 +388,7 @@ def test_the_first_log_lines_say_how_the_data_was_cut(tmp_path, caplog):
     keys = one_document("txt", tmp_path, "a short book of thirty-one char")  # 33 tokens: 4 per lane
     with caplog.at_level("INFO"):
         global_batches(keys, 16, 8, 1, 1, False)
-    assert "data: local: 1 documents, 1 unit(s) for 8 lanes: up to 8 lanes share a unit (each lane reads a 1/8 " \
+    assert "data: local: 1 document, 1 unit for 8 lanes: up to 8 lanes share a unit (each lane reads a 1/8 " \
            "part of a document's tokens)" in caplog.text
     assert "dataset local is small for its lanes: a unit of 33 tokens is shared by 8 lanes, 4 tokens each per " \
            "epoch, less than one sequence of seq_len + 1 = 17" in caplog.text

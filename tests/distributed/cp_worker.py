@@ -2,8 +2,9 @@
 tensors), forward and backward, for both rotate methods, on a 4-rank CP group and on the 2-rank CP
 groups of a 2 x 2 mesh, with grouped-query heads: plain causal, and under the full mask rule of
 torchtitan.models.common.attention (documents whose boundaries fall inside chunks, sliding windows shorter
-and longer than a chunk, and both). Rank 0 writes {case: max abs diff of output and of the q, k, v
-gradients}, inf where any of them holds a NaN or inf.
+and longer than a chunk, and both). Each case also runs with return_lse (name + "_lse"), where the
+log-sum-exp is compared too and the backward flows through it as well. Rank 0 writes {case: max abs
+diff of output (and lse) and of the q, k, v gradients}, inf where any of them holds a NaN or inf.
 
     torchrun --nproc_per_node 4 tests/distributed/cp_worker.py OUT.json
 """
@@ -42,7 +43,8 @@ def document_rows(seq: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: int | None = None) -> float:
+def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: int | None = None,
+            lse: bool = False) -> float:
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     torch.manual_seed(0)  # the same full tensors on every rank
     batch, heads, kv_heads, seq, dim = 2, 4, 2, 2 * chunk * cp, 16
@@ -50,18 +52,24 @@ def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: in
     k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
     v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
     grad_out = torch.randn(batch, heads, seq, dim)
+    grad_lse = torch.randn(batch, heads, seq)
     doc_ids = document_rows(seq) if docs else None
-    ref_out = sdpa_attention(q, k, v, doc_ids, window)
-    ref_out.backward(grad_out)
+    ref = sdpa_attention(q, k, v, doc_ids, window, return_lse=lse)
+    ref_out, ref_lse = ref if lse else (ref, None)
+    torch.autograd.backward([ref_out, ref_lse] if lse else [ref_out], [grad_out, grad_lse] if lse else [grad_out])
 
     pos = local_positions(seq, cp, rank)
     local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     # Document ids are cut like the tokens: [batch, seq] along dim 1, as the trainer does.
     local_docs = shard_sequence(doc_ids, pos) if docs else None
-    out = ContextParallelAttention(cp_mesh, method)(*local, doc_ids=local_docs, window=window)
-    out.backward(grad_out[:, :, pos])
-    results = [out] + [t.grad for t in local]
+    got = ContextParallelAttention(cp_mesh, method)(*local, doc_ids=local_docs, window=window, return_lse=lse)
+    out, out_lse = got if lse else (got, None)
+    torch.autograd.backward([out, out_lse] if lse else [out],
+                            [grad_out[:, :, pos], grad_lse[:, :, pos]] if lse else [grad_out[:, :, pos]])
+    results = [out] + [t.grad for t in local] + ([out_lse] if lse else [])
     diffs = [(out - ref_out.detach()[:, :, pos]).abs().max()]
+    if lse:
+        diffs.append((out_lse - ref_lse.detach()[:, :, pos]).abs().max())
     diffs += [(mine.grad - full.grad[:, :, pos]).abs().max() for mine, full in zip(local, (q, k, v))]
     worst = torch.stack(diffs).max()
     if not all(torch.isfinite(t).all() for t in results):
@@ -77,9 +85,10 @@ def main(out_path: str):
     mesh2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     for method in ("allgather", "alltoall"):
         for prefix, mesh in (("cp4", mesh4["cp"]), ("cp2", mesh2x2["cp"])):
-            results[f"{prefix}_{method}"] = compare(mesh, method)
-            for name, docs, window in MASKED_CASES:
-                results[f"{prefix}_{method}_{name}"] = compare(mesh, method, CHUNK, docs, window)
+            for lse, suffix in ((False, ""), (True, "_lse")):
+                results[f"{prefix}_{method}{suffix}"] = compare(mesh, method, lse=lse)
+                for name, docs, window in MASKED_CASES:
+                    results[f"{prefix}_{method}_{name}{suffix}"] = compare(mesh, method, CHUNK, docs, window, lse)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

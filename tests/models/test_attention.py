@@ -28,9 +28,9 @@ def test_documents_end_at_eos():
     assert document_ids(tokens, EOS).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
 
 
-def reference_attention(q, k, v, doc_ids, window):
+def reference_attention(q, k, v, doc_ids, window, return_lse=False):
     """Float64 attention with the rule written out: key j is seen by query i iff j <= i, i - j <
-    window, same document."""
+    window, same document; with return_lse also the log-sum-exp of each query's visible scores."""
     q, k, v = q.double(), k.double(), v.double()
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -40,7 +40,9 @@ def reference_attention(q, k, v, doc_ids, window):
         allowed[b, 0, i, j] = (j <= i and (window is None or i - j < window)
                                and (doc_ids is None or doc_ids[b, i] == doc_ids[b, j]))
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -55,6 +57,64 @@ def test_every_kernel_applies_the_rule(kernel, masked, window):
     got = KERNELS[kernel](q, k, v, doc_ids, window)
     expected = reference_attention(q, k, v, doc_ids, window)
     assert (got.double() - expected).abs().max() < 1e-5
+
+
+def inputs_with_documents(masked: bool, grad: bool = False):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    tokens = torch.randint(3, 50, (2, 24))
+    tokens[0, [4, 5, 11, 20]] = EOS
+    tokens[1, 9] = EOS
+    return [t.requires_grad_(grad) for t in (q, k, v)], document_ids(tokens, EOS) if masked else None
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("masked,window", [(False, None), (True, None), (True, 3)])
+def test_every_kernel_returns_the_log_sum_exp(kernel, masked, window):
+    (q, k, v), doc_ids = inputs_with_documents(masked)
+    out, lse = KERNELS[kernel](q, k, v, doc_ids, window, return_lse=True)
+    expected_out, expected_lse = reference_attention(q, k, v, doc_ids, window, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 24)
+    assert (lse.double() - expected_lse).abs().max() < 1e-5
+    assert (out.double() - expected_out).abs().max() < 1e-5
+
+
+def sink_output(out, lse, sinks):
+    """Attention with one extra learned logit per head in the softmax (sinks [heads]): the contract's
+    example of an output transform."""
+    return out * torch.sigmoid(lse - sinks[None, :, None])[..., None]
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "split"])  # the kernels that train on CPU
+def test_the_log_sum_exp_carries_gradients_to_q_k_and_a_transform(kernel):
+    (q, k, v), doc_ids = inputs_with_documents(True, grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    upstream = torch.randn(2, 4, 24, 16)
+    got = sink_output(*KERNELS[kernel](q, k, v, doc_ids, 5, return_lse=True), sinks)
+    grads = torch.autograd.grad(got, (q, k, v, sinks), upstream)
+    # The reference: the softmax over the visible keys and the sink logit, written out in float64.
+    q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    out, lse = reference_attention(q64, k64, v64, doc_ids, 5, return_lse=True)
+    expected = out * torch.exp(lse - torch.logaddexp(lse, s64[None, :, None]))[..., None]
+    expected_grads = torch.autograd.grad(expected, (q64, k64, v64, s64), upstream.double())
+    assert (got.double() - expected).abs().max() < 1e-5
+    for name, a, b in zip("qkv", grads, expected_grads):
+        assert (a.double() - b).abs().max() < 1e-5, name
+    assert (grads[3].double() - expected_grads[3]).abs().max() < 1e-4  # a sum over every query of its head
+
+
+def test_the_kv_cache_returns_the_log_sum_exp_of_the_full_forward():
+    from torchtitan.models.common.layers import KVCache
+
+    (q, k, v), _ = inputs_with_documents(False)
+    full_out, full_lse = sdpa_attention(q, k, v, None, 7, return_lse=True)
+    cache, outs, lses = KVCache(24), [], []
+    for start, end in [(0, 10), (10, 11), (11, 17), (17, 24)]:  # a prompt, one token, then chunks
+        out, lse = cache.attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], start, 7, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    assert (torch.cat(outs, dim=2) - full_out).abs().max() < 1e-5
+    assert (torch.cat(lses, dim=2) - full_lse).abs().max() < 1e-5
 
 
 def tiny(family: str, flavor: str):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import visible
+from torchtitan.models.common.attention import math_attention, visible
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -119,31 +119,12 @@ def _repeat_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
     return x.repeat_interleave(repeats, dim=1) if repeats > 1 else x
 
 
-def _block_attention(q, k, v, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q to one block of keys, in float32: (output, log-sum-exp of the scores). `mask`
-    (broadcastable to the scores, None: every key visible) may hide every key of a query row: such a
-    row gets output 0 and log-sum-exp -inf, so it adds nothing in `_merge`, without NaN either way."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    # Shift by the row max for stability. The shift cancels in both results, so it needs no
-    # gradient; an empty row (max -inf) is shifted by 0 instead, which keeps exp() at 0, not NaN.
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max)
-    total = weights.sum(dim=-1, keepdim=True)
-    # A row with a visible key has total >= 1 (its max scores exp(0)), so clamping at 1 changes
-    # nothing there and keeps an empty row (total 0) away from 0/0 and log(0) and their NaN gradients.
-    out = (weights @ v.float()) / total.clamp_min(1.0)
-    lse = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)), torch.full_like(total, float("-inf")))
-    return out, lse
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine attention outputs over disjoint key blocks into the output over their union. Every
-    query sees itself, so the merged log-sum-exp is finite and empty blocks (-inf) get weight 0."""
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention outputs over disjoint key blocks into the output over their union, and its
+    log-sum-exp. Every query sees itself, so the merged log-sum-exp is finite and empty blocks (-inf)
+    get weight 0."""
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
-    return sum(torch.exp(p_lse - lse) * out for out, p_lse in parts)
+    return sum(torch.exp(p_lse - lse).unsqueeze(-1) * out for out, p_lse in parts), lse
 
 
 def _chunk_positions(chunk_id: int, chunk: int, device) -> torch.Tensor:
@@ -162,11 +143,13 @@ class ContextParallelAttention:
     """Attention of this rank's queries to the keys of the whole sequence split over `cp_mesh`, under
     the mask rule of `torchtitan.models.common.attention` (causal, sliding window, document mask).
 
-    Called as attention(q, k, v, doc_ids=None, window=None) with q, k [batch, heads or kv_heads,
+    Called as attention(q, k, v, doc_ids=None, window=None, return_lse=False) with q, k [batch, heads or kv_heads,
     local_seq, head_dim] and v [batch, kv_heads, local_seq, v_head_dim] (v_head_dim may differ from
     head_dim, as in MLA; grouped-query heads are repeated after communication,
     so only the kv heads travel), doc_ids [batch, local_seq] (this rank's document ids in local order,
-    cut by `shard_sequence`; None: one document) and the layer's window (None: unlimited)."""
+    cut by `shard_sequence`; None: one document) and the layer's window (None: unlimited); with
+    `return_lse` it returns (output, lse), lse [batch, heads, local_seq] over the keys of the whole
+    sequence (the attention contract of torchtitan.models.common.attention)."""
 
     def __init__(self, cp_mesh, rotate_method: str):
         if rotate_method not in ("allgather", "alltoall"):
@@ -178,11 +161,12 @@ class ContextParallelAttention:
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, return_lse: bool = False):
         repeats = q.shape[1] // k.shape[1]
         if self.rotate_method == "allgather":
-            return self._allgather(q, k, v, repeats, doc_ids, window)
-        return self._ring(q, k, v, repeats, doc_ids, window)
+            return self._allgather(q, k, v, repeats, doc_ids, window, return_lse)
+        out, lse = self._ring(q, k, v, repeats, doc_ids, window)
+        return (out, lse) if return_lse else out
 
     def _global_order(self, gathered: torch.Tensor) -> torch.Tensor:
         """[cp, ..., 2 x chunk, d] blocks of all ranks -> [..., seq, d] in sequence order."""
@@ -190,7 +174,7 @@ class ContextParallelAttention:
         # Chunk c < cp is rank c's first; chunk 2cp-1-r is rank r's second, so those run backwards.
         return torch.cat([*first.unbind(0), *second.flip(0).unbind(0)], dim=-2)
 
-    def _allgather(self, q, k, v, repeats: int, doc_ids, window) -> torch.Tensor:
+    def _allgather(self, q, k, v, repeats: int, doc_ids, window, return_lse: bool):
         kv = self._global_order(_AllGather.apply(torch.cat([k, v], dim=-1), self.group))
         k_all, v_all = (_repeat_kv(x, repeats) for x in kv.split([k.shape[-1], v.shape[-1]], dim=-1))
         seq = k_all.shape[-2]
@@ -202,9 +186,12 @@ class ContextParallelAttention:
             # that _global_order sees the [..., seq, d] layout of k and v.
             doc_all = self._global_order(_AllGather.apply(doc_ids.unsqueeze(-1), self.group)).squeeze(-1)
         mask = visible(q_pos, k_pos, doc_ids, doc_all, window)
+        if return_lse:
+            out, lse = math_attention(q, k_all, v_all, mask)
+            return out.to(q.dtype), lse
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
-    def _ring(self, q, k, v, repeats: int, doc_ids, window) -> torch.Tensor:
+    def _ring(self, q, k, v, repeats: int, doc_ids, window) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = q.shape[-2] // 2
         q_chunks = q.chunk(2, dim=-2)
         q_docs = doc_ids.chunk(2, dim=-1) if doc_ids is not None else (None, None)
@@ -231,8 +218,9 @@ class ContextParallelAttention:
                     if k_id == q_id or doc_ids is not None or window is not None:
                         mask = visible(_chunk_positions(q_id, chunk, q.device), _chunk_positions(k_id, chunk, q.device),
                                        q_docs[qi], k_docs[ki], window)
-                    parts[qi].append(_block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
-        return _Tie.apply(torch.cat([_merge(p) for p in parts], dim=-2), kv).to(q.dtype)
+                    parts[qi].append(math_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
+        outs, lses = zip(*(_merge(p) for p in parts))
+        return _Tie.apply(torch.cat(outs, dim=-2), kv).to(q.dtype), torch.cat(lses, dim=-1)
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str,

@@ -91,6 +91,10 @@ def token_part(tokens: torch.Tensor, part: int, parts: int, offset: int) -> torc
     return torch.cat([tokens[lo:], tokens[: hi - n]])
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 class SharedUnits:
     """A source's units for `lanes` lanes, and the token streams of those units that lanes share by
     tokens (fewer documents than sharers), tokenized once per process and kept while it reads them."""
@@ -108,12 +112,12 @@ class SharedUnits:
         """How the source is cut, for the first log lines."""
         n, lanes = len(self.units), self.lanes
         if n >= lanes:
-            return f"{n} units for {lanes} lanes (each lane reads whole units, about {n / lanes:.3g} per epoch)"
+            return f"{_count(n, 'unit')} for {_count(lanes, 'lane')} (each lane reads whole units, about {n / lanes:.3g} per epoch)"
         k = -(-lanes // n)
         how = ("each lane reads a 1/%d part of a document's tokens" % k if self.source.random_access else
                "each lane reads every %d-th document of its unit, or a 1/%d part of its tokens if it holds fewer "
                "documents" % (k, k))
-        return f"{n} unit(s) for {lanes} lanes: up to {k} lanes share a unit ({how})"
+        return f"{_count(n, 'unit')} for {lanes} lanes: up to {k} lanes share a unit ({how})"
 
     def by_tokens(self, u: int, sharers: int) -> bool:
         """Whether unit u is shared by tokens: it holds fewer documents than the lanes sharing it."""

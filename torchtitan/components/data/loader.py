@@ -82,8 +82,8 @@ class Part:
             # (a lane's epoch without a document, on a source of fewer units than lanes, says nothing)
             self._logged_epoch = epoch
             logger.warning(
-                "dataset %s: a lane read its share of epoch %d (%d documents) and starts epoch %d (the data "
-                "repeats%s)", self.name, epoch - 1, documents, epoch,
+                "dataset %s: a lane read its share of epoch %d (%d document%s) and starts epoch %d (the data "
+                "repeats%s)", self.name, epoch - 1, documents, "" if documents == 1 else "s", epoch,
                 ", in a new order" if self.shuffle_seed is not None else "",
             )
 
@@ -160,7 +160,8 @@ class PackedDataset(IterableDataset):
         if dp_rank == 0:
             for part in parts:
                 source = part.source
-                documents = f"{source.num_documents():,} documents, " if source.random_access else ""
+                n = source.num_documents() if source.random_access else None
+                documents = "" if n is None else f"{n:,} document{'' if n == 1 else 's'}, "
                 logger.info("data: %s: %s%s", part.name, documents, part.units(global_batch_size, seq_len).describe())
         self._pool: LaneWorkers | None = None
 

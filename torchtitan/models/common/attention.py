@@ -5,19 +5,25 @@ every token sees all earlier tokens of the window; under "block_causal" only the
 its own document. Documents are numbered per window by `document_ids` from the EOS the packer writes
 after every document, so a token after an EOS starts the next document.
 
-A family's attention module calls `attention_fn(q, k, v, doc_ids=None, window=None)`:
+A family's attention module calls `attention_fn(q, k, v, doc_ids=None, window=None, return_lse=False)`:
 q [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] (grouped-query attention:
 each KV head serves heads / kv_heads query heads); `doc_ids` [batch, seq] (None: one document per
 window); `window` the layer's sliding window (None: unlimited): query i sees key j when
-j <= i, i - j < window and both are in the same document. Three kernels give the same outputs
-within round-off:
+j <= i, i - j < window and both are in the same document. It returns the output [batch, heads, seq,
+v_head_dim], or with `return_lse` (output, lse): lse [batch, heads, seq] in float32 is the
+log-sum-exp of each query's scaled scores over the keys it sees, differentiable like the output.
+With it a family applies its own transform inside its folder: attention sinks, for example, are a
+softmax over the keys plus one learned logit s per head, which is out * sigmoid(lse - s).
+Every kernel gives the same outputs and lse within round-off:
 - `sdpa_attention`: PyTorch's scaled_dot_product_attention, causal, or with a boolean mask built
-  from the document ids and the window. Every device; the default.
-- `split_attention`: one causal SDPA call per document (a loop over the documents of each row), so
+  from the document ids and the window. Every device; the default. With `return_lse`, the same
+  mask through `math_attention` (SDPA does not return the log-sum-exp).
+- `split_attention`: one causal call per document (a loop over the documents of each row), so
   no [seq, seq] mask is built; costs a host sync and a kernel launch per document.
 - `flex_attention_fn()`: FlexAttention with a block mask, compiled; it skips the tiles the mask
   removes. Trains only on CUDA (torch 2.13 has no FlexAttention backward on CPU).
-Context parallel replaces `attention_fn` with its ring attention, which applies the same rule.
+Context parallel replaces `attention_fn` with its ring attention, which applies the same rule, and
+decoding calls the layer's KV cache (layers.KVCache.attend) with the same contract.
 """
 
 import logging
@@ -61,31 +67,61 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k, v
 
 
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q to as many heads of keys (repeat_kv first), in float32, written out so that the
+    log-sum-exp is differentiable: (output [..., q, v_dim], lse [..., q]). `mask` (boolean, broadcastable
+    to the scores; None: every key visible) may hide every key of a query row: such a row gets output 0
+    and lse -inf (it then adds nothing where partial results are merged), without NaN either way."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # Shift by the row max for stability. The shift cancels in both results, so it needs no
+    # gradient; an empty row (max -inf) is shifted by 0 instead, which keeps exp() at 0, not NaN.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    # A row with a visible key has total >= 1 (its max scores exp(0)), so clamping at 1 changes
+    # nothing there and keeps an empty row (total 0) away from 0/0 and log(0) and their NaN gradients.
+    out = (weights @ v.float()) / total.clamp_min(1.0)
+    lse = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)), torch.full_like(total, float("-inf")))
+    return out, lse.squeeze(-1)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, return_lse: bool = False):
     """SDPA: with is_causal when every key before a query counts, else with a boolean mask."""
     k, v = repeat_kv(q, k, v)
+    pos = torch.arange(q.shape[2], device=q.device)
+    if return_lse:
+        out, lse = math_attention(q, k, v, visible(pos, pos, doc_ids, doc_ids, window))
+        return out.to(q.dtype), lse
     if doc_ids is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    pos = torch.arange(q.shape[2], device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, doc_ids, doc_ids, window))
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, return_lse: bool = False):
     """One SDPA call per document: each document's queries see only its own keys, causally."""
     if doc_ids is None:
-        return sdpa_attention(q, k, v, None, window)
+        return sdpa_attention(q, k, v, None, window, return_lse)
     k, v = repeat_kv(q, k, v)
-    rows = []
+    rows, row_lses = [], []
     for b, lengths in enumerate(document_lengths(doc_ids)):
-        parts, start = [], 0
+        parts, lses, start = [], [], 0
         for length in lengths:
             span = slice(start, start + length)
-            parts.append(sdpa_attention(q[b:b + 1, :, span], k[b:b + 1, :, span], v[b:b + 1, :, span], None, window))
+            part = sdpa_attention(q[b:b + 1, :, span], k[b:b + 1, :, span], v[b:b + 1, :, span], None, window,
+                                  return_lse)
+            parts.append(part[0] if return_lse else part)
+            lses.append(part[1] if return_lse else None)
             start += length
         rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0)
+        row_lses.append(torch.cat(lses, dim=2) if return_lse else None)
+    out = torch.cat(rows, dim=0)
+    return (out, torch.cat(row_lses, dim=0)) if return_lse else out
 
 
 def document_lengths(doc_ids: torch.Tensor) -> list[list[int]]:
@@ -104,7 +140,7 @@ def flex_attention_fn(compiled: bool = True) -> Callable:
     """FlexAttention with a block mask from the document ids and the window. The block mask is built
     once per batch (every layer of a forward gets the same doc_ids tensor) and per window size, outside
     any compiled region (a model compiled block by block calls it from its compiled forwards)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
     cache: dict = {}
@@ -121,9 +157,13 @@ def flex_attention_fn(compiled: bool = True) -> Callable:
             )
         return cache[key]
 
-    def attention(q, k, v, doc_ids=None, window=None):
+    def attention(q, k, v, doc_ids=None, window=None, return_lse=False):
         mask = block_mask(doc_ids, window, q.shape[0], q.shape[2], k.shape[2], q.device)
-        return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        if not return_lse:
+            return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        out, aux = kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
+                          return_aux=AuxRequest(lse=True))
+        return out, aux.lse.float()
 
     return attention
 

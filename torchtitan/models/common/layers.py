@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import repeat_kv, sdpa_attention
+from torchtitan.models.common.attention import math_attention, repeat_kv, sdpa_attention
 
 
 class KVCache:
@@ -21,10 +21,10 @@ class KVCache:
         self.v: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, return_lse: bool = False):
         """Store k, v (after the rotary embedding) at positions start_pos, ... and return q's causal
         attention over every cached position up to its own (the last `window` of them with a sliding
-        window); shapes as attention.sdpa_attention's."""
+        window); shapes, and (output, lse) with `return_lse`, as attention.sdpa_attention's."""
         seq = q.shape[2]
         end = start_pos + seq
         if end > self.max_len:
@@ -35,7 +35,7 @@ class KVCache:
         self.k[:, :, start_pos:end] = k
         self.v[:, :, start_pos:end] = v
         if start_pos == 0:  # a prompt: the training path's very computation
-            return sdpa_attention(q, self.k[:, :, :end], self.v[:, :, :end], window=window)
+            return sdpa_attention(q, self.k[:, :, :end], self.v[:, :, :end], window=window, return_lse=return_lse)
         keys, values = repeat_kv(q, self.k[:, :, :end], self.v[:, :, :end])
         # Query i is at position start_pos + i and sees positions 0 .. start_pos + i (one new token: all).
         mask = None if seq == 1 else torch.ones(seq, end, dtype=torch.bool, device=q.device).tril(start_pos)
@@ -43,6 +43,9 @@ class KVCache:
             q_pos = torch.arange(start_pos, end, device=q.device)[:, None]
             recent = q_pos - torch.arange(end, device=q.device)[None, :] < window
             mask = recent if mask is None else mask & recent
+        if return_lse:
+            out, lse = math_attention(q, keys, values, mask)
+            return out.to(q.dtype), lse
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
