@@ -83,7 +83,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.components import token_file  # noqa: E402
+from torchtitan.components.data import token_folder  # noqa: E402
 from torchtitan.components.data import build_dataloader, encode_document, stdlib_files  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config.job_config import Training  # noqa: E402
@@ -95,7 +95,7 @@ MIX_ROW_GROUPS = 8  # row groups per parquet file of the mixture's corpus
 
 
 def generate(folder: Path, size_mb: int, tokenizer) -> dict:
-    meta_file = folder / token_file.META
+    meta_file = folder / token_folder.META
     num_tokens = size_mb * (1 << 20) // 2
     if meta_file.is_file() and json.loads(meta_file.read_text())["num_tokens"] == num_tokens:
         return json.loads(meta_file.read_text())
@@ -105,7 +105,7 @@ def generate(folder: Path, size_mb: int, tokenizer) -> dict:
     start = time.perf_counter()
     vocab = tokenizer.vocab_size
     lengths = []
-    with open(folder / token_file.TOKENS, "wb") as f:
+    with open(folder / token_folder.TOKENS, "wb") as f:
         written = 0
         while written < num_tokens:
             n = min(1 << 24, num_tokens - written)
@@ -122,10 +122,10 @@ def generate(folder: Path, size_mb: int, tokenizer) -> dict:
     lengths = lengths[: keep + 1]
     lengths[-1] -= int(ends[keep]) - num_tokens  # the last document ends at the last token
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<u8")
-    offsets.tofile(folder / token_file.INDEX)
-    fingerprint = token_file.tokenizer_fingerprint(tokenizer)
+    offsets.tofile(folder / token_folder.INDEX)
+    fingerprint = token_folder.tokenizer_fingerprint(tokenizer)
     meta = {
-        "format": token_file.FORMAT, "version": token_file.FORMAT_VERSION, "dtype": "uint16",
+        "format": token_folder.FORMAT, "version": token_folder.FORMAT_VERSION, "dtype": "uint16",
         "source": {"description": "benchmark: random ids"}, "tokenizer": fingerprint, "vocab_size": vocab,
         "bos_id": fingerprint["bos_id"], "eos_id": fingerprint["eos_id"], "num_docs": len(lengths),
         "num_tokens": num_tokens, "max_id": vocab - 1, "source_random_access": True,

@@ -18,7 +18,7 @@ SOURCE is what training reads, as training.dataset = --dataset and training.data
 
 e.g. python scripts/pretokenize.py --dataset huggingface HuggingFaceFW/fineweb-edu tokens/ --tokenizer tok.model
 
-OUTPUT: a new folder (see torchtitan/components/token_file.py for the format); one that cannot be created
+OUTPUT: a new folder (see torchtitan/components/data/token_folder.py for the format); one that cannot be created
 or written is refused before anything is read. Train on it with
 
     --training.dataset tokens --training.dataset_path OUTPUT
@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.components import data  # noqa: E402
-from torchtitan.components.token_file import META, pretokenize  # noqa: E402
+from torchtitan.components.data.token_folder import META, pretokenize  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config.errors import UserError  # noqa: E402
 from torchtitan.config.job_config import Training  # noqa: E402

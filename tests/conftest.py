@@ -131,7 +131,7 @@ def mixture_corpus(folder: Path, docs: list[list[str]], tokenizer) -> list[Path]
     import zstandard
 
     from torchtitan.components.data.files import FilesSource
-    from torchtitan.components.token_file import pretokenize
+    from torchtitan.components.data.token_folder import pretokenize
 
     parquet, zst, text, tokens = (folder / name for name in ("parquet", "zst", "text", "tokens"))
     for path in (parquet, zst, text):
@@ -176,3 +176,22 @@ def float8_matmul_too_slow() -> str | None:
         return (f"a 256 x 256 float8 matmul takes {seconds:.2f} s on this CPU (oneDNN's reference kernel: no "
                 f"float8 kernel for its instruction set); the float8 training jobs would take hours")
     return None
+
+
+def train_in_process(folder: Path, *extra: str) -> list[dict]:
+    """One process's job (TINY + `extra`, dumping to `folder`) run in this process, on one thread
+    like `launch`'s processes (OMP_NUM_THREADS=1: several threads per process slow a shared host
+    down); its metrics records. The thread count and TINY's deterministic algorithms are
+    process-wide, set back after the job so that later tests run as they would alone."""
+    import torch
+
+    from torchtitan.config import load_config
+    from torchtitan.train import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(load_config(TINY + ["--job.dump_folder", str(folder), *extra]))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)

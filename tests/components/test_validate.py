@@ -89,7 +89,7 @@ def tiny_argv(tmp_path, *extra):
 def test_a_mixture_takes_each_window_from_the_source_its_schedule_picks(tmp_path):
     from torchtitan.components.data.files import FilesSource
     from torchtitan.components.data.mixing import integer_weights, next_source
-    from torchtitan.components.token_file import pretokenize
+    from torchtitan.components.data.token_folder import pretokenize
 
     other = [f"other {i} " + "q" * (i % 5) for i in range(30)]
     a = write_jsonl(tmp_path / "a.jsonl", DOCS)

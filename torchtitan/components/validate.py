@@ -154,7 +154,7 @@ def _mix_source(cfg: Validation, training: Training | None, tokenizer: Tokenizer
     except UserError as e:
         raise UserError(f"validation.dataset_mix: {e}") from None
     if dataset == "tokens":
-        from torchtitan.components.token_file import open_token_source
+        from torchtitan.components.data.token_folder import open_token_source
 
         try:
             return open_token_source(path, tokenizer)

@@ -9,11 +9,14 @@ The modules, in the order data flows through them:
   in units.
 - sources.py: every source by name: the embedded python_stdlib corpus, local files, Hugging Face
   datasets streamed through `datasets`, c4 and c4_test. A source is a list of documents with a
-  stable index, read whole (documents(start)) or in units. (Token folders: token_file.py, beside.)
+  stable index, read whole (documents(start)) or in units.
+- token_folder.py: pre-tokenized corpora (scripts/pretokenize.py writes them): a folder of token ids
+  and document offsets, read by memory map as a source of token documents.
 - shuffle.py: seeded permutations computed per index in O(1).
 - lanes.py: the split that lets each rank read only its share. Sample position p of every step is
   lane p; each source is cut into units (files, pieces of files, ranges of documents) dealt to the
-  lanes, a new deal each epoch; a lane reads its units' documents, shuffled within the lane.
+  lanes, a new deal each epoch; a lane reads its units' documents, shuffled within the lane, and
+  lanes that share a unit read different parts of it.
 - packing.py: documents framed as [BOS] + text + [EOS], concatenated into one token stream per
   lane and source and cut into windows of seq_len + 1 tokens; the stream's position (epoch,
   document, token offset) is what a checkpoint saves.

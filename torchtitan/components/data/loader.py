@@ -391,7 +391,7 @@ def open_source(cfg: Training, tokenizer: Tokenizer, check_all: bool = True):
     if cfg.dataset != "tokens":
         source, shuffle = build_source(cfg, check_all)
         return source, tokenizer, shuffle
-    from torchtitan.components.token_file import open_token_source
+    from torchtitan.components.data.token_folder import open_token_source
 
     source = open_token_source(cfg.dataset_path, tokenizer)
     return source, None, True if cfg.shuffle_documents is None else cfg.shuffle_documents

@@ -24,7 +24,7 @@ from array import array
 from fractions import Fraction
 
 from torchtitan.components.data.shuffle import derived_seed
-from torchtitan.components.token_file import PROGRESS, TOKENS
+from torchtitan.components.data.token_folder import PROGRESS, TOKENS
 from torchtitan.config.entries import HF_PREFIX
 from torchtitan.config.errors import UserError
 

@@ -23,7 +23,7 @@ from torchtitan.components.data.lanes import document_ranges, lane_share
 from torchtitan.config import UserError
 from torchtitan.config.job_config import Training
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[2]
 
 
 def random_text(rng, lo, hi):
@@ -160,8 +160,8 @@ def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
 
 
 def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch):
-    from torchtitan.components import token_file
-    from torchtitan.components.token_file import pretokenize
+    from torchtitan.components.data import token_folder
+    from torchtitan.components.data.token_folder import pretokenize
     from torchtitan.components.data.files import FilesSource as Files
 
     rng = random.Random(2)
@@ -170,18 +170,18 @@ def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch)
     tok = CharTokenizer()
     pretokenize(Files(str(tmp_path / "d.jsonl")), tok, tmp_path / "tok", source_description={"path": "d.jsonl"})
     read: dict[int, set] = {}
-    original = token_file.TokenFile.document
+    original = token_folder.TokenFile.document
 
     def recording(self, index):
         read.setdefault(self.rank, set()).add(index)
         return original(self, index)
 
-    monkeypatch.setattr(token_file.TokenFile, "document", recording)
+    monkeypatch.setattr(token_folder.TokenFile, "document", recording)
     cfg = Training(dataset="tokens", dataset_path=str(tmp_path / "tok"), seq_len=63, local_batch_size=2)
     tokens = sum(len(d) + 2 for d in docs)
     steps = int(0.8 * tokens / (8 * 64))
     for rank in range(4):
-        monkeypatch.setattr(token_file.TokenFile, "rank", rank, raising=False)
+        monkeypatch.setattr(token_folder.TokenFile, "rank", rank, raising=False)
         it = iter(build_dataloader(cfg, tok, rank, 4, 8))
         for _ in range(steps):
             next(it)
@@ -266,7 +266,7 @@ def one_document(kind: str, folder: Path, text: str) -> dict:
         return {"dataset": "local", "dataset_path": str(folder / "one.arrow")}
     if kind == "tokens":
         from torchtitan.components.data.files import FilesSource as Files
-        from torchtitan.components.token_file import pretokenize
+        from torchtitan.components.data.token_folder import pretokenize
 
         source = one_document("jsonl", folder / "text", text)["dataset_path"]
         pretokenize(Files(source), CharTokenizer(), folder / "tokens", source_description={"description": source},

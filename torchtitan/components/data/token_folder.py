@@ -234,7 +234,7 @@ def _init_worker(tokenizer_or_path):
 
 
 def _encode_batch(texts: list) -> list:
-    from torchtitan.components.data import encode_document
+    from torchtitan.components.data.packing import encode_document
 
     return [encode_document(_worker_tokenizer, t) for t in texts]
 

@@ -26,11 +26,11 @@ import torch
 from conftest import CharTokenizer, framed_documents, lane_streams
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.shuffle import Permutation
-from torchtitan.components.token_file import pretokenize
+from torchtitan.components.data.token_folder import pretokenize
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "assets" / "tokenizer" / "python_stdlib_4k.model"
 SCRIPT = ROOT / "scripts" / "pretokenize.py"
 sys.path.insert(0, str(SCRIPT.parent))
