@@ -178,6 +178,45 @@ def check_attention(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None
             )
 
 
+def check_mtp_window(cfg: JobConfig, spec: ModelSpec, model_args) -> None:
+    """Multi-token prediction against the training window: depth k predicts, at each position, the
+    token k positions further on, built from the whole window (spec.prepare_window, before context
+    parallel cuts it, so the bound is training.seq_len for any CP degree). A depth past the window
+    has no target at any position (and its label shift no longer fits the window). Validation
+    windows may be shorter: there only the next-token labels count."""
+    depth, seq = getattr(model_args, "mtp_depth", 0) or 0, cfg.training.seq_len
+    if depth > seq:
+        where = (f"model.mtp_depth = {depth}" if cfg.model.mtp_depth is not None
+                 else f"model {spec.name} {cfg.model.flavor} has mtp_depth = {depth}, which")
+        raise UserError(
+            f"{where} is more than training.seq_len = {seq}: depth k predicts the token k positions ahead of each "
+            f"position, which a {seq}-token window does not hold for k > {seq}; set model.mtp_depth to {seq} or "
+            "less, or raise training.seq_len"
+        )
+
+
+_META_MODEL: dict = {}
+
+
+def meta_model(spec: ModelSpec, model_args) -> nn.Module:
+    """The model of `model_args` on the meta device, for checks that read its structure (blocks,
+    experts, parameter names) and change nothing. The last one is kept: a large model takes about a
+    second to build even on meta, and the layout planner runs preflight on many layouts of one model."""
+    try:
+        key = (spec.name, spec.model_cls, model_args)
+        hash(key)
+    except TypeError:  # args with a list or dict field: built each time
+        key = None
+    if key is None or key not in _META_MODEL:
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        if key is None:
+            return model
+        _META_MODEL.clear()
+        _META_MODEL[key] = model
+    return _META_MODEL[key]
+
+
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """Checks that need no collectives: degrees against the world size, batch arithmetic, the model
     name and flavor against the parallelisms, the tokenizer file, the dump and checkpoint folders.
@@ -208,6 +247,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     check_attention(cfg, spec, dims)
     model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides,
                                         attention_overrides(cfg.model))
+    check_mtp_window(cfg, spec, model_args)
     # A missing path, a folder without tokenizer.json (cheap; Tokenizer reads the content, which
     # torchtitan.preflight does before launch).
     detect_tokenizer(cfg.model.tokenizer_path)
@@ -235,8 +275,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
         schedule = cfg.parallelism.pipeline_parallel_schedule
         if schedule.lower() in ZERO_BUBBLE_SCHEDULES and spec.extra_blocks is not None:
-            with torch.device("meta"):
-                extra = len(spec.extra_blocks(spec.model_cls(model_args)))
+            extra = len(spec.extra_blocks(meta_model(spec, model_args)))
             if extra:
                 # Measured: their second backward pass (the weights') finds the graph already freed.
                 raise UserError(
@@ -245,18 +284,18 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                     f"prediction) do not support; choose 1F1B or Interleaved1F1B, or remove those blocks "
                     f"(for deepseek_v3: model.mtp_depth = 0)"
                 )
-    if dims.ep_enabled and not spec.has_experts(model_args):
-        raise UserError(
-            f"parallelism.expert_parallel_degree = {dims.ep} splits the experts of a mixture-of-experts model, but "
-            f"model {spec.name} {cfg.model.flavor} has none; set it to 1 (or choose an MoE flavor)"
-        )
     if dims.ep_enabled:
-        with torch.device("meta"):
-            for layer in spec.expert_layers(spec.model_cls(model_args)):
-                try:
-                    check_expert_layer(layer)
-                except TypeError as e:
-                    raise UserError(f"model {spec.name} cannot run expert parallel: {e}") from None
+        expert_layers = spec.expert_layers(meta_model(spec, model_args)) if spec.expert_layers is not None else []
+        if not expert_layers:
+            raise UserError(
+                f"parallelism.expert_parallel_degree = {dims.ep} splits the experts of a mixture-of-experts model, "
+                f"but model {spec.name} {cfg.model.flavor} has none; set it to 1 (or choose an MoE flavor)"
+            )
+        for layer in expert_layers:
+            try:
+                check_expert_layer(layer)
+            except TypeError as e:
+                raise UserError(f"model {spec.name} cannot run expert parallel: {e}") from None
     if spec.hf is None and (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_in_hf):
         raise UserError(
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "
@@ -270,9 +309,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     if spec.validate is not None:
         spec.validate(model_args, dims)
     check_muon_supported(cfg.optimizer, spec.name, spec.adamw_params)
-    if cfg.optimizer.param_groups:
-        with torch.device("meta"):  # every pattern matches a parameter of the whole model
-            check_param_groups(spec.model_cls(model_args), cfg.optimizer)
+    if cfg.optimizer.param_groups:  # every pattern matches a parameter of the whole model
+        check_param_groups(meta_model(spec, model_args), cfg.optimizer)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise UserError("metrics.enable_wandb needs the wandb package: pip install wandb (or turn it off)")
     check_writable(cfg.job.dump_folder, "the config and metrics")

@@ -231,3 +231,80 @@ def test_mtp_modules_export_where_the_published_checkpoints_put_them(tmp_path):
     sd, back = load_hf(tmp_path / "hf", SPEC.hf)
     assert back.mtp_depth == 1 and sd.keys() == model.state_dict().keys()
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+
+
+def test_mtp_blocks_keep_the_trunks_dtype_under_autocast():
+    """bf16 without FSDP is torch.autocast over float32 weights, where the trunk's residual stream
+    stays float32 (the embedding's). An MTP block's input is eh_proj's output, bf16 under autocast:
+    the block must still get the trunk's dtype, or its norms, its residual and its experts see bf16
+    where the trunk's see float32 (and torch._grouped_mm got bf16 tokens with float32 weights)."""
+    args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 32), mtp_depth=2)
+    model = materialized(args).train()
+    seen = {}
+    for name, block in [*model.layers.items(), *((f"mtp.{k}", m.block) for k, m in model.mtp.items())]:
+        block.register_forward_pre_hook(lambda _, inputs, name=name: seen.__setitem__(name, inputs[0].dtype))
+    tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+        loss = SPEC.loss_sum_fn(logits, tokens)
+    loss.backward()
+    assert seen == {name: torch.float32 for name in seen} and len(seen) == args.n_layers + 2
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+
+
+def test_mtp_targets_of_a_window_shorter_than_the_depth_are_all_ignored():
+    """Validation may read shorter windows (validation.seq_len) than the depth trained on: the
+    depths past the window get no target, and the shapes stay the window's."""
+    from torchtitan.models.common.spec import IGNORE_INDEX
+    from torchtitan.models.deepseek_v3.model import prepare_window
+
+    args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 16), mtp_depth=6)
+    tokens = torch.arange(10, 14).view(1, 4)
+    labels, extra = prepare_window(args, tokens, tokens + 1)
+    assert labels.shape == (1, 4, 7) and extra["future_tokens"].shape == (1, 4, 6)
+    assert labels[0, :, 0].tolist() == [11, 12, 13, 14]
+    assert labels[0, 0, :5].tolist() == [11, 12, 13, 14, IGNORE_INDEX]
+    assert (labels[0, :, 4:] == IGNORE_INDEX).all()  # depth 4 on: beyond every position
+    assert extra["future_tokens"][0, 0].tolist() == [11, 12, 13, 0, 0, 0]
+
+
+def test_mtp_deeper_than_the_window_is_refused_before_launch(tmp_path):
+    """Depth k predicts the token k positions ahead; past training.seq_len no position has it (and
+    the trainer failed at its first step with a shape error). The bound is the whole window under
+    context parallel too (the labels are built before CP cuts it), and validation windows may be
+    shorter."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from torchtitan.config import load_config
+    from torchtitan.train import preflight
+
+    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "deepseek_v3",
+            "--training.seq_len", "16", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "torchtitan.preflight", *argv, "--model.mtp_depth", "17"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.mtp_depth = 17 is more than training.seq_len = 16: depth k predicts the token k positions "
+        "ahead of each position, which a 16-token window does not hold for k > 16; set model.mtp_depth to 16 or "
+        "less, or raise training.seq_len"]
+    preflight(load_config(argv + ["--model.mtp_depth", "16"]), world_size=1)
+    preflight(load_config(argv + ["--model.mtp_depth", "12", "--parallelism.context_parallel_degree", "2",
+                                  "--training.local_batch_size", "8"]), world_size=2)
+    preflight(load_config(argv + ["--model.mtp_depth", "12", "--validation.enabled", "--validation.seq_len", "4"]),
+              world_size=1)
+
+
+def test_mtp_as_deep_as_the_window_trains_and_validates_on_shorter_windows(tmp_path):
+    from conftest import train_in_process
+
+    history = train_in_process(tmp_path, "--model.name", "deepseek_v3", "--model.mtp_depth", "8",
+                               "--training.seq_len", "8", "--training.steps", "2", "--training.local_batch_size", "8",
+                               "--validation.enabled", "--validation.seq_len", "4", "--validation.freq", "2",
+                               "--validation.steps", "1", "--validation.local_batch_size", "8")
+    training = [r for r in history if "loss" in r]
+    validation = [r for r in history if "validation_loss" in r]
+    assert [r["step"] for r in training] == [1, 2] and [r["step"] for r in validation] == [2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in training)
+    assert torch.isfinite(torch.tensor(validation[0]["validation_loss"]))

@@ -235,3 +235,53 @@ def test_an_expert_layer_without_the_expert_parallel_interface_is_named():
 
     with pytest.raises(TypeError, match=r"OwnMoE .* has no experts.num_experts, experts.grad_scale, a `dispatcher`"):
         check_expert_layer(OwnMoE())
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_experts_compute_in_autocasts_dtype_on_both_paths(grouped, input_dtype, monkeypatch):
+    """The trainer's bf16 without FSDP: torch.autocast over float32 weights. autocast casts the loop's
+    matmuls but has no rule for torch._grouped_mm, so both paths must cast for themselves: bf16 out
+    for float32 tokens (a trunk block's norm output) and for bf16 ones (a block whose residual is a
+    matmul's output), float32 gradients for the float32 weights, and the same values either way."""
+    monkeypatch.setitem(moe_module._GROUPED_MM_OK, ("cpu", torch.bfloat16), grouped)
+    calls = []
+    monkeypatch.setattr(moe_module, "_grouped", lambda *a: calls.append(1) or torch._grouped_mm(
+        a[0], a[1], offs=torch.cumsum(a[2], 0, dtype=torch.int32)))
+    experts = build(hidden_dim=16).experts  # bf16 rows of 32 bytes: torch._grouped_mm takes them
+    counts = torch.tensor([3, 0, 5, 1, 0, 4, 2, 1])
+    x = tokens(1, 16, seed=2).reshape(16, DIM).to(input_dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(x, counts)
+    assert out.dtype == torch.bfloat16
+    assert len(calls) == (3 if grouped else 0)
+    out.float().square().sum().backward()
+    assert x.grad.dtype == input_dtype and all(p.grad.dtype == torch.float32 for p in experts.parameters())
+    # Against the same matmuls run in bf16 by hand.
+    w1, w2, w3 = (p.detach().bfloat16().transpose(-2, -1) for p in (experts.w1, experts.w2, experts.w3))
+    xb = x.detach().bfloat16()
+    h = F.silu(moe_module._looped(xb, w1, counts)) * moe_module._looped(xb, w3, counts)
+    torch.testing.assert_close(out.detach(), moe_module._looped(h, w2, counts), atol=2e-2, rtol=2e-2)
+
+
+def test_the_grouped_matmul_probe_is_not_fooled_by_autocast(monkeypatch):
+    """First asked inside autocast (a model whose buffers were not reset first), the probe still
+    judges the grouped matmul in the dtype it is asked about, not against autocast's bf16 loop."""
+    cpu = torch.device("cpu")
+    expected = moe_module._probe_grouped_mm(cpu, torch.float32)
+    monkeypatch.delitem(moe_module._GROUPED_MM_OK, ("cpu", torch.float32), raising=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moe_module.grouped_mm_works(cpu, torch.float32) == expected
+    assert expected  # torch._grouped_mm runs on CPU in float32 (torch 2.13)
+
+
+def test_the_grouped_matmul_is_skipped_where_its_strides_would_be_refused(monkeypatch):
+    """torch._grouped_mm needs each operand's inner stride to be a multiple of 16 bytes: an expert
+    hidden size of 12 is 24 bytes in bf16 ("strides should be multiple of 16 bytes"). Such experts
+    take the loop, with the loop's results, instead of failing at the first step."""
+    monkeypatch.setitem(moe_module._GROUPED_MM_OK, ("cpu", torch.bfloat16), True)
+    m = build(hidden_dim=12).to(torch.bfloat16)
+    x = tokens().to(torch.bfloat16)
+    out = m(x)
+    monkeypatch.setitem(moe_module._GROUPED_MM_OK, ("cpu", torch.bfloat16), False)
+    torch.testing.assert_close(out, m(x), atol=0, rtol=0)

@@ -16,8 +16,8 @@ parallel (with sequence parallel) divides them:
 - `autocast_casts`, `autocast_moved`: bf16 under torch.autocast over float32 parameters (the
   trainer's bf16 without FSDP), as measured on CPU: the bf16 copies autocast makes of float32
   tensors, one per matmul that reads them (where the bf16 count has one shared copy; gathered); split
-  elements kept in float32 instead of bf16 (ops that autocast leaves alone: the grouped expert
-  matmuls);
+  elements kept in float32 instead of bf16 (ops that autocast leaves alone; none in the shipped
+  blocks);
 - `outputs`: how many more times the block's result goes through the output layer and the loss (a
   multi-token prediction depth's block: once).
 The standard block's counts below are those of its eager forward on CPU: tests/models/
@@ -88,11 +88,11 @@ def moe_counts(moe: nn.Module) -> ActivationCounts:
     # The op policy keeps the router's matmul (scores, the 5th after attention's four) and one of the
     # shared experts' SwiGLU projections (which ones is set by how many small matmuls routing made).
     op_kept = args.num_experts + (shared.w1.out_features if shared is not None else 0)
-    # Under autocast the routed experts' grouped matmuls run in float32 (the norm output's), and the
-    # router and the shared experts' w1 and w3 each cast the norm output.
+    # Under autocast the routed experts cast their gathered tokens once (moe.matmul_dtype), so they
+    # keep what they keep in bf16; the router and the shared experts' w1 and w3 each cast the norm
+    # output.
     return ActivationCounts(split=split, gathered=0, fp32=fp32, int64=3 * k, op_kept=op_kept,
-                            autocast_casts=2 * dim if shared is not None else 0,
-                            autocast_moved=k * (dim + 4 * hidden))
+                            autocast_casts=2 * dim if shared is not None else 0)
 
 
 def add(*counts: ActivationCounts) -> ActivationCounts:

@@ -10,7 +10,10 @@ What is unusual here:
 - Expert matmuls run as one grouped matmul (`torch._grouped_mm`) over the tokens sorted by expert
   when a one-time probe shows that it works, forward and backward, for the device and dtype;
   otherwise as a loop of per-expert matmuls (the same results within float32 round-off). The
-  choice is logged once per (device, dtype).
+  choice is logged once per (device, dtype). Under torch.autocast (the trainer's bf16 without
+  FSDP) both run in autocast's dtype: autocast has no rule for `torch._grouped_mm`, so the experts
+  cast their tokens and weights themselves, as autocast does for the loop's matmuls
+  (`matmul_dtype`).
 - Combining: the k outputs of a token are written back to its k assignment slots and summed per
   token, with no scatter-add, so the result is deterministic on every device.
 - Load balancing without an auxiliary loss: a per-expert bias (buffer `expert_bias`, saved in
@@ -94,12 +97,16 @@ _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm gives the loop's results, forward and backward, here (probed once)."""
+    """Whether torch._grouped_mm gives the loop's results, forward and backward, here, with both
+    operands in `dtype` (probed once per device type and dtype)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
         # Isolated from the caller's autograd state: the probe may first run inside a checkpointed
-        # forward, whose saved tensors must be the same in the recomputation (which skips it).
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        # forward, whose saved tensors must be the same in the recomputation (which skips it). And
+        # from its autocast: there the loop's matmuls would run in autocast's dtype, not in `dtype`,
+        # and the comparison would judge the grouped matmul by another dtype's round-off.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                torch.autocast(device.type, enabled=False):
             ok = _probe_grouped_mm(device, dtype)
         _GROUPED_MM_OK[key] = ok
         logger.info(
@@ -140,15 +147,39 @@ def _looped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     return torch.cat(out)
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul reading `x` runs in: autocast's where autocast is on for x's device and
+    would cast x (a float32, float16 or bfloat16 tensor), else x's own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` sorted by expert (counts[e] rows for expert e) times w[e] ([experts, in, out])."""
+    """Rows of `x` sorted by expert (counts[e] rows for expert e) times w[e] ([experts, in, out]).
+    Under autocast in autocast's dtype, like any matmul: autocast casts the loop's matmuls but has
+    no rule for torch._grouped_mm, which would otherwise get float32 tokens and weights (or bf16
+    tokens and float32 weights, and fail)."""
+    dtype = matmul_dtype(x)
+    x, w = x.to(dtype), w.to(dtype)
     if x.shape[0] == 0:
         # Empty, but still computed from x and w: under expert parallel the backward must reach the
         # all-to-all before these experts on every rank, also on one that received no token.
         return x @ w[0]
-    if grouped_mm_works(x.device, x.dtype):
+    if grouped_mm_works(x.device, dtype) and _grouped_layout_ok(x, w):
         return _grouped(x, w, counts)
     return _looped(x, w, counts)
+
+
+def _grouped_layout_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands, forward and backward: it needs each operand's
+    non-unit inner stride to be a multiple of 16 bytes, which for x [tokens, in] and w [experts, in,
+    out] (and the gradients' [tokens, out]) means `in` and `out` multiples of 8 in bf16 (4 in
+    float32). A flavor whose widths are not (a small custom one) takes the loop. (Its other need,
+    16-byte-aligned data, holds for the tensors here: whole allocations, not offset views.)"""
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and x.is_contiguous()
 
 
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
@@ -180,6 +211,9 @@ class GroupedExperts(nn.Module):
         weights = [local_tensor(w) for w in (self.w1, self.w2, self.w3)]
         if self.grad_scale != 1.0:
             weights = [scale_gradient(w, self.grad_scale) for w in weights]
+        # Cast once here, not in each expert_matmul: w1 and w3 then share one autocast copy of the
+        # tokens (kept for their backward).
+        x = x.to(matmul_dtype(x))
         w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
         h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
         return expert_matmul(h, w2, counts)

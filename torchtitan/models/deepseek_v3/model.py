@@ -116,7 +116,11 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope, doc_ids=doc_ids)
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        # The block's residual stream in the trunk's dtype: under autocast the trunk's stays float32
+        # (the embedding's; each block adds its bf16 outputs to it), while eh_proj, a matmul, gives
+        # bf16. Under FSDP's bf16 policy both are bf16 already.
+        return self.block(x.to(h.dtype), rope, doc_ids=doc_ids)
 
 
 class Transformer(Decoder):
@@ -202,10 +206,17 @@ def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
     return transformer_flops_per_token(matmul, width, [None] * (args.n_layers + args.mtp_depth), doc_lengths)
 
 
+def _shifted(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x [batch, seq] moved k positions to the left, `fill` past the window's end; all `fill` where
+    k >= seq (a validation window may be shorter than the training depth)."""
+    seq = x.shape[1]
+    return F.pad(x[:, min(k, seq):], (0, min(k, seq)), value=fill)
+
+
 def _ahead(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     """[batch, seq, depth]: column k - 1 holds the token k positions ahead; past the window any id
     (0; its label is ignored)."""
-    return torch.stack([F.pad(tokens[:, k:], (0, k)) for k in range(1, depth + 1)], dim=-1)
+    return torch.stack([_shifted(tokens, k, 0) for k in range(1, depth + 1)], dim=-1)
 
 
 def mtp_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
@@ -214,7 +225,7 @@ def mtp_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
     cross-document labels are ignored, and in the window)."""
     columns, valid = [labels], labels != IGNORE_INDEX
     for k in range(1, depth + 1):
-        ahead = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
+        ahead = _shifted(labels, k, IGNORE_INDEX)
         valid = valid & (ahead != IGNORE_INDEX)
         columns.append(torch.where(valid, ahead, IGNORE_INDEX))
     return torch.stack(columns, dim=-1)
