@@ -1,12 +1,17 @@
-"""Data files corrupt in the middle: the loader delivers the documents before the damage, then stops
+"""Local data files, one reader per format (torchtitan/components/data/formats.py): every format reads
+as the JSON lines of the same texts (in one lane and in two, resumed, shuffled), training.dataset_text_field,
+bad records named by their line or column, and files corrupt in the middle.
+
+Data files corrupt in the middle: the loader delivers the documents before the damage, then stops
 with one UserError (printed without a traceback, exit 2) naming the file and where: the compressed
 bytes being decoded and the last complete line read (gzip, zstd), the row group and its rows
 (parquet), the record batch (Arrow). The files are real bytes, damaged where a decoder must notice.
 
-The loader reads one lane (a global batch of one sequence, components/data/lanes.py) in stored order:
+There the loader reads one lane (a global batch of one sequence, components/data/lanes.py) in stored order:
 the lane reads the whole file as one token stream, so what it delivers before the failure is the start
 of the file's stream."""
 
+import gzip
 import json
 import random
 import re
@@ -15,7 +20,9 @@ import zlib
 
 import pytest
 
-from conftest import CharTokenizer
+from conftest import (CharTokenizer, document_units, expected_stream, expected_windows, json_round_trip,
+                      jsonl_pieces, lane_windows, make_loader, random_docs, take, write_arrow, write_gz,
+                      write_jsonl, write_parquet, write_save_to_disk, write_zst)
 from torchtitan.components.data import build_dataloader, compression
 from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
@@ -301,3 +308,154 @@ def test_arrow_record_batch_corrupt_names_the_batch(tmp_path, file_format):
     assert re.search(rf"cannot read Arrow file \S*b.arrow: record batch 5{of} \(counted from 0, after 50 rows\) "
                      r"fails \(.+\); it is corrupt or truncated", message), message
     assert_delivered(windows, docs[:40], 40)
+
+
+# --- every format reads as the JSON lines of the same texts ----------------------------------------
+
+
+def write_json_array(path, docs):
+    path.write_text(json.dumps([{"text": d, "n": i} for i, d in enumerate(docs)], indent=1))
+    return path
+
+
+def write_txt_folder(path, docs):
+    path.mkdir()
+    for i, d in enumerate(docs):
+        (path / f"{i:03d}.txt").write_text(d)
+    (path / "007.txt").unlink()  # document 7 compressed instead
+    (path / "007.txt.gz").write_bytes(gzip.compress(docs[7].encode()))
+    return path
+
+
+def write_dataset_dict(path, docs):
+    """datasets.DatasetDict.save_to_disk: one save_to_disk folder per split."""
+    path.mkdir()
+    write_save_to_disk(path / "train", docs)
+    write_save_to_disk(path / "validation", ["held out"], shards=1)
+    (path / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    return path
+
+
+# (writer, file name, its units for 2 lanes, random access)
+FORMATS = {
+    "jsonl.gz": (write_gz, "d.jsonl.gz", lambda docs: [docs], False),  # compressed: one unit
+    "jsonl.zst": (write_zst, "d.jsonl.zst", lambda docs: [docs], False),
+    "json array": (write_json_array, "d.json", lambda docs: [docs], False),
+    "txt folder": (write_txt_folder, "docs", lambda docs: document_units(docs, 2), True),
+    "parquet": (write_parquet, "d.parquet", lambda docs: [docs[:14], docs[14:]], False),  # 2 row groups each
+    "arrow stream": (write_arrow, "d.arrow", lambda docs: document_units(docs, 2), True),
+    "arrow file": (lambda p, d: write_arrow(p, d, file_format=True), "d.arrow", lambda docs: document_units(docs, 2),
+                   True),
+    "save_to_disk": (write_save_to_disk, "ds", lambda docs: document_units(docs, 2), True),
+    "DatasetDict": (write_dataset_dict, "dd", lambda docs: document_units(docs, 2), True),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_reads_as_the_jsonl_of_the_same_texts(tmp_path, fmt):
+    writer, name, units_of, random_access = FORMATS[fmt]
+    docs = random_docs(23, seed=5)
+    docs[4] = ""  # an empty document keeps its index
+    jsonl = write_jsonl(tmp_path / "ref.jsonl", docs)
+    path = writer(tmp_path / name, docs)
+    # One lane: stored order, as the JSON lines file of the same texts reads.
+    reference = take(iter(make_loader(jsonl, 8, 1)), 60)  # 60 windows of 9 tokens: two epochs and more
+    assert take(iter(make_loader(path, 8, 1)), 60) == reference == expected_windows(docs, 8, 0, 60)
+    # Two lanes: each reads its units (the JSON lines file: two byte ranges).
+    assert take(iter(make_loader(jsonl, 8, 2)), 30) == lane_windows(jsonl_pieces(jsonl, docs, 2), 2, 8, 60)
+    units = units_of(docs)
+    loader = make_loader(path, 8, 2)
+    it = iter(loader)
+    assert take(it, 30) == lane_windows(units, 2, 8, 60)
+    # Resume deep into the data (parquet skips whole row groups, the others count documents).
+    state = json_round_trip(loader.state_dict())
+    resumed = make_loader(path, 8, 2)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 5) == take(it, 5)
+    # The default: shuffled (streams in blocks of shuffle_buffer documents).
+    got = take(iter(make_loader(path, 8, 2, shuffle=None)), 30)
+    assert got == lane_windows(units, 2, 8, 60, seed=0, random_access=random_access) != reference[:60]
+    if not random_access:  # a smaller shuffle block
+        got = take(iter(make_loader(path, 8, 2, shuffle=True, shuffle_buffer=5)), 30)
+        assert got == lane_windows(units, 2, 8, 60, seed=0, block=5)
+
+
+def test_txt_file_is_one_document(tmp_path):
+    text = "line one\nline two\n\nline four\n"
+    path = tmp_path / "doc.txt"
+    path.write_text(text)
+    got = [t for w in take(iter(make_loader(path, seq_len=9, local_batch=1)), 6) for t in w]
+    assert got == expected_stream([text], len(got))
+
+
+@pytest.mark.parametrize("writer", [write_parquet, write_arrow, "jsonl"])
+def test_text_field_option(tmp_path, writer):
+    docs = random_docs(10, seed=8)
+    if writer == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps({"content": d, "text": 0}) + "\n" for d in docs))
+    else:
+        path = writer(tmp_path / f"d.{'parquet' if writer is write_parquet else 'arrow'}", docs, field="content")
+    loader = make_loader(path, 8, 1, dataset_text_field="content")
+    assert take(iter(loader), 10) == expected_windows(docs, 8, 0, 10)
+
+
+# --- bad records -----------------------------------------------------------------------------------
+
+
+def test_bad_json_on_the_first_line_fails_when_the_loader_is_built(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"\n')
+    with pytest.raises(UserError, match=r"bad.jsonl line 1: invalid JSON"):
+        make_loader(path, 8, 2)
+
+
+def test_bad_json_later_fails_naming_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    first = '{"text": "a fine first document"}\n'
+    path.write_text(first + '\n{"text": oops}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl line 3: invalid JSON"):
+        take(iter(make_loader(path, 8, 1)), 10)
+    # Two lanes read the file in two byte ranges: the second names where its bad line starts.
+    assert path.stat().st_size // 2 <= len(first) + 1
+    with pytest.raises(UserError, match=rf"bad.jsonl line at byte {len(first) + 1}: invalid JSON"):
+        take(iter(make_loader(path, 8, 2)), 5)
+
+
+@pytest.mark.parametrize("line", ['{"content": "x"}', '["text"]', '{"text": 5}'])
+def test_line_without_a_text_string(tmp_path, line):
+    path = tmp_path / "d.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(UserError, match=r"d.jsonl line 1: .*'text'"):
+        make_loader(path, 8, 2)
+
+
+def test_parquet_without_the_text_column_names_its_columns(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", ["a", "b"], field="content")
+    with pytest.raises(UserError, match=r"d.parquet has no column 'text' \(its columns: id, content\); set "
+                                        r"training.dataset_text_field"):
+        make_loader(path, 8, 2)
+
+
+def test_arrow_column_that_is_not_text(tmp_path):
+    path = write_arrow(tmp_path / "d.arrow", ["a"])
+    with pytest.raises(UserError, match=r"d.arrow: column 'id' is of type int64, not text"):
+        make_loader(path, 8, 2, dataset_text_field="id")
+
+
+def test_bad_line_found_in_a_shuffled_file_names_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": d}) for d in random_docs(6, seed=13)]
+    lines[4] = '{"text": oops}'
+    path.write_text("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n")  # a blank line 3
+    it = iter(make_loader(path, 8, 1, shuffle=True))
+    with pytest.raises(UserError, match=r"bad.jsonl line 6: invalid JSON"):
+        take(it, 80)
+
+
+def test_bad_line_in_a_compressed_file_names_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "a fine first document"}\n{"body": "x"}\n'))
+    it = iter(make_loader(path, 8, 2))
+    with pytest.raises(UserError, match=r"bad.jsonl.gz line 2: no 'text' field \(it has 'body'\)"):
+        take(it, 5)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CharTokenizer, lane_streams
+from conftest import LAYOUTS, CharTokenizer, lane_streams, lane_windows, run_steps
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.files import FilesSource
 from torchtitan.components.data.lanes import document_ranges, lane_share
@@ -393,3 +393,19 @@ def test_the_first_log_lines_say_how_the_data_was_cut(tmp_path, caplog):
     assert "dataset local is small for its lanes: a unit of 33 tokens is shared by 8 lanes, 4 tokens each per " \
            "epoch, less than one sequence of seq_len + 1 = 17" in caplog.text
     assert "repeats the unit's tokens about 4.1 times" in caplog.text
+
+
+# --- sample ownership: each rank reads its contiguous block of each step ----------------------------
+
+
+@pytest.mark.parametrize("dp,lb,gb", LAYOUTS)
+def test_each_rank_reads_its_contiguous_block_of_each_step(docs_path, dp, lb, gb):
+    units, path = docs_path
+    steps = 3
+    reference = lane_windows(units, gb, 16, steps * gb)
+    block = gb // dp
+    for s, ranks in enumerate(run_steps(path, dp, lb, gb, steps)):
+        for r, samples in enumerate(ranks):
+            assert samples == reference[s * gb + r * block : s * gb + (r + 1) * block], (s, r)
+        # The step's union is the same for every layout: the layouts compare step by step.
+        assert [w for samples in ranks for w in samples] == reference[s * gb : (s + 1) * gb]

@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from conftest import CharTokenizer, framed_documents, lane_streams, mixture_corpus
+from conftest import CHARS, framed_documents, lane_streams, mixture_corpus
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.components.data.mixing import counts_after, integer_weights, next_source, schedule
@@ -20,7 +20,6 @@ from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix
 from torchtitan.config.job_config import Training
 
-CHARS = CharTokenizer()
 ALPHABETS = ("abcdefgh ", "KLMNOPQR ", "0123456789 ")
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CharTokenizer, framed_documents, lane_streams
+from conftest import CHARS, MODEL, CharTokenizer, framed_documents, lane_streams, merged
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.shuffle import Permutation
 from torchtitan.components.data.token_folder import pretokenize
@@ -31,13 +31,9 @@ from torchtitan.config.errors import UserError
 from torchtitan.config.job_config import Training
 
 ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "assets" / "tokenizer" / "python_stdlib_4k.model"
 SCRIPT = ROOT / "scripts" / "pretokenize.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import pretokenize as script  # noqa: E402 (scripts/pretokenize.py)
-
-
-CHARS = CharTokenizer()
 
 
 def random_docs(n, seed=0, lo=0, hi=40):
@@ -78,16 +74,6 @@ def write_arrow(path, docs):
     with pa.ipc.new_file(str(path), table.schema) as writer:
         writer.write_table(table)
     return path
-
-
-def merged(states):
-    """One state with every lane, from the states of ranks simulated in one process (each holds its own
-    lanes), as a multi-process run's all-gather makes it."""
-    out = json.loads(json.dumps(states[0]))
-    lanes = {p: position for state in states for p, position in state["dataset_state"]["lanes"]}
-    out["dataset_state"]["lanes"] = [[p, lanes[p]] for p in sorted(lanes)]
-    out["dataset_state"]["next_sample"] = sum(s["next_sample"] for ps in lanes.values() for s in ps)
-    return out
 
 
 @pytest.fixture(scope="module")
