@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.models.common.layers import kv_caches
+from torchtitan.models.common.layers import Attention, kv_caches
+from torchtitan.models.common.rotary import PAIRS
 from torchtitan.models.common.spec import ModelSize, count_parameters
 from torchtitan.models.common.tp_plan import TensorParallelPlan
-from torchtitan.models.llama3.model import Attention, Transformer, TransformerBlock, apply_rotary_emb
+from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.registry import get_model_spec, register_model
 
 # ---- the family ----------------------------------------------------------------------------
@@ -42,16 +43,13 @@ class Sinks(nn.Module):
 
 
 class SinkAttention(Attention):
+    """Llama 3's attention (the shared module), whose kernel call also returns the log-sum-exp."""
+
     def __init__(self, args):
-        super().__init__(args)
+        super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, PAIRS)
         self.sinks = Sinks(args.n_heads)
 
-    def forward(self, x, freqs_cis, cache=None, start_pos: int = 0, doc_ids=None):
-        bs, seqlen, _ = x.shape
-        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, k, freqs_cis)
+    def attend(self, q, k, v, cache, start_pos, doc_ids):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out, lse = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window, return_lse=True)
@@ -59,18 +57,14 @@ class SinkAttention(Attention):
             out, lse = cache.attend(q, k, v, start_pos, self.window, return_lse=True)
         # The sink's share of the softmax's mass: exp(s) / (exp(s) + exp(lse)).
         out = out * torch.sigmoid(lse - self.sinks.local()[None, :, None]).unsqueeze(-1).to(out.dtype)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
-
-
-class SinkBlock(TransformerBlock):
-    def __init__(self, layer_id: int, args):
-        super().__init__(layer_id, args)
-        self.attention = SinkAttention(args)
+        return out.transpose(1, 2).flatten(2)
 
 
 class SinkTransformer(Transformer):
     def block(self, layer_id: int) -> nn.Module:
-        return SinkBlock(layer_id, self.args)
+        block = super().block(layer_id)
+        block.attention = SinkAttention(self.args)  # in Llama 3's attention's place (same names)
+        return block
 
 
 class ShardHeads(ParallelStyle):

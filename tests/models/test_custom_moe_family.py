@@ -1,8 +1,8 @@
 """A second family defined here, outside the package: a decoder with a mixture-of-experts class of
 its own (not torchtitan's MoE) and attention whose value heads are wider than its query/key heads
 (24 against 16, as MLA's are). It reaches expert parallel and context parallel through its spec
-alone (expert_layers, cp_attention) and registers itself when imported; the jobs below name this
-file in experimental.custom_import.
+alone (its MoE hooks in one value, `moe`: expert_layers and a metrics hook; cp_attention) and
+registers itself when imported; the jobs below name this file in experimental.custom_import.
 
 Tests: EP 2 and CP 2 train with the single process's losses within 1e-5, and the spec's metrics
 hook shows that expert parallel really split the experts (2 of 4 local per rank, the dispatcher
@@ -21,7 +21,7 @@ from torchtitan.models.common.decoder import Decoder, matmul_parameters
 from torchtitan.models.common.init import normal, ones
 from torchtitan.models.common.moe import local_tensor
 from torchtitan.models.common.rotary import inv_frequencies
-from torchtitan.models.common.spec import ModelSize, ModelSpec, count_parameters, transformer_flops_per_token
+from torchtitan.models.common.spec import ModelSize, ModelSpec, MoEHooks, count_parameters, transformer_flops_per_token
 from torchtitan.models.registry import register_model
 
 # ---- the family ----------------------------------------------------------------------------
@@ -159,8 +159,7 @@ SPEC = ModelSpec(
     tp_plan=None,
     tp_sizes=lambda a: {},
     cp_attention="attention",
-    expert_layers=lambda model: [block.moe for block in model.layers.values()],
-    metrics=experts_seen,
+    moe=MoEHooks(expert_layers=lambda model: [block.moe for block in model.layers.values()], metrics=experts_seen),
 )
 register_model(SPEC)
 

@@ -6,7 +6,8 @@ import torch
 
 from torchtitan.config import UserError
 from torchtitan.models.llama3.args import ModelArgs, flavors
-from torchtitan.models.llama3.model import Transformer, apply_rotary_emb, precompute_freqs_cis
+from torchtitan.models.common.rotary import complex_table, rotate_pairs
+from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
 
 
@@ -46,8 +47,8 @@ def test_permutation_turns_interleaved_rope_into_rotate_half():
     wq_hf = to_hf(sd, args)["model.layers.0.self_attn.q_proj.weight"]
     x = torch.randn(1, 5, args.dim)
     hd = args.head_dim
-    freqs = precompute_freqs_cis(hd, 5, args.rope_theta)
-    q_meta, _ = apply_rotary_emb((x @ wq.T).view(1, 5, -1, hd), (x @ wq.T).view(1, 5, -1, hd), freqs)
+    freqs = complex_table(hd, 5, args.rope_theta)
+    q_meta = rotate_pairs((x @ wq.T).view(1, 5, -1, hd), freqs)
 
     q = (x @ wq_hf.T).view(1, 5, -1, hd)
     angles = torch.cat([freqs.angle(), freqs.angle()], dim=-1).view(1, 5, 1, hd)

@@ -1,9 +1,10 @@
 """The model registry: the one place that imports model families.
 
-The families shipped with torchtitan are listed in `_BUILTIN` (name -> the function building the
-family's spec, imported only when first asked for, then kept). Code outside the package extends
-the registry from a module that the job names in `experimental.custom_import` (imported by
-`import_custom_module` before the model is looked up; docs/models.md has worked examples):
+The families shipped with torchtitan are listed in `_BUILTIN` (name -> the family's package, whose
+`build_spec()` is imported and called when the spec is first asked for; the spec is then kept).
+Code outside the package extends the registry from a module that the job names in
+`experimental.custom_import` (imported by `import_custom_module` before the model is looked up;
+docs/models.md has worked examples):
 
 - `register_flavor(model_name, flavor_name, args)` adds a size to a family (built in or
   registered), selected with model.flavor = flavor_name;
@@ -17,35 +18,17 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.spec import ModelSpec
 
 
-def _llama3() -> ModelSpec:
-    from torchtitan.models.llama3 import build_spec
-
-    return build_spec()
-
-
-def _qwen3() -> ModelSpec:
-    from torchtitan.models.qwen3 import build_spec
-
-    return build_spec()
-
-
-def _deepseek_v3() -> ModelSpec:
-    from torchtitan.models.deepseek_v3 import build_spec
-
-    return build_spec()
-
-
-_BUILTIN: dict[str, Callable[[], ModelSpec]] = {
-    "llama3": _llama3,
-    "qwen3": _qwen3,
-    "deepseek_v3": _deepseek_v3,
+# name -> the package of the family, whose build_spec() gives its spec (imported only when asked for).
+_BUILTIN: dict[str, str] = {
+    "llama3": "torchtitan.models.llama3",
+    "qwen3": "torchtitan.models.qwen3",
+    "deepseek_v3": "torchtitan.models.deepseek_v3",
 }
 _BUILT: dict[str, ModelSpec] = {}  # the built-in specs built so far
 _REGISTERED: dict[str, ModelSpec] = {}  # register_model's specs, as given
@@ -135,7 +118,7 @@ def _own_spec(name: str) -> ModelSpec:
             f"outside torchtitan registers itself in the module named by experimental.custom_import)"
         )
     if name not in _BUILT:
-        _BUILT[name] = _BUILTIN[name]()
+        _BUILT[name] = importlib.import_module(_BUILTIN[name]).build_spec()
     return _BUILT[name]
 
 

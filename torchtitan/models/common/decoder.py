@@ -1,5 +1,7 @@
 """The decoder the families share: token embedding -> blocks -> final RMSNorm -> output layer,
-with Meta's module names (tok_embeddings, layers.N, norm, output) and optionally tied embeddings.
+with Meta's module names (tok_embeddings, layers.N, norm, output) and optionally tied embeddings;
+`Transformer`, the standard one (blocks of layers.Attention and SwiGLU or MoE), configured by a
+family's class attributes; `decoder_spec`, its ModelSpec; `moe_hooks`, the spec's MoE hooks.
 
 A family subclasses `Decoder` and gives its blocks (`block(layer_id)`), its rotary table
 (`rotary_table()`: one row per position, whatever layout its attention reads) and its
@@ -18,8 +20,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan.models.common.init import seeded_init_, trunc_normal
-from torchtitan.models.common.layers import KVCache, rotary_rows
+from torchtitan.models.common import moe
+from torchtitan.models.common.activations import standard_block_counts
+from torchtitan.models.common.init import normal, ones, seeded_init_, trunc_normal, zeros
+from torchtitan.models.common.layers import Attention, FeedForward, KVCache, TransformerBlock, rotary_rows
+from torchtitan.models.common.rotary import PAIRS, Rotary
+from torchtitan.models.common.spec import (
+    ModelSize, ModelSpec, MoEHooks, count_parameters, transformer_flops_per_token,
+)
 
 EMBEDDING = "tok_embeddings.weight"
 Init = Callable[[torch.Tensor, torch.Generator], None]  # (full tensor, generator) -> fills it
@@ -138,3 +146,116 @@ def matmul_parameters(size, args) -> int:
     counts its weight once, as the embedding."""
     tied = getattr(args, "tie_word_embeddings", False)
     return size.active - size.embedding + (args.vocab_size * args.dim if tied else 0)
+
+
+def layer_window(args, layer_id: int) -> int | None:
+    """Layer `layer_id`'s sliding window: args.layer_window(layer_id) where the args have one, else None."""
+    return args.layer_window(layer_id) if hasattr(args, "layer_window") else None
+
+
+def feed_forward(dim: int, hidden_dim: int, moe_args: moe.MoEArgs | None) -> nn.Module:
+    """SwiGLU of width hidden_dim, or, where `moe_args` is set, a mixture of experts in its place."""
+    return moe.MoE(dim, moe_args) if moe_args is not None else FeedForward(dim, hidden_dim)
+
+
+class Transformer(Decoder):
+    """The standard decoder: each block grouped-query layers.Attention, then SwiGLU, or a mixture of
+    experts where `args.moe` is set. A family subclasses it and sets what differs as class attributes.
+    Its args give dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim, norm_eps, depth_init,
+    rope_theta, max_seq_len, vocab_size, and where they have them rope_scaling, moe, tie_word_embeddings
+    and layer_window(layer_id)."""
+
+    rotary: Rotary = PAIRS  # the rotary layout: rotary.PAIRS (Meta's complex pairs) or rotary.HALVES
+    qk_norm: bool = False  # an RMSNorm per head on queries and keys (Qwen3)
+    # Matrices drawn with std 0.02, by their own name (the router's is "gate"); a block's other matrices
+    # (wo, w2, w3) with its out_init_std.
+    input_projections: tuple[str, ...] = ("wq", "wk", "wv", "w1", "gate")
+
+    def block(self, layer_id: int) -> nn.Module:
+        a = self.args
+        attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, self.rotary,
+                              qk_norm_eps=a.norm_eps if self.qk_norm else None, window=layer_window(a, layer_id))
+        return TransformerBlock(layer_id, a, attention, feed_forward(a.dim, a.ffn_hidden_dim, getattr(a, "moe", None)))
+
+    def rotary_table(self) -> torch.Tensor:
+        a = self.args
+        return self.rotary.table(a.head_dim, a.max_seq_len, a.rope_theta, getattr(a, "rope_scaling", None))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
+        super().init_weights(seed, buffer_device)
+        for _, layer in moe.moe_layers(self):  # the balancing bias and token counts start at zero
+            layer.reset_buffers(buffer_device)
+
+    def init_for(self, name: str):
+        if name.endswith("norm.weight"):  # also the per-head q/k norms
+            return ones()
+        if name.endswith(".bias"):
+            return zeros()
+        if name.startswith("tok_embeddings."):
+            return normal(1.0)
+        if name.startswith("output."):
+            return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
+        # The projection's own name, also for the experts' 3-D weights (feed_forward.experts.w1).
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in self.input_projections:
+            return trunc_normal(0.02)
+        return trunc_normal(self._block_of(name).out_init_std)
+
+    def _block_of(self, name: str) -> nn.Module:
+        """The block that holds parameter `name`: its nearest enclosing module with an out_init_std."""
+        path = name.split(".")[:-1]
+        while not hasattr(module := self.get_submodule(".".join(path)), "out_init_std"):
+            path.pop()
+        return module
+
+    @classmethod
+    def model_size(cls, args) -> ModelSize:
+        """Parameter counts; a token uses top_k of the routed experts of each MoE block."""
+        total, embedding = count_parameters(cls, args)
+        moe_args = getattr(args, "moe", None)
+        if moe_args is None:
+            return ModelSize(total=total, active=total, embedding=embedding)
+        with torch.device("meta"):
+            blocks = len(moe.moe_layers(cls(args)))
+        moe_total, moe_active = moe.count_moe_parameters(moe_args, args.dim)
+        return ModelSize(total=total, active=total - blocks * (moe_total - moe_active), embedding=embedding)
+
+    @classmethod
+    def flops_per_token(cls, args, doc_lengths: int | list[int]) -> float:
+        windows = [layer_window(args, i) for i in range(args.n_layers)]
+        return transformer_flops_per_token(matmul_parameters(cls.model_size(args), args), args.n_heads * args.head_dim,
+                                           windows, doc_lengths)
+
+
+def decoder_spec(model_cls: type[Transformer], **fields) -> ModelSpec:
+    """The ModelSpec of a family built on `Transformer`: sizes and FLOPs from the class, the standard
+    block's activation counts, each block's `attention` for the kernel and context parallel, KV-cache
+    decoding, document masks, the output layer left to AdamW under Muon. `fields` give the rest
+    (name, args_cls, flavors, tp_plan, tp_sizes, hf, ...) and may replace any of these."""
+    return ModelSpec(**{
+        "model_cls": model_cls,
+        "size": model_cls.model_size,
+        "flops_per_token": model_cls.flops_per_token,
+        "activation_counts": standard_block_counts,  # what a block keeps for backward (the layout planner)
+        "cp_attention": "attention",
+        "kv_cache": True,
+        "document_masks": True,
+        "adamw_params": (r"^output\.",),  # Muon leaves the output layer to AdamW
+        **fields,
+    })
+
+
+def moe_hooks() -> MoEHooks:
+    """The spec's MoE hooks (ModelSpec.moe) for a family whose routed experts are moe.MoE blocks: the
+    blocks for expert parallel, the router kept out of float8 and left to AdamW under Muon, the
+    auxiliary losses' gradient scale set for the layout, the balancing bias moved after each step
+    (not by a skipped one), the experts' load as metrics. None of it acts on a model without MoE blocks."""
+    return MoEHooks(
+        expert_layers=moe.expert_layers,
+        high_precision=("router.gate",),
+        adamw_params=(r"\.router\.gate\.",),
+        pre_parallelize=moe.configure_moe,
+        post_optimizer_step=moe.balance_after_step,
+        post_skipped_step=moe.drop_step_counts,
+        metrics=moe.expert_load_metrics,
+    )

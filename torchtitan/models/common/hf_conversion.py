@@ -14,6 +14,35 @@ from torchtitan.models.common.rotary import RopeScaling, YarnScaling
 # Some exports store the rotary frequencies; every family recomputes them from the rotary theta.
 ROTARY_INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
+# Hugging Face's names of the standard decoder's tensors (ours, Meta's, on the left): the top level,
+# and within block N (model.layers.N.<name>) the attention, its optional per-head q/k norms (Qwen3),
+# the two pre-norms, a SwiGLU feed-forward or an MoE router.
+HF_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+HF_ATTENTION = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+}
+HF_QK_NORMS = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+HF_BLOCK_NORMS = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+HF_FEED_FORWARD = {
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+HF_ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+
 
 def first(keys: list[str], n: int = 5) -> str:
     more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
@@ -33,6 +62,17 @@ def check_keys(found, expected, what: str, model: str, optional: tuple[str, ...]
             f"{what} does not match {model}: {'; '.join(parts)}. "
             "Check that the weights and the model configuration belong together."
         )
+
+
+def split_layer_name(ours: str, n_layers: int, model: str) -> tuple[int | None, str]:
+    """(layer, name within it) of our tensor `ours` ("layers.N.<name>"); (None, ours) for a top-level
+    one; KeyError for a layer that `model` (its description) lacks."""
+    if not ours.startswith("layers."):
+        return None, ours
+    _, layer, local = (ours.split(".", 2) + ["", ""])[:3]
+    if not layer.isdigit() or int(layer) >= n_layers:
+        raise KeyError(f"{ours} is not a tensor of {model}")
+    return int(layer), local
 
 
 def unsupported(field: str, value, why: str, family: str) -> UserError:
@@ -88,6 +128,36 @@ def plain_rope_theta(config: dict, default: float, family: str) -> float:
     return rope_from_config(config, default, family)[0]
 
 
+def decoder_config(args, architecture: str, model_type: str) -> dict:
+    """The config.json fields of a standard decoder (Llama's, Qwen3's), in transformers' order: sizes,
+    norm, rotary (both spellings, rope_config), context, tying, SwiGLU, no attention bias. `args`
+    give dim, ffn_hidden_dim, n_layers, n_heads, kv_heads, head_dim, vocab_size, norm_eps, rope_theta,
+    max_seq_len, tie_word_embeddings, and rope_scaling where they have it."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        **rope_config(args.rope_theta, getattr(args, "rope_scaling", None)),
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+def with_token_ids(config: dict, bos_id: int | None, eos_id: int | None) -> dict:
+    """`config` with the tokenizer's bos_token_id and eos_token_id, those that are known."""
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    return {**config, **{field: value for field, value in ids.items() if value is not None}}
+
+
 def rope_config(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict:
     """config.json's rotary fields, in both spellings (transformers 4.x and 5.x)."""
     params = {"rope_type": "default", "rope_theta": theta}
@@ -114,6 +184,13 @@ HF_EMBEDDING, HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def tied_output_hf_names(present: frozenset[str]) -> list[str]:
     """What a tied output.weight is read from: the embedding, then lm_head.weight if the folder stores one."""
     return [HF_EMBEDDING] + ([HF_LM_HEAD] if HF_LM_HEAD in present else [])
+
+
+def tied_output_from_hf(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A tied output.weight from the tensors tied_output_hf_names names: the embedding itself (a stored
+    lm_head.weight must be an equal copy)."""
+    check_tied_copy(tensors, HF_LM_HEAD, HF_EMBEDDING)
+    return tensors[HF_EMBEDDING]
 
 
 def check_tied_copy(sd: dict, output: str, embedding: str):

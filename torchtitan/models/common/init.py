@@ -71,3 +71,7 @@ def normal(std: float):
 
 def ones():
     return lambda t, g: torch.nn.init.ones_(t)
+
+
+def zeros():
+    return lambda t, g: torch.nn.init.zeros_(t)

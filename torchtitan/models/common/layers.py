@@ -1,10 +1,12 @@
-"""Building blocks shared by the model families."""
+"""Building blocks shared by the model families: the KV cache, SwiGLU, the configurable attention
+module and the pre-norm transformer block that every family's blocks are."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.attention import math_attention, repeat_kv, sdpa_attention
+from torchtitan.models.common.rotary import Rotary
 
 
 class KVCache:
@@ -74,6 +76,90 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class AttentionBase(nn.Module):
+    """What every attention module of a block has: `attention_fn`, the kernel (a plain function that the
+    trainer sets and context parallel replaces with its ring; torchtitan.models.common.attention),
+    this layer's sliding `window` (None: every earlier position), and `attend`."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.attention_fn = sdpa_attention
+        self.window = window
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, start_pos: int,
+               doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """q, k, v [batch, seq, heads, d] (k, v may have fewer heads) -> [batch, seq, heads x v_dim]: the
+        kernel in training, the KV cache in decoding. A subclass that changes what attention computes
+        overrides this (e.g. sinks, from the kernel's log-sum-exp)."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            out = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window)
+        else:
+            out = cache.attend(q, k, v, start_pos, self.window)
+        return out.transpose(1, 2).flatten(2)
+
+
+class Attention(AttentionBase):
+    """Grouped-query attention with Meta's names (wq, wk, wv, wo) and the knobs the families use:
+    - `rotary`: the layout of the rotary embedding (rotary.PAIRS or rotary.HALVES);
+    - `qk_norm_eps`: when set, an RMSNorm over each head's features of q and of k (`q_norm`, `k_norm`,
+      one weight [head_dim] for all heads), after the projections and before the rotary (Qwen3);
+    - `bias`: biases on the four projections;
+    - `window`: this layer's sliding window.
+    Reshapes use -1 heads: under tensor parallel the projections hold this rank's heads only."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rotary: Rotary,
+                 qk_norm_eps: float | None = None, bias: bool = False, window: int | None = None):
+        super().__init__(window)
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        norms = qk_norm_eps is not None
+        self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if norms else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if norms else None
+        self.rotate = rotary.rotate
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q, k, v = (w(x).view(bs, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
+        return self.wo(self.attend(q, k, v, cache, start_pos, doc_ids))
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm block: h = x + attention(attention_norm(x)), then h + feed_forward(ffn_norm(h)).
+    `attention` is called as attention(x, rope, cache, start_pos, doc_ids=...) (Attention, or a
+    family's own such as MLA); `feed_forward` is SwiGLU or a mixture of experts. `args` give dim,
+    norm_eps, n_layers and depth_init."""
+
+    def __init__(self, layer_id: int, args, attention: nn.Module, feed_forward: nn.Module):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = attention
+        self.feed_forward = feed_forward
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # The std of the output projections' init: residual-branch outputs start small, deeper ones
+        # smaller (depth_init), or all as the deepest.
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs
+        # (the document ids are a keyword: the plan leaves them as they are).
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope, doc_ids=doc_ids)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class _ScaleGradient(torch.autograd.Function):

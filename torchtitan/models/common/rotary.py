@@ -17,11 +17,14 @@ beta_slow are interpolated, a linear ramp over the pair index lies between (the 
 outwards). The rotation's magnitude is `attention_factor` (mscale ratio), and MLA models scale the
 attention logits by mscale(factor, mscale_all_dim)^2 as well (`yarn_softmax_factor`).
 
-Two layouts of the rotation: adjacent feature pairs as complex numbers (Meta's, DeepSeek's:
-`complex_table` + `rotate_pairs`), or halves (Hugging Face's rotate_half, in the families that use it).
+Two layouts of the rotation (`Rotary`: a table and the rotation that reads it): adjacent feature pairs
+as complex numbers (`PAIRS`: Meta's, DeepSeek's; `complex_table` + `rotate_pairs`), or halves
+(`HALVES`: Hugging Face's rotate_half, feature i with feature i + d/2; `halves_table` + `rotate_halves`).
+A model in one layout imports Hugging Face weights of the other by permuting the q/k rows of each head.
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +118,33 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = N
     ramp = (s.original_max_position_embeddings / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     ramp = ramp.clamp(0.0, 1.0)
     return (1 - ramp) * inv_freq / s.factor + ramp * inv_freq
+
+
+def halves_table(head_dim: int, end: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """[end, 2 x head_dim]: cos then sin of each position's angles, the head_dim/2 angles written twice
+    along the features (Hugging Face's layout), computed in float32 as Hugging Face does."""
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), inv_frequencies(head_dim, theta, scaling))
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def rotate_halves(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, d] by the first `seq` rows of a halves_table (or this rank's
+    positions), feature i paired with feature i + d/2 (rotate_half); in float32."""
+    cos, sin = table[: x.shape[1]].view(1, x.shape[1], 1, -1).chunk(2, dim=-1)
+    x_ = x.float()  # rotate in float32 whatever the activation dtype
+    x1, x2 = x_.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_ * cos + rotated * sin).type_as(x)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """One layout: table(head_dim, end, theta, scaling) -> one row per position, and rotate(x, rows)."""
+
+    table: Callable[..., torch.Tensor]
+    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+PAIRS = Rotary(complex_table, rotate_pairs)
+HALVES = Rotary(halves_table, rotate_halves)

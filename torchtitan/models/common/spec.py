@@ -119,6 +119,25 @@ class ParallelizeInputs:
 
 
 @dataclass(frozen=True)
+class MoEHooks:
+    """What a family with routed experts adds to its spec, as one value (ModelSpec.moe);
+    torchtitan.models.common.decoder.moe_hooks() is the one for blocks of torchtitan.models.common.moe.MoE.
+    Each hook stands for the ModelSpec field of the same name (documented there), which it fills
+    where the spec leaves that field unset; the name patterns are added to the spec's."""
+
+    expert_layers: Callable[[nn.Module], list[nn.Module]]
+    high_precision: tuple[str, ...] = ()
+    adamw_params: tuple[str, ...] = ()  # added only where the spec declares its own (not None)
+    pre_parallelize: Callable[[nn.Module, ParallelizeInputs], None] | None = None
+    post_optimizer_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
+    post_skipped_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
+    metrics: Callable[[list[nn.Module], ParallelizeInputs], dict[str, float]] | None = None
+
+
+_MOE_HOOKS = ("expert_layers", "pre_parallelize", "post_optimizer_step", "post_skipped_step", "metrics")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     args_cls: type
@@ -145,7 +164,8 @@ class ModelSpec:
     # The model's (or a stage's) mixture-of-experts blocks, each as torchtitan.models.common.moe.MoE
     # presents itself to expert parallel (see "Experts" in that module): `.experts` with `num_experts`,
     # weights [num_experts, ...] and `grad_scale`, and a settable `.dispatcher`. None: no flavor of the
-    # family has routed experts (expert parallel is refused before launch).
+    # family has routed experts (expert parallel is refused before launch). A family with experts
+    # usually sets this, the float8 and Muon exceptions of its router and its hooks, all at once: `moe`.
     expert_layers: Callable[[nn.Module], list[nn.Module]] | None = None
     # Module-name suffixes that float8 training leaves in high precision (e.g. an MoE router, whose
     # rounding would change the routing).
@@ -184,6 +204,25 @@ class ModelSpec:
     # (model parts, ParallelizeInputs) after a step skipped as non-finite: drop what its forward recorded.
     post_skipped_step: Callable[[list[nn.Module], ParallelizeInputs], None] | None = None
     metrics: Callable[[list[nn.Module], ParallelizeInputs], dict[str, float]] | None = None
+    # A family with routed experts: its expert_layers, high_precision, adamw_params and hooks in one
+    # value, set once (MoEHooks), which fills those fields above. A copy made with
+    # dataclasses.replace(spec, moe=None) keeps the filled fields: replace them too to drop them.
+    moe: MoEHooks | None = None
+
+    def __post_init__(self):
+        if self.moe is None:
+            return
+        for hook in _MOE_HOOKS:
+            own, theirs = getattr(self, hook), getattr(self.moe, hook)
+            if own is None:
+                object.__setattr__(self, hook, theirs)
+            elif theirs is not None and own is not theirs:
+                raise ValueError(f"ModelSpec {self.name!r}: {hook} is set both in the spec and in its moe hooks; "
+                                 "set it once (one function may call both)")
+        # Filled once: a copy (dataclasses.replace) passes the merged tuples again, which changes nothing.
+        object.__setattr__(self, "high_precision", _union(self.high_precision, self.moe.high_precision))
+        if self.adamw_params is not None:
+            object.__setattr__(self, "adamw_params", _union(self.adamw_params, self.moe.adamw_params))
 
     def args_for_training(self, flavor: str, vocab_size: int, seq_len: int, moe_overrides: dict | None = None,
                           overrides: dict | None = None):
@@ -219,6 +258,11 @@ class ModelSpec:
     def args_from_dict(self, values: dict):
         """Rebuild args from `dataclasses.asdict(args)` (nested dataclasses included)."""
         return _dataclass_from_dict(self.args_cls, values)
+
+
+def _union(a: tuple, b: tuple) -> tuple:
+    """The items of a, then those of b that a lacks, in order."""
+    return tuple(dict.fromkeys((*a, *b)))
 
 
 # The model's vocabulary is the tokenizer's rounded up to a multiple of this: a multiple of every

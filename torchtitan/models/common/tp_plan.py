@@ -12,6 +12,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from torchtitan.models.common.moe import MoE
+
 
 def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
     """The plan of a decoder's top-level modules (tok_embeddings, norm, output)."""
@@ -35,8 +37,9 @@ def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
 def decoder_block_plan(block: nn.Module | None = None) -> dict:
     """The plan of a pre-norm decoder block with Meta's module names: attention_norm, attention
     (wq, wk, wv, wo; called with the residual stream and a rotary table), ffn_norm, feed_forward
-    (SwiGLU w1, w2, w3). A family adds to it what its blocks have besides."""
-    return {
+    (SwiGLU w1, w2, w3, or, in a `block` whose feed_forward is a mixture of experts, token-local).
+    A family adds to it what its blocks have besides."""
+    plan = {
         "attention_norm": SequenceParallel(),
         "attention": gather_sequence_input(n_inputs=2),
         "attention.wq": ColwiseParallel(),
@@ -44,6 +47,13 @@ def decoder_block_plan(block: nn.Module | None = None) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
+    }
+    if isinstance(getattr(block, "feed_forward", None), MoE):
+        # Experts work token by token: each rank routes its own slice of the sequence, with
+        # replicated weights whose gradients are summed over the TP ranks (same router everywhere).
+        return {**plan, "feed_forward": TokenLocal()}
+    return {
+        **plan,
         "feed_forward": gather_sequence_input(),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),

@@ -16,20 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import sdpa_attention
-from torchtitan.models.common.decoder import Decoder, matmul_parameters
-from torchtitan.models.common.init import normal, ones, trunc_normal
-from torchtitan.models.common.layers import FeedForward, KVCache, scale_gradient
-from torchtitan.models.common.moe import MoE, count_moe_parameters, moe_layers
+from torchtitan.models.common import decoder
+from torchtitan.models.common.decoder import matmul_parameters
+from torchtitan.models.common.layers import AttentionBase, FeedForward, KVCache, TransformerBlock, scale_gradient
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rotary import complex_table, rotate_pairs, yarn_softmax_factor
-from torchtitan.models.common.spec import (
-    IGNORE_INDEX, ModelSize, count_parameters, cross_entropy_sum, transformer_flops_per_token,
-)
+from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum, transformer_flops_per_token
 from torchtitan.models.common.tp_plan import grad_summed, replicated
 from torchtitan.models.deepseek_v3.args import ModelArgs
 
 
-class MLA(nn.Module):
+class MLA(AttentionBase):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.nope, self.rope_dim, self.v_dim, self.kv_lora = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
@@ -44,8 +41,6 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
         self.query_scale = yarn_softmax_factor(a.rope_scaling)
-        self.attention_fn = sdpa_attention  # the trainer's kernel, or context parallel's ring
-        self.window: int | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,34 +67,7 @@ class MLA(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k = torch.cat([k_nope, k_rope], dim=-1)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is None:
-            out = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window)
-        else:
-            out = cache.attend(q, k, v, start_pos, self.window)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, a: ModelArgs):
-        super().__init__()
-        self.layer_id = layer_id  # n_layers + k - 1 for multi-token prediction's depth k
-        self.attention = MLA(a)
-        dense = layer_id < a.n_dense_layers
-        self.feed_forward = FeedForward(a.dim, a.inter_dim) if dense else MoE(a.dim, a.moe)
-        self.attention_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
-        self.ffn_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
-        depth = layer_id + 1 if a.depth_init else a.n_layers
-        self.out_init_std = 0.02 / (2 * depth) ** 0.5
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs.
-        if cache is None:
-            h = x + self.attention(self.attention_norm(x), rope, doc_ids=doc_ids)
-        else:
-            h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return self.wo(self.attend(q, k, v, cache, start_pos, doc_ids))
 
 
 class MTPModule(nn.Module):
@@ -107,11 +75,11 @@ class MTPModule(nn.Module):
     token k positions ahead, each normalized, concatenated (embedding first, as the published
     weights expect) and projected back to dim, then one more block; `norm` before the shared output layer."""
 
-    def __init__(self, layer_id: int, a: ModelArgs):
+    def __init__(self, block: TransformerBlock, a: ModelArgs):
         super().__init__()
         self.enorm, self.hnorm = nn.RMSNorm(a.dim, eps=a.norm_eps), nn.RMSNorm(a.dim, eps=a.norm_eps)
         self.eh_proj = nn.Linear(2 * a.dim, a.dim, bias=False)
-        self.block = TransformerBlock(layer_id, a)
+        self.block = block
         self.norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
@@ -123,15 +91,20 @@ class MTPModule(nn.Module):
         return self.block(x.to(h.dtype), rope, doc_ids=doc_ids)
 
 
-class Transformer(Decoder):
+class Transformer(decoder.Transformer):
+    # Input projections (and the router, and MTP's eh_proj) are drawn at 0.02, output projections by depth.
+    input_projections = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate", "eh_proj")
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        # After the layers (a pipeline's last stage): module k at layer id n_layers + k.
-        self.mtp = nn.ModuleDict({str(k): MTPModule(args.n_layers + k, args) for k in range(args.mtp_depth)}) \
-            if args.mtp_depth else None
+        # After the layers (a pipeline's last stage): module k's block at layer id n_layers + k.
+        self.mtp = nn.ModuleDict({str(k): MTPModule(self.block(args.n_layers + k), args)
+                                  for k in range(args.mtp_depth)}) if args.mtp_depth else None
 
     def block(self, layer_id: int) -> nn.Module:
-        return TransformerBlock(layer_id, self.args)
+        a = self.args
+        ffn = FeedForward(a.dim, a.inter_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)
+        return TransformerBlock(layer_id, a, MLA(a), ffn)
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, doc_ids: torch.Tensor | None = None,
                 future_tokens: torch.Tensor | None = None):
@@ -157,53 +130,26 @@ class Transformer(Decoder):
         a = self.args
         return complex_table(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
-        super().init_weights(seed, buffer_device)
-        for _, moe in moe_layers(self):
-            moe.reset_buffers(buffer_device)
+    @classmethod
+    def flops_per_token(cls, args: ModelArgs, doc_lengths: int | list[int]) -> float:
+        # Attention: scores over qk_head_dim and weighted values over v_head_dim per head, forward and
+        # backward: 6 x heads x (qk + v) per attended pair, which transformer_flops_per_token counts as
+        # 12 x width: width = heads x (qk + v) / 2. Each MTP depth adds a block's attention and another
+        # pass through the (shared) output layer and embedding lookup.
+        width = args.n_heads * (args.qk_head_dim + args.v_head_dim) / 2
+        matmul = matmul_parameters(cls.model_size(args), args) + args.mtp_depth * args.vocab_size * args.dim
+        return transformer_flops_per_token(matmul, width, [None] * (args.n_layers + args.mtp_depth), doc_lengths)
 
-    def init_for(self, name: str):
-        parts = name.split(".")
-        if name.endswith("norm.weight"):  # also q_norm / kv_norm
-            return ones()
-        if parts[0] == "tok_embeddings":
-            return normal(1.0)
-        if parts[0] == "output":
-            return trunc_normal(self.args.dim**-0.5, cutoff=3.0)
-        if parts[0] == "mtp" and parts[2] == "eh_proj":
-            return trunc_normal(0.02)
-        block = self.layers[parts[1]] if parts[0] == "layers" else self.mtp[parts[1]].block
-        # Input projections (and the router) at 0.02; output projections by depth.
-        if name.removesuffix(".weight").rsplit(".", 1)[-1] in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate"):
-            return trunc_normal(0.02)
-        return trunc_normal(block.out_init_std)  # wo, w2, w3
+
+# Parameter counts include the multi-token-prediction modules (the published totals exclude them).
+model_size = Transformer.model_size
+flops_per_token = Transformer.flops_per_token
 
 
 def mtp_blocks(model: nn.Module) -> list[nn.Module]:
     """The spec's extra_blocks: the multi-token-prediction modules' blocks (none on a pipeline stage
     without them)."""
     return [module.block for module in model.mtp.values()] if getattr(model, "mtp", None) is not None else []
-
-
-def model_size(args: ModelArgs) -> ModelSize:
-    """Parameter counts, the multi-token-prediction modules included (the published totals exclude them)."""
-    total, embedding = count_parameters(Transformer, args)
-    active = total
-    if args.moe is not None:  # a token uses top_k of the routed experts of each MoE layer (MTP blocks too)
-        moe_total, moe_active = count_moe_parameters(args.moe, args.dim)
-        active -= (args.n_layers - args.n_dense_layers + args.mtp_depth) * (moe_total - moe_active)
-    return ModelSize(total=total, active=active, embedding=embedding)
-
-
-def flops_per_token(args: ModelArgs, doc_lengths: int | list[int]) -> float:
-    # Attention: scores over qk_head_dim and weighted values over v_head_dim per head, forward and
-    # backward: 6 x heads x (qk + v) per attended pair, which transformer_flops_per_token counts as
-    # 12 x width: width = heads x (qk + v) / 2. Each MTP depth adds a block's attention and another
-    # pass through the (shared) output layer and embedding lookup.
-    width = args.n_heads * (args.qk_head_dim + args.v_head_dim) / 2
-    matmul = matmul_parameters(model_size(args), args) + args.mtp_depth * args.vocab_size * args.dim
-    return transformer_flops_per_token(matmul, width, [None] * (args.n_layers + args.mtp_depth), doc_lengths)
 
 
 def _shifted(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:

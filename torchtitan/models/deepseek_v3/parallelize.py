@@ -17,14 +17,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
-from torchtitan.models.common.moe import MoE
-from torchtitan.models.common.tp_plan import (
-    ReplicatedParams, TensorParallelPlan, TokenLocal, decoder_block_plan, decoder_top_plan,
-)
+from torchtitan.models.common.tp_plan import ReplicatedParams, TensorParallelPlan, decoder_block_plan, decoder_top_plan
 
 
 def block_plan(block: nn.Module) -> dict:
     attention = block.attention
+    # The standard block's, its MoE feed-forward token-local; MLA's per-head projections split as wq.
     plan = {k: v for k, v in decoder_block_plan(block).items() if k not in ("attention.wq", "attention.wk", "attention.wv")}
     query = "attention.wq_b" if hasattr(attention, "wq_a") else "attention.wq"
     plan[query] = decoder_block_plan(block)["attention.wq"]
@@ -32,9 +30,6 @@ def block_plan(block: nn.Module) -> dict:
     for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
         if hasattr(attention, name):
             plan[f"attention.{name}"] = ReplicatedParams()
-    if isinstance(block.feed_forward, MoE):
-        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
-        plan["feed_forward"] = TokenLocal()
     return plan
 
 

@@ -15,37 +15,28 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    EXPERT_PROJECTIONS, ROTARY_INV_FREQ, check_keys, convert_from_hf, expert_block_from_hf, expert_from_hf,
-    expert_hf_names, expert_to_hf, rope_config, rope_from_config, unsupported,
+    EXPERT_PROJECTIONS, HF_ATTENTION, HF_BLOCK_NORMS, HF_FEED_FORWARD, HF_ROUTER, HF_TOP_LEVEL, ROTARY_INV_FREQ,
+    check_keys, convert_from_hf, expert_block_from_hf, expert_from_hf, expert_hf_names, expert_to_hf, rope_config,
+    rope_from_config, split_layer_name, unsupported, with_token_ids,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.spec import HFAdapter
 from torchtitan.models.deepseek_v3.args import ModelArgs
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# MLA's own tensors (wq is q_proj, as the standard attention's), then the standard block's.
 _ATTENTION = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq.weight": HF_ATTENTION["attention.wq.weight"],
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
     "attention.wq_b.weight": "self_attn.q_b_proj.weight",
     "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_DENSE = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention.wo.weight": HF_ATTENTION["attention.wo.weight"],
+    **HF_BLOCK_NORMS,
 }
 _MOE = {
-    "feed_forward.router.gate.weight": "mlp.gate.weight",
+    **HF_ROUTER,
     "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
@@ -65,7 +56,7 @@ def _layer_renames(layer: int, args: ModelArgs) -> dict[str, str]:
     queries = ("wq_a", "q_norm", "wq_b") if args.q_lora_rank else ("wq",)
     attention = {k: v for k, v in _ATTENTION.items()
                  if k.split(".")[1] not in ("wq", "wq_a", "q_norm", "wq_b") or k.split(".")[1] in queries}
-    ffn = _DENSE if layer < args.n_dense_layers else {
+    ffn = HF_FEED_FORWARD if layer < args.n_dense_layers else {
         k: v for k, v in _MOE.items() if "shared_experts" not in k or args.moe.num_shared_experts}
     mtp = {f"mtp.{k}": v for k, v in _MTP.items()} if layer >= args.n_layers else {}
     return {**attention, **ffn, **mtp}
@@ -86,16 +77,11 @@ def _split(ours: str, args: ModelArgs) -> tuple[int | None, str]:
         if not k.isdigit() or int(k) >= args.mtp_depth:
             raise KeyError(f"{ours} is not a tensor of {_describe(args)}")
         return args.n_layers + int(k), local.removeprefix("block.") if local.startswith("block.") else "mtp." + local
-    if not ours.startswith("layers."):
-        return None, ours
-    _, layer, local = (ours.split(".", 2) + ["", ""])[:3]
-    if not layer.isdigit() or int(layer) >= args.n_layers:
-        raise KeyError(f"{ours} is not a tensor of {_describe(args)}")
-    return int(layer), local
+    return split_layer_name(ours, args.n_layers, _describe(args))
 
 
 def _our_names(args: ModelArgs) -> list[str]:
-    names = list(_TOP_LEVEL)
+    names = list(HF_TOP_LEVEL)
     for i in range(args.n_layers + args.mtp_depth):
         prefix = f"layers.{i}." if i < args.n_layers else f"mtp.{i - args.n_layers}."
         for local in [*_layer_renames(i, args), *(EXPERT_PROJECTIONS if i >= args.n_dense_layers else ())]:
@@ -109,7 +95,7 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
     else its one renamed tensor."""
     layer, local = _split(ours, args)
     if layer is None:
-        return [_TOP_LEVEL[ours]]
+        return [HF_TOP_LEVEL[ours]]
     if local in EXPERT_PROJECTIONS and layer >= args.n_dense_layers:
         return expert_hf_names(layer, local, args.moe.num_experts, present)
     return [f"model.layers.{layer}.{_layer_renames(layer, args)[local]}"]
@@ -139,7 +125,7 @@ def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch
         # (Clones: a safetensors file holds no two names of one storage.)
         copies = {f"model.layers.{args.n_layers + k}.{_MTP_COPIES[ours]}": w.clone()
                   for k in range(args.mtp_depth) if ours in _MTP_COPIES}
-        return {_TOP_LEVEL[ours]: w, **copies}
+        return {HF_TOP_LEVEL[ours]: w, **copies}
     if local in EXPERT_PROJECTIONS:
         return expert_to_hf(layer, local, w)
     return {f"model.layers.{layer}.{_layer_renames(layer, args)[local]}": w}
@@ -242,11 +228,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
     }
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    return config
+    return with_token_ids(config, bos_id, eos_id)
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
@@ -289,14 +271,6 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     )
 
 
-ADAPTER = HFAdapter(
-    model_types=_MODEL_TYPES,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    config=hf_config,
-    args_from_config=args_from_hf_config,
-    hf_names=hf_names,
-    tensor_from_hf=tensor_from_hf,
-    tensor_to_hf=tensor_to_hf,
-    block_from_hf=block_from_hf,
-)
+ADAPTER = HFAdapter(model_types=_MODEL_TYPES, to_hf=to_hf, from_hf=from_hf, config=hf_config,
+                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
+                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)

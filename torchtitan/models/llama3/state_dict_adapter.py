@@ -17,34 +17,20 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    HF_LM_HEAD, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf, rope_config, rope_from_config,
-    tied_output_hf_names, unsupported,
+    HF_ATTENTION, HF_BLOCK_NORMS, HF_FEED_FORWARD, HF_LM_HEAD, HF_TOP_LEVEL, ROTARY_INV_FREQ, check_keys,
+    check_tied_copy, convert_from_hf, decoder_config, rope_from_config, tied_output_from_hf, tied_output_hf_names,
+    unsupported, with_token_ids,
 )
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.common.spec import HFAdapter
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
+_PER_LAYER = {**HF_ATTENTION, **HF_FEED_FORWARD, **HF_BLOCK_NORMS}
 
 
 def _hf_name(ours: str, args: ModelArgs) -> str:
     """The HF name of our (Meta) tensor `ours` (KeyError if a model with `args` has no such tensor)."""
-    if ours in _TOP_LEVEL:
-        return _TOP_LEVEL[ours]
+    if ours in HF_TOP_LEVEL:
+        return HF_TOP_LEVEL[ours]
     prefix, layer, local = ours.split(".", 2) if ours.count(".") >= 2 else ("", "", "")
     if prefix != "layers" or not layer.isdigit() or int(layer) >= args.n_layers or local not in _PER_LAYER:
         raise KeyError(f"{ours} is not a tensor of a Llama 3 model with {args.n_layers} layers")
@@ -53,7 +39,7 @@ def _hf_name(ours: str, args: ModelArgs) -> str:
 
 def _name_pairs(args: ModelArgs) -> dict[str, str]:
     """Meta name -> HF name for every parameter of a model with `args`."""
-    ours = list(_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _PER_LAYER]
+    ours = list(HF_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _PER_LAYER]
     return {name: _hf_name(name, args) for name in ours}
 
 
@@ -105,9 +91,7 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     """Our tensor `ours` from its HF tensor ({hf_names(ours)[0]: tensor}): that tensor itself, or for q and
     k its rows permuted (a copy; a meta tensor stays on meta, its shape checked)."""
     if args.tie_word_embeddings and ours == "output.weight":
-        embedding = _TOP_LEVEL["tok_embeddings.weight"]
-        check_tied_copy(tensors, HF_LM_HEAD, embedding)
-        return tensors[embedding]
+        return tied_output_from_hf(tensors)
     ((hf, w),) = tensors.items()
     heads = _heads(ours, args)
     return w if heads is None else _halves_to_pairs(w, heads, args.head_dim, hf)
@@ -163,29 +147,11 @@ def hf_config(
 ) -> dict:
     """A config.json for LlamaForCausalLM describing a model with `args`, stored in `dtype`."""
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        **rope_config(args.rope_theta, args.rope_scaling),
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
+        **decoder_config(args, "LlamaForCausalLM", "llama"),
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    return config
+    return with_token_ids(config, bos_id, eos_id)
 
 
 def _unsupported(field: str, value, why: str) -> UserError:
@@ -237,14 +203,6 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     return args
 
 
-ADAPTER = HFAdapter(
-    model_types=("llama",),
-    to_hf=to_hf,
-    from_hf=from_hf,
-    config=hf_config,
-    args_from_config=args_from_hf_config,
-    hf_names=hf_names,
-    tensor_from_hf=tensor_from_hf,
-    tensor_to_hf=tensor_to_hf,
-    block_from_hf=block_from_hf,
-)
+ADAPTER = HFAdapter(model_types=("llama",), to_hf=to_hf, from_hf=from_hf, config=hf_config,
+                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
+                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)

@@ -20,7 +20,7 @@ j <= i and i - j < window: the same set, so the window converts as it is, with n
 import torch
 
 from torchtitan.config.errors import UserError
-from torchtitan.models.common.hf_conversion import plain_rope_theta, rope_config, unsupported
+from torchtitan.models.common.hf_conversion import decoder_config, plain_rope_theta, unsupported, with_token_ids
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
 
@@ -72,21 +72,7 @@ def hf_config(
     check_exportable(args)
     dtype_name = str(dtype).removeprefix("torch.")
     config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        **rope_config(args.rope_theta, None),  # plain rope: both spellings, for transformers 4.x and 5.x
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
+        **decoder_config(args, "Qwen3ForCausalLM", "qwen3"),  # plain rope, in both spellings
         "attention_dropout": 0.0,
         **_hf_window_fields(args),
         "torch_dtype": dtype_name,  # transformers 4.x
@@ -109,11 +95,7 @@ def hf_config(
             "router_aux_loss_coef": 0.0,
             "output_router_logits": False,
         })
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    return config
+    return with_token_ids(config, bos_id, eos_id)
 
 
 def _hf_window_fields(args: ModelArgs) -> dict:

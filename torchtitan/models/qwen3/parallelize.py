@@ -12,24 +12,17 @@ gradient clipping and FSDP on top expect.
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from torchtitan.models.common.moe import MoE
-from torchtitan.models.common.tp_plan import TensorParallelPlan, TokenLocal, decoder_block_plan, decoder_top_plan
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_plan, decoder_top_plan
 
 
 def block_plan(block: nn.Module) -> dict:
-    plan = {
-        **decoder_block_plan(block),
+    return {
+        **decoder_block_plan(block),  # its MoE feed-forward (Qwen3-MoE) token-local
         # Sharded on the heads (dim 2), not the sequence: SequenceParallel only marks the input's
         # sharded dim and replicates the weight, which is what a norm over head_dim needs.
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
-    if isinstance(block.feed_forward, MoE):
-        # Experts work token by token: each rank routes its own slice of the sequence, with
-        # replicated weights whose gradients are summed over the TP ranks (same router everywhere).
-        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
-        plan["feed_forward"] = TokenLocal()
-    return plan
 
 
 TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
@@ -42,7 +35,7 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
-    if args.moe is not None:  # experts are not split by tensor parallel (see block_plan)
+    if args.moe is not None:  # experts are not split by tensor parallel (tp_plan.decoder_block_plan)
         del sizes["ffn hidden dim"]
     return sizes
 

@@ -32,8 +32,10 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    EXPERT_PROJECTIONS, FUSED_DOWN, FUSED_GATE_UP, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf,
-    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_key, expert_to_hf, experts_fused, tied_output_hf_names,
+    EXPERT_PROJECTIONS, FUSED_DOWN, FUSED_GATE_UP, HF_ATTENTION, HF_BLOCK_NORMS, HF_FEED_FORWARD, HF_LM_HEAD,
+    HF_QK_NORMS, HF_ROUTER, HF_TOP_LEVEL, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf,
+    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_key, expert_to_hf, experts_fused,
+    split_layer_name, tied_output_from_hf, tied_output_hf_names,
 )
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.qwen3.hf_config import MODEL_TYPES, args_from_hf_config, check_exportable, hf_config
@@ -41,51 +43,26 @@ from torchtitan.models.common.spec import HFAdapter
 
 logger = logging.getLogger(__name__)
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_DENSE_FFN = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-_MOE_ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+_PER_LAYER = {**HF_ATTENTION, **HF_QK_NORMS, **HF_BLOCK_NORMS}
 _EXPERTS = EXPERT_PROJECTIONS  # our 3-D expert weight -> the hub's per-expert projection
 _EXPERT_BIAS = "feed_forward.expert_bias"
-_OURS_TIED, _HF_TIED = "output.weight", "lm_head.weight"
+_OURS_TIED = "output.weight"
 
 
 def _per_layer(args: ModelArgs) -> dict[str, str]:
     """Our layer-local name -> HF layer-local name of the renamed tensors of each layer."""
-    return {**_PER_LAYER, **(_MOE_ROUTER if args.moe is not None else _DENSE_FFN)}
+    return {**_PER_LAYER, **(HF_ROUTER if args.moe is not None else HF_FEED_FORWARD)}
 
 
 def _split(ours: str, args: ModelArgs) -> tuple[int | None, str]:
     """(layer, layer-local name) of our tensor `ours`; (None, ours) for a top-level one."""
-    if not ours.startswith("layers."):
-        return None, ours
-    _, layer, local = (ours.split(".", 2) + ["", ""])[:3]
-    if not layer.isdigit() or int(layer) >= args.n_layers:
-        raise KeyError(f"{ours} is not a tensor of {_describe(args)}")
-    return int(layer), local
+    return split_layer_name(ours, args.n_layers, _describe(args))
 
 
 def _hf_name(ours: str, args: ModelArgs) -> str:
     """The HF name of our renamed tensor `ours` (KeyError for the experts, the bias or an unknown name)."""
     layer, local = _split(ours, args)
-    renames = _TOP_LEVEL if layer is None else _per_layer(args)
+    renames = HF_TOP_LEVEL if layer is None else _per_layer(args)
     if local not in renames:
         raise KeyError(f"{ours} is not a renamed tensor of {_describe(args)}")
     return renames[local] if layer is None else f"model.layers.{layer}.{renames[local]}"
@@ -94,7 +71,7 @@ def _hf_name(ours: str, args: ModelArgs) -> str:
 def _name_pairs(args: ModelArgs) -> dict[str, str]:
     """Our name -> HF name for every renamed parameter of a model with `args` (the output layer
     included, even when tied); not the MoE experts (not a rename) nor the expert bias (no HF name)."""
-    ours = list(_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _per_layer(args)]
+    ours = list(HF_TOP_LEVEL) + [f"layers.{i}.{local}" for i in range(args.n_layers) for local in _per_layer(args)]
     return {name: _hf_name(name, args) for name in ours}
 
 
@@ -211,9 +188,7 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     Works on meta tensors (shapes only; the lm_head value check is skipped)."""
     layer, local = _split(ours, args)
     if args.tie_word_embeddings and ours == _OURS_TIED:
-        embedding = _TOP_LEVEL["tok_embeddings.weight"]
-        check_tied_copy(tensors, _HF_TIED, embedding)
-        return tensors[embedding]
+        return tied_output_from_hf(tensors)
     if args.moe is not None and local == _EXPERT_BIAS:
         # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
         return torch.zeros(args.moe.num_experts)
@@ -280,19 +255,11 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     tied = args.tie_word_embeddings
     hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
     expected = _hf_shapes(args, _fused_layers(hf_sd, args))
-    _check_keys(hf_sd, expected, (_HF_TIED,) if tied else (), "the Hugging Face state dict", args)
+    _check_keys(hf_sd, expected, (HF_LM_HEAD,) if tied else (), "the Hugging Face state dict", args)
     _check_shapes(hf_sd, expected)
     return convert_from_hf(_our_shapes(args), hf_sd, args, hf_names, tensor_from_hf)
 
 
-ADAPTER = HFAdapter(
-    model_types=MODEL_TYPES,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    config=hf_config,
-    args_from_config=args_from_hf_config,
-    hf_names=hf_names,
-    tensor_from_hf=tensor_from_hf,
-    tensor_to_hf=tensor_to_hf,
-    block_from_hf=block_from_hf,
-)
+ADAPTER = HFAdapter(model_types=MODEL_TYPES, to_hf=to_hf, from_hf=from_hf, config=hf_config,
+                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
+                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
