@@ -65,6 +65,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
+from torchtitan.config.errors import UserError, run_main  # noqa: E402
+
 # Options of this script; everything else is a trainer override.
 OWN_OPTIONS = {"--nproc": int, "--steps": int, "--warmup": int, "--threads": int, "--repeat": int, "--worker": str,
                "--result": str, "--attention": int, "--optimizers": int}
@@ -109,8 +111,6 @@ def framework_argv(overrides: list[str], steps: int, dump_folder: str) -> list[s
 
 def check_supported(cfg) -> None:
     """Options the bare loop does not reproduce: refuse rather than compare unlike things."""
-    from torchtitan.config import UserError
-
     p = cfg.parallelism
     others = {"data_parallel_replicate_degree": p.data_parallel_replicate_degree,
               "tensor_parallel_degree": p.tensor_parallel_degree,
@@ -491,26 +491,38 @@ def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path) -> in
 
 
 def launch(opts: dict, overrides: list[str]) -> int:
-    from torchtitan.config import HelpRequested, UserError, load_config
+    import torch
+
+    from torchtitan.config import HelpRequested, load_config
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.preflight import check
 
     if opts["nproc"] < 1 or opts["repeat"] < 1 or opts["warmup"] < 0 or opts["steps"] <= opts["warmup"]:
-        print("error: need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0", file=sys.stderr)
-        return 2
+        raise UserError(f"need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0 (got --nproc {opts['nproc']}, "
+                        f"--repeat {opts['repeat']}, --steps {opts['steps']}, --warmup {opts['warmup']})")
     try:
         # --optimizers 1 runs Muon too: Muon's keys must load (the AdamW run leaves them out).
         cfg = load_config(overrides + (["--optimizer.name", "Muon"] if opts["optimizers"] else []))
-        if not opts["attention"] and not opts["optimizers"]:
-            check_supported(cfg)
-        t = cfg.training
-        dims = ParallelDims.from_config(cfg.parallelism, opts["nproc"])
-        global_batch, _ = dims.batch(t.local_batch_size, t.global_batch_size)
     except HelpRequested:
         print(__doc__)
         return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not opts["attention"] and not opts["optimizers"]:
+        check_supported(cfg)
+    t = cfg.training
+    dims = ParallelDims.from_config(cfg.parallelism, opts["nproc"])
+    global_batch, _ = dims.batch(t.local_batch_size, t.global_batch_size)
+    # Each trainer run as run_train.sh checks it (model, flavor, tokenizer, data, degrees), before any
+    # process starts: a mistake is one line here, not a failed run's log.
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if opts["attention"]:
+        runs = [overrides + extra for _, extra in attention_variants(cfg, device_type)]
+    elif opts["optimizers"]:
+        runs = [without_muon_keys(overrides) + ["--optimizer.name", "AdamW"], overrides + ["--optimizer.name", "Muon"]]
+    else:
+        runs = [overrides]
+    for argv in runs:
+        check(framework_argv(argv, opts["steps"], os.path.join(tempfile.gettempdir(), "benchmark")), opts["nproc"],
+              check_lock=False)
     env = dict(os.environ)
     if opts["threads"] is not None:
         env["OMP_NUM_THREADS"] = str(opts["threads"])
@@ -575,15 +587,18 @@ def _flavor_args(cfg):
     return get_model_args(cfg.model.name, cfg.model.flavor)
 
 
-def main(argv: list[str]) -> int:
+def _main(argv: list[str]) -> int:
     try:
         opts, overrides = split_argv(argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     if opts["worker"] is not None:
         return worker(opts, overrides)
     return launch(opts, overrides)
+
+
+def main(argv: list[str]) -> int:
+    return run_main(_main, argv)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.components.data import token_folder  # noqa: E402
 from torchtitan.components.data import build_dataloader, encode_document, stdlib_files  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.config.errors import ArgumentParser, check_output_path, positive_int, run_main  # noqa: E402
 from torchtitan.config.job_config import Training  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "python_stdlib_4k.model"
@@ -390,23 +391,53 @@ def _ints(values: str) -> list[int]:
     return [int(v) for v in values.split(",") if v]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=int, default=1024)
+def _counts(least: int):
+    """argparse type: a comma list of integers, each `least` or more."""
+    def parse(text: str) -> str:
+        try:
+            values = _ints(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+        if any(v < least for v in values):
+            raise argparse.ArgumentTypeError(f"each must be {least} or more, got {text!r}")
+        return text
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def main(argv: list[str]) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=positive_int, default=1024)
     parser.add_argument("--folder", default="/tmp/bench_tokens")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--local-batch", type=int, default=8)
-    parser.add_argument("--dp", default="1,8,64", help="data-parallel degrees to measure (rank D - 1 of each)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per layout")
-    parser.add_argument("--text-workers", default="", help="data_workers counts for the text pipeline, e.g. 0,1,2")
+    parser.add_argument("--seq-len", type=positive_int, default=2048)
+    parser.add_argument("--local-batch", type=positive_int, default=8)
+    parser.add_argument("--dp", type=_counts(1), default="1,8,64",
+                        help="data-parallel degrees to measure (rank D - 1 of each)")
+    parser.add_argument("--seconds", type=_seconds, default=5.0, help="measuring time per layout")
+    parser.add_argument("--text-workers", type=_counts(0), default="",
+                        help="data_workers counts for the text pipeline, e.g. 0,1,2")
     parser.add_argument("--mix-mb", type=int, default=0, help="MB of text per mixture source, e.g. 16")
     parser.add_argument("--mix-folder", default="/tmp/bench_mix_lanes")
-    parser.add_argument("--mix-workers", default="0,1,2", help="data_workers counts for the mixture benchmark")
+    parser.add_argument("--mix-workers", type=_counts(0), default="0,1,2",
+                        help="data_workers counts for the mixture benchmark")
     parser.add_argument("--mix-shuffle", action="store_true", help="the mixture shuffled (default: stored order)")
     parser.add_argument("--resume", action="store_true", help="start-up of resumed loaders on jsonl.zst shards")
     parser.add_argument("--resume-folder", default="/tmp/bench_resume")
-    parser.add_argument("--repeats", type=int, default=3, help="--resume: the best of this many start-ups")
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=positive_int, default=3, help="--resume: the best of this many start-ups")
+    args = parser.parse_args(argv)
+    if args.mix_mb < 0:
+        parser.error(f"argument --mix-mb: must be 0 (no mixture) or more, got {args.mix_mb}")
+    # The folder this run writes (generated data, reused by the next run), before minutes of generating.
+    folder = ("--resume-folder", args.resume_folder) if args.resume else \
+        ("--mix-folder", args.mix_folder) if args.mix_mb else ("--folder", args.folder)
+    check_output_path(folder[1], folder[0], existing="write_into")
     _quiet_epochs()
     tokenizer = Tokenizer(MODEL)
     if args.resume:
@@ -420,4 +451,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -13,6 +13,9 @@ max_shard_size="500MB". `run` builds the model under the layout the overrides gi
 files), and prints per rank: its peak resident memory during the load above its size before the load
 (a rank that loads nothing stays at that size), the bytes it read, and the load and export times. The
 last line is the largest peak growth as a fraction of the folder's bytes.
+
+Mistakes (a `make` folder that exists or cannot be created, a `run` folder that does not exist, an
+unknown model or flavor) are reported in one line on stderr with exit status 2, before any work.
 """
 
 import json
@@ -24,15 +27,23 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
+from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main  # noqa: E402
+
 
 def make(folder: str, model: str, flavor: str):
-    import torch
-    import transformers
-
-    from torchtitan.models.registry import get_model_spec
+    check_output_path(folder, "FOLDER")
+    from torchtitan.models.registry import get_model_args, get_model_spec
 
     spec = get_model_spec(model)
-    args = spec.flavors[flavor]
+    args = get_model_args(model, flavor)
+    if spec.hf is None:
+        raise UserError(f"model '{model}' has no Hugging Face adapter in its spec: there is no folder to make for it")
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("make builds the model with transformers: pip install transformers") from None
+    import torch
+
     Path(folder).mkdir(parents=True)
     (Path(folder) / "config.json").write_text(json.dumps(spec.hf.config(args, torch.bfloat16, None, None)))
     config = transformers.AutoConfig.from_pretrained(folder)
@@ -44,6 +55,9 @@ def make(folder: str, model: str, flavor: str):
 
 
 def run(folder: str, overrides: list[str]):
+    if not Path(folder).is_dir():
+        raise UserError(f"FOLDER {folder} does not exist or is not a folder; write one with "
+                        f"`python scripts/benchmark_hf.py make {folder}` first")
     import torch.distributed as dist
 
     from torchtitan.components.hf_sharded import peak_rss, restart_peak_rss
@@ -102,12 +116,22 @@ def run(folder: str, overrides: list[str]):
         print(f"largest load peak growth: {max(r['peak_growth'] for r in records) / size:.2f}x the folder's bytes")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("make", "run"):
-        print(__doc__, file=sys.stderr)
-        sys.exit(2)
-    if sys.argv[1] == "make":
-        option = lambda name, default: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default  # noqa: E731
-        make(sys.argv[2], option("--model", "llama3"), option("--flavor", "1B"))
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in ("make", "run"):
+        raise UserError("give a command: `make FOLDER [--model NAME] [--flavor FLAVOR]` or `run FOLDER [trainer "
+                        "overrides]` (see the top of scripts/benchmark_hf.py)")
+    if argv[0] == "make":
+        p = ArgumentParser(prog="benchmark_hf.py make", description="write a Hugging Face folder with random weights")
+        p.add_argument("folder", help="a new folder")
+        p.add_argument("--model", default="llama3")
+        p.add_argument("--flavor", default="1B")
+        opts = p.parse_args(argv[1:])
+        make(opts.folder, opts.model, opts.flavor)
     else:
-        run(sys.argv[2], sys.argv[3:])
+        if len(argv) < 2 or argv[1].startswith("--"):
+            raise UserError("run needs the FOLDER to load: `run FOLDER [trainer overrides]`")
+        run(argv[1], argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a plain script from a checkout
 PHASES = ["preflight done", "workers imported", "process group", "model built", "step 1 logged"]
 
 # run_train.sh before torchtitan/launch.py (commit a02cf7e), as the "before" mode runs it.
@@ -173,24 +174,33 @@ def run_once(mode: str, nproc: int, overrides: list[str], workdir: Path, index: 
 
 
 def main(argv: list[str]) -> int:
+    from torchtitan.config import load_config
+    from torchtitan.config.errors import UserError
+
     nproc, repeat, modes, overrides = 2, 3, ["before", "exec", "fork"], []
     i = 0
     while i < len(argv):
-        if argv[i] in ("--nproc", "--repeat", "--modes") and i + 1 < len(argv):
+        if argv[i] in ("--nproc", "--repeat", "--modes"):
+            if i + 1 == len(argv):
+                raise UserError(f"{argv[i]} needs a value")
             value = argv[i + 1]
-            if argv[i] == "--nproc":
-                nproc = int(value)
-            elif argv[i] == "--repeat":
-                repeat = int(value)
-            else:
+            if argv[i] == "--modes":
                 modes = value.split(",")
+            elif not value.isdigit() or int(value) < 1:
+                raise UserError(f"{argv[i]} must be an integer of 1 or more, got {value!r}")
+            elif argv[i] == "--nproc":
+                nproc = int(value)
+            else:
+                repeat = int(value)
             i += 2
         else:
             overrides.append(argv[i])
             i += 1
     unknown = set(modes) - {"before", "exec", "fork"}
-    if unknown:
-        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from before, exec, fork")
+    if unknown or not modes:
+        raise UserError(f"--modes: unknown modes {sorted(unknown)}; choose from before, exec, fork")
+    # A mistake in the overrides is found here, not by the first launch.
+    load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides])
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -210,4 +220,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from torchtitan.config.errors import run_main
+
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -11,7 +11,8 @@ One process, no process group, one tensor at a time: the peak memory is about on
 --max-shard-mb (to-hf) or one tensor (from-hf) above the interpreter, whatever the model's size.
 to-hf reads only the model part of the checkpoint, never the optimizer. from-hf writes a model-only
 step-0 checkpoint, a starting point for training (checkpoint.initial_load_path). The output folder
-must not exist yet (or be empty). Mistakes are reported in one line on stderr with exit status 2.
+must not exist yet (or be empty) and be creatable: that is checked before anything is read. Mistakes
+are reported in one line on stderr with exit status 2.
 """
 
 import argparse
@@ -22,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 from torchtitan.components.hf_checkpoint import dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config  # noqa: E402
-from torchtitan.config.errors import UserError  # noqa: E402
+from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main  # noqa: E402
 from torchtitan.distributed.utils import DTYPES  # noqa: E402
 from torchtitan.models.registry import get_model_spec, import_custom_module, spec_for_hf_config  # noqa: E402
 
@@ -44,8 +45,8 @@ def from_hf(hf_folder: str, output: str, flavor: str):
     print(f"wrote {output}: model-only {spec.name} checkpoint, {count} tensors, flavor '{flavor}'")
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def convert(argv: list[str]) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--custom-import", default="", help="module registering a model family (as experimental.custom_import)")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("to-hf", help="step-N checkpoint folder -> Hugging Face folder")
@@ -59,18 +60,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("output_dir")
     p.add_argument("--flavor-name", default="custom", help="flavor recorded in train_state.json")
     opts = parser.parse_args(argv)
-    try:
-        import_custom_module(opts.custom_import)
-        if opts.command == "to-hf":
-            if opts.max_shard_mb < 1:
-                raise UserError(f"--max-shard-mb must be 1 or more, got {opts.max_shard_mb}")
-            to_hf(opts.checkpoint_dir, opts.output_dir, opts.dtype, opts.max_shard_mb)
-        else:
-            from_hf(opts.hf_dir, opts.output_dir, opts.flavor_name)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    # The converted folder is staged beside OUTPUT and renamed into place: its parent must be writable.
+    check_output_path(opts.output_dir, "OUTPUT", existing="empty_folder")
+    import_custom_module(opts.custom_import)
+    if opts.command == "to-hf":
+        if opts.max_shard_mb < 1:
+            raise UserError(f"--max-shard-mb must be 1 or more, got {opts.max_shard_mb}")
+        to_hf(opts.checkpoint_dir, opts.output_dir, opts.dtype, opts.max_shard_mb)
+    else:
+        from_hf(opts.hf_dir, opts.output_dir, opts.flavor_name)
+
+
+def main(argv: list[str]) -> int:
+    """The exit status: 0, or 2 after a mistake (one line on stderr)."""
+    return run_main(convert, argv)
 
 
 if __name__ == "__main__":

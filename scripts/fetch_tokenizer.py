@@ -13,7 +13,8 @@ would, and the line to put in a recipe is printed: model.tokenizer_path = "DIR".
 Gated repositories (meta-llama/*) need their license accepted on the hub and a token: --token, the
 HF_TOKEN variable or `hf auth login`. Needs huggingface_hub (pip install huggingface_hub, or
 pip install -e '.[tokenizers]'). Exit status: 0 fetched; 2 a problem, said in one line on stderr
-(no network, gated or missing repository, missing file, huggingface_hub not installed).
+(no network, gated or missing repository, missing file, huggingface_hub not installed, a DIR that
+cannot be written: checked before anything is downloaded).
 """
 
 import argparse
@@ -26,6 +27,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main  # noqa: E402
+
 REQUIRED = ["tokenizer.json", "tokenizer_config.json"]
 OPTIONAL = ["special_tokens_map.json"]  # Llama 3 and Qwen3 ship it; BOS/EOS are in tokenizer_config.json too
 ORIGINAL = "original/tokenizer.model"
@@ -36,7 +39,7 @@ class FetchError(Exception):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("repo_id", help="hub repository, e.g. meta-llama/Llama-3.1-8B or Qwen/Qwen3-8B")
     parser.add_argument("--out", type=Path, help="folder to write (default: assets/tokenizer/<model name>)")
     parser.add_argument("--token", help="Hugging Face access token for gated repositories (default: HF_TOKEN or "
@@ -132,28 +135,30 @@ def _offline(repo_id: str, out: Path, where: str, why: str = "") -> str:
     )
 
 
-def main(argv: list[str]) -> int:
+def _main(argv: list[str]) -> None:
     args = parse_args(argv)
     out = args.out or REPO_ROOT / "assets" / "tokenizer" / args.repo_id.rstrip("/").split("/")[-1]
+    check_output_path(out, "--out", existing="write_into")
     try:
         written = fetch(args.repo_id, out, args.token, args.revision, args.original, args.endpoint)
     except FetchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     from torchtitan.components.tokenizer import Tokenizer
-    from torchtitan.config.errors import UserError
 
     try:
         loaded = [Tokenizer(out)] + ([Tokenizer(out / ORIGINAL)] if args.original else [])
     except UserError as e:
-        print(f"error: fetched {', '.join(written)} into {out}, but they do not load: {e}", file=sys.stderr)
-        return 2
+        raise UserError(f"fetched {', '.join(written)} into {out}, but they do not load: {e}") from None
     print(f"fetched {', '.join(written)} from {args.repo_id} into {out}")
     for tok, path in zip(loaded, [out, out / ORIGINAL]):
         bos = "none" if tok.bos_id is None else tok.bos_id
         print(f"  {tok.kind}: {tok.vocab_size:,} tokens, BOS {bos}, EOS {tok.eos_id}  ->  "
               f'model.tokenizer_path = "{path}"')
-    return 0
+
+
+def main(argv: list[str]) -> int:
+    """The exit status: 0 fetched, 2 a problem (one line on stderr)."""
+    return run_main(_main, argv)
 
 
 if __name__ == "__main__":

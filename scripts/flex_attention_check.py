@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 import torch  # noqa: E402
 
+from torchtitan.config.errors import UserError, run_main  # noqa: E402
 from torchtitan.models.common.attention import document_ids, flex_attention_fn, sdpa_attention, set_attention_fn  # noqa: E402
 from torchtitan.models.registry import get_model_spec  # noqa: E402
 
@@ -76,8 +77,7 @@ def model_diff(device, compile_model: bool) -> float:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("error: FlexAttention trains on CUDA only; this machine has no GPU", file=sys.stderr)
-        return 2
+        raise UserError("FlexAttention trains on CUDA only; this machine has no GPU")
     device = torch.device("cuda")
     failed = False
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):  # relative to the largest value
@@ -100,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -43,7 +43,8 @@ from torchtitan.components.hf_checkpoint import (  # noqa: E402
     read_hf_config,
 )
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
-from torchtitan.config import HelpRequested, UserError, load_config  # noqa: E402
+from torchtitan.config import load_config  # noqa: E402
+from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa: E402
 from torchtitan.distributed.utils import DTYPES, device_type  # noqa: E402
 from torchtitan.models.common.layers import kv_caches  # noqa: E402
 from torchtitan.models.common.moe import overrides_from_config as moe_overrides  # noqa: E402
@@ -188,14 +189,9 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperatu
 # ---- command line ----
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit status 2 (argparse would print its usage too)
-        raise UserError(f"{message} (see --help)")
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our options, and the rest: the job config's (--job.config_file, --model.flavor, ...)."""
-    parser = _Parser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         epilog="Any other option is a job config option, as in training (--job.config_file, --model.name, ...).",
     )
@@ -217,6 +213,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UserError(f"--top_k must be 0 (all tokens) or positive, got {opts.top_k}")
     if not 0 < opts.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], got {opts.top_p}")
+    if not 0 <= opts.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise UserError(f"--seed must be in [0, 2**64), got {opts.seed}")
     return opts, rest
 
 
@@ -265,20 +263,16 @@ def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
     return tokenizer.decode([t for t in new if t != tokenizer.eos_id])
 
 
+def _main(argv: list[str]) -> None:
+    opts, rest = parse_args(argv)
+    text = run(opts, rest)
+    print(text, flush=True)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
-    try:
-        opts, rest = parse_args(argv)
-        text = run(opts, rest)
-    except HelpRequested as h:
-        print(h.text)
-        return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(text, flush=True)
-    return 0
+    return run_main(_main, argv)
 
 
 if __name__ == "__main__":

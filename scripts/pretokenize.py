@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.components import data  # noqa: E402
 from torchtitan.components.data.token_folder import META, pretokenize  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
-from torchtitan.config.errors import UserError  # noqa: E402
+from torchtitan.config.errors import ArgumentParser, UserError, positive_int, run_main  # noqa: E402
 from torchtitan.config.job_config import Training  # noqa: E402
 
 DATASETS = ("local", "huggingface", "c4", "c4_test", "python_stdlib")
@@ -187,8 +187,8 @@ def remove_if_unused(output: str, created: Path | None):
         folder = folder.parent
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv: list[str]) -> int:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="what to read: a data file or folder, python_stdlib, c4_test or c4; with "
                                        "--dataset, training.dataset_path of that dataset (for huggingface: a Hub "
                                        "name or a local folder)")
@@ -198,8 +198,9 @@ def main(argv=None) -> int:
                         help="read SOURCE as training.dataset = DATASET reads training.dataset_path (default: local "
                              "files, or the dataset SOURCE names)")
     parser.add_argument("--text-field", default="text", help="the JSON field / column holding the text")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="encoding processes (default: all cores)")
-    parser.add_argument("--chunk-docs", type=int, default=4096, help="documents per resumable chunk")
+    parser.add_argument("--workers", type=positive_int, default=os.cpu_count(),
+                        help="encoding processes (default: all cores)")
+    parser.add_argument("--chunk-docs", type=positive_int, default=4096, help="documents per resumable chunk")
     parser.add_argument("--max-chunks", type=int, default=None, help=argparse.SUPPRESS)  # tests: stop early
     args = parser.parse_args(argv)
     created = None
@@ -214,9 +215,8 @@ def main(argv=None) -> int:
     except UserError as e:
         remove_if_unused(args.output, created)
         # The source's messages name the training key; here the source is the SOURCE argument.
-        print("error: " + str(e).replace("set training.dataset_path to", "give SOURCE as")
-              .replace("training.dataset_path", "SOURCE"), file=sys.stderr)
-        return 2
+        raise UserError(str(e).replace("set training.dataset_path to", "give SOURCE as")
+                        .replace("training.dataset_path", "SOURCE")) from None
     if meta is None:
         print(f"stopped after {args.max_chunks} chunks: run again to finish {args.output}")
         return 3
@@ -224,6 +224,11 @@ def main(argv=None) -> int:
     print(f"wrote {args.output}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}) "
           f"in {seconds:.1f} s; train on it with --training.dataset tokens --training.dataset_path {args.output}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The exit status: 0 written, 3 stopped early (--max-chunks), 2 a mistake (one line on stderr)."""
+    return run_main(_main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ before the allocator's fragmentation factor) against the largest rank's allocate
 the resident peak, and the estimated step time against the measured one.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa: E402
 
 BASE = ["--training.steps", "6", "--metrics.log_freq", "1", "--training.seq_len", "512", "--training.local_batch_size",
         "4", "--checkpoint.no-enable_checkpoint", "--validation.no-enabled"]
@@ -121,17 +122,26 @@ def estimate(nproc: int, args: list[str]):
     return estimate_config(cfg, nproc, "cpu", default_hardware("cpu", nproc, cfg))
 
 
-def main() -> int:
-    if "--worker" in sys.argv:
-        sys.argv.remove("--worker")
-        return worker(sys.argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> int:
+    if "--worker" in argv:
+        argv.remove("--worker")
+        return worker(argv)
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated layout names")
     p.add_argument("--terms", action="store_true", help="print the estimate's terms (MiB) after each row")
     p.add_argument("--allocated-only", action="store_true",
                    help="only the profiled run: no resident peak or step time (their columns are left empty)")
-    opts, extra = p.parse_known_args()
+    opts, extra = p.parse_known_args(argv)
     only = set(filter(None, opts.only.split(",")))
+    unknown = sorted(only - {name for name, _, _ in LAYOUTS})
+    if unknown:
+        raise UserError(f"--only {','.join(unknown)}: no such layout; the layouts are "
+                        f"{', '.join(name for name, _, _ in LAYOUTS)}")
+    from torchtitan.config import load_config
+
+    for name, _, overrides in LAYOUTS:  # the overrides load with every layout before any run
+        if not only or name in only:
+            load_config(BASE + overrides + extra)
     print("| layout | processes | estimated MiB | allocated MiB (largest rank) | error | resident MiB | est. step s | "
           "measured step s | error |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -157,4 +167,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -26,7 +26,8 @@ import signal
 import sys
 import traceback
 
-from torchtitan.config import HelpRequested, UserError
+from torchtitan.config import UserError
+from torchtitan.config.errors import run_main
 
 # Threads a fresh process would use (torch's default intra-op count), read before the launcher
 # limits itself to one; a forked worker without OMP_NUM_THREADS restores it.
@@ -344,35 +345,38 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def check_job(opts, train_argv: list[str]) -> tuple["StoreProbe", object]:
+    """The launcher's options and the job (config, world size, model, data) checked before any worker
+    starts; (the rendezvous probe, the resolved config). Raises UserError or HelpRequested."""
     global _default_threads
 
+    check_options(opts)
+    probe = StoreProbe(opts)
+    from torchtitan.config import load_config
+
+    load_config(train_argv)  # a mistake in the arguments or the recipe is found before torch is imported
+    import torch
+
+    # The launcher itself computes nothing; one thread keeps it from creating an OpenMP pool, which
+    # forked workers could not use. They restore their own count.
+    _default_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    from torchtitan.preflight import check
+
+    # Several nodes share the dump folder: only node 0 (which no worker of this job can precede)
+    # checks that no other run holds it; rank 0 takes the lock when the workers start.
+    check_lock = opts.nnodes == 1 or opts.node_rank == 0
+    return probe, check(train_argv, opts.nproc_per_node * opts.nnodes, check_lock=check_lock)
+
+
+def main(argv: list[str]) -> int:
     launcher_argv, train_argv = split_argv(argv)
     opts = parser().parse_args(launcher_argv)
-    try:
-        check_options(opts)
-        probe = StoreProbe(opts)
-        from torchtitan.config import load_config
-
-        load_config(train_argv)  # a mistake in the arguments or the recipe is found before torch is imported
-        import torch
-
-        # The launcher itself computes nothing; one thread keeps it from creating an OpenMP pool, which
-        # forked workers could not use. They restore their own count.
-        _default_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        from torchtitan.preflight import check
-
-        # Several nodes share the dump folder: only node 0 (which no worker of this job can precede)
-        # checks that no other run holds it; rank 0 takes the lock when the workers start.
-        check_lock = opts.nnodes == 1 or opts.node_rank == 0
-        cfg = check(train_argv, opts.nproc_per_node * opts.nnodes, check_lock=check_lock)
-    except HelpRequested as h:
-        print(h.text)
-        return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    checked = []
+    code = run_main(lambda: checked.append(check_job(opts, train_argv)))  # a mistake: one line, exit 2
+    if not checked:  # a mistake, or --help (printed, exit 0)
+        return code
+    probe, cfg = checked[0]
     gc.collect()  # the preflight's model and data objects are not worth forking
     # What the launcher imported is the workers' too: kept out of their garbage collections, which would
     # otherwise scan it (~0.2 s per full collection) and copy every page it touches.

@@ -11,7 +11,8 @@ Exit status: 0 the job can start, 2 a user mistake (one line on stderr), 3 --hel
 import os
 import sys
 
-from torchtitan.config import HelpRequested, JobConfig, UserError, load_config
+from torchtitan.config import JobConfig, load_config
+from torchtitan.config.errors import UserError, run_main
 
 
 def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfig:
@@ -37,15 +38,13 @@ def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfi
 
 
 def main(argv: list[str]) -> int:
-    try:
-        check(argv, int(os.environ.get("WORLD_SIZE", "1")))
-    except HelpRequested as h:
-        print(h.text)
-        return 3  # not an error, but nothing to launch
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def run() -> None:
+        text = os.environ.get("WORLD_SIZE", "1")
+        if not text.isdigit() or int(text) < 1:
+            raise UserError(f"WORLD_SIZE={text!r} must be the number of processes of the job, 1 or more")
+        check(argv, int(text))
+
+    return run_main(run, help_status=3)  # --help is not an error, but there is nothing to launch
 
 
 if __name__ == "__main__":

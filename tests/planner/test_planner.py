@@ -6,12 +6,17 @@
   it, Muon keeps one momentum for its matrices, CPU offload moves the state off the device, full
   checkpointing keeps less than none, a pipeline's last stage holds the logits;
 - plan.py ranks layouts, writes a recipe that loads back to the best layout, and refuses bad input
-  with exit 2 and one line: a world size the recipe's fixed degrees cannot divide, a memory no
-  layout fits (with the smallest need), a family without activation counts (naming the field), an
-  --output that exists;
+  with exit 2 and one line: a world size the recipe's fixed degrees cannot divide or that is not a
+  whole number of nodes, a memory no layout fits (with the smallest need), a family without
+  activation counts (naming the field), an --output that exists or whose folder does not (before
+  planning), an unknown flavor, a [model] field the family lacks, bad numbers;
+- the planner and the trainer agree: every layout it shows or writes passes the trainer's preflight
+  (judged for the device planned for), so DeepSeek-V3 with multi-token prediction never gets a
+  zero-bubble schedule, which the trainer refuses with it;
 - the recipe it writes for the debug model on 4 CPU processes trains as it is (slow).
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +49,8 @@ LAYOUTS = {
     "moe_ep4_hsdp": (8, MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree",
                                "2"]),
     "dsv3_pp2_ep2": (8, DSV3 + PP2 + ["--parallelism.expert_parallel_degree", "2"]),
+    # The last stage keeps a copy of the input embedding for multi-token prediction.
+    "dsv3_mtp_pp2": (4, DSV3 + PP2 + ["--model.mtp_depth", "1"]),
 }
 
 
@@ -125,8 +132,20 @@ def test_plan_writes_the_best_layout_as_a_recipe(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--ngpu", "12", "--gpu_memory_gib", "80", "--parallelism.tensor_parallel_degree", "8"],
+    (["--ngpu", "12", "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--parallelism.tensor_parallel_degree", "8"],
      "does not divide the world size 12"),
+    (["--ngpu", "12", "--gpus_per_node", "8", "--gpu_memory_gib", "80"],
+     "12 devices is not a whole number of nodes of 8"),
+    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.flavor", "nope"], "unknown model.flavor 'nope'"),
+    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.sliding_window", "64"], "has no sliding-window attention"),
+    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
+      "8"], "the recipe fixes pipeline_parallel_degree = 8: cannot split"),
+    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.tokenizer_path", "/nonexistent"],
+     "the trainer refuses every layout of llama3 debugmodel on 8 devices"),
+    (["--ngpu", "8", "--gpu_memory_gib", "nan"], "--gpu_memory_gib must be a positive number"),
+    (["--ngpu", "eight", "--gpu_memory_gib", "80"], "argument --ngpu: invalid int value: 'eight'"),
+    (["--ngpu", "8", "--gpu_memory_gib", "80", "--top", "0"], "--top must be 1 or more"),
+    (["--ngpu", "8", "--gpu_memory_gib", "80", "--efficiency", "2"], "--efficiency is the fraction of the peak"),
     (["--ngpu", "2", "--gpu_memory_gib", "0.001", "--device", "cpu"], "the smallest needs"),
     (["--ngpu", "2", "--gpu_memory_gib", "80", "--experimental.custom_import",
       str(REPO / "tests" / "models" / "test_custom_family.py"), "--model.name", "tiny_nope", "--model.flavor", "debug"],
@@ -136,7 +155,76 @@ def test_plan_refuses_bad_input(args, message):
     proc = run_plan(*DEBUG, *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("where,message", [
+    ("{tmp}/missing/best.toml", "the folder {tmp}/missing does not exist"),
+    ("{tmp}/a_file/best.toml", "{tmp}/a_file is a file, not a folder"),
+    ("/proc/best.toml", "cannot create anything in /proc"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_planning(tmp_path, where, message):
+    (tmp_path / "a_file").write_text("x")
+    proc = run_plan(*DEBUG, "--ngpu", "8", "--gpu_memory_gib", "80", "--output", where.format(tmp=tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --output {where.format(tmp=tmp_path)}: "
+                                                   f"{message.format(tmp=tmp_path)}"), lines
+    assert proc.stdout == ""  # nothing was planned: the plan's first line comes after the search
+
+
+@pytest.fixture(scope="module")
+def plan_script():
+    spec = importlib.util.spec_from_file_location("plan_script", PLAN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MTP_ZBV = DEBUG + DSV3 + ["--model.mtp_depth", "1", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+
+
+def test_a_multi_token_prediction_plan_never_picks_a_zero_bubble_layout(plan_script, tmp_path, capsys):
+    """On 8 GPUs the fastest estimate is a ZBV pipeline, which the trainer refuses with MTP: the planner
+    leaves it out, says why, and writes a recipe that the trainer's preflight accepts."""
+    from torchtitan.planner.plan import plan, refusal
+    from torchtitan.train import preflight
+
+    cfg = load_config(MTP_ZBV)
+    ranking = plan(cfg, 8, 8, 80 * 2**30, "cuda", keep=10)
+    assert ranking.fits and all(e.dims.pp == 1 for e in ranking.fits)
+    assert all(refusal(e.cfg, 8, "cuda") is None for e in ranking.fits)
+    assert any("ZBVZeroBubble splits each backward" in why for why in ranking.refused)
+    out = tmp_path / "best.toml"
+    assert plan_script.main([*MTP_ZBV, "--ngpu", "8", "--gpu_memory_gib", "80", "--top", "5", "--no-simulate",
+                             "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "the trainer's preflight refused" in printed and "pp2xfsdp4 with AC none" in printed
+    written = load_config(["--job.config_file", str(out)])
+    assert written.parallelism.pipeline_parallel_degree == 1
+    preflight(written, 8)  # the trainer's own check (on this CPU host) accepts it
+    assert [p.name for p in tmp_path.iterdir()] == ["best.toml"]  # no staging file left
+
+
+def test_layouts_are_judged_for_the_device_planned_for(plan_script, capsys):
+    """FlexAttention trains on CUDA only: a CUDA plan of a flex recipe made on this CPU host is not
+    refused, a CPU plan is."""
+    args = [*DEBUG, "--ngpu", "2", "--gpus_per_node", "2", "--gpu_memory_gib", "80", "--no-simulate", "--top", "1",
+            "--model.attn_backend", "flex"]
+    assert plan_script.main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert plan_script.main([*args, "--device", "cpu"]) == 2
+    assert "cannot train on cpu" in capsys.readouterr().err
+
+
+def test_keys_the_trainer_accepts_plan(plan_script, capsys):
+    """Keys that made the planner trace back or find nothing: an odd seq_len (no context parallel),
+    and multi-token prediction under a pipeline (the last stage's copy of the embedding)."""
+    mtp_pp2 = DSV3 + ["--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2"]
+    for extra in (["--training.seq_len", "7"], mtp_pp2):
+        assert plan_script.main([*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--top", "1",
+                                 *extra]) == 0, capsys.readouterr().err
+        assert "every parameter shard equals the estimate's" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -214,8 +214,17 @@ def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[
         return {0: spec.pipeline.module_names(n_layers) + _extra_top_modules(spec, model)}
     parts = plan_split(spec.pipeline, n_layers, dims.pp, parallelism)
     style = schedule_style(parallelism.pipeline_parallel_schedule)
-    return {r: [m for s in stage_ids_for_rank(r, dims.pp, len(parts), style) for m in parts[s]]
+    return {r: [m for s in stage_ids_for_rank(r, dims.pp, len(parts), style)
+                for m in parts[s] + _borrowed(spec, model, parts[s])]
             for r in range(dims.pp)}
+
+
+def _borrowed(spec, model: nn.Module, part: list[str]) -> list[str]:
+    """The modules a stage keeps a copy of for a module it holds (spec.pipeline.shared, e.g. the input
+    embedding for multi-token prediction on the last stage), as pipeline_parallel.build_stage_model
+    does. (Two stages of one rank that both hold it count it once here.)"""
+    return [module for module, reader in spec.pipeline.shared
+            if reader in part and module not in part and getattr(model, reader, None) is not None]
 
 
 def _float8_gathered(spec, model: nn.Module, cfg) -> set[str]:

@@ -9,6 +9,12 @@ dividing the experts and the shard ranks), activation checkpointing (none, op, f
 micro-batch size. A degree the recipe (or the command line) sets to anything but its default is kept
 fixed. The global batch in sequences is the recipe's training.global_batch_size, or local_batch_size
 x the data-parallel degree of the recipe's own layout at this world size.
+
+A layout is shown, explained or written only if the trainer would start it: its config passes the
+rules load_config applies and torchtitan.train.preflight (refusal()). The estimates are cheap and
+ranked first; preflight then runs on the fastest, in order, until enough are accepted (plan()'s
+`keep`), since it reads files and builds the meta model, and a large MoE flavor has thousands of
+layouts. The validation set (when enabled) is read for the best layout only.
 """
 
 import dataclasses
@@ -17,6 +23,7 @@ import itertools
 import logging
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torchtitan.config import UserError
@@ -60,6 +67,18 @@ class Estimate:
     def ac(self) -> str:
         ac = self.cfg.activation_checkpoint
         return ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
+
+
+def check_model_options(spec, cfg) -> None:
+    """The [model] options that preflight checks before it builds the model args (an unknown flavor, a
+    field the family lacks), checked before the planner builds them: UserError, not a traceback."""
+    from torchtitan.config.job_config import Parallelism
+    from torchtitan.models.registry import get_model_args
+    from torchtitan.train import check_attention
+
+    get_model_args(cfg.model.name, cfg.model.flavor)
+    # Any layout will do: what depends on the layout is preflight's to say, for each candidate.
+    check_attention(cfg, spec, ParallelDims.from_config(Parallelism(), 1))
 
 
 def planning_args(spec, cfg):
@@ -135,6 +154,7 @@ class Planning:
 
         import_custom_module(cfg.experimental.custom_import)
         spec = get_model_spec(cfg.model.name)
+        check_model_options(spec, cfg)
         args = planning_args(spec, cfg)
         model = meta_model(spec, args)
         moe_blocks = len(spec.expert_layers(model)) if spec.expert_layers is not None else 0
@@ -184,6 +204,22 @@ def _fixed(cfg) -> dict[str, int]:
     return fixed
 
 
+def _global_batch(cfg, world_size: int) -> int:
+    """The global batch in sequences the planner keeps (module docstring)."""
+    t = cfg.training
+    if t.global_batch_size != -1:
+        return t.global_batch_size
+    try:
+        own = ParallelDims.from_config(cfg.parallelism, world_size)
+    except UserError as e:
+        raise UserError(
+            f"training.global_batch_size is unset, so the global batch is local_batch_size x the data-parallel degree "
+            f"of the recipe's own layout, and that layout does not fit {world_size} ranks: {e}; set "
+            "training.global_batch_size (in sequences) for the planner to keep, or fix the recipe's degrees"
+        ) from None
+    return t.local_batch_size * own.dp_degree
+
+
 def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
     """Every layout config of the search (see the module docstring)."""
     from torchtitan.distributed.pipeline_parallel import plan_split
@@ -204,8 +240,7 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
     t = cfg.training
     has_experts = spec.has_experts(args)
     num_experts = args.moe.num_experts if has_experts else 1
-    own = ParallelDims.from_config(cfg.parallelism, world_size) if not world_size % product else None
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * own.dp_degree
+    global_batch = _global_batch(cfg, world_size)
 
     def options(key, values):
         return [fixed[key]] if key in fixed else values
@@ -216,16 +251,21 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                 continue
             try:
                 check_tp_divisibility(spec.tp_sizes(args), tp, t.seq_len)
-            except UserError:
+            except UserError as e:
+                if "tensor_parallel_degree" in fixed:  # the recipe's own degree: no layout has another
+                    raise UserError(f"the recipe fixes tensor_parallel_degree = {tp}: {e}") from None
                 continue
         for pp in options("pipeline_parallel_degree", [p for p in range(1, args.n_layers + 1)
                                                        if world_size % (tp * p) == 0]):
             if pp > 1:
                 try:
                     plan_split(spec.pipeline, args.n_layers, pp, cfg.parallelism)
-                except UserError:
+                except UserError as e:
+                    if "pipeline_parallel_degree" in fixed:
+                        raise UserError(f"the recipe fixes pipeline_parallel_degree = {pp}: {e}") from None
                     continue
-            for cp in options("context_parallel_degree", [c for c in _powers_of_two(8) if t.seq_len % (2 * c) == 0]):
+            cps = [c for c in _powers_of_two(8) if c == 1 or t.seq_len % (2 * c) == 0]  # CP 1: any seq_len
+            for cp in options("context_parallel_degree", cps):
                 if cp > 1 and spec.cp_attention is None or world_size % (tp * pp * cp):
                     continue
                 dp = world_size // (tp * pp * cp)
@@ -257,24 +297,129 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                             )
 
 
+@dataclass
+class Ranking:
+    """What plan() found. Only layouts the trainer accepts are in `fits` and `smallest`."""
+
+    fits: list[Estimate]  # layouts that fit the memory and that the trainer accepts, fastest first
+    smallest: Estimate | None  # the smallest layout the trainer accepts among those that do not fit
+    searched: int  # layouts estimated
+    fitting: int  # of which fit the memory by the estimate (before the trainer's checks)
+    refused: dict[str, list[str]]  # the trainer's refusals of the layouts checked: message -> layouts
+
+
+def check_world(world_size: int, gpus_per_node: int) -> None:
+    """The world size fills whole nodes (one node may be filled only in part)."""
+    if world_size < 1 or gpus_per_node < 1:
+        raise UserError(f"the world size ({world_size}) and the devices per node ({gpus_per_node}) must be 1 or more")
+    if world_size > gpus_per_node and world_size % gpus_per_node:
+        raise UserError(
+            f"a world size of {world_size} devices is not a whole number of nodes of {gpus_per_node}; use a multiple "
+            f"of {gpus_per_node} (e.g. {world_size - world_size % gpus_per_node} or "
+            f"{world_size + gpus_per_node - world_size % gpus_per_node}), or give the node size (--gpus_per_node)"
+        )
+
+
 def plan(cfg, world_size: int, gpus_per_node: int, memory_bytes: float, device_type: str = "cuda",
-         hw: Hardware | None = None) -> tuple[list[Estimate], list[Estimate]]:
-    """(layouts that fit `memory_bytes` per rank, fastest first; those that do not, smallest first)."""
+         hw: Hardware | None = None, keep: int = 20) -> Ranking:
+    """Every layout estimated and ranked; then, fastest first, each checked as the trainer checks a job
+    (refusal()) until `keep` accepted layouts fit `memory_bytes` per rank, and the smallest accepted
+    one that does not fit is found. Checking stops there: preflight reads files and builds the model,
+    and a large MoE flavor has thousands of layouts."""
     from torchtitan.planner.memory import missing_counts
 
-    p = Planning.of(cfg)
+    check_world(world_size, gpus_per_node)
+    with _judged_on(device_type):
+        p = Planning.of(cfg)
     missing_counts(p.spec)
     hw = hw or default_hardware(device_type, gpus_per_node, cfg)
-    fits, too_big = [], []
+    fits, too_big, impossible = [], [], {}
     for candidate in candidates(cfg, world_size, gpus_per_node, p.spec, p.args):
         try:
             est = estimate_config(candidate, world_size, device_type, hw, p)
-        except UserError:
+        except UserError as e:  # a combination of degrees that cannot be formed
+            impossible[str(e)] = impossible.get(str(e), 0) + 1
             continue
         (fits if est.memory.total <= memory_bytes else too_big).append(est)
+    if not fits and not too_big:
+        why = max(impossible, key=impossible.get) if impossible else (
+            "no data-parallel degree that the other degrees leave divides the global batch of "
+            f"{_global_batch(cfg, world_size)} sequences; set training.global_batch_size to a multiple of more of them")
+        raise UserError(f"no layout of {cfg.model.name} {cfg.model.flavor} can be formed on {world_size} ranks with "
+                        f"this recipe: {why}")
     fits.sort(key=lambda e: e.step_time)
     too_big.sort(key=lambda e: e.memory.total)
-    return fits, too_big
+    refused: dict[str, list[str]] = {}
+    accepted_fits = _accepted(fits, world_size, device_type, keep, refused)
+    smallest = _accepted(too_big, world_size, device_type, 1, refused)
+    if accepted_fits and cfg.validation.enabled:
+        best = accepted_fits[0]
+        why = refusal(best.cfg, world_size, device_type, read_data=True)
+        if why is not None:
+            raise UserError(f"the trainer refuses the best layout, {best.layout()} with AC {best.ac()}: {why}")
+    return Ranking(accepted_fits, smallest[0] if smallest else None, len(fits) + len(too_big), len(fits), refused)
+
+
+def refusal(cfg, world_size: int, device_type: str, read_data: bool = True) -> str | None:
+    """Why the trainer would refuse to start `cfg` on `world_size` ranks of `device_type`, or None: the
+    config rules load_config applies to a recipe, then the trainer's own preflight (no process group).
+    [memory_estimation] is left out: the planner's fit against the memory it was given replaces it.
+    Without `read_data`, the validation set is not read: that check tokenizes it (seconds to minutes)
+    and depends on the layout only through the data-parallel degree; plan() runs it on the best."""
+    from torchtitan.config.manager import validate
+    from torchtitan.train import preflight
+
+    checked = replace(cfg, memory_estimation={"enabled": False})
+    if not read_data:
+        checked = replace(checked, validation={"enabled": False})
+    try:
+        validate(cfg)
+        with _judged_on(device_type):
+            preflight(checked, world_size)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _accepted(estimates: list[Estimate], world_size: int, device_type: str, count: int,
+              refused: dict[str, list[str]]) -> list[Estimate]:
+    """The first `count` of `estimates` (in their order) that the trainer accepts; those it refuses on
+    the way are added to `refused`."""
+    out = []
+    for e in estimates:
+        if len(out) == count:
+            break
+        why = refusal(e.cfg, world_size, device_type, read_data=False)
+        if why is None:
+            out.append(e)
+        else:
+            refused.setdefault(why, []).append(f"{e.layout()} with AC {e.ac()}")
+    return out
+
+
+@contextmanager
+def _judged_on(device_type: str):
+    """Preflight asks torchtitan.distributed.utils.device_type() where the job runs (CPU offload, FlexAttention,
+    async TP and pinned-memory checkpoints need CUDA); the planner judges a layout for the device it
+    plans for, whatever this host has."""
+    from torchtitan.distributed import utils
+
+    real = utils.device_type
+    utils.device_type = lambda: device_type
+    try:
+        yield
+    finally:
+        utils.device_type = real
+
+
+def refusals(refused: dict[str, list[str]]) -> str:
+    """The trainer's refusals as lines: each reason once, with the layouts it refused."""
+    lines = []
+    for why, layouts in sorted(refused.items(), key=lambda item: -len(item[1])):
+        distinct = list(dict.fromkeys(layouts))  # micro-batch sizes of one layout share a name
+        shown = ", ".join(distinct[:3]) + (f" and {len(distinct) - 3} more" if len(distinct) > 3 else "")
+        lines.append(f"  {len(layouts)} refused ({shown}): {why}")
+    return "\n".join(lines)
 
 
 def table(estimates: list[Estimate], limit: int = 20) -> str:
@@ -310,14 +455,28 @@ def explain(e: Estimate, memory_bytes: float) -> str:
             f"{FIXES[largest]}")
 
 
-def write_recipe(e: Estimate, path: str) -> None:
-    """The layout as a TOML recipe run_train.sh takes as it is (every key resolved)."""
+def write_recipe(e: Estimate, path: str, device_type: str = "cuda") -> None:
+    """The layout as a TOML recipe run_train.sh takes as it is (every key resolved). It is loaded back
+    and checked as the trainer would check it before it takes `path`: a recipe the trainer refuses is
+    never left there."""
+    from torchtitan.config import load_config
     from torchtitan.config.manager import config_to_toml
 
     header = (f"# Written by scripts/plan.py: {e.layout()} with AC {e.ac()} on {e.dims.world_size} ranks; estimated "
               f"{e.memory.total / GiB:.2f} GiB per rank, {e.step_time:.3f} s per step.\n")
-    with open(path, "w") as f:
-        f.write(header + config_to_toml(e.cfg))
+    folder, name = os.path.split(os.path.abspath(path))
+    partial = os.path.join(folder, f".{name}.partial-{os.getpid()}")
+    try:
+        with open(partial, "w") as f:
+            f.write(header + config_to_toml(e.cfg))
+        why = refusal(load_config(["--job.config_file", partial]), e.dims.world_size, device_type)
+        if why is not None:
+            raise RuntimeError(f"the recipe written for {e.layout()} does not load back as the layout the planner "
+                               f"checked; the trainer refuses it: {why}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def check_by_simulation(e: Estimate) -> tuple[float, int]:
