@@ -3,7 +3,7 @@
 Importing this package must not import torch: it validates a job before launch.
 """
 
-from torchtitan.config.errors import UserError
+from torchtitan.config.errors import HelpRequested, UserError
 from torchtitan.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
@@ -22,7 +22,6 @@ from torchtitan.config.job_config import (
     Training,
 )
 from torchtitan.config.manager import (
-    HelpRequested,
     config_to_dict,
     config_to_toml,
     help_text,

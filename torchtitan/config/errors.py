@@ -19,12 +19,18 @@ class UserError(Exception):
     """A mistake in the user's input (config, paths, data): reported as one clear message, no traceback."""
 
 
+class HelpRequested(Exception):
+    """`--help` was asked for; `text` is what to print (not an error, so not a UserError)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
 def run_main(main: Callable[..., "int | None"], *args, help_status: int = 0) -> int:
     """The exit status of `main(*args)`: its own (None counts as 0); 2 after a UserError, printed as
     `error: <message>` on stderr; `help_status` after a config `--help` (HelpRequested), whose text
     goes to stdout."""
-    from torchtitan.config.manager import HelpRequested  # manager imports this module
-
     try:
         code = main(*args)
     except HelpRequested as h:

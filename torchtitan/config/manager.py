@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the project runs on 3.11, tomli is the 3.10 fallback
     import tomli as tomllib
 
-from torchtitan.config.errors import UserError
+from torchtitan.config.errors import HelpRequested, UserError
 
 from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, JobConfig
 from torchtitan.config.rules import check_rules
@@ -28,13 +28,6 @@ _CLI = None
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
-
-class HelpRequested(Exception):
-    """`--help` was asked for; `text` is what to print (not an error, so not a UserError)."""
-
-    def __init__(self, text: str):
-        super().__init__(text)
-        self.text = text
 
 
 # ---------------------------------------------------------------------------------------------
