@@ -47,6 +47,20 @@ def test_split_backward_schedules_refuse_blocks_after_the_layers(schedule):
     preflight(cfg(*argv), world_size=2)  # without them it runs
 
 
+@pytest.mark.parametrize("overrides, world, pattern", [
+    # Each crashed at step 1 when it passed preflight (measured on torch 2.13, CPU).
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"], 1, "does not support the mixture-of-experts blocks"),
+    (["--model.name", "deepseek_v3", "--model.mtp_depth", "1"], 1, "does not support the mixture-of-experts blocks"),
+    (["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"], 2,
+     "tensor_parallel_degree = 2 fails on the CPU"),
+])
+def test_compile_refuses_what_it_cannot_compile(overrides, world, pattern):
+    with pytest.raises(UserError, match=pattern):
+        preflight(cfg("--training.compile", *overrides), world_size=world)
+    preflight(cfg(*overrides), world_size=world)  # eager runs it
+    preflight(cfg("--training.compile", "--training.local_batch_size", "4"), world_size=2)  # and FSDP compiles
+
+
 def test_unknown_flavor():
     with pytest.raises(UserError, match="unknown model.flavor '2B'"):
         preflight(cfg("--model.flavor", "2B"), world_size=1)
