@@ -87,7 +87,7 @@ from torchtitan.components.data import token_folder  # noqa: E402
 from torchtitan.components.data import build_dataloader, encode_document, stdlib_files  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, check_output_path, positive_int, run_main  # noqa: E402
-from torchtitan.config.job_config import Training  # noqa: E402
+from torchtitan.config.training_sections import Training  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "python_stdlib_4k.model"
 DEBUG_MODEL_TOKENS_PER_S = 2_154  # docs/performance.md: the debug model on CPU

@@ -46,7 +46,7 @@ from torchtitan.components import data  # noqa: E402
 from torchtitan.components.data.token_folder import META, pretokenize  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, UserError, positive_int, run_main  # noqa: E402
-from torchtitan.config.job_config import Training  # noqa: E402
+from torchtitan.config.training_sections import Training  # noqa: E402
 
 DATASETS = ("local", "huggingface", "c4", "c4_test", "python_stdlib")
 NAMED = ("python_stdlib", "c4_test", "c4")  # datasets a bare SOURCE may name (they need no path)

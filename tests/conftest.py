@@ -315,7 +315,7 @@ def make_loader(path, seq_len, local_batch, dp_degree=1, dp_rank=0, global_batch
                 shuffle=False, **training):
     """A loader of `path`; shuffle=False unless asked (None: the default, shuffle where possible)."""
     from torchtitan.components.data import build_dataloader
-    from torchtitan.config.job_config import Training
+    from torchtitan.config.training_sections import Training
 
     cfg = Training(
         dataset=dataset,

@@ -41,7 +41,7 @@ from torchtitan.components.stop_signals import StopSignals
 from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
 from torchtitan.components import validate
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
-from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES
+from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import local_positions
 from torchtitan.distributed.parallel_dims import ParallelDims

@@ -16,7 +16,7 @@ from torchtitan.components import validate
 from torchtitan.components.batch import BatchRule
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.config.job_config import Validation
+from torchtitan.config.training_sections import Validation
 from torchtitan.models.registry import get_model_spec
 from torchtitan.train import main
 

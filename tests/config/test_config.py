@@ -675,7 +675,7 @@ def test_a_negative_comm_timeout_is_refused_before_launch(tmp_path):
 
 
 def test_each_section_reports_its_own_problems():
-    from torchtitan.config import job_config as jc
+    import torchtitan.config as jc
 
     assert jc.Training(local_batch_size=0).check() == [
         "training.local_batch_size must be a positive integer, got 0; set it to 1 or more"]
@@ -706,7 +706,7 @@ def test_each_section_reports_its_own_problems():
 
 
 def test_a_section_check_reads_no_other_section():
-    from torchtitan.config import job_config as jc
+    import torchtitan.config as jc
 
     # Rules spanning sections (microbatches, context-parallel seq_len) wait for the whole config.
     assert jc.Training(local_batch_size=3, seq_len=102).check() == []
@@ -717,7 +717,7 @@ def test_a_section_check_reads_no_other_section():
 
 @pytest.mark.parametrize("section", ["training", "validation"])
 def test_training_and_validation_share_their_data_rules(section):
-    from torchtitan.config import job_config as jc
+    import torchtitan.config as jc
 
     cls = {"training": jc.Training, "validation": jc.Validation}[section]
     on = {"enabled": True} if section == "validation" else {}

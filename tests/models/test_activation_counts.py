@@ -84,7 +84,7 @@ def test_float8_blocks_keep_what_bfloat16_ones_do():
     high-precision inputs for backward, so the planner counts a float8 block as a bfloat16 one."""
     pytest.importorskip("torchao")
     from torchtitan.components.float8 import convert_to_float8
-    from torchtitan.config.job_config import Float8
+    from torchtitan.config.model_sections import Float8
 
     model, args, counts = block_and_counts("llama3", "debugmodel", "1", torch.bfloat16)
     assert convert_to_float8(model, Float8(emulate=True))

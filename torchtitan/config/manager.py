@@ -427,7 +427,7 @@ def _resolve_hf_assets(cfg: JobConfig) -> JobConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Value checks (the rules themselves: each section's check() in job_config.py, and rules.py)
+# Value checks (the rules themselves: each section's check() in its *_sections.py module, and rules.py)
 
 
 def validate(cfg: JobConfig) -> None:

@@ -41,7 +41,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES
+from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.models.common.spec import PipelineLayout
 
 # Schedules that place two stages per rank in a "V": rank r holds stages r and 2*pp-1-r.

@@ -23,7 +23,7 @@ over stated bandwidths, and the pipeline bubble of the schedule.
 
 from dataclasses import dataclass
 
-from torchtitan.config.job_config import ZERO_BUBBLE_SCHEDULES
+from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.distributed.pipeline_parallel import is_single_stage_schedule
 from torchtitan.planner.memory import DTYPE_BYTES
 

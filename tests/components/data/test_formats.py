@@ -25,7 +25,7 @@ from conftest import (CharTokenizer, document_units, expected_stream, expected_w
                       write_jsonl, write_parquet, write_save_to_disk, write_zst)
 from torchtitan.components.data import build_dataloader, compression
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 SEQ_LEN, BATCH = 255, 1  # one lane: the file's own token stream
 WINDOW = SEQ_LEN + 1

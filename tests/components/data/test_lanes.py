@@ -21,7 +21,7 @@ from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.files import FilesSource
 from torchtitan.components.data.lanes import document_ranges, lane_share
 from torchtitan.config import UserError
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 TESTS = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ import hashlib, json, sys
 sys.path[:0] = {paths!r}
 from conftest import CharTokenizer
 from torchtitan.components.data import build_dataloader
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 import pyarrow.parquet, zstandard  # imported before counting: their modules are read from disk too
 
 def rchar():

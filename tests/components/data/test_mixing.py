@@ -18,7 +18,7 @@ from torchtitan.components.data.mixing import counts_after, integer_weights, nex
 from torchtitan.config import load_config
 from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 ALPHABETS = ("abcdefgh ", "KLMNOPQR ", "0123456789 ")
 

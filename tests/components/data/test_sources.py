@@ -17,7 +17,7 @@ from torchtitan.components.data import build_dataloader, stdlib_files
 from torchtitan.components.data import sources as data_sources
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 
 def test_python_stdlib_files_are_sorted_and_exclude_tests():

@@ -28,7 +28,7 @@ from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.shuffle import Permutation
 from torchtitan.components.data.token_folder import pretokenize
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "pretokenize.py"

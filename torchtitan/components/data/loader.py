@@ -20,7 +20,7 @@ from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from torchtitan.components.data.compression import INSTALL_DATA, read_text
 from torchtitan.components.data.files import FilesSource
 from torchtitan.config.errors import UserError
-from torchtitan.config.job_config import Training
+from torchtitan.config.training_sections import Training
 
 C4_HUB = "allenai/c4"
 C4_TEST_PATH = "tests/assets/c4_test"

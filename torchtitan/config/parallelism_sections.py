@@ -1,0 +1,147 @@
+"""The sections of how a job spreads over its ranks: the parallel layout and the collectives' communication."""
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from torchtitan.config.fields import failed, opt
+
+
+# Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
+# steps; FSDP must keep their blocks gathered between forward and backward.
+ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(
+        1, "Replicas (DDP, or HSDP's replicate dimension when data_parallel_shard_degree > 1)."
+    )
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP shard degree; -1 fills the ranks left over by the other degrees."
+    )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default",
+        "Free gathered parameters after forward (always), keep them until backward (never), "
+        "or default (always, except for the root module whose parameters backward needs first).",
+    )
+    tensor_parallel_degree: int = opt(
+        1, "Tensor + sequence parallel degree (innermost mesh dimension; divides heads, KV heads and seq_len)."
+    )
+    disable_loss_parallel: bool = opt(
+        False, "With tensor parallel: gather the logits instead of computing the loss on vocabulary shards."
+    )
+    enable_async_tensor_parallel: bool = opt(
+        False, "Overlap tensor-parallel communication with matmuls (CUDA with training.compile only)."
+    )
+    context_parallel_degree: int = opt(
+        1,
+        "Context parallel degree: each sequence is split over this many ranks (load-balanced chunks, ring "
+        "attention); seq_len must be divisible by 2 x context_parallel_degree x tensor_parallel_degree.",
+    )
+    expert_parallel_degree: int = opt(
+        1,
+        "Expert parallel degree (models with a mixture of experts): the experts are split over this many ranks "
+        "taken from data_parallel_shard_degree x context_parallel_degree, tokens travel to their experts by "
+        "all-to-all; FSDP shards the experts over the ranks that remain. Must divide the number of experts.",
+    )
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
+        "allgather",
+        "How context-parallel attention sees the other ranks' keys and values: allgather (gather them all at "
+        "once) or alltoall (pass them around the ring one block per step, merging partial softmaxes).",
+    )
+    pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (outermost mesh dimension).")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "GPipe, 1F1B (one stage per rank), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (several stages "
+        "per rank), ZBVZeroBubble, DualPipeV (two stages per rank in a V).",
+    )
+    pipeline_parallel_schedule_csv: str | None = opt(
+        None, "A custom schedule: a CSV file with one row of compute actions (e.g. 0F0,0B0) per pipeline rank."
+    )
+    pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch (divides local_batch_size).")
+    pipeline_parallel_layers_per_stage: int | None = opt(
+        None, "Transformer layers per stage (unset: one stage per rank, or two for multi-stage schedules)."
+    )
+    module_fqns_per_model_part: list[list[str]] = opt(
+        [],
+        "An explicit pipeline split: the module names of each stage in model order, e.g. [['tok_embeddings', "
+        "'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']] (on the command line: "
+        "'tok_embeddings,layers.0,layers.1;layers.2,layers.3,norm,output'); replaces the split by layers.",
+    )
+    pipeline_parallel_split_points: list[str] = opt(
+        [],
+        "The older form of an explicit split: the modules at which a new stage begins, e.g. ['layers.2'].",
+    )
+    pipeline_parallel_first_stage_less_layers: int = opt(
+        1, "The first stage holds this many fewer layers (it also holds the embedding)."
+    )
+    pipeline_parallel_last_stage_less_layers: int = opt(
+        1, "The last stage holds this many fewer layers (it also holds the output layer and the loss)."
+    )
+
+    def check(self) -> list[str]:
+        degrees = ("data_parallel_replicate_degree", "pipeline_parallel_degree", "pipeline_parallel_microbatch_size",
+                   "tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree")
+        fewer = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
+        splits = ("module_fqns_per_model_part", "pipeline_parallel_split_points")
+        pp = self.pipeline_parallel_degree
+        problems = [f"parallelism.{k} must be 1 or more, got {getattr(self, k)}" for k in degrees
+                    if not getattr(self, k) >= 1]
+        problems += [f"parallelism.{k} must be 0 or more, got {getattr(self, k)}" for k in fewer
+                     if not getattr(self, k) >= 0]
+        problems += [
+            f"parallelism.{k} splits the model into pipeline stages, but pipeline_parallel_degree is {pp}; set "
+            f"pipeline_parallel_degree > 1 or remove it" for k in splits if getattr(self, k) and not pp > 1
+        ]
+        problems += failed((
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
+            f"got {self.data_parallel_shard_degree}",
+        ))
+        if pp > 1:
+            explicit = [k for k in splits if getattr(self, k)]
+            schedule, csv = self.pipeline_parallel_schedule, self.pipeline_parallel_schedule_csv
+            problems += failed(
+                (not (schedule.lower() in ZERO_BUBBLE_SCHEDULES and self.fsdp_reshard_after_forward == "always"),
+                 f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with pipeline_parallel_schedule "
+                 f"= {schedule!r}: its split weight-gradient step needs the gathered block weights (resharding "
+                 "silently drops their gradients); use 'default'"),
+                (len(explicit) < 2,
+                 "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split "
+                 "the pipeline; set one of them"),
+                (not (explicit and self.pipeline_parallel_layers_per_stage is not None),
+                 f"parallelism.{explicit[0] if explicit else ''} and parallelism.pipeline_parallel_layers_per_stage "
+                 "both split the pipeline; set one of them"),
+                (not csv or os.path.isfile(csv), f"parallelism.pipeline_parallel_schedule_csv: {csv} does not exist"),
+            )
+        return problems
+
+
+@dataclass(frozen=True)
+class Comm:
+    init_timeout_seconds: int = opt(
+        300, "Timeout of process-group initialization and of every collective until the first step is done."
+    )
+    train_timeout_seconds: int = opt(
+        100, "Timeout of every collective after the first step (which may compile, load and warm up)."
+    )
+    trace_buf_size: int = opt(
+        20000,
+        "Entries of the collectives' flight recorder (TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE, "
+        "unless set in the environment); 0 turns it off.",
+    )
+
+    def check(self) -> list[str]:
+        # A collective's time limit: 0 would time out every collective at once, a negative one is refused by
+        # the process group on every rank (gloo: "Invalid timeout") once the job has started.
+        problems = [
+            f"comm.{key} must be a positive number of seconds, got {getattr(self, key)}; set it to 1 or more "
+            f"(default {getattr(Comm(), key)})"
+            for key in ("init_timeout_seconds", "train_timeout_seconds")
+            if not getattr(self, key) > 0
+        ]
+        return problems + failed((
+            self.trace_buf_size >= 0,
+            f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {self.trace_buf_size}",
+        ))
