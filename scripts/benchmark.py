@@ -25,7 +25,7 @@ resident memory of one does not hide that of the other (RSS maxima only grow):
 --attention 1: the trainer alone, on the recipe's data, once with causal attention and once with
 model.attn_mask_type = "block_causal" per attention kernel this device trains with (sdpa and split;
 flex too on CUDA), each in its own process. Reported per variant: the kernel that ran (the
-trainer's own choice, attention.attention_backend), tokens/s and its ratio to causal, TFLOP/s and
+trainer's own choice, attention.choose_attention_kernel), tokens/s and its ratio to causal, TFLOP/s and
 MFU (block_causal counts only the attention its mask lets through), the first step's time (on CUDA
 mostly compilation) and the step-1 loss. Documents must be short against seq_len for block_causal
 to matter: scripts/short_documents.py writes such a corpus.
@@ -144,7 +144,8 @@ def check_supported(cfg) -> None:
 def run_framework(cfg) -> dict:
     import torch
 
-    from torchtitan.train import setup_logging, train
+    from torchtitan.components.metrics import setup_logging
+    from torchtitan.train import train
 
     setup_logging()
     records = train(cfg)
@@ -410,7 +411,7 @@ def attention_variants(cfg, device_type: str) -> list[tuple[str, list[str]]]:
 def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -> int:
     import torch
 
-    from torchtitan.models.common.attention import attention_backend
+    from torchtitan.models.common.attention import choose_attention_kernel
     from torchtitan.models.registry import get_model_args
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -419,7 +420,7 @@ def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -
     rows = []
     for label, extra in attention_variants(cfg, device_type):
         masked = "block_causal" in label or windowed
-        kernel = attention_backend(extra[-1], device_type, masked, "block_causal" in label, cfg.training.seq_len)[0] \
+        kernel = choose_attention_kernel(extra[-1], device_type, masked, "block_causal" in label, cfg.training.seq_len) \
             if cfg.parallelism.context_parallel_degree == 1 else "ring"
         results = []
         for repeat in range(opts["repeat"]):

@@ -61,9 +61,10 @@ def run(folder: str, overrides: list[str]):
     import torch.distributed as dist
 
     from torchtitan.components.hf_sharded import peak_rss, restart_peak_rss
-    from torchtitan.components.tokenizer import Tokenizer
     from torchtitan.config import load_config
-    from torchtitan.train import Trainer, set_determinism, setup_logging, train
+    from torchtitan.distributed.utils import set_determinism
+    from torchtitan.components.metrics import setup_logging
+    from torchtitan.train import Trainer, train
 
     class LoadAndExport(Trainer):
         """The trainer's start-up up to its checkpoint load, then an export; no step."""
@@ -71,9 +72,9 @@ def run(folder: str, overrides: list[str]):
         def _run(self):
             set_determinism(self.cfg.training.seed, False)
             self.mesh = self.dims.build_mesh(self.device.type)
-            self.tokenizer = Tokenizer(self.cfg.model.tokenizer_path)
             self.dataloader = self.build_dataloader()
-            self.parts, self.pipeline = self.build_model()
+            self.model = self.build_model()
+            self.parts, self.pipeline = self.model.parts, self.model.pipeline
             self.optim = self.build_optimizer()
             self.checkpointer = self.build_checkpointer()
             start = time.perf_counter()

@@ -8,7 +8,7 @@ memory per rank and estimated step time, ranked; the best written as a recipe.
 Prints a table of the layouts that fit (fastest first): layout, activation checkpointing, micro-batch,
 the memory terms per rank in GiB, step time, tokens/s per device and MFU. Every layout in it (and the
 one written) is one the trainer accepts: the planner checks each, fastest first, as run_train.sh would
-(the config rules and torchtitan.train.preflight, judged for --device), leaves out those it refuses
+(the config rules and torchtitan.preflight, judged for --device), leaves out those it refuses
 and says why. Then the best layout is applied for real over a fake process group of the target world
 size, one rank per pipeline rank, to prove the plan valid (--no-simulate skips it); its per-rank
 parameter counts must equal the estimate's. --output writes it as a recipe run_train.sh takes as it is

@@ -115,7 +115,7 @@ def readme_layout_commands() -> list[str]:
 
 def test_readme_lists_every_layout_and_each_passes_preflight(tmp_path):
     from torchtitan.config import load_config
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     commands = readme_layout_commands()
     described = set()

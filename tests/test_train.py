@@ -9,7 +9,7 @@ import torch
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import UserError, load_config
 from torchtitan.models.registry import get_model_spec
-from torchtitan.train import preflight
+from torchtitan.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
@@ -183,7 +183,7 @@ def test_attention_values_are_refused_by_the_config(overrides, pattern):
 def test_a_window_reaches_the_model_args():
     plan = preflight(cfg("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.sliding_window", "8",
                          "--model.max_window_layers", "1"), world_size=1)
-    from torchtitan.train import attention_overrides, model_args_for_run
+    from torchtitan.preflight import attention_overrides, model_args_for_run
 
     c = cfg("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.sliding_window", "8",
             "--model.max_window_layers", "1")
@@ -197,7 +197,7 @@ def test_initial_hf_weights_bring_their_sliding_windows(tmp_path):
 
     import torch
 
-    from torchtitan.train import model_args_for_run
+    from torchtitan.preflight import model_args_for_run
 
     spec = get_model_spec("qwen3")
     windowed = spec.args_for_training("debugmodel", 4096, 64, overrides={"sliding_window": 8,

@@ -143,7 +143,7 @@ def test_wandb_missing_package_is_refused_before_launch(tmp_path, monkeypatch):
     import importlib.util
 
     from torchtitan.config import UserError, load_config
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import UserError, load_config
-from torchtitan.train import preflight, train
+from torchtitan.preflight import preflight
+from torchtitan.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 

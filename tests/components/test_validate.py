@@ -5,7 +5,6 @@ layouts are compared in tests/distributed/test_data_parallel_parity.py)."""
 import json
 import math
 from fractions import Fraction
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -155,8 +154,11 @@ def build_model(name, flavor, seq_len):
 
 
 def make_validator(spec, model, data, cfg, training_steps=7):
-    return validate.Validator(cfg, training_steps, data, [model], spec.loss_sum_fn, torch.device("cpu"),
-                              nullcontext(), False, BatchRule(None), None)
+    def loss_fn(inputs, labels, kwargs):  # the trainer's forward_loss of one process
+        return spec.loss_sum_fn(model(inputs, **kwargs), labels)
+
+    return validate.Validator(cfg, training_steps, data, [model], loss_fn, BatchRule(None), lambda sums: sums,
+                              torch.device("cpu"))
 
 
 def test_a_run_is_the_mean_loss_over_the_tokens_in_eval_mode(tmp_path):

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import load_config
 from torchtitan.distributed.utils import exit_process
-from torchtitan.train import Trainer, setup_logging, train
+from torchtitan.components.metrics import setup_logging
+from torchtitan.train import Trainer, train
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

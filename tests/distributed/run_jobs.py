@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from torchtitan.config import load_config
 from torchtitan.distributed.utils import destroy_distributed, exit_process, init_distributed
-from torchtitan.train import setup_logging, train
+from torchtitan.components.metrics import setup_logging
+from torchtitan.train import train
 
 
 def main(path: str):

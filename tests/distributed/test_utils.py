@@ -1,6 +1,6 @@
 import torch
 
-from torchtitan.distributed.utils import clip_grad_norm_, dist_mean
+from torchtitan.distributed.utils import clip_grad_norm_
 
 
 def params_with_grads(*grads):
@@ -32,7 +32,3 @@ def test_below_max_norm_is_untouched_and_zero_disables():
 def test_params_without_grads_are_skipped():
     params = params_with_grads(torch.tensor([1.0])) + [torch.nn.Parameter(torch.ones(3))]
     assert clip_grad_norm_(params, max_norm=10.0).item() == 1.0
-
-
-def test_dist_mean_without_mesh():
-    assert dist_mean(torch.tensor(2.5), None) == 2.5

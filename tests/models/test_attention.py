@@ -200,11 +200,11 @@ def test_loss_sums_the_labels_that_count():
 
 
 def test_auto_picks_the_kernel_measured_fastest():
-    from torchtitan.models.common.attention import attention_backend
+    from torchtitan.models.common.attention import choose_attention_kernel
 
-    pick = lambda *a: attention_backend("auto", *a)[0]  # noqa: E731
+    pick = lambda *a: choose_attention_kernel("auto", *a)  # noqa: E731
     assert pick("cuda", True, True, 256) == pick("cuda", True, False, 4096) == "flex"
     assert pick("cuda", False) == "sdpa"  # causal: SDPA's flash kernel
     assert pick("cpu", True, True, 2048) == pick("cpu", True, True, 1024) == "split"
     assert pick("cpu", True, True, 512) == pick("cpu", True, False, 4096) == pick("cpu", False) == "sdpa"
-    assert attention_backend("split", "cuda", True)[0] == "split"  # asked for: as asked
+    assert choose_attention_kernel("split", "cuda", True) == "split"  # asked for: as asked

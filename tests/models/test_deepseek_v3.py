@@ -91,7 +91,7 @@ def test_flops_count_active_parameters_and_mla_attention():
 def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, moe, message):
     from torchtitan.config import load_config
     from torchtitan.models import registry
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     monkeypatch.setattr(registry, "_ADDED_FLAVORS", {})
     monkeypatch.setattr(registry, "_WITH_ADDED", {})
@@ -199,7 +199,7 @@ def test_mtp_logits_predict_further_tokens_and_the_logged_loss_stays_the_next_to
 
 def test_mtp_is_refused_below_0_and_for_families_without_it():
     from torchtitan.config import load_config
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
     from conftest import REPO
 
     def cfg(*extra):
@@ -278,7 +278,7 @@ def test_mtp_deeper_than_the_window_is_refused_before_launch(tmp_path):
 
     from conftest import REPO
     from torchtitan.config import load_config
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "deepseek_v3",
             "--training.seq_len", "16", "--job.dump_folder", str(tmp_path)]

@@ -57,7 +57,7 @@ def cfg(*overrides):
 
 
 def test_a_registered_flavor_is_found_wherever_flavors_are_looked_up():
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     register_flavor("llama3", "tiny", tiny_args())
     assert get_model_args("llama3", "tiny") == tiny_args()

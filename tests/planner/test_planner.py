@@ -26,7 +26,7 @@ import pytest
 from torchtitan.config import load_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.planner.memory import estimate_memory, param_shards
-from torchtitan.planner.plan import Planning, estimate_config
+from torchtitan.planner.plan import estimate_config, planning_of
 from torchtitan.planner.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def config(*args: str):
 
 def check_against_simulation(world: int, args: list[str]):
     cfg = config(*args)
-    p = Planning.of(cfg)
+    p = planning_of(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world)
     analytic = param_shards(p.spec, p.model, dims, cfg.parallelism)
     simulated = simulate(p.spec, p.args, dims, cfg)
@@ -105,7 +105,7 @@ def test_memory_terms_follow_the_layout():
     offload = estimate_config(config("--training.enable_cpu_offload"), 4, "cuda")
     assert offload.memory.params == offload.memory.grads == offload.memory.optimizer == 0
     cfg = config(*PP2)
-    p = Planning.of(cfg)
+    p = planning_of(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, 2)
     last = estimate_memory(p.spec, p.model, p.args, dims, cfg, "cpu")
     assert last.pp_rank in (0, 1) and (last.logits > 0) == (last.pp_rank == 1)
@@ -188,7 +188,7 @@ def test_a_multi_token_prediction_plan_never_picks_a_zero_bubble_layout(plan_scr
     """On 8 GPUs the fastest estimate is a ZBV pipeline, which the trainer refuses with MTP: the planner
     leaves it out, says why, and writes a recipe that the trainer's preflight accepts."""
     from torchtitan.planner.plan import plan, refusal
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     cfg = load_config(MTP_ZBV)
     ranking = plan(cfg, 8, 8, 80 * 2**30, "cuda", keep=10)

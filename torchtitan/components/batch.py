@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan.config.errors import UserError
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.models.common.attention import document_ids, document_lengths
 from torchtitan.models.common.spec import IGNORE_INDEX
@@ -75,3 +76,58 @@ def valid_labels(labels: torch.Tensor) -> torch.Tensor:
     if labels.dim() == 3:
         labels = labels[..., 0]
     return (labels != IGNORE_INDEX).sum().double()
+
+
+@dataclass(frozen=True)
+class LossRanks:
+    """The ranks a step's loss is spread over: the data- and context-parallel ranks (`mesh`), which
+    split its tokens, and under a pipeline the group (`pp_group`) whose rank `loss_src` holds it."""
+
+    mesh: object | None = None  # DeviceMesh
+    pp_group: object | None = None
+    loss_src: int = 0
+
+    def scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """What a micro-batch's summed token loss is multiplied by: the number of ranks of `mesh` over
+        the step's count of valid labels on all of them. Their gradients are averaged (FSDP/DDP), so
+        the step's gradient is that of the sum of all token losses over that count. One scalar
+        all-reduce; no host sync."""
+        count = sum(valid_labels(x) for x in labels)
+        if self.mesh is None:
+            return (1 / count.clamp(min=1)).float()
+        torch.distributed.all_reduce(count, group=self.mesh.get_group())
+        return (self.mesh.size() / count.clamp(min=1)).float()
+
+    def sum(self, sums: torch.Tensor) -> torch.Tensor:
+        """`sums` taken from the rank that holds the loss, summed over the ranks of `mesh` (in place)."""
+        if self.pp_group is not None:
+            torch.distributed.broadcast(sums, group=self.pp_group, group_src=self.loss_src)
+        if self.mesh is not None:
+            torch.distributed.all_reduce(sums, group=self.mesh.get_group())
+        return sums
+
+    def mean(self, loss: torch.Tensor) -> float:
+        """The step's loss from this rank's share (scaled by `scale`): their mean over `mesh`."""
+        total = self.sum(loss.detach().float().reshape(1).clone())
+        return total.item() / (self.mesh.size() if self.mesh is not None else 1)
+
+
+def document_end_of(dataloader, block_causal: bool, ignore_cross_document: bool) -> int | None:
+    """The token that ends each document in the training data, where the run needs document
+    boundaries (block-causal attention, training.ignore_cross_document_labels). A loader whose
+    dataset sets `yields_document_ids` gives (inputs, labels, doc_ids) batches instead."""
+    dataset = getattr(dataloader, "dataset", None)
+    end = getattr(dataset, "document_end_id", None)
+    if getattr(dataset, "yields_document_ids", False):
+        return end
+    needs = [what for what, on in (("model.attn_mask_type = 'block_causal'", block_causal),
+                                   ("training.ignore_cross_document_labels", ignore_cross_document)) if on]
+    if needs and end is None:
+        raise UserError(
+            f"{' and '.join(needs)} needs the document boundaries of the training data, but its loader "
+            f"({type(dataloader).__name__}) carries no document boundaries: its dataset has no "
+            f"document_end_id (the token that ends every document) and does not set yields_document_ids "
+            f"(batches of inputs, labels and document ids); give it one, or use 'causal' attention and "
+            f"count every label"
+        )
+    return end

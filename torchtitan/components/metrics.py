@@ -302,3 +302,67 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def keep_earlier(path: str, what: str):
+    """Rename an earlier run's file to {path}.N (the first free N) instead of overwriting it."""
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.rename(path, f"{path}.{n}")
+    logger.warning(f"{path} holds an earlier run's {what}; kept it as {path}.{n}")
+
+
+def write_run_file(folder: str, name: str, text: str, what: str):
+    """Write `text` as `folder`/`name`, keeping an earlier run's different file (keep_earlier)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    if os.path.isfile(path) and open(path).read() != text:
+        keep_earlier(path, what)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def rewind_metrics(path: str, start_step: int):
+    """Before a run writes metrics.jsonl: a fresh start keeps the earlier file as metrics.jsonl.N; a
+    resume from step S keeps the records up to S, and the whole earlier file as .N when it also holds
+    later steps (a restart redoes them), so the file reads as one run."""
+    if start_step == 0:
+        keep_earlier(path, "metrics")
+        return
+    with open(path) as f:
+        lines = f.read().splitlines()
+    def before_resume(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= start_step
+        except ValueError:  # a line cut short by a kill
+            return False
+
+    kept = [line for line in lines if before_resume(line)]
+    if len(kept) == len(lines):
+        return
+    keep_earlier(path, "metrics")
+    with open(path, "w") as f:
+        f.writelines(line + "\n" for line in kept)
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux; None elsewhere): start-up including imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def setup_logging():
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )

@@ -129,3 +129,22 @@ class RunLock:
         self._stop.set()
         if _read(self.path) == self.record:  # never remove a lock another run took over
             os.remove(self.path)
+
+
+def take_run_lock(dump_folder: str, rank: int) -> RunLock | None:
+    """Rank 0 locks the dump folder for the run; every rank stops with the reason if it cannot."""
+    import torch.distributed as dist
+
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(dump_folder)
+        except UserError as e:
+            error = str(e)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return lock

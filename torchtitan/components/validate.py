@@ -46,7 +46,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -56,9 +55,9 @@ from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix
-from torchtitan.config.job_config import JobConfig, Training, Validation
+from torchtitan.config.job_config import Training, Validation
+from torchtitan.config.rules import validation_seq_len
 from torchtitan.components.batch import valid_labels
-from torchtitan.distributed.tensor_parallel import loss_parallel_context
 
 # Tokens of validation batches a rank keeps in memory (int32) between runs: 256 MiB.
 CACHE_TOKENS = 2**26
@@ -236,16 +235,14 @@ class ValidationData:
         self._cache = cache
 
 
-def preflight_validation(cfg: JobConfig, dp_degree: int) -> None:
+def preflight_validation(v: Validation, training: Training, tokenizer: Tokenizer, dp_degree: int) -> None:
     """Before launch: the validation set exists and holds at least one global validation batch.
     Reads only as much of it as that needs."""
-    v = cfg.validation
     if not v.enabled:
         return
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    source = build_source(v, cfg.training, tokenizer)
+    source = build_source(v, training, tokenizer)
     need = v.local_batch_size * dp_degree
-    seq_len = v.seq_len if v.seq_len > 0 else cfg.training.seq_len
+    seq_len = validation_seq_len(v, training)
     windows = _windows(source, tokenizer, seq_len + 1)
     found = sum(1 for _ in zip(range(need), windows))
     if found < need:
@@ -276,76 +273,26 @@ def _reshard_fsdp(parts: list[nn.Module]):
                 module.reshard()
 
 
-def _forward_only_schedule(pipeline, parts: list[nn.Module], n_microbatches: int, device, loss_fn):
-    """A pipeline schedule that runs forwards only: each rank runs its stages in order, each on every
-    microbatch in order, and the last stage computes each microbatch's loss. torch's own `eval` runs a
-    training schedule with its backward actions skipped, which fails on V-shaped placements (two
-    adjacent stages on one rank) and would make the training schedule infer its shapes again."""
-    from torch.distributed.pipelining.schedules import (
-        FORWARD,
-        _Action,
-        _add_send_recv,
-        _add_unshard_reshard,
-        _PipelineScheduleRuntime,
-    )
-
-    from torchtitan.distributed.pipeline_parallel import build_stages, stage_ids_for_rank
-
-    pp, num_stages = pipeline.pp_mesh.size(), pipeline.num_stages
-    placement = {rank: sorted(stage_ids_for_rank(rank, pp, num_stages, pipeline.style)) for rank in range(pp)}
-    owner = {stage: rank for rank, stages in placement.items() for stage in stages}
-    stages = build_stages(parts, pipeline.stage_ids, num_stages, device, pipeline.pp_mesh.get_group())
-    schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn)
-    # What _prepare_schedule_with_comms does, without its check that every forward has a backward.
-    schedule.stage_index_to_group_rank = owner
-    for stage in stages:
-        stage.stage_index_to_group_rank = owner
-    compute = {
-        rank: _add_unshard_reshard(
-            [_Action(stage, FORWARD, mb) for stage in placement[rank] for mb in range(n_microbatches)]
-        )
-        for rank in range(pp)
-    }
-    schedule.pipeline_order_with_comms = _add_send_recv(compute, stage_to_rank=owner.__getitem__, num_stages=num_stages)
-    return schedule
-
-
 class Validator:
-    """Runs validation for a Trainer; `due(step)` says when, `run(step)` returns the metrics record."""
+    """Runs validation for a Trainer; `due(step)` says when, `run(step)` returns the metrics record.
+
+    `loss_fn(inputs, labels, kwargs)`: this rank's summed token loss of a prepared batch, forward
+    only, as training computes it (None on pipeline ranks without the last stage).
+    `sum_over_ranks(sums)`: the tensor summed over the ranks that split a batch's tokens, taken from
+    the rank that holds the loss."""
 
     def __init__(self, cfg: Validation, training_steps: int, data: ValidationData, parts: list[nn.Module],
-                 loss_sum_fn, device: torch.device, amp, loss_parallel: bool, batch_rule, loss_mesh, pipeline=None,
-                 parallelism=None):
-        self.cfg, self.training_steps, self.data = cfg, training_steps, data
-        self.parts, self.loss_fn, self.device = parts, loss_sum_fn, device
-        self.amp, self.loss_parallel, self.batch_rule, self.loss_mesh = amp, loss_parallel, batch_rule, loss_mesh
-        self.pipeline, self.schedule = pipeline, None
-        if pipeline is not None:  # microbatches of the training size (the config checks it divides)
-            n_micro = cfg.local_batch_size // parallelism.pipeline_parallel_microbatch_size
-            self.schedule = _forward_only_schedule(pipeline, parts, n_micro, device, loss_sum_fn)
+                 loss_fn, batch_rule, sum_over_ranks, device: torch.device):
+        self.cfg, self.training_steps, self.data, self.parts = cfg, training_steps, data, parts
+        self.loss_fn, self.batch_rule, self.sum_over_ranks, self.device = loss_fn, batch_rule, sum_over_ranks, device
 
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0 or step == self.training_steps
 
     def _batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """This rank's summed token loss of the batch (zero on pipeline ranks without the last stage);
-        `kwargs`: forward's keyword inputs (batch.BatchRule)."""
-        with loss_parallel_context(self.loss_parallel):
-            if self.schedule is not None:
-                is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
-                losses = [] if is_last else None
-                with self.amp:
-                    self.schedule.eval(
-                        *((inputs,) if is_first else ()), target=labels if is_last else None, losses=losses,
-                        return_outputs=False, **kwargs,
-                    )
-                if not is_last:
-                    return torch.zeros((), dtype=torch.float64, device=self.device)
-                loss = torch.stack([loss.detach() for loss in losses]).sum()
-            else:
-                with self.amp:
-                    logits = self.parts[0](inputs, **kwargs)
-                loss = self.loss_fn(logits, labels)
+        loss = self.loss_fn(inputs, labels, kwargs)
+        if loss is None:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         loss = loss.to_local() if isinstance(loss, DTensor) else loss
         return loss.detach().double()
 
@@ -372,11 +319,7 @@ class Validator:
             _reshard_fsdp(self.parts)
         if batches == 0:  # preflight_validation makes sure there is a batch
             raise ValueError("the validation set yielded no batch")
-        if self.pipeline is not None:  # the loss exists on the last stage's rank
-            dist.broadcast(total, group=self.pipeline.pp_mesh.get_group(), group_src=self.pipeline.loss_src)
-        sums = torch.stack([total, count])
-        if self.loss_mesh is not None:
-            dist.all_reduce(sums, group=self.loss_mesh.get_group())
+        sums = self.sum_over_ranks(torch.stack([total, count]))
         loss = (sums[0] / sums[1].clamp(min=1)).item()  # float64 all the way
         return {
             "step": step,

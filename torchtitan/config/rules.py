@@ -51,7 +51,7 @@ def _sequence_rules(cfg: JobConfig) -> list[str]:
     # training.seq_len % tensor_parallel_degree is checked with the model's sizes (check_tp_divisibility).
     if not v.enabled:
         return problems
-    seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
+    seq_len = validation_seq_len(v, t)
     if seq_len > t.seq_len:
         problems.append(
             f"validation.seq_len = {seq_len} exceeds training.seq_len = {t.seq_len}: the model holds positions for "
@@ -98,3 +98,8 @@ def _checkpoint_rules(cfg: JobConfig) -> list[str]:
             "Face folder"
         ]
     return []
+
+
+def validation_seq_len(v, t) -> int:
+    """The validation window: validation.seq_len, or training.seq_len where it is -1."""
+    return t.seq_len if v.seq_len == -1 else v.seq_len

@@ -38,7 +38,6 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
     get_schedule_class,
 )
-from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import UserError
 from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
@@ -385,18 +384,68 @@ class StepLoss:
 
 
 def pipeline_step(schedule, inputs: torch.Tensor, labels: torch.Tensor, is_first: bool, is_last: bool,
-                  kwargs: dict | None = None):
-    """One forward + backward of the local batch. Only the rank with the first stage needs `inputs`
-    and only the rank with the last stage needs `labels` (other ranks may pass anything); every rank
-    passes the keyword inputs of forward (`kwargs`: document ids, the family's; batch.BatchRule).
-    Returns the sum of the microbatch losses on the last-stage rank, None elsewhere."""
+                  kwargs: dict | None = None, forward_only: bool = False):
+    """One forward + backward of the local batch (`forward_only`: the forward, on a schedule from
+    forward_only_schedule). Only the rank with the first stage needs `inputs` and only the rank with
+    the last stage needs `labels` (other ranks may pass anything); every rank passes the keyword
+    inputs of forward (`kwargs`: document ids, the family's; batch.BatchRule). Returns the sum of the
+    microbatch losses on the last-stage rank, None elsewhere."""
     losses: list[torch.Tensor] | None = [] if is_last else None
     target = labels if is_last else None
     args = (inputs,) if is_first else ()
-    schedule.step(*args, target=target, losses=losses, return_outputs=False, **(kwargs or {}))
+    run = schedule.eval if forward_only else schedule.step
+    run(*args, target=target, losses=losses, return_outputs=False, **(kwargs or {}))
     if not is_last:
         return None
     return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def warm_up_schedule(pipeline: "Pipeline", parts: list[nn.Module], step_loss: StepLoss, inputs: torch.Tensor,
+                     labels: torch.Tensor, kwargs: dict):
+    """torch's pipeline schedules infer the stages' tensor shapes with a real forward and backward
+    inside their first step. Done once before training (on a batch of zeros), with the model in eval
+    mode and the gradients dropped, so that modules that keep training statistics (an MoE's token
+    counts) see only the tokens they train on."""
+    step_loss.scale = torch.ones((), device=inputs.device)
+    for part in parts:
+        part.eval()
+    pipeline_step(pipeline.schedule, inputs, labels, pipeline.is_first, pipeline.is_last, kwargs)
+    for part in parts:
+        part.train()
+        part.zero_grad(set_to_none=True)
+
+
+def forward_only_schedule(pipeline: "Pipeline", parts: list[nn.Module], n_microbatches: int, device, loss_fn):
+    """A pipeline schedule that runs forwards only (validation): each rank runs its stages in order,
+    each on every microbatch in order, and the last stage computes each microbatch's loss. torch's
+    own `eval` runs a training schedule with its backward actions skipped, which fails on V-shaped
+    placements (two adjacent stages on one rank) and would make the training schedule infer its
+    shapes again (a real forward, each time it switches between eval and train)."""
+    from torch.distributed.pipelining.schedules import (
+        FORWARD,
+        _Action,
+        _add_send_recv,
+        _add_unshard_reshard,
+        _PipelineScheduleRuntime,
+    )
+
+    pp, num_stages = pipeline.pp_mesh.size(), pipeline.num_stages
+    placement = {rank: sorted(stage_ids_for_rank(rank, pp, num_stages, pipeline.style)) for rank in range(pp)}
+    owner = {stage: rank for rank, stages in placement.items() for stage in stages}
+    stages = build_stages(parts, pipeline.stage_ids, num_stages, device, pipeline.pp_mesh.get_group())
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn)
+    # What _prepare_schedule_with_comms does, without its check that every forward has a backward.
+    schedule.stage_index_to_group_rank = owner
+    for stage in stages:
+        stage.stage_index_to_group_rank = owner
+    compute = {
+        rank: _add_unshard_reshard(
+            [_Action(stage, FORWARD, mb) for stage in placement[rank] for mb in range(n_microbatches)]
+        )
+        for rank in range(pp)
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(compute, stage_to_rank=owner.__getitem__, num_stages=num_stages)
+    return schedule
 
 
 def broadcast_loss(loss: torch.Tensor | None, pp_group, src_group_rank: int) -> torch.Tensor:

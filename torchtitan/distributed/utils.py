@@ -194,10 +194,10 @@ def gather_objects(obj) -> list:
     return out
 
 
-def dist_mean(x: torch.Tensor, mesh) -> float:
-    """Mean of a scalar over the ranks of `mesh` (the value itself without a mesh)."""
-    if mesh is None:
-        return x.item()
-    x = x.detach().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.get_group())
-    return x.item() / mesh.size()
+def set_determinism(seed: int, deterministic: bool):
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -34,7 +34,6 @@ import math
 import weakref
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -426,11 +425,6 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         if best is None or estimate.total > best.total:
             best = estimate
     return best
-
-
-def meta_model(spec, args) -> nn.Module:
-    with torch.device("meta"):
-        return spec.model_cls(args)
 
 
 def replace(cfg, **sections):

@@ -11,16 +11,13 @@ fixed. The global batch in sequences is the recipe's training.global_batch_size,
 x the data-parallel degree of the recipe's own layout at this world size.
 
 A layout is shown, explained or written only if the trainer would start it: its config passes the
-rules load_config applies and torchtitan.train.preflight (refusal()). The estimates are cheap and
+rules load_config applies and torchtitan.preflight (refusal()). The estimates are cheap and
 ranked first; preflight then runs on the fastest, in order, until enough are accepted (plan()'s
 `keep`), since it reads files and builds the meta model, and a large MoE flavor has thousands of
 layouts. The validation set (when enabled) is read for the best layout only.
 """
 
-import dataclasses
-import functools
 import itertools
-import logging
 import os
 import re
 from contextlib import contextmanager
@@ -28,45 +25,13 @@ from dataclasses import dataclass
 
 from torchtitan.config import UserError
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.planner.memory import (
-    GiB,
-    MemoryEstimate,
-    estimate_memory,
-    meta_model,
-    optimizer_states,
-    param_shards,
-    replace,
-)
-from torchtitan.planner.timing import Hardware, StepTime, step_time
-
-logger = logging.getLogger(__name__)
+from torchtitan.models.common.spec import meta_model
+from torchtitan.planner.estimate import FIXES, Estimate, Planning, default_hardware, estimate_layout
+from torchtitan.planner.memory import GiB, param_shards, replace
+from torchtitan.planner.timing import Hardware
+from torchtitan.preflight import check_attention, load_tokenizer, model_args_for_run, preflight
 
 AC_MODES = (("none", "2"), ("selective", "op"), ("full", "2"))
-
-
-@dataclass(frozen=True)
-class Estimate:
-    cfg: object  # the JobConfig of this layout
-    dims: ParallelDims
-    memory: MemoryEstimate
-    time: StepTime
-    tokens_per_s: float  # per device
-    mfu: float
-
-    @property
-    def step_time(self) -> float:
-        return self.time.total
-
-    def layout(self) -> str:
-        d, ac = self.dims, self.cfg.activation_checkpoint
-        parts = [f"pp{d.pp}" if d.pp > 1 else "", f"rep{d.dp_replicate}" if d.dp_replicate > 1 else "",
-                 f"fsdp{d.dp_shard}" if d.dp_shard > 1 else "", f"cp{d.cp}" if d.cp > 1 else "",
-                 f"tp{d.tp}" if d.tp > 1 else "", f"ep{d.ep}" if d.ep > 1 else ""]
-        return "x".join(p for p in parts if p) or "single"
-
-    def ac(self) -> str:
-        ac = self.cfg.activation_checkpoint
-        return ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
 
 
 def check_model_options(spec, cfg) -> None:
@@ -74,7 +39,6 @@ def check_model_options(spec, cfg) -> None:
     field the family lacks), checked before the planner builds them: UserError, not a traceback."""
     from torchtitan.config.job_config import Parallelism
     from torchtitan.models.registry import get_model_args
-    from torchtitan.train import check_attention
 
     get_model_args(cfg.model.name, cfg.model.flavor)
     # Any layout will do: what depends on the layout is preflight's to say, for each candidate.
@@ -84,108 +48,27 @@ def check_model_options(spec, cfg) -> None:
 def planning_args(spec, cfg):
     """The model args the job would build: the tokenizer's vocabulary when its file is there (as the
     trainer does), else the flavor's."""
-    from torchtitan.train import model_args_for_run
-
     path = cfg.model.tokenizer_path
     if path and os.path.exists(path):
-        from torchtitan.components.tokenizer import Tokenizer
-
-        return model_args_for_run(spec, cfg, Tokenizer(path).vocab_size)
+        return model_args_for_run(spec, cfg, load_tokenizer(path).vocab_size)
     flavor = spec.flavors[cfg.model.flavor]
     return spec.args_for_training(cfg.model.flavor, flavor.vocab_size, cfg.training.seq_len)
 
 
-def default_hardware(device_type: str, gpus_per_node: int, cfg) -> Hardware:
-    """CUDA: H100/H200 figures (989 dense bf16 TFLOP/s; 450 GB/s NVLink, 50 GB/s per GPU across nodes),
-    40% of the peak. CPU (this machine; a "device" is one of `gpus_per_node` processes on the host):
-    the matmul peak measured now in the training dtype with the threads a process gets (torchrun
-    gives each of several processes one, OMP_NUM_THREADS=1; more processes than cores share them),
-    the efficiency calibrated for that dtype, and gloo's bandwidth between processes of one host."""
-    if device_type == "cuda":
-        peak = cfg.metrics.device_peak_tflops * 1e12 if cfg.metrics.device_peak_tflops > 0 else 989e12
-        return Hardware(peak, 0.40, 450e9, 50e9, gpus_per_node)
-    import torch
+def planning_of(cfg) -> Planning:
+    """What every layout of `cfg`'s recipe shares, with the model args the trainer would build."""
+    from torchtitan.models.registry import get_model_spec, import_custom_module
 
-    dtype = cfg.training.mixed_precision_param
-    threads = torch.get_num_threads() if gpus_per_node == 1 else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    peak = _cpu_matmul_peak(dtype, threads) * min(1.0, cores / (gpus_per_node * threads))
-    return Hardware(peak, CPU_EFFICIENCY[dtype], CPU_BANDWIDTH, CPU_BANDWIDTH, gpus_per_node)
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_matmul_peak(dtype: str, threads: int) -> float:
-    import torch
-
-    from torchtitan.components.metrics import measure_matmul_tflops
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return measure_matmul_tflops(getattr(torch, dtype), seconds=0.3) * 1e12
-    finally:
-        torch.set_num_threads(before)
-
-
-# The fraction of the measured matmul peak a training step reaches on this 2-core host, by training
-# dtype: the single-process float32 row and the FSDP 2 row of scripts/validate_memory_estimate.py
-# (docs/planning.md). In bfloat16 the CPU's matrix units make matmuls fast and the rest of the step
-# (elementwise, norms, attention) dominates.
-CPU_EFFICIENCY = {"float32": 0.44, "bfloat16": 0.061, "float16": 0.061}
-CPU_BANDWIDTH = 1.0e9
-
-
-@dataclass
-class Planning:
-    """What every layout of one recipe shares, computed once: the spec, the args, the meta model, the
-    FLOPs per token, and the parameter shards of each (degrees, pipeline split) seen."""
-
-    spec: object
-    args: object
-    model: object
-    flops_per_token: float
-    moe_blocks: int  # blocks with routed experts
-    states: dict  # optimizer state tensors per parameter element, by name (memory.optimizer_states)
-    shards: dict = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, cfg) -> "Planning":
-        from torchtitan.models.registry import get_model_spec, import_custom_module
-
-        import_custom_module(cfg.experimental.custom_import)
-        spec = get_model_spec(cfg.model.name)
-        check_model_options(spec, cfg)
-        args = planning_args(spec, cfg)
-        model = meta_model(spec, args)
-        moe_blocks = len(spec.expert_layers(model)) if spec.expert_layers is not None else 0
-        return cls(spec, args, model, spec.flops_per_token(args, cfg.training.seq_len), moe_blocks,
-                   optimizer_states(spec, model, cfg.optimizer))
-
-    def param_shards(self, dims, par):
-        key = (dims, par.pipeline_parallel_schedule, par.disable_loss_parallel, par.pipeline_parallel_layers_per_stage,
-               tuple(par.pipeline_parallel_split_points), tuple(map(tuple, par.module_fqns_per_model_part)),
-               par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers)
-        if key not in self.shards:
-            self.shards[key] = param_shards(self.spec, self.model, dims, par)
-        return self.shards[key]
+    import_custom_module(cfg.experimental.custom_import)
+    spec = get_model_spec(cfg.model.name)
+    check_model_options(spec, cfg)
+    return Planning.build(spec, planning_args(spec, cfg), cfg)
 
 
 def estimate_config(cfg, world_size: int, device_type: str, hw: Hardware | None = None,
                     planning: Planning | None = None) -> Estimate:
     """Memory and step time of `cfg`'s own layout on `world_size` ranks."""
-    p = planning or Planning.of(cfg)
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    shards = p.param_shards(dims, cfg.parallelism)
-    memory = estimate_memory(p.spec, p.model, p.args, dims, cfg, device_type, shards, p.states)
-    gathered = sum(s.gathered for s in shards[memory.pp_rank].values())
-    moe_blocks = p.moe_blocks // dims.pp
-    hw = hw or default_hardware(device_type, world_size, cfg)
-    time = step_time(p.flops_per_token, p.args, dims, cfg, gathered, moe_blocks, hw)
-    t = cfg.training
-    global_batch, _ = dims.batch(t.local_batch_size, t.global_batch_size)
-    tokens = global_batch * t.seq_len / world_size / time.total
-    mfu = tokens * p.flops_per_token / hw.peak_flops
-    return Estimate(cfg, dims, memory, time, tokens, mfu)
+    return estimate_layout(cfg, world_size, device_type, planning or planning_of(cfg), hw)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -330,7 +213,7 @@ def plan(cfg, world_size: int, gpus_per_node: int, memory_bytes: float, device_t
 
     check_world(world_size, gpus_per_node)
     with _judged_on(device_type):
-        p = Planning.of(cfg)
+        p = planning_of(cfg)
     missing_counts(p.spec)
     hw = hw or default_hardware(device_type, gpus_per_node, cfg)
     fits, too_big, impossible = [], [], {}
@@ -367,7 +250,6 @@ def refusal(cfg, world_size: int, device_type: str, read_data: bool = True) -> s
     Without `read_data`, the validation set is not read: that check tokenizes it (seconds to minutes)
     and depends on the layout only through the data-parallel degree; plan() runs it on the best."""
     from torchtitan.config.manager import validate
-    from torchtitan.train import preflight
 
     checked = replace(cfg, memory_estimation={"enabled": False})
     if not read_data:
@@ -436,16 +318,6 @@ def table(estimates: list[Estimate], limit: int = 20) -> str:
     return "\n".join(rows)
 
 
-FIXES = {
-    "params": "more FSDP or pipeline ranks (shard the parameters further)",
-    "grads": "more FSDP or pipeline ranks",
-    "optimizer": "more FSDP or pipeline ranks (the optimizer state is sharded with the parameters)",
-    "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
-    "logits": "tensor parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
-    "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
-}
-
-
 def explain(e: Estimate, memory_bytes: float) -> str:
     """What does not fit, for the best layout that does not."""
     terms = e.memory.terms()
@@ -508,36 +380,3 @@ def check_by_simulation(e: Estimate) -> tuple[float, int]:
                                f"{[want.get(n) for n in wrong[:5]]})")
     return time.perf_counter() - start, len(shapes)
 
-
-def device_memory(device_type: str, processes_per_node: int) -> tuple[float, str]:
-    """(bytes one rank may use, what that is): a GPU's memory, or on CPU this node's memory shared by
-    its processes."""
-    if device_type == "cuda":
-        import torch
-
-        return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
-    with open("/proc/meminfo") as f:
-        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    return total / processes_per_node, f"the host's memory over its {processes_per_node} process(es)"
-
-
-def check_memory(cfg, world_size: int, device_type: str, processes_per_node: int) -> str:
-    """[memory_estimation]: the estimate of `cfg`'s own layout as one line; UserError when it cannot fit."""
-    p = Planning.of(cfg)
-    from torchtitan.planner.memory import missing_counts
-
-    missing_counts(p.spec)
-    # The step time is not reported here: no matmul peak is measured before launch.
-    hw = Hardware(1e12, 1.0, 1e9, 1e9, processes_per_node)
-    e = estimate_config(cfg, world_size, device_type, hw, p)
-    capacity, what = device_memory(device_type, processes_per_node)
-    terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in e.memory.terms().items() if value)
-    line = (f"memory estimate for {e.layout()} with AC {e.ac()}: {e.memory.total / GiB:.2f} GiB per rank (largest, "
-            f"pipeline rank {e.memory.pp_rank}; {terms} GiB) of {capacity / GiB:.2f} GiB, {what}")
-    if e.memory.total > capacity:
-        largest = e.memory.largest()
-        raise UserError(f"memory_estimation: {e.layout()} needs an estimated {e.memory.total / GiB:.2f} GiB per rank, "
-                        f"more than the {capacity / GiB:.2f} GiB of {what}; the largest term is {largest} "
-                        f"({e.memory.terms()[largest] / GiB:.2f} GiB): {FIXES[largest]} (scripts/plan.py compares "
-                        f"every layout)")
-    return line

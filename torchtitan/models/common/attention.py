@@ -185,23 +185,26 @@ def _mask_mod(doc_ids: torch.Tensor | None, window: int | None):
 SPLIT_FROM_SEQ_LEN = 1024
 
 
-def attention_backend(name: str, device_type: str, masked: bool, documents: bool = False,
-                      seq_len: int = 0) -> tuple[str, Callable]:
-    """(the backend's name, its attention_fn) for `model.attn_backend` on this device. "auto":
-    FlexAttention on CUDA when the mask is more than causal (documents or sliding windows), where it
-    skips the masked tiles; elsewhere, with document masks (`documents`) in windows of
-    SPLIT_FROM_SEQ_LEN tokens or more, the per-document split; SDPA otherwise (a plain causal mask
-    runs SDPA's flash kernel)."""
-    if name == "auto":
-        if device_type == "cuda" and masked:
-            name = "flex"
-        elif documents and seq_len >= SPLIT_FROM_SEQ_LEN:
-            name = "split"
-        else:
-            name = "sdpa"
+def choose_attention_kernel(name: str, device_type: str, masked: bool, documents: bool = False,
+                            seq_len: int = 0) -> str:
+    """The kernel `model.attn_backend` = `name` means on this device. "auto": FlexAttention on CUDA
+    when the mask is more than causal (documents or sliding windows), where it skips the masked
+    tiles; elsewhere, with document masks (`documents`) in windows of SPLIT_FROM_SEQ_LEN tokens or
+    more, the per-document split; SDPA otherwise (a plain causal mask runs SDPA's flash kernel)."""
+    if name != "auto":
+        return name
+    if device_type == "cuda" and masked:
+        return "flex"
+    if documents and seq_len >= SPLIT_FROM_SEQ_LEN:
+        return "split"
+    return "sdpa"
+
+
+def attention_kernel(name: str) -> Callable:
+    """The attention_fn of a chosen kernel ("sdpa", "split" or "flex")."""
     if name == "flex":
-        return name, flex_attention_fn()
-    return name, {"sdpa": sdpa_attention, "split": split_attention}[name]
+        return flex_attention_fn()
+    return {"sdpa": sdpa_attention, "split": split_attention}[name]
 
 
 def set_attention_fn(model: torch.nn.Module, path: str, fn: Callable, blocks=None) -> None:

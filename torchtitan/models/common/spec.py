@@ -260,6 +260,28 @@ class ModelSpec:
         return _dataclass_from_dict(self.args_cls, values)
 
 
+_META_MODEL: dict = {}
+
+
+def meta_model(spec: ModelSpec, args) -> nn.Module:
+    """The model of `args` on the meta device, for reading its structure (blocks, experts, parameter
+    names and shapes); callers change nothing in it. The last one is kept: a large model takes about a
+    second to build even on meta, and the layout planner checks many layouts of one model."""
+    try:
+        key = (spec.name, spec.model_cls, args)
+        hash(key)
+    except TypeError:  # args with a list or dict field: built each time
+        key = None
+    if key is None or key not in _META_MODEL:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        if key is None:
+            return model
+        _META_MODEL.clear()
+        _META_MODEL[key] = model
+    return _META_MODEL[key]
+
+
 def _union(a: tuple, b: tuple) -> tuple:
     """The items of a, then those of b that a lacks, in order."""
     return tuple(dict.fromkeys((*a, *b)))
