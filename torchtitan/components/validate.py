@@ -55,7 +55,7 @@ from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix
-from torchtitan.config.job_config import Training, Validation
+from torchtitan.config.training_sections import Training, Validation
 from torchtitan.config.rules import validation_seq_len
 from torchtitan.components.batch import valid_labels
 

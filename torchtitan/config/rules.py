@@ -4,7 +4,8 @@ or more sections. Each returns every problem it finds, as a message that names t
 
 import dataclasses
 
-from torchtitan.config.job_config import JobConfig, Parallelism
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.parallelism_sections import Parallelism
 
 
 def check_rules(cfg: JobConfig) -> list[str]:

@@ -37,7 +37,7 @@ AC_MODES = (("none", "2"), ("selective", "op"), ("full", "2"))
 def check_model_options(spec, cfg) -> None:
     """The [model] options that preflight checks before it builds the model args (an unknown flavor, a
     field the family lacks), checked before the planner builds them: UserError, not a traceback."""
-    from torchtitan.config.job_config import Parallelism
+    from torchtitan.config.parallelism_sections import Parallelism
     from torchtitan.models.registry import get_model_args
 
     get_model_args(cfg.model.name, cfg.model.flavor)
