@@ -52,9 +52,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a device holds beyond the allocator's peak, as a factor on that peak and a constant. CUDA: the
 # caching allocator's fragmentation and rounding; the context and communication buffers (not in
 # torch.cuda.max_memory_allocated, but on the device). CPU: a process's resident memory over the CPU
-# allocator's peak (glibc's heap, gloo, the interpreter) was 1.2x to 3.1x the peak on this host for
-# the debug models, the most for DeepSeek-V3's many small routing tensors
-# (scripts/validate_memory_estimate.py); 2x and 0.75 GiB bound every row.
+# allocator's peak (glibc's heap, gloo, the interpreter) is 1.2x to 3.1x that peak for the debug
+# models, the most for DeepSeek-V3's many small routing tensors; 2x and 0.75 GiB bound every row of
+# scripts/validate_memory_estimate.py (docs/planning.md).
 FRAGMENTATION = {"cuda": 1.10, "cpu": 2.0}
 RESERVED = {"cuda": 2 * GiB, "cpu": 3 * GiB // 4}
 

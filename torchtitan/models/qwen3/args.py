@@ -69,9 +69,8 @@ flavors: dict[str, ModelArgs] = {
     "14B": _published(dim=5120, hidden_dim=17408, n_layers=40, n_heads=40, tied=False),
     "32B": _published(dim=5120, hidden_dim=25600, n_layers=64, n_heads=64, tied=False),
     # Qwen3-MoE. debugmodel_moe: 8 experts, top-2, CPU-sized, so that the parity matrix stays fast;
-    # its bias moves 1e-2 per step (measured on the 200-step debug run, final max/mean expert load:
-    # 2.66 at the default 1e-3, which is too slow for 200 steps; 1.44 at 1e-2; 1.90 at 2e-2, which
-    # oscillates).
+    # its bias moves 1e-2 per step: the default 1e-3 balances too slowly for a 200-step run, and 2e-2
+    # oscillates (docs/models.md has the final expert loads of each).
     # The published sizes (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B): 128 experts, top-8 with
     # renormalized weights (norm_topk_prob), 4 KV heads.
     "debugmodel_moe": ModelArgs(
