@@ -2,7 +2,8 @@
 started by scripts/multinode_trainer.slurm with faked SLURM variables (rendezvous on 127.0.0.1)
 train as one process does; missing SLURM variables and an endpoint nobody answers end with one
 message; a killed worker is restarted (MAX_RESTARTS) and then reported in one line; a stop signal
-sent to the launcher stops the workers without waiting for its shutdown timeout."""
+sent to the launcher (SIGTERM) or to its process group (Ctrl-C's SIGINT) stops the workers after a
+step, without waiting for its shutdown timeout, with the exit status the help names."""
 
 import os
 import re
@@ -179,26 +180,54 @@ def test_a_killed_worker_is_restarted_then_reported_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stop_signal_to_the_launcher_stops_the_workers_at_once(tmp_path):
-    # SIGUSR1 (a job.stop_signals default, e.g. sbatch --signal=USR1@120) reaches the launcher only. It
-    # passes the signal on; the workers finish the step and return, and the launcher lets them exit at
-    # once instead of waiting for them until its shutdown timeout (stop_grace_seconds + 15 s) and
-    # killing them.
-    proc = start(["./run_train.sh", *TINY, "--training.steps", "1000", "--job.dump_folder", str(tmp_path)],
-                 env_of(NGPU="2"))
+@pytest.mark.parametrize("sig, to_group, checkpointing", [
+    ("SIGTERM", False, False),  # a scheduler's signal, to the launcher only (sbatch --signal, scancel)
+    ("SIGINT", True, True),  # Ctrl-C: the terminal signals the launcher and its workers (one process group)
+])
+def test_a_stop_signal_stops_the_workers_after_a_step_with_the_documented_exit_status(tmp_path, sig, to_group,
+                                                                                     checkpointing):
+    # The launcher passes the signal on and keeps watching: the workers finish the step, save (or say
+    # that checkpointing is off) and return, and the launcher exits as job.stop_signals' help says: 0,
+    # or 130 for Ctrl-C, at once instead of after its shutdown timeout (stop_grace_seconds + 15 s).
+    from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
+    from torchtitan.config import JobConfig
+
+    assert sig in JobConfig().job.stop_signals
+    ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000"] if checkpointing else []
+    proc = subprocess.Popen(["./run_train.sh", *TINY, "--training.steps", "1000", "--job.dump_folder", str(tmp_path),
+                             *ckpt], cwd=REPO, env=env_of(NGPU="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "metrics.jsonl").exists():  # rank 0 logged step 1: the handlers are in place
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGUSR1)
+        if to_group:
+            os.killpg(proc.pid, getattr(signal, sig))
+        else:
+            os.kill(proc.pid, getattr(signal, sig))
         signalled = time.monotonic()
         out, err = proc.communicate(timeout=120)
         elapsed = time.monotonic() - signalled
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGUSR1, err[-3000:]
-    assert re.search(r"stopped by SIGUSR1 after step \d+ of 1000", err), err[-3000:]
-    assert err.rstrip().endswith("stopped: the launcher received SIGUSR1 and passed it to the workers")
+    help_text = subprocess.run(["./run_train.sh", "--help"], cwd=REPO, env=env_of(), capture_output=True,
+                               text=True).stdout
+    expected = 128 + signal.SIGINT if sig == "SIGINT" else 0
+    assert "exits 0 (SIGINT: 130" in " ".join(help_text.split())
+    assert proc.returncode == expected, err[-3000:]
+    stopped = re.search(rf"stopped by {sig} after step (\d+) of 1000; (.*)", err)
+    assert stopped, err[-3000:]
+    step = int(stopped.group(1))
+    if checkpointing:
+        path = tmp_path / "checkpoint" / f"step-{step}"
+        assert stopped.group(2).startswith(f"saved checkpoint {path} ")
+        assert complete_checkpoints(str(tmp_path / "checkpoint")) == [step]  # the stop's save: no other was due
+        assert verify_checkpoint(str(path)) is None
+    else:
+        assert stopped.group(2) == "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)"
+        assert not (tmp_path / "checkpoint").exists()
+    assert err.rstrip().endswith(f"stopped: the launcher received {sig}, passed it to the workers, and they stopped "
+                                 f"after a step (exit status {expected})")
     assert elapsed < 15, elapsed
     assert "Unable to shutdown" not in err and "Traceback" not in err

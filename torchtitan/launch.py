@@ -24,6 +24,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import traceback
 
 from torchtitan.config import UserError
@@ -239,6 +240,65 @@ def _let_finished_workers_exit_on_close():
     api.MultiprocessContext._close = _close
 
 
+class StopForwarder:
+    """The launcher's side of job.stop_signals. torchrun's agent treats each signal it handles as a
+    death signal: it stops the workers with it and raises, and the launcher would exit 128 + N even
+    when every worker finished its step and saved. For the job's stop signals the launcher instead
+    passes the first one on to its workers and keeps watching them: they stop after the same step,
+    save, and exit 0, and the launcher exits 0 too (SIGINT, Ctrl-C: 130, what a shell expects of an
+    interrupted command, so that `./run_train.sh && next` does not go on). No restart follows a stop.
+    A second Ctrl-C kills the workers at once; the checkpoints already published stay."""
+
+    def __init__(self, names: list[str]):
+        self.names = list(names)
+        self.received: str | None = None
+        self.context = None  # torchrun's process context of the running workers
+        self.agent = None
+
+    def install(self):
+        """Take the signals over from torchrun each time it starts the workers."""
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        from torch.distributed.elastic.multiprocessing import api
+
+        forwarder, start, agent_run = self, api.PContext.start, SimpleElasticAgent.run
+
+        def start_then_forward(context, *args, **kwargs):
+            start(context, *args, **kwargs)
+            forwarder.context = context
+            if threading.current_thread() is threading.main_thread():
+                for name in forwarder.names:
+                    signal.signal(getattr(signal, name), forwarder._handle)
+
+        def run_with_agent(agent, *args, **kwargs):
+            forwarder.agent = agent
+            return agent_run(agent, *args, **kwargs)
+
+        api.PContext.start = start_then_forward
+        SimpleElasticAgent.run = run_with_agent
+
+    def _handle(self, signum, frame):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            if name == "SIGINT" == self.received:
+                raise SignalException("a second SIGINT", signal.SIGKILL)  # the agent kills the workers
+            return
+        self.received = name
+        if self.agent is not None:
+            self.agent._remaining_restarts = 0  # a stop is not a failure to recover from
+        for pid in (self.context.pids().values() if self.context is not None else ()):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        again = "; Ctrl-C again ends them at once, without saving" if name == "SIGINT" else ""
+        print(f"{name} received: the workers stop after their current step{again}", file=sys.stderr, flush=True)
+
+    def exit_code(self) -> int:
+        return 128 + signal.SIGINT if self.received == "SIGINT" else 0
+
+
 class StoreProbe:
     """On a node other than node 0 (NODE_RANK > 0), wait in the background, while the preflight runs,
     for node 0's rendezvous store to accept connections."""
@@ -290,6 +350,8 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
 
     config, cmd, cmd_args = config_from_args(parse_args(torchrun_argv(opts, train_argv, cfg)))
+    stops = StopForwarder(getattr(getattr(cfg, "job", None), "stop_signals", None) or [])
+    stops.install()
     fork = opts.worker_start == "fork"
     if opts.worker_start == "auto":
         import torch
@@ -308,6 +370,14 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
         first_rank, first = e.get_first_failure()
         if first.exitcode == 2:
             return 2  # a user mistake, already printed by the ranks
+        if stops.received and all(f.exitcode in (128 + signal.Signals[stops.received], -signal.Signals[stops.received])
+                                  for f in e.failures.values()):
+            # The signal reached the workers before their trainer was ready to stop after a step, or a
+            # second Ctrl-C ended them.
+            print(f"stopped: {stops.received} ended the workers before they finished a step (training had not "
+                  f"begun, or Ctrl-C came twice); the checkpoints already published are complete", file=sys.stderr,
+                  flush=True)
+            return 128 + signal.Signals[stops.received]
         # A worker killed by a signal takes its peers down with it (their collectives fail, exit 1),
         # and the one that wrote an error file first can be such a peer: name the killed one.
         killed = [(rank, f) for rank, f in sorted(e.failures.items())
@@ -324,6 +394,10 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
               flush=True)
         return failure_exit_code(first)
     except SignalException as e:
+        if stops.received == "SIGINT" and e.sigval == signal.SIGKILL:
+            print("stopped: a second SIGINT (Ctrl-C) killed the workers; the checkpoints already published are "
+                  "complete", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
         print(f"stopped: the launcher received {signal.Signals(e.sigval).name} and passed it to the workers",
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
@@ -342,6 +416,10 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
     except RendezvousError as e:
         print(f"error: rendezvous at {endpoint} failed: {e}", file=sys.stderr, flush=True)
         return 1
+    if stops.received:
+        print(f"stopped: the launcher received {stops.received}, passed it to the workers, and they stopped after "
+              f"a step (exit status {stops.exit_code()})", file=sys.stderr, flush=True)
+        return stops.exit_code()
     return 0
 
 

@@ -197,7 +197,9 @@ class Trainer:
             gc.enable()
             self.metrics.close()
         if stopped_at is not None:
-            saved = "its checkpoint is saved" if cfg.checkpoint.enable_checkpoint else "checkpointing is off: nothing saved"
+            saved = (f"saved checkpoint {os.path.join(self.checkpointer.folder, f'step-{stopped_at}')} (the same "
+                     f"command resumes from it)" if cfg.checkpoint.enable_checkpoint else
+                     "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)")
             logger.info(f"stopped by {self.stop_signals.received} after step {stopped_at} of {t.steps}; {saved}")
         else:
             logger.info(f"training done: {t.steps} steps in {time.perf_counter() - self.start_time:.1f}s")

@@ -38,3 +38,26 @@ def test_the_signal_is_recorded_and_the_handlers_put_back():
     assert signal.getsignal(signal.SIGUSR2) is before
     stop._timer.join(5)
     assert not stop._timer.is_alive()  # cancelled: the stop finished in time
+
+
+CTRL_C_TWICE = """
+import os, signal, sys, time
+from torchtitan.components.stop_signals import StopSignals
+stop = StopSignals(["SIGINT"], 60)
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGINT)  # the copy the launcher passes on: ignored
+assert stop.received == "SIGINT"
+print("stopping", flush=True)
+time.sleep(1.5)
+os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C
+time.sleep(60)
+"""
+
+
+def test_a_second_ctrl_c_ends_the_stop_at_once():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_TWICE], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "stopping\n", proc.stderr
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "a second SIGINT (Ctrl-C): exiting without finishing the step or saving" in proc.stderr
+    assert time.monotonic() - start < 20

@@ -144,7 +144,7 @@ def test_stop_signal_saves_the_step_and_exits_zero(tmp_path, reference):
     saved = complete_checkpoints(str(ckpt_dir))
     assert len(saved) == 1 and saved[0] >= 2, saved  # no periodic save was due: this one is the stop's
     assert verify_checkpoint(str(ckpt_dir / f"step-{saved[0]}")) is None
-    assert f"stopped by SIGTERM after step {saved[0]} of 1000; its checkpoint is saved" in err
+    assert f"stopped by SIGTERM after step {saved[0]} of 1000; saved checkpoint {ckpt_dir / f'step-{saved[0]}'} " in err
     assert took < 120  # job.stop_grace_seconds
     assert logged_steps(folder) == saved[0]  # the step it stopped after is logged too
 

@@ -1,7 +1,8 @@
 """Stopping on a scheduler's signal. SLURM (`sbatch --signal`, scancel, preemption) and Kubernetes
 send SIGTERM or SIGUSR1 some time before they kill a job. The handler only records the signal; the
 trainer reads it once per step in the same all-reduce that checks the step's loss, so every rank
-stops after the same step, saves, and exits 0. A grace timer bounds the whole stop: if the step and
+stops after the same step, saves, and exits 0 (SIGINT, Ctrl-C, stops the same way; a second Ctrl-C
+ends the process at once). A grace timer bounds the whole stop: if the step and
 the save are not done in time (a peer that died mid-step, storage that hangs), the process exits 1
 before the scheduler's kill, and only the checkpoints already published remain.
 """
@@ -10,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +34,17 @@ class StopSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        if self.received is not None:  # torchrun forwards the scheduler's signal a second time
+        if self.received is not None:
+            # The launcher passes on the signal that a scheduler or the terminal also sent here: a repeat
+            # within a second is that copy. A later second Ctrl-C ends the process without saving.
+            if signum == signal.SIGINT == getattr(signal, self.received) and time.monotonic() - self._at > 1.0:
+                logger.error("a second SIGINT (Ctrl-C): exiting without finishing the step or saving (the "
+                             "checkpoints already published are complete)")
+                logging.shutdown()
+                os._exit(128 + signal.SIGINT)
             return
         self.received = signal.Signals(signum).name
+        self._at = time.monotonic()
         self._timer = threading.Timer(self.grace_seconds, self._expire)
         self._timer.daemon = True
         self._timer.start()

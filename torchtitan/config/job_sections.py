@@ -26,9 +26,11 @@ class Job:
         False, "A tag for test runners that select recipes (the reference framework's CI reads it); training does not."
     )
     stop_signals: list[str] = opt(
-        ["SIGTERM", "SIGUSR1"],
-        "Signals (what SLURM and Kubernetes send before a kill) on which every rank finishes the current step, "
-        "saves a checkpoint (when checkpointing is on) and exits 0. Empty: the signals' default action.",
+        ["SIGTERM", "SIGUSR1", "SIGINT"],
+        "Signals (what SLURM and Kubernetes send before a kill; SIGINT is Ctrl-C) on which every rank finishes the "
+        "current step, saves a checkpoint (when checkpointing is on) and names it; the run exits 0 (SIGINT: 130, "
+        "as shells expect of an interrupted command; a second Ctrl-C ends it at once without saving). "
+        "Empty: the signals' default action.",
     )
     stop_grace_seconds: int = opt(
         120,
