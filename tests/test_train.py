@@ -100,7 +100,7 @@ def test_custom_import_errors_name_the_module(tmp_path):
         preflight(cfg("--experimental.custom_import", "no_such_module_here"), world_size=1)
     with pytest.raises(UserError, match="file .*missing.py not found"):
         preflight(cfg("--experimental.custom_import", str(tmp_path / "missing.py")), world_size=1)
-    with pytest.raises(UserError, match="unknown model.name 'gpt9'; registered models: deepseek_v3, llama3, (.* )?qwen3"):
+    with pytest.raises(UserError, match="unknown model.name 'gpt9'; registered models: deepseek_v3, gpt_oss, llama3, (.* )?qwen3"):
         preflight(cfg("--model.name", "gpt9"), world_size=1)
 
 

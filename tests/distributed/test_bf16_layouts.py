@@ -3,7 +3,7 @@ without FSDP (TP 2, PP 2, DDP 2) train under torch.autocast over float32 paramet
 cover nn.Linear and the matmuls but not every op (torch._grouped_mm, which runs an MoE's experts,
 has no autocast rule); EP 2 shards the other parameters with FSDP, the experts apart under their
 own FSDP policy. Every family's debug flavor (Llama 3; Qwen3 dense, tied and MoE; DeepSeek-V3 with
-and without multi-token prediction) trains a few steps in each of these layouts that it supports,
+and without multi-token prediction; gpt-oss) trains a few steps in each of these layouts that it supports,
 with finite losses that fall, and every layout of a family stays within LAYOUT_TOL of its single
 process. Also: multi-token prediction deeper than a context-parallel rank's share of the window
 trains under CP 2 (its labels come from the whole window, so only training.seq_len bounds it).
@@ -24,8 +24,9 @@ FAMILIES = {
     "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
     "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
     "deepseek_v3_mtp": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.mtp_depth", "2"],
+    "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"],
 }
-MOE_FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v3_mtp"]
+MOE_FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v3_mtp", "gpt_oss"]
 LAYOUTS = {
     "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
     "pp2": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",

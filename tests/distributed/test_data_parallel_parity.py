@@ -30,8 +30,10 @@ within BF16_TOL of the fp32 single-process run:
   and with op-level activation checkpointing plus compile), FSDP 2 x accumulation 2, TP 2, PP 2
   (1F1B, ZBVZeroBubble, Interleaved1F1B with accumulation 2), CP 2 (both rotations), FSDP 2 x TP 2,
   Qwen3-MoE with EP 2,
-  and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, each within 1e-5 of its one
-  process; the step-1 loss of FSDP 2 x accumulation 2 and of CP 2 equals a loss computed by hand
+  and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, and gpt-oss's debug flavor (sinks,
+  windows of 16 on alternate layers, biased experts) under FSDP 2, TP 2, PP 2, CP 2 (ring), EP 2,
+  EP 2 x FSDP 2 and EP 2 x TP 2, each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
+  accumulation 2 and of CP 2 equals a loss computed by hand
   (per-token log-softmax over the documents alone, labels after an EOS left out);
 - validation ([validation], every 3 steps and at the last: 2 global batches of 8 held-out sequences)
   gives the single process's loss within 1e-5 under FSDP 2, TP 2, PP 2 (1F1B, and ZBVZeroBubble's
@@ -76,6 +78,11 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
 DS = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 MTP2 = ["--model.mtp_depth", "2"]  # multi-token prediction, 2 depths
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+# gpt-oss's debug flavor: per-head sinks, sliding windows of 16 on layers 0 and 2, biased router, 8 experts
+# with biases and the clamped SwiGLU, top-4, no balancing bias (as published; gpt_oss/args.py says why).
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+GPT_OSS_LAYOUTS = ["bc_gpt_oss_fsdp2", "bc_gpt_oss_tp2", "bc_gpt_oss_pp2", "bc_gpt_oss_cp2", "bc_gpt_oss_ep2",
+                   "bc_gpt_oss_ep2_fsdp2", "bc_gpt_oss_ep2_tp2"]
 # Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
 VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
@@ -286,9 +293,10 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
     window = QWEN + ["--model.sliding_window", "8", "--model.max_window_layers", "1"]
     moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
     lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
+    gpt_oss = bc + GPT_OSS
     return ({"bc_single": bc + lb(8) + val(8), "bc_qwen3_window_single": bc + window + lb(8),
              "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8),
-             "bc_ds_mtp_single": bc + DS + MTP2 + lb(8)},
+             "bc_ds_mtp_single": bc + DS + MTP2 + lb(8), "bc_gpt_oss_single": gpt_oss + lb(8)},
             {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
              "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_pp2": bc + lb(8) + PP2 + val(8),
@@ -307,14 +315,28 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_qwen3_window_tp2": bc + window + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
              "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
-                                                                  "alltoall"]},
-            {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"]})
+                                                                  "alltoall"],
+             **gpt_oss_jobs(gpt_oss, 2)},
+            {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4)})
+
+
+def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
+    """gpt-oss (sinks, windows of 16 on alternate layers, 8 biased experts top-4) with block-causal masks:
+    the 2-process layouts, or the 4-process EP x FSDP and EP x TP."""
+    lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
+    if nproc == 2:
+        return {"bc_gpt_oss_fsdp2": gpt_oss + lb(4), "bc_gpt_oss_tp2": gpt_oss + lb(8) + tp2,
+                "bc_gpt_oss_pp2": gpt_oss + lb(8) + PP2,
+                "bc_gpt_oss_cp2": gpt_oss + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+                "bc_gpt_oss_ep2": gpt_oss + lb(4) + EP2}
+    return {"bc_gpt_oss_ep2_fsdp2": gpt_oss + lb(2) + EP2, "bc_gpt_oss_ep2_tp2": gpt_oss + lb(4) + tp2 + EP2}
 
 
 BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_pp2_zbv",
               "bc_pp2_interleaved_accum2", "bc_fsdp2_ac_op_compile", "bc_cp2_allgather",
               "bc_cp2_alltoall", "bc_moe_ep2", "bc_ds_mtp_cp2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
-              "bc_fsdp2_tp2"]
+              "bc_fsdp2_tp2", *GPT_OSS_LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -340,14 +362,14 @@ def losses(records):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
+    for prefix in ("bc_gpt_oss", "bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
 @pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
-                                  "bc_qwen3_window_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
+                                  "bc_qwen3_window_single", "bc_gpt_oss_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6

@@ -114,7 +114,7 @@ def test_grouped_query_attention_matches_repeated_heads():
 
 
 def test_registry_errors_name_the_choices():
-    with pytest.raises(UserError, match="registered models: deepseek_v3, llama3, (.* )?qwen3"):
+    with pytest.raises(UserError, match="registered models: deepseek_v3, gpt_oss, llama3, (.* )?qwen3"):
         get_model_spec("gpt2")
     with pytest.raises(UserError, match="available flavors: debugmodel, 10M, 1B, 3B, 8B, 70B, 405B"):
         get_model_args("llama3", "7B")

@@ -87,7 +87,7 @@ def test_the_same_flavor_again_is_fine_a_different_one_is_refused(tmp_path):
 
 
 def test_bad_registrations_are_refused_with_the_fix():
-    with pytest.raises(UserError, match=r"register_flavor: unknown model 'llama4'; registered models: deepseek_v3, llama3, qwen3.* "
+    with pytest.raises(UserError, match=r"register_flavor: unknown model 'llama4'; registered models: deepseek_v3, gpt_oss, llama3, qwen3.* "
                                         r"\(a family of your own must be registered with register_model first\)"):
         register_flavor("llama4", "tiny", tiny_args())
     with pytest.raises(UserError, match=r"args must be a torchtitan\.models\.qwen3\.args\.ModelArgs \(the args_cls of "

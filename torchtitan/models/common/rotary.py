@@ -50,6 +50,9 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Round the ramp's bounds outwards to whole pairs (Hugging Face's "truncate", default true);
+    # gpt-oss publishes false: the ramp runs between the fractional bounds.
+    truncate: bool = True
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -65,9 +68,11 @@ def yarn_frequencies(head_dim: int, theta: float, y: YarnScaling) -> tuple[torch
     """([head_dim / 2] float32 frequencies, the rotation's magnitude) under YaRN."""
     pairs = torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim
     original = 1.0 / theta**pairs
-    low = max(math.floor(_turns_to_pair_index(y.beta_fast, head_dim, theta, y.original_max_position_embeddings)), 0)
-    high = min(math.ceil(_turns_to_pair_index(y.beta_slow, head_dim, theta, y.original_max_position_embeddings)),
-               head_dim - 1)
+    low = _turns_to_pair_index(y.beta_fast, head_dim, theta, y.original_max_position_embeddings)
+    high = _turns_to_pair_index(y.beta_slow, head_dim, theta, y.original_max_position_embeddings)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     # 0 at pair `low` and before (original frequency kept), 1 from pair `high` on (interpolated).
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
     keep = 1 - ramp
@@ -90,13 +95,17 @@ def complex_table(head_dim: int, end: int, theta: float, scaling: "RopeScaling |
                   ) -> torch.Tensor:
     """complex64 [end, head_dim / 2]: each position's rotation of each feature pair (its magnitude
     YaRN's attention factor, else 1)."""
-    magnitude = 1.0
-    if isinstance(scaling, YarnScaling):
-        freqs, magnitude = yarn_frequencies(head_dim, theta, scaling)
-    else:
-        freqs = inv_frequencies(head_dim, theta, scaling)
+    freqs, magnitude = frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
     return torch.polar(torch.full_like(angles, magnitude), angles)
+
+
+def frequencies(head_dim: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
+                ) -> tuple[torch.Tensor, float]:
+    """([head_dim / 2] float32 frequencies, the rotation's magnitude: YaRN's attention factor, else 1)."""
+    if isinstance(scaling, YarnScaling):
+        return yarn_frequencies(head_dim, theta, scaling)
+    return inv_frequencies(head_dim, theta, scaling), 1.0
 
 
 def rotate_pairs(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -120,12 +129,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = N
     return (1 - ramp) * inv_freq / s.factor + ramp * inv_freq
 
 
-def halves_table(head_dim: int, end: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+def halves_table(head_dim: int, end: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
+                 ) -> torch.Tensor:
     """[end, 2 x head_dim]: cos then sin of each position's angles, the head_dim/2 angles written twice
-    along the features (Hugging Face's layout), computed in float32 as Hugging Face does."""
-    angles = torch.outer(torch.arange(end, dtype=torch.float32), inv_frequencies(head_dim, theta, scaling))
+    along the features (Hugging Face's layout), computed in float32 as Hugging Face does; under YaRN
+    both multiplied by its attention factor (the rotation's magnitude), as Hugging Face does."""
+    freqs, magnitude = frequencies(head_dim, theta, scaling)
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
     angles = torch.cat([angles, angles], dim=-1)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return table if magnitude == 1.0 else table * magnitude
 
 
 def rotate_halves(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

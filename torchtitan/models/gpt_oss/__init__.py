@@ -1,0 +1,13 @@
+"""gpt-oss (20b, 120b): attention sinks, alternating sliding windows, biased experts with the clamped SwiGLU."""
+
+from torchtitan.models.common.spec import ModelSpec
+
+
+def build_spec() -> ModelSpec:
+    from torchtitan.models.common.decoder import decoder_spec, moe_hooks
+    from torchtitan.models.gpt_oss import args, model, parallelize
+
+    return decoder_spec(
+        model.Transformer, name="gpt_oss", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes, validate=args.validate, moe=moe_hooks(),
+    )
