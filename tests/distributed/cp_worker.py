@@ -3,7 +3,9 @@ tensors), forward and backward, for both rotate methods, on a 4-rank CP group an
 groups of a 2 x 2 mesh, with grouped-query heads: plain causal, and under the full mask rule of
 torchtitan.models.common.attention (documents whose boundaries fall inside chunks, sliding windows shorter
 and longer than a chunk, and both). Each case also runs with return_lse (name + "_lse"), where the
-log-sum-exp is compared too and the backward flows through it as well. Rank 0 writes {case: max abs
+log-sum-exp is compared too and the backward flows through it as well; and gpt-oss's per-head sinks
+on the ring's output and log-sum-exp, with documents and windows, against an explicit softmax with a
+sink column (name + "_sinks"). Rank 0 writes {case: max abs
 diff of output (and lse) and of the q, k, v gradients}, inf where any of them holds a NaN or inf.
 
     torchrun --nproc_per_node 4 tests/distributed/cp_worker.py OUT.json
@@ -18,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.context_parallel import ContextParallelAttention, local_positions, shard_sequence
 from torchtitan.distributed.utils import exit_process
-from torchtitan.models.common.attention import sdpa_attention
+from torchtitan.models.common.attention import sdpa_attention, visible
 
 # Document lengths of the first row, repeated to fill it. Their boundaries (3, 9, 14, 25, 27, 36, 39,
 # 45, 50, 61, 63) miss every multiple of 8, the chunk edges below, so documents start inside chunks
@@ -78,6 +80,44 @@ def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: in
     return worst.item()
 
 
+def compare_sinks(cp_mesh, method: str, window: int) -> float:
+    """gpt-oss's sinks on the ring: out * sigmoid(lse - sink) from this rank's output and the ring's lse
+    against an explicit float64 softmax over the masked logits with a sink column (documents and a
+    window); output and the gradients of q, k, v and the sinks (every CP rank holds all the sinks: their
+    gradient is summed over the ranks)."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    torch.manual_seed(1)
+    batch, heads, kv_heads, seq, dim = 2, 4, 2, 2 * CHUNK * cp, 16
+    q, k, v = (torch.randn(batch, n, seq, dim, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    sinks = (torch.randn(heads) * 2).requires_grad_()
+    grad_out = torch.randn(batch, heads, seq, dim)
+    doc_ids = document_rows(seq)
+    full = torch.arange(seq)
+    logits = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * dim**-0.5
+    logits = logits.masked_fill(~visible(full, full, doc_ids, doc_ids, window), float("-inf"))
+    column = sinks.double()[None, :, None, None].expand(batch, heads, seq, 1)
+    probs = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    ref = probs @ v.double().repeat_interleave(2, 1)
+    ref.backward(grad_out.double())
+
+    pos = local_positions(seq, cp, rank)
+    local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    mine = sinks.detach().clone().requires_grad_()
+    out, lse = ContextParallelAttention(cp_mesh, method)(*local, doc_ids=shard_sequence(doc_ids, pos),
+                                                         window=window, return_lse=True)
+    out = out * torch.sigmoid(lse - mine[None, :, None]).unsqueeze(-1)
+    out.backward(grad_out[:, :, pos])
+    sink_grad = mine.grad.clone()
+    dist.all_reduce(sink_grad, group=cp_mesh.get_group())
+    diffs = [(out.double() - ref.detach()[:, :, pos]).abs().max(), (sink_grad.double() - sinks.grad).abs().max()]
+    diffs += [(m.grad.double() - f.grad[:, :, pos]).abs().max() for m, f in zip(local, (q, k, v))]
+    worst = torch.stack(diffs).max().float()
+    if not all(torch.isfinite(t).all() for t in (out, sink_grad, *[t.grad for t in local])):
+        worst = torch.tensor(float("inf"))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
 def main(out_path: str):
     dist.init_process_group("gloo")
     results = {}
@@ -89,6 +129,8 @@ def main(out_path: str):
                 results[f"{prefix}_{method}{suffix}"] = compare(mesh, method, lse=lse)
                 for name, docs, window in MASKED_CASES:
                     results[f"{prefix}_{method}_{name}{suffix}"] = compare(mesh, method, CHUNK, docs, window, lse)
+            for window in (5, 10):
+                results[f"{prefix}_{method}_docs_win{window}_sinks"] = compare_sinks(mesh, method, window)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

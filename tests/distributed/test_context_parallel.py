@@ -1,6 +1,7 @@
 """Context parallel: the load-balanced split of the sequence, and the ring attention against
 single-process attention (forward and backward, both rotate methods, 2 and 4 ranks; causal, document
-masks, sliding windows and both) in one 4-process launch of cp_worker.py. Training parity of every CP
+masks, sliding windows and both; gpt-oss's sinks from the ring's log-sum-exp against an explicit sink
+softmax) in one 4-process launch of cp_worker.py. Training parity of every CP
 layout is in test_data_parallel_parity.py."""
 
 import json
@@ -77,6 +78,7 @@ def test_ring_attention_matches_single_process_attention(tmp_path):
     masked = ("docs", "win5", "win10", "win20", "docs_win5", "docs_win10")
     layouts = [f"{cp}_{method}" for cp in ("cp4", "cp2") for method in ("allgather", "alltoall")]
     cases = {*layouts, *(f"{layout}_{m}" for layout in layouts for m in masked)}
-    assert set(results) == cases | {f"{case}_lse" for case in cases}
+    sinks = {f"{layout}_docs_win{w}_sinks" for layout in layouts for w in (5, 10)}
+    assert set(results) == cases | {f"{case}_lse" for case in cases} | sinks
     for case, diff in results.items():  # the worker reports inf for any NaN or inf
         assert diff < 1e-5, f"{case}: output/gradient differs by {diff}"
