@@ -63,10 +63,11 @@ def sharpen(model: Transformer, seed: int = 1):
             p.copy_(torch.rand(p.shape, generator=g) + 0.5)
         elif "embeddings" in name:
             p.copy_(torch.randn(p.shape, generator=g))
-        elif p.ndim == 1 or name.rsplit(".", 1)[-1] in ("b1", "b2", "b3"):
+        elif p.ndim == 1 or name.endswith("_bias"):
             p.copy_(torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(torch.randn(p.shape, generator=g) * 3 * p.shape[-1] ** -0.5)
+        else:  # experts' weights are [experts, in, out], the others nn.Linear's [out, in]
+            fan_in = p.shape[-2] if "experts" in name else p.shape[-1]
+            p.copy_(torch.randn(p.shape, generator=g) * 3 * fan_in**-0.5)
 
 
 def hf_config(args: ModelArgs):
@@ -84,27 +85,20 @@ def hf_config(args: ModelArgs):
 
 
 def to_hf_layout(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our weights under transformers' names and layouts (the test's own mapping; the adapter is stage 2)."""
-    sd, out = model.state_dict(), {}
-    out["model.embed_tokens.weight"] = sd["tok_embeddings.weight"]
-    out["model.norm.weight"] = sd["norm.weight"]
-    out["lm_head.weight"] = sd["output.weight"]
-    for i in range(model.args.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = sd[p + "attention_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[p + "ffn_norm.weight"]
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            for kind in ("weight", "bias"):
-                out[f"{h}self_attn.{theirs}.{kind}"] = sd[f"{p}attention.{ours}.{kind}"]
-        out[h + "self_attn.sinks"] = sd[p + "attention.sinks.weight"]
-        out[h + "mlp.router.weight"] = sd[p + "feed_forward.router.gate.weight"]
-        out[h + "mlp.router.bias"] = sd[p + "feed_forward.router.gate.bias"]
-        e = p + "feed_forward.experts."
-        w1, w3 = sd[e + "w1"].transpose(1, 2), sd[e + "w3"].transpose(1, 2)  # [experts, dim, hidden]
-        out[h + "mlp.experts.gate_up_proj"] = torch.stack([w1, w3], dim=-1).flatten(-2)  # gate even, up odd
-        out[h + "mlp.experts.gate_up_proj_bias"] = torch.stack([sd[e + "b1"], sd[e + "b3"]], dim=-1).flatten(-2)
-        out[h + "mlp.experts.down_proj"] = sd[e + "w2"].transpose(1, 2)
-        out[h + "mlp.experts.down_proj_bias"] = sd[e + "b2"]
+    """Our weights under transformers' names (the test's own table; our experts already have its layout)."""
+    renames = {"tok_embeddings.": "model.embed_tokens.", "norm.": "model.norm.", "output.": "lm_head.",
+               "layers.": "model.layers.", "attention_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
+               "attention.wq.": "self_attn.q_proj.", "attention.wk.": "self_attn.k_proj.",
+               "attention.wv.": "self_attn.v_proj.", "attention.wo.": "self_attn.o_proj.",
+               "attention.sinks.weight": "self_attn.sinks", "feed_forward.router.gate.": "mlp.router.",
+               "feed_forward.experts.": "mlp.experts."}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("expert_bias"):
+            continue
+        for ours, theirs in renames.items():
+            name = name.replace(ours, theirs) if name.startswith(ours) or f".{ours}" in name else name
+        out[name] = tensor
     return out
 
 
@@ -343,3 +337,43 @@ def test_run_train_refuses_before_launch(tmp_path, nproc, args, message):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+# ---- Hugging Face: config.json and state dict both ways (the trainer's export/import under every
+# layout: tests/distributed/test_hf_sharded.py) ---------------------------------------------------
+
+
+def test_hf_adapter_round_trip_and_transformers_logits():
+    spec = get_model_spec("gpt_oss")
+    args = small_args()
+    model = materialized(args)
+    sharpen(model)
+    config = spec.hf.config(args, torch.float32, 1, 2)
+    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert config["rope_parameters"]["truncate"] is False
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config._attn_implementation = "eager"
+    hf = transformers.GptOssForCausalLM(hf_config).eval()
+    hf_sd = spec.hf.to_hf(model.state_dict(), args)
+    hf.load_state_dict(hf_sd, strict=True)  # every name and shape, nothing left over
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=1e-4)
+    back = spec.hf.from_hf(dict(hf_sd), args)
+    ours = model.state_dict()
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    assert spec.hf.args_from_config(config) == args
+
+
+def test_hf_import_refuses_what_it_cannot_read():
+    spec = get_model_spec("gpt_oss")
+    args = small_args()
+    hf_sd = spec.hf.to_hf(materialized(args).state_dict(), args)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    quantized = {**{k: v for k, v in hf_sd.items() if k != name}, name + "_blocks": torch.zeros(1, dtype=torch.uint8),
+                 name + "_scales": torch.zeros(1, dtype=torch.uint8)}
+    with pytest.raises(UserError, match="MXFP4 experts .* cannot read yet; dequantize it first"):
+        spec.hf.from_hf(quantized, args)
+    config = spec.hf.config(args)
+    with pytest.raises(UserError, match="layer_types .* even layers"):
+        spec.hf.args_from_config({**config, "layer_types": ["full_attention", "sliding_attention"] * 2})

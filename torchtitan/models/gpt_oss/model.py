@@ -14,8 +14,8 @@ with these differences, each as transformers' modeling_gpt_oss computes it:
 - feed-forward: a mixture of experts on every layer. The router is a biased linear layer; each token
   takes its top-k experts and weighs them by a softmax over those k logits only. The experts have
   biases on both projections and the clamped SwiGLU: gate clamped above at `limit`, the linear part
-  to +-limit, gate * sigmoid(alpha * gate) * (linear + 1). Our w1 is the gate, w3 the linear ("up")
-  part; Hugging Face fuses them in gate_up_proj with gate and up interleaved (even and odd columns);
+  to +-limit, gate * sigmoid(alpha * gate) * (linear + 1). Their tensors are Hugging Face's, with its
+  names: gate and linear part fused in gate_up_proj, interleaved (even and odd columns);
 - parameters with no matmul share of the standard init: the sinks and the router bias drawn with
   std 0.02 (Hugging Face's initializer_range), the other biases zero.
 """
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common import decoder, moe
-from torchtitan.models.common.init import normal, zeros
+from torchtitan.models.common.init import normal, trunc_normal, zeros
 from torchtitan.models.common.layers import Attention, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import ModelSize, count_parameters
@@ -82,34 +82,41 @@ class BiasedTopKRouter(moe.Router):
         return weights, ids, scores, logits
 
 
-class ClampedSwiGLUExperts(moe.GroupedExperts):
-    """Routed experts (weights as moe.GroupedExperts: w1 gate, w3 linear, w2 down, experts on dim 0)
-    with biases b1, b3 [experts, hidden] and b2 [experts, dim], and the clamped SwiGLU."""
+class ClampedSwiGLUExperts(nn.Module):
+    """Routed experts in Hugging Face's layout (GptOssExperts), experts on dim 0 as expert parallel wants
+    them: gate_up_proj [experts, dim, 2 x hidden] with the gate in the even columns and the linear part
+    in the odd ones, gate_up_proj_bias [experts, 2 x hidden], down_proj [experts, hidden, dim],
+    down_proj_bias [experts, dim]; each token computes x @ W[e] + b[e]. The Hugging Face adapter then
+    only renames (and a sharded import reads each rank's experts by block)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, limit: float, alpha: float):
-        super().__init__(dim, hidden_dim, num_experts)
+        super().__init__()
+        self.num_experts = num_experts
+        self.grad_scale = 1.0  # set by expert parallel (moe.GroupedExperts says why)
         self.limit, self.alpha = limit, alpha
-        self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
-        self.b2 = nn.Parameter(torch.empty(num_experts, dim))
-        self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden_dim))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them for (local) expert e."""
-        params = [moe.local_tensor(p) for p in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)]
+        params = [moe.local_tensor(p) for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                                 self.down_proj_bias)]
         if self.grad_scale != 1.0:
             params = [moe.scale_gradient(p, self.grad_scale) for p in params]
-        w1, w2, w3, b1, b2, b3 = params
+        w_in, b_in, w_out, b_out = params
         x = x.to(moe.matmul_dtype(x))
         # Each row's expert (local index), to pick its biases.
         expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
                                             output_size=x.shape[0])
-        gate = moe.expert_matmul(x, w1.transpose(-2, -1), counts)
-        linear = moe.expert_matmul(x, w3.transpose(-2, -1), counts)
-        gate = (gate + b1[expert_of].to(gate.dtype)).clamp(max=self.limit)
-        linear = (linear + b3[expert_of].to(linear.dtype)).clamp(min=-self.limit, max=self.limit)
+        gate_up = moe.expert_matmul(x, w_in, counts)
+        gate_up = gate_up + b_in[expert_of].to(gate_up.dtype)
+        gate = gate_up[..., 0::2].clamp(max=self.limit)
+        linear = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         h = gate * torch.sigmoid(gate * self.alpha) * (linear + 1)
-        out = moe.expert_matmul(h, w2.transpose(-2, -1), counts)
-        return out + b2[expert_of].to(out.dtype)
+        out = moe.expert_matmul(h, w_out, counts)
+        return out + b_out[expert_of].to(out.dtype)
 
 
 class GptOssMoE(moe.MoE):
@@ -130,11 +137,14 @@ class Transformer(decoder.Transformer):
         return TransformerBlock(layer_id, a, SinkAttention(a, a.layer_window(layer_id)), GptOssMoE(a.dim, a))
 
     def init_for(self, name: str):
+        local = name.rsplit(".", 1)[-1]
         if name.endswith("attention.sinks.weight") or name.endswith("router.gate.bias"):
             return normal(0.02)
-        if name.rsplit(".", 1)[-1] in ("b1", "b2", "b3"):
+        if local in ("gate_up_proj_bias", "down_proj_bias"):
             return zeros()
-        return super().init_for(name)
+        if local == "gate_up_proj":  # an input projection, as the other families' w1 and w3
+            return trunc_normal(0.02)
+        return super().init_for(name)  # down_proj: the block's out_init_std, as w2
 
     @classmethod
     def model_size(cls, args) -> ModelSize:
