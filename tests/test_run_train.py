@@ -45,6 +45,13 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     assert "FSDP: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 = 2 ranks" in log
     assert "global batch 4 x seq 64 = 256 tokens/step" in log
     assert "[rank1]" in log  # LOG_RANK=0,1 shows both ranks
+    # A start-up that fits a screen: where the resolved config went instead of the config itself, no
+    # warnings the project causes itself (a deprecated variable, device-mesh slicing), one rank prefix.
+    start_up = [line for line in log.split("step:")[0].splitlines() if line.startswith("[rank0]")]
+    assert len(start_up) <= 20, "\n".join(start_up)
+    assert f"written to {out / 'config.toml'}" in log and "[training]" not in log
+    assert "Warning" not in log and "deprecated" not in log, log[:3000]
+    assert re.search(r"^\[rank0\] \d\d:\d\d:\d\d INFO ", log, re.M) and not re.search(r"\[rank\d\]:?\s*\[rank", log)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 4, 8]  # recipe's steps and log_freq, CLI's batch size
     assert list((out / "tb").glob("events.out.tfevents.*"))

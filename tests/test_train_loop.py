@@ -112,11 +112,13 @@ def test_console_keys_of_the_reference_schema_act(tmp_path, caplog):
     from torchtitan.components.metrics import step_line
 
     caplog.set_level(logging.INFO)
-    short_run(tmp_path / "a", "--training.steps", "1")
-    assert "resolved config" in caplog.text and "LlamaModel" not in caplog.text
+    short_run(tmp_path / "a", "--training.steps", "1", "--job.print_args")
+    assert "[training]" in caplog.text and "LlamaModel" not in caplog.text
     caplog.clear()
-    short_run(tmp_path / "b", "--training.steps", "1", "--job.no-print_args", "--model.print_after_conversion")
-    assert "resolved config" not in caplog.text
+    short_run(tmp_path / "b", "--training.steps", "1", "--model.print_after_conversion")
+    # By default one line says where the resolved config is.
+    assert "[training]" not in caplog.text
+    assert f"written to {tmp_path / 'b' / 'config.toml'}" in caplog.text
     assert "model after conversion (no converters):" in caplog.text and "(tok_embeddings): Embedding(" in caplog.text
     values = {"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "memory_gib": 1.0, "tps": 10.0, "tflops": 0.1, "mfu": 1.0}
     assert "\033[" not in step_line(values) and "\033[32mloss:\033[0m" in step_line(values, color=True)
@@ -128,10 +130,16 @@ def test_flight_recorder_size_reaches_the_environment(monkeypatch):
     for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "RANK"):
         monkeypatch.delenv(var, raising=False)
     init_distributed(10, trace_buf_size=1234)
-    assert os.environ["TORCH_FR_BUFFER_SIZE"] == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "1234"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "1234"
+    # Not the deprecated name: torch 2.13 warns about it on every rank when it is set.
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "7")  # the environment wins
     init_distributed(10, trace_buf_size=1234)
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "7"
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "9")  # so does a user's setting of the older name
+    init_distributed(10, trace_buf_size=1234)
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ
 
 
 class PoisonedSteps:

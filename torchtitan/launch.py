@@ -346,8 +346,9 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
     # torchrun would set this with a banner; one thread per worker unless the environment says otherwise.
     if opts.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Prefix worker output with the global rank (torchrun's default is the local rank).
-    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
+    # Prefix worker output with the global rank (torchrun's default is the local rank); the workers'
+    # log lines then carry no rank of their own (metrics.setup_logging).
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}] ")
 
     config, cmd, cmd_args = config_from_args(parse_args(torchrun_argv(opts, train_argv, cfg)))
     stops = StopForwarder(getattr(getattr(cfg, "job", None), "stop_signals", None) or [])

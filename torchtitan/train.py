@@ -41,6 +41,7 @@ from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_tom
 from torchtitan.config.rules import validation_seq_len
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import local_positions
+from torchtitan.distributed.parallel_dims import submesh
 from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
     StepLoss,
@@ -211,11 +212,15 @@ class Trainer:
         if self.rank == 0:
             resolved = config_to_toml(self.cfg)
             write_run_file(self.cfg.job.dump_folder, "config.toml", resolved, "config")
+            path = os.path.join(self.cfg.job.dump_folder, "config.toml")
             if self.cfg.job.print_args:
-                logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'}):\n{resolved}")
+                logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'}), written to {path}:\n{resolved}")
+            else:
+                logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'} and the command line) "
+                            f"written to {path}")
 
     def build_dataloader(self):
-        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        dp_rank = submesh(self.mesh, "dp").get_local_rank() if self.mesh is not None else 0
         return build_dataloader(self.cfg.training, self.tokenizer, dp_rank, self.dims.dp_degree,
                                 self.plan.global_batch_size, pin_memory=self.device.type == "cuda",
                                 gather=dist_utils.gather_objects)
@@ -315,7 +320,7 @@ class Trainer:
         v, t = self.cfg.validation, self.cfg.training
         if not v.enabled:
             return None
-        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        dp_rank = submesh(self.mesh, "dp").get_local_rank() if self.mesh is not None else 0
         batches = validate.ValidationData(validate.build_source(v, t, self.tokenizer), self.tokenizer,
                                           validation_seq_len(v, t), v.local_batch_size, dp_rank, self.dims.dp_degree,
                                           v.steps)
@@ -340,7 +345,7 @@ class Trainer:
         self.loss_parallel = self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel
         # The data- and context-parallel ranks split a step's tokens: the valid labels are counted over
         # them, and the logged loss is the mean of their shares times their number (`log`).
-        self.loss_ranks = LossRanks(self.mesh["dp_cp"] if self.mesh is not None else None,
+        self.loss_ranks = LossRanks(submesh(self.mesh, "dp_cp") if self.mesh is not None else None,
                                     self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None,
                                     self.pipeline.loss_src if self.pipeline is not None else 0)
         self.cp_positions = None
@@ -384,12 +389,15 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         logger.info(
             f"training {cfg.model.name} {cfg.model.flavor}: {self.spec.size(self.model_args).total:,} parameters, "
-            f"vocab {self.model_args.vocab_size}, {self.flops_per_token / 1e6:.1f} MFLOPs/token | "
-            f"{self.dims.describe()} on {self.device.type} | global batch {self.plan.global_batch_size} x seq "
-            f"{t.seq_len} = {self.tokens_per_step:,} tokens/step (local batch {t.local_batch_size}, "
-            f"{self.plan.grad_accum_steps} accumulation step(s)) | params {t.mixed_precision_param} | peak "
-            f"{self.peak.tflops:.3f} TFLOP/s {self.peak.source} | {t.steps} steps"
+            f"vocab {self.model_args.vocab_size}, {self.flops_per_token / 1e6:.1f} MFLOPs/token, params "
+            f"{t.mixed_precision_param}, {t.steps} steps"
         )
+        logger.info(f"mesh: {self.dims.describe()} on {self.device.type}")
+        logger.info(
+            f"batch: global batch {self.plan.global_batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} "
+            f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s))"
+        )
+        logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
         if self.plan.memory_estimate:
             logger.info(self.plan.memory_estimate)
         if cfg.lr_scheduler.warmup_steps > t.steps:

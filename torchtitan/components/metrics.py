@@ -359,10 +359,13 @@ def process_age() -> float | None:
 
 
 def setup_logging():
-    rank = os.environ.get("RANK", "0")
+    """Log lines start with the rank, unless torchrun already prefixes each line of the worker's output
+    (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, which the launcher sets): one prefix, not two."""
+    prefixed = bool(os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")) and "TORCHELASTIC_RUN_ID" in os.environ
+    rank = "" if prefixed else f"[rank{os.environ.get('RANK', '0')}] "
     logging.basicConfig(
         level=logging.INFO,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        format=f"{rank}%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )

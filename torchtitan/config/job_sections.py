@@ -21,7 +21,10 @@ class Job:
     )
     dump_folder: str = opt("./outputs", "Folder for the resolved config, metrics.jsonl and TensorBoard logs.")
     description: str = opt("", "Free text describing the job, printed at start.")
-    print_args: bool = opt(True, "Print the resolved config at start (it is always written to {dump_folder}/config.toml).")
+    print_args: bool = opt(
+        False, "Print the resolved config at start (it is always written to {dump_folder}/config.toml, and the "
+               "start-up says where)."
+    )
     use_for_integration_test: bool = opt(
         False, "A tag for test runners that select recipes (the reference framework's CI reads it); training does not."
     )

@@ -128,8 +128,8 @@ class Comm:
     )
     trace_buf_size: int = opt(
         20000,
-        "Entries of the collectives' flight recorder (TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE, "
-        "unless set in the environment); 0 turns it off.",
+        "Entries of the collectives' flight recorder (sets TORCH_FR_BUFFER_SIZE unless it or the older "
+        "TORCH_NCCL_TRACE_BUFFER_SIZE is set in the environment); 0 turns it off.",
     )
 
     def check(self) -> list[str]:

@@ -63,13 +63,13 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # gloo wants the ranks concatenated on dim 0
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)  # torch 2.13: all_gather_into_tensor is deprecated
         return out.unflatten(0, (size, x.shape[0]))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.contiguous().flatten(0, 1), op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(out, grad.contiguous().flatten(0, 1), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

@@ -145,8 +145,26 @@ class ParallelDims:
             (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
+        # torch deprecates slicing a flattened dim from the root mesh: the flattened meshes are kept on
+        # it (submesh reads them), with HSDP's 2D (dp_replicate, dp_shard_cp) mesh unflattened from dp_cp.
+        flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
+        }
+        if self.dp_replicate > 1 and self.fsdp_enabled:
+            flat["dp_replicate", "dp_shard_cp"] = flat["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("hsdp_replicate", "hsdp_shard")
+            )
+        mesh.titan_flattened = flat
         return mesh
+
+
+def submesh(mesh, *names: str):
+    """mesh[names] of a ParallelDims.build_mesh mesh, where names may be one flattened dim ('dp',
+    'dp_shard_cp', 'dp_cp', 'dp_cp_tp') or HSDP's ('dp_replicate', 'dp_shard_cp'): the mesh kept when
+    it was built."""
+    key = names[0] if len(names) == 1 else names
+    kept = getattr(mesh, "titan_flattened", {})
+    return kept[key] if key in kept else mesh[key]

@@ -15,6 +15,7 @@ from torch import nn
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
+from torchtitan.distributed.parallel_dims import submesh
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
@@ -54,7 +55,7 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
     if dims.fsdp_enabled:
         # HSDP when there is a replicate dimension: a 2D mesh; plain FSDP: the shard dimension alone.
         # Context-parallel ranks join the shard dimension (mesh "dp_shard_cp").
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+        dp_mesh = submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else submesh(mesh, "dp_shard_cp")
         if dims.pp_enabled:  # a pipeline stage: the schedule decides when blocks may reshard
             return apply_fsdp_to_stage(
                 model,

@@ -53,9 +53,11 @@ def release_host_memory():
 
 def init_distributed(timeout_seconds: int, trace_buf_size: int = 0) -> tuple[torch.device, int, int]:
     """Returns (device, rank, world_size); a process group exists whenever launched by torchrun.
-    `trace_buf_size` sizes the collectives' flight recorder unless the environment already does."""
-    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        os.environ.setdefault(var, str(trace_buf_size))
+    `trace_buf_size` sizes the collectives' flight recorder unless the environment already does (torch
+    2.13 reads TORCH_FR_BUFFER_SIZE and warns that the older TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated:
+    only a user's own setting of that one is left in place)."""
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dev_type = device_type()

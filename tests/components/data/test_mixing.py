@@ -305,3 +305,12 @@ def test_one_source_under_two_spellings_is_refused(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="hf:org/data appears more than once"):
         parse_mix(["1:hf:org/data", "1:hf:org/data"], "training.dataset_mix")
     assert parse_mix(["1:shards", "1:hf:org/data"], "training.dataset_mix")[1] == ["shards", "hf:org/data"]
+
+
+def test_the_start_up_names_each_source_and_its_share(corpus, caplog):
+    with caplog.at_level("INFO"):
+        build_dataloader(mix_cfg(corpus), CHARS, 0, 1, 4)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert len(lines) == 3
+    for line, share in zip(lines, ("50.0%", "30.0%", "20.0%")):
+        assert f"({share} of the samples)" in line, lines

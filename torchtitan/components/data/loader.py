@@ -158,11 +158,14 @@ class PackedDataset(IterableDataset):
         self.workers, self.gather = workers, gather
         self.document_end_id = document_end_id
         if dp_rank == 0:
-            for part in parts:
+            for i, part in enumerate(parts):
                 source = part.source
                 n = source.num_documents() if source.random_access else None
                 documents = "" if n is None else f"{n:,} document{'' if n == 1 else 's'}, "
-                logger.info("data: %s: %s%s", part.name, documents, part.units(global_batch_size, seq_len).describe())
+                # A mixture's source says its share of the samples (its weight over the weights' sum).
+                share = f" ({weights[i] / sum(weights):.1%} of the samples)" if weights is not None else ""
+                logger.info("data: %s%s: %s%s", part.name, share, documents,
+                            part.units(global_batch_size, seq_len).describe())
         self._pool: LaneWorkers | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
