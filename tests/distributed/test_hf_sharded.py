@@ -3,13 +3,15 @@
 Folders made by transformers' own save_pretrained (random weights, small max_shard_size: many files
 and an index) for llama3's and Qwen3-MoE's debug flavors are loaded by training jobs under one
 process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, Qwen3's tied-embedding flavor under PP 2 and PP 2 x FSDP 2, and a Llama 3.2-like
-folder (tied, rotary scaled) under PP 2 x FSDP 2, and DeepSeek-V3's debug flavor under PP 2 and
-EP 2 x FSDP 2. Each trains one step that moves no
+folder (tied, rotary scaled) under PP 2 x FSDP 2, DeepSeek-V3's debug flavor under PP 2 and
+EP 2 x FSDP 2, and gpt-oss's (sinks, windows, biased experts) under one process, TP 2, PP 2, CP 2, EP 2,
+EP 2 x FSDP 2 and EP 2 x TP 2. Each trains one step that moves no
 weight (gradients clipped to 1e-30, no weight decay) and exports at its end, under its own layout:
 - import: the step-1 loss equals transformers' loss on the same batch within 1e-5 (fp32);
 - round trip: the export holds the imported tensors bit for bit (fp32), in files of the hub's names
   with an index, config.json and generation_config.json;
-- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2, both tied PP 2 x FSDP 2 and DeepSeek-V3's EP 2 x FSDP 2 exports with logits equal to the original
+- transformers loads the PP 2 x TP 2, EP 2 x FSDP 2, both tied PP 2 x FSDP 2, DeepSeek-V3's EP 2 x FSDP 2 and
+  gpt-oss's EP 2 x TP 2 exports with logits equal to the original
   folder's within 1e-4.
 
 Reads (tests/distributed/hf_load_worker.py loads folders written by our adapters, float32, straight into
@@ -46,20 +48,25 @@ FAMILIES = {"llama": ("llama3", "debugmodel", {}), "moe": ("qwen3", "debugmodel_
             "tied": ("qwen3", "debugmodel_tied", {}),
             "llama32": ("llama3", "debugmodel", {"tie_word_embeddings": True, "rope_scaling": RopeScaling(
                 factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)}),
-            "ds": ("deepseek_v3", "debugmodel", {})}
+            "ds": ("deepseek_v3", "debugmodel", {}), "gptoss": ("gpt_oss", "debugmodel", {})}
 # DeepSeek-V3 jobs keep the balancing bias still (it is exported: a moved bias would differ from the import).
 STILL_BIAS = ["--moe.load_balance_coeff", "0"]
 STILL = ["--training.steps", "1", "--training.max_norm", "1e-30", "--optimizer.weight_decay", "0",
          "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32", "--checkpoint.hf_max_shard_mb", "2"]
 # name: (family key, local batch size for the global batch of 8, layout)
 LAYOUTS = {
-    1: {"llama_single": ("llama", 8, []), "moe_single": ("moe", 8, [])},
+    1: {"llama_single": ("llama", 8, []), "moe_single": ("moe", 8, []), "gptoss_single": ("gptoss", 8, [])},
     2: {"llama_tp2": ("llama", 8, ["--parallelism.tensor_parallel_degree", "2"]),
         "llama_pp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
         "moe_ep2": ("moe", 4, ["--parallelism.expert_parallel_degree", "2"]),
         "ds_pp2": ("ds", 8, ["--parallelism.pipeline_parallel_degree", "2", *STILL_BIAS]),
         # Tied embeddings: the embedding on the first stage, its copy as the output layer on the last.
-        "tied_pp2": ("tied", 8, ["--parallelism.pipeline_parallel_degree", "2"])},
+        "tied_pp2": ("tied", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
+        # gpt-oss: sinks split by head under TP, experts by expert under EP.
+        "gptoss_tp2": ("gptoss", 8, ["--parallelism.tensor_parallel_degree", "2"]),
+        "gptoss_pp2": ("gptoss", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
+        "gptoss_cp2": ("gptoss", 8, ["--parallelism.context_parallel_degree", "2"]),
+        "gptoss_ep2": ("gptoss", 4, ["--parallelism.expert_parallel_degree", "2"])},
     4: {"llama_fsdp4": ("llama", 2, []),
         "llama_pp2_tp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2",
                                        "--parallelism.tensor_parallel_degree", "2"]),
@@ -68,7 +75,10 @@ LAYOUTS = {
         "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"]),
         "tied_pp2_fsdp2": ("tied", 4, ["--parallelism.pipeline_parallel_degree", "2"]),
         "llama32_pp2_fsdp2": ("llama32", 4, ["--parallelism.pipeline_parallel_degree", "2"]),
-        "ds_ep2_fsdp2": ("ds", 2, ["--parallelism.expert_parallel_degree", "2", *STILL_BIAS])},
+        "ds_ep2_fsdp2": ("ds", 2, ["--parallelism.expert_parallel_degree", "2", *STILL_BIAS]),
+        "gptoss_ep2_fsdp2": ("gptoss", 2, ["--parallelism.expert_parallel_degree", "2"]),
+        "gptoss_ep2_tp2": ("gptoss", 4, ["--parallelism.expert_parallel_degree", "2",
+                                         "--parallelism.tensor_parallel_degree", "2"])},
 }
 
 
@@ -82,6 +92,11 @@ def hf_folder(path, family: str, flavor: str, changes: dict):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)),
                                                           torch_dtype=torch.float32)
+    if family == "gpt_oss":  # its zero-initialized biases would move by Adam's ~1e-26 in the still step
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "bias" in name and not p.any():
+                    p.normal_(0.0, 0.02)
     model.save_pretrained(str(path), max_shard_size="3MB")
     return model.eval()
 
@@ -146,7 +161,7 @@ def test_export_holds_the_imported_tensors_bit_for_bit(runs, name):
 
 
 @pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2",
-                                  "ds_ep2_fsdp2"])
+                                  "ds_ep2_fsdp2", "gptoss_ep2_tp2"])
 def test_transformers_loads_the_export(runs, name):
     tmp, models, _ = runs
     out = tmp / name / "checkpoint" / "step-1-hf"
