@@ -10,6 +10,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_JOBS = REPO / "tests" / "distributed" / "run_jobs.py"
+MODEL = REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"  # the shipped tokenizer (sentencepiece, 4,096 tokens)
+PYTHON_DIR = str(Path(sys.executable).parent)  # put first on PATH, so that scripts' `python` is this interpreter
+
+# The debug model's recipe with the shipped tokenizer: the start of most command lines and configs.
+RECIPE = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.tokenizer_path", str(MODEL)]
 
 # A small, fast, deterministic job: the debug model at short sequences, fp32, one log line per step.
 TINY = [
@@ -23,8 +28,13 @@ TINY = [
     "--metrics.log_freq", "1",
     "--metrics.no-enable_tensorboard",
     "--metrics.device_peak_tflops", "1",
-    "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+    "--model.tokenizer_path", str(MODEL),
 ]
+
+# Job arguments shared by the multi-process tests (tests/distributed/).
+FP32_TOL = 1e-5  # float32 layouts against one process: the largest difference allowed (losses, weights)
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+SAVE3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
 
 
 def launch(jobs: dict[str, list[str] | dict], nproc: int, tmp: Path, timeout: int = 600) -> dict[str, list[dict]]:
@@ -52,6 +62,28 @@ def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: in
 
 def read_metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> list[float]:
+    """The loss of each metrics record, in order."""
+    return [r["loss"] for r in records]
+
+
+def debug_config(*overrides: str):
+    """The debug model's config (RECIPE) with `overrides`."""
+    from torchtitan.config import load_config
+
+    return load_config([*RECIPE, *overrides])
+
+
+def load_script(path: Path, name: str):
+    """The script at `path` (scripts/*.py, not a package) imported as a module named `name`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -201,6 +233,47 @@ def train_in_process(folder: Path, *extra: str) -> list[dict]:
         torch.use_deterministic_algorithms(False)
 
 
+# --- models --------------------------------------------------------------------------------------
+
+
+def meta_model(model_cls, args):
+    """A `model_cls` of `args` on the meta device: its parameters' shapes, no storage."""
+    import torch
+
+    with torch.device("meta"):
+        return model_cls(args)
+
+
+def materialized(model_cls, args, seed: int = 0):
+    """A `model_cls` of `args` on the CPU, initialized by its init_weights with `seed` (built on the meta
+    device first, as the trainer builds it)."""
+    model = meta_model(model_cls, args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model
+
+
+def small_llama3_args(**kw):
+    """The arguments of a small Llama 3 (2 layers of width 64, GQA 4:2, 128 tokens), with `kw` changed."""
+    from torchtitan.models.registry import get_model_spec
+
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
+    base.update(kw)
+    return get_model_spec("llama3").args_cls(**base)
+
+
+def llama3_and_batch():
+    """A Llama 3 of 4 layers of width 128 (256 tokens, 128 positions) and a fixed batch of 4 windows
+    (inputs and labels) for it: what the activation checkpointing and compile tests train."""
+    import torch
+
+    from torchtitan.models.registry import get_model_spec
+
+    args = get_model_spec("llama3").args_cls(dim=128, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=128)
+    tokens = torch.randint(0, args.vocab_size, (4, args.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+    return args, tokens
+
+
 # --- data pipeline tests (tests/components/data/) ------------------------------------------------
 # Shared by the tests of torchtitan/components/data/. Most use the character-level CharTokenizer
 # above (CHARS), so the expected token streams can be written down independently of the code under
@@ -210,9 +283,6 @@ def train_in_process(folder: Path, *extra: str) -> list[dict]:
 # turn shuffling off; the shuffle tests state the order through `Permutation`, the one definition
 # of a shuffled order. The writers below store `docs` (a list of texts) in one format each; each
 # must read back as the jsonl of the same texts does.
-
-
-MODEL = REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"
 
 
 CHARS = CharTokenizer()

@@ -12,7 +12,8 @@ import ast
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 MODELS = REPO / "torchtitan" / "models"
 
 

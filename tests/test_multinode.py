@@ -10,16 +10,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, free_port, read_metrics
+from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics
 
 SLURM = REPO / "scripts" / "multinode_trainer.slurm"
-PYTHON_DIR = str(Path(sys.executable).parent)
 
 
 def env_of(**variables) -> dict:

@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_naming
-
-REPO = Path(__file__).resolve().parents[1]
-PYTHON_DIR = str(Path(sys.executable).parent)
+from conftest import PYTHON_DIR, REPO, processes_naming
 
 
 def run_train(*args, env=None, timeout=300):

@@ -6,18 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO, debug_config as cfg
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import UserError, load_config
 from torchtitan.models.registry import get_model_spec
 from torchtitan.preflight import preflight
-
-REPO = Path(__file__).resolve().parents[1]
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
-TOKENIZER = str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model")
-
-
-def cfg(*overrides):
-    return load_config(["--job.config_file", DEBUG, "--model.tokenizer_path", TOKENIZER, *overrides])
 
 
 def test_global_batch_and_accumulation():

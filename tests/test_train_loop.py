@@ -3,15 +3,13 @@
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import REPO
 from torchtitan.config import load_config
 from torchtitan.train import train
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def short_run(tmp_path, *overrides):

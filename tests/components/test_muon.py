@@ -7,19 +7,17 @@ model spec's adamw_params, stacked experts are orthogonalized one expert at a ti
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+from conftest import RECIPE, REPO, run_script
 from torchtitan.components.muon import NS_COEFFICIENTS, MuonAdamW, adjusted_lr, newton_schulz, state_bytes
 from torchtitan.components.optimizer import OptimizerGroup, build_optimizer, check_muon_supported
 from torchtitan.config import LRScheduler, Optimizer, UserError, load_config
 from torchtitan.models.registry import get_model_spec
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("shape", [(16, 48), (48, 16), (24, 24)])
@@ -267,9 +265,8 @@ def test_muon_keys_with_muon_load():
 
 def test_muon_options_with_adamw_exit_2_before_launch(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan.preflight", "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-         "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-         "--job.dump_folder", str(tmp_path / "out"), "--optimizer.muon_momentum", "0.9"],
+        [sys.executable, "-m", "torchtitan.preflight", *RECIPE, "--job.dump_folder", str(tmp_path / "out"),
+         "--optimizer.muon_momentum", "0.9"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "optimizer.muon_momentum applies to optimizer.name = 'Muon' only" in proc.stderr
@@ -288,8 +285,6 @@ def test_spread_orthogonalization_equals_one_process_and_shares_the_work(tmp_pat
     TP's columns, experts split inside their matrices, HSDP, EP x FSDP, uneven and empty pieces) equal
     one process's bit for bit, with the Newton-Schulz spread over the ranks and with it repeated; spread,
     each rank runs a share of the iterations; split over two mesh dims, every rank runs them all."""
-    from conftest import run_script
-
     run_script(REPO / "tests" / "distributed" / "muon_worker.py", [str(tmp_path / "out.json")], 4, tmp_path)
     results = __import__("json").loads((tmp_path / "out.json").read_text())
     for name, r in results.items():

@@ -47,15 +47,13 @@ def test_implementations_agree():
 import copy  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from torch import nn  # noqa: E402
 
+from conftest import RECIPE, REPO  # noqa: E402
 from torchtitan.components.optimizer import OptimizerGroup, check_param_groups  # noqa: E402
 from torchtitan.config import LRScheduler, UserError, load_config  # noqa: E402
 from torchtitan.config.entries import parse_param_groups  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class Block(nn.Module):
@@ -201,8 +199,7 @@ def test_a_pattern_that_matches_nothing_is_an_error_naming_it():
 
 def test_a_pattern_that_matches_nothing_is_refused_before_launch(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan.preflight", "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-         "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+        [sys.executable, "-m", "torchtitan.preflight", *RECIPE,
          "--job.dump_folder", str(tmp_path / "out"), "--optimizer.param_groups", "^layers\\.0\\. lr_mult=0.5,mlp lr_mult=2"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -248,9 +245,7 @@ def test_resume_restores_each_groups_lr(tmp_path):
     the first group's lr; each group must continue at its own."""
     from torchtitan.train import train
 
-    args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-            "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "5",
+    args = [*RECIPE, "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "5",
             "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
             "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1", "--metrics.no-enable_tensorboard",
             "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",

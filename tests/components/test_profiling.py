@@ -1,22 +1,18 @@
 """Profiler traces and the CPU memory timeline land at the configured steps, one file per rank."""
 
 import json
-from pathlib import Path
 
 import pytest
 
+from conftest import RECIPE, REPO
 from torchtitan.config import UserError, load_config
 from torchtitan.preflight import preflight
 from torchtitan.train import train
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def short_run(tmp_path, *overrides, steps=4):
     return train(load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(tmp_path), "--training.steps", str(steps),
+        *RECIPE, "--job.dump_folder", str(tmp_path), "--training.steps", str(steps),
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.device_peak_tflops", "1",
         *overrides,
     ]))

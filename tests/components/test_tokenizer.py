@@ -5,7 +5,6 @@ and tokenizer.json disagree (loaded as transformers.AutoTokenizer loads it), and
 Hugging Face tokenizer."""
 
 import base64
-import importlib.util
 import json
 import logging
 import math
@@ -15,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import MODEL, REPO, load_script
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokenizer, detect, llama3_special_tokens
 from torchtitan.config.errors import UserError
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"
 UNICODE = "  leading\n\tclass X:\n        pass   \n\n\n  x = 'é 中文 😀 Ünïcödé'\r\n123456789 trailing  "
 
 BPE_SIZE = 650  # trained pieces (the 256 byte symbols included); ids 650-652 are special, 653 added by the config
@@ -508,10 +506,7 @@ def test_directory_is_not_a_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def fetch():
-    spec = importlib.util.spec_from_file_location("fetch_tokenizer", REPO / "scripts" / "fetch_tokenizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "fetch_tokenizer.py", "fetch_tokenizer")
 
 
 def test_fetch_without_network_is_one_line_and_exit_2(fetch, tmp_path, capsys):

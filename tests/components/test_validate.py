@@ -5,12 +5,11 @@ layouts are compared in tests/distributed/test_data_parallel_parity.py)."""
 import json
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import CharTokenizer
+from conftest import MODEL, RECIPE, REPO, CharTokenizer
 from torchtitan.components import validate
 from torchtitan.components.batch import BatchRule
 from torchtitan.components.data import stdlib_files
@@ -18,9 +17,6 @@ from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.training_sections import Validation
 from torchtitan.models.registry import get_model_spec
 from torchtitan.train import main
-
-REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"
 
 
 def write_jsonl(path, docs):
@@ -79,8 +75,7 @@ def test_python_stdlib_test_is_held_out_from_the_training_corpus():
 
 def tiny_argv(tmp_path, *extra):
     return [
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(MODEL), "--job.dump_folder", str(tmp_path / "out"),
+        *RECIPE, "--job.dump_folder", str(tmp_path / "out"),
         "--training.seq_len", "32", "--training.steps", "2", "--validation.enabled", *extra,
     ]
 

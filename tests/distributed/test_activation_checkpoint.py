@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from conftest import llama3_and_batch, materialized
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.registry import get_model_spec
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
-ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
+Transformer = SPEC.model_cls
 
-ARGS = ModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=128)
-TOKENS = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+ARGS, TOKENS = llama3_and_batch()
 TOL = 1e-6  # fp32; recomputation replays the same kernels, so the runs in fact agree bit for bit
 
 CONFIGS = {
@@ -29,10 +29,7 @@ CONFIGS = {
 
 
 def build(mode="none", option=""):
-    with torch.device("meta"):
-        model = Transformer(ARGS)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    model = materialized(Transformer, ARGS)
     apply_ac(model, mode, option)
     return model
 

@@ -14,27 +14,23 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
+from conftest import llama3_and_batch, materialized
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.models.registry import get_model_spec
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
-ModelArgs, Transformer = SPEC.args_cls, SPEC.model_cls
+Transformer = SPEC.model_cls
 
 pytestmark = pytest.mark.slow
 
-ARGS = ModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=128)
-TOKENS = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+ARGS, TOKENS = llama3_and_batch()
 TOL = 1e-5
 
 
 def build():
-    with torch.device("meta"):
-        model = Transformer(ARGS)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model
+    return materialized(Transformer, ARGS)
 
 
 def train(model, steps=3):

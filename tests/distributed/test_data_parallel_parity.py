@@ -49,13 +49,12 @@ import math
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch, mixture_corpus, short_documents_corpus
+from conftest import FP32_TOL, PP2, REPO, SAVE3, TINY, launch, losses, mixture_corpus, short_documents_corpus
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
-FP32_TOL = 1e-5
 # bf16 parameters/compute against fp32: measured differences on this tiny model stay below 5e-3
 # over 6 steps (2.4e-3 at most, FSDP2 and HSDP); the tolerance leaves headroom while still catching a wrong gradient or a lost shard.
 BF16_TOL = 1e-2
@@ -67,7 +66,6 @@ BF16_TOL = 1e-2
 # 3e-4 in the step-6 loss and 10% to 20% in its norm; at 1e-3 at most 3.8e-6 and 3.8e-4 (measured).
 QWEN = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.lr", "1e-3"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 # Qwen3-MoE's debug flavor (8 experts, top-2, aux-loss-free bias balancing). Its jobs save the model
 # (buffers included: the expert bias) at step 6, so that the bias can be compared across layouts.
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--checkpoint.enable_checkpoint",
@@ -94,8 +92,6 @@ VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "
 # by 4.4e-4 at step 2 (measured), so the cases still tell a wrong update from rounding.
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_lr", "5e-4"]
 MOE_MUON = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"] + MUON
-
-SAVE3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
 
 
 def val(local_batch_size: int) -> list[str]:
@@ -355,10 +351,6 @@ def runs(tmp_path_factory):
     results = {name: [r for r in records if "loss" in r] for name, records in results.items()}
     results["_tmp"], results["_validation"] = tmp, validation
     return results
-
-
-def losses(records):
-    return [r["loss"] for r in records]
 
 
 def reference_of(name: str) -> str:

@@ -19,7 +19,7 @@ which it has none (its reference kernel: over 100x bf16) they are skipped, sayin
 
 import pytest
 
-from conftest import float8_matmul_too_slow, launch
+from conftest import float8_matmul_too_slow, launch, losses
 
 TOO_SLOW = float8_matmul_too_slow()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(TOO_SLOW is not None, reason=str(TOO_SLOW))]
@@ -60,10 +60,6 @@ def runs(tmp_path_factory):
     results.update(launch(TWO, 2, tmp))
     results.update(launch(FOUR, 4, tmp))
     return results
-
-
-def losses(records):
-    return [r["loss"] for r in records]
 
 
 @pytest.mark.parametrize(

@@ -12,17 +12,14 @@ so every layout trains the same groups:
 
 import pytest
 
-from conftest import launch
+from conftest import FP32_TOL, PP2, SAVE3, launch
 
 pytestmark = pytest.mark.slow
 
-FP32_TOL = 1e-5
 GROUPS = ["--optimizer.param_groups", "tok_embeddings lr_mult=0.5,layers\\.1\\. lr_mult=2 weight_decay=0"]
-SAVE3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
 # The tied flavor at half the learning rate, as in test_data_parallel_parity (its gradient norm swings at 2e-3).
 TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.lr", "1e-3",
         "--optimizer.no-weight_decay_embeddings", "--optimizer.param_groups", "^output\\. lr_mult=0.5"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FP32_TOL
+
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).resolve().parent / "pp_worker.py"
-FP32_TOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 PP_CASES = [
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "csv"

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import materialized
 from torchtitan.models.common.attention import (
     attended_pairs,
     document_ids,
@@ -119,12 +120,7 @@ def test_the_kv_cache_returns_the_log_sum_exp_of_the_full_forward():
 
 def tiny(family: str, flavor: str):
     spec = get_model_spec(family)
-    args = spec.args_for_training(flavor, 256, 48)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return spec, model.eval()
+    return spec, materialized(spec.model_cls, spec.args_for_training(flavor, 256, 48)).eval()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -100,12 +100,9 @@ FAMILY = ["--experimental.custom_import", THIS_FILE, "--model.name", "llama3_sin
 
 
 def tiny_model(seed: int = 0) -> SinkTransformer:
-    args = SPEC.args_for_training("debugmodel", 4096, 64)
-    with torch.device("meta"):
-        model = SinkTransformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.eval()
+    from conftest import materialized
+
+    return materialized(SinkTransformer, SPEC.args_for_training("debugmodel", 4096, 64), seed).eval()
 
 
 def test_sinks_are_parameters_that_change_the_output():
@@ -155,13 +152,11 @@ def runs(tmp_path_factory):
     return results
 
 
-def losses(records):
-    return [r["loss"] for r in records]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "cp2"])
 def test_parallel_layouts_match_one_process(runs, layout):
+    from conftest import losses
+
     ref, got = losses(runs["single"]), losses(runs[layout])
     assert len(got) == len(ref) == 6
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
@@ -169,6 +164,8 @@ def test_parallel_layouts_match_one_process(runs, layout):
 
 @pytest.mark.slow
 def test_the_sinks_are_trained_and_change_the_losses(runs):
+    from conftest import losses
+
     # Every other parameter is initialized by its name, as Llama 3's: the sinks alone set them apart.
     ref, plain = losses(runs["single"]), losses(runs["llama3"])
     assert ref[-1] < ref[0] - 0.3

@@ -194,17 +194,17 @@ def runs(tmp_path_factory):
     return tmp, results
 
 
-def losses(records):
-    return [r["loss"] for r in records]
-
-
 def test_the_family_learns(runs):
+    from conftest import losses
+
     ref = losses(runs[1]["single"])
     assert len(ref) == 6 and ref[-1] < ref[0] - 0.3
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "tp2"])
 def test_parallel_layouts_match_one_process(runs, name):
+    from conftest import losses
+
     diffs = [abs(a - b) for a, b in zip(losses(runs[1]["single"]), losses(runs[1][name]))]
     assert len(diffs) == 6 and max(diffs) < 1e-5, diffs
 
@@ -212,6 +212,8 @@ def test_parallel_layouts_match_one_process(runs, name):
 @pytest.mark.parametrize("straight, resumed", [("fsdp2", "fsdp2_resumed"), ("tp2", "tp2_resumed"),
                                                 ("fsdp2", "fsdp2_to_tp2")])
 def test_checkpoint_resume_continues_the_run(runs, straight, resumed):
+    from conftest import losses
+
     got = runs[1][resumed]
     assert [r["step"] for r in got] == [4, 5, 6]
     diffs = [abs(a - b) for a, b in zip(losses(runs[1][straight])[3:], losses(got))]

@@ -187,17 +187,17 @@ def runs(tmp_path_factory):
     return results
 
 
-def losses(records):
-    return [r["loss"] for r in records]
-
-
 def test_the_family_learns(runs):
+    from conftest import losses
+
     ref = losses(runs["single"])
     assert len(ref) == 6 and ref[-1] < ref[0] - 0.2
 
 
 @pytest.mark.parametrize("name", ["ep2", "cp2", "cp2_alltoall"])
 def test_parallel_layouts_match_one_process(runs, name):
+    from conftest import losses
+
     diffs = [abs(a - b) for a, b in zip(losses(runs["single"]), losses(runs[name]))]
     assert len(diffs) == 6 and max(diffs) < 1e-5, diffs
 

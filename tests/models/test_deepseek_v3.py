@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import materialized
 from torchtitan.config import UserError
 from torchtitan.models.common.rotary import YarnScaling, yarn_frequencies, yarn_softmax_factor
 from torchtitan.models.registry import get_model_spec
@@ -108,20 +109,12 @@ def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, m
 # ---- Hugging Face ----
 
 
-def materialized(args, seed: int = 1):
-    with torch.device("meta"):
-        model = SPEC.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.eval()
-
-
 def test_export_is_deepseek_v3_for_transformers_with_the_balancing_bias(tmp_path):
     transformers = pytest.importorskip("transformers")
     from torchtitan.components.hf_checkpoint import load_hf, save_hf
 
     args = SPEC.args_for_training("debugmodel", 4096, 64)
-    model = materialized(args)
+    model = materialized(SPEC.model_cls, args, seed=1).eval()
     with torch.no_grad():  # a trained balancing state: it changes which experts tokens go to
         for layer in SPEC.expert_layers(model):
             layer.expert_bias.uniform_(-0.05, 0.05, generator=torch.Generator().manual_seed(2))
@@ -150,7 +143,7 @@ def test_import_skips_the_multi_token_prediction_layers_and_refuses_softmax_rout
     from torchtitan.components.hf_checkpoint import load_hf, save_hf
 
     args = SPEC.args_for_training("debugmodel", 4096, 64)
-    save_hf(tmp_path / "hf", materialized(args).state_dict(), SPEC.hf, args, torch.float32)
+    save_hf(tmp_path / "hf", materialized(SPEC.model_cls, args, seed=1).state_dict(), SPEC.hf, args, torch.float32)
     # As the published checkpoints: one more layer (model.layers.<n_layers>) holding the MTP module.
     shard = tmp_path / "hf" / "model.safetensors"
     tensors = load_file(shard)
@@ -170,7 +163,7 @@ def test_mtp_logits_predict_further_tokens_and_the_logged_loss_stays_the_next_to
     from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
 
     args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 64), mtp_depth=2)
-    model = materialized(args).train()
+    model = materialized(SPEC.model_cls, args, seed=1).train()
     window = torch.randint(0, 4096, (2, 65), generator=torch.Generator().manual_seed(0))
     tokens, labels = window[:, :-1], window[:, 1:].clone()
     labels[0, 10] = IGNORE_INDEX  # e.g. the label after a document's end
@@ -222,7 +215,7 @@ def test_mtp_modules_export_where_the_published_checkpoints_put_them(tmp_path):
     from torchtitan.components.hf_checkpoint import load_hf, save_hf
 
     args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 64), mtp_depth=1)
-    model = materialized(args)
+    model = materialized(SPEC.model_cls, args, seed=1).eval()
     save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         mtp = {k.split(f"model.layers.{args.n_layers}.")[1] for k in f.keys() if k.startswith(f"model.layers.{args.n_layers}.")}
@@ -239,7 +232,7 @@ def test_mtp_blocks_keep_the_trunks_dtype_under_autocast():
     the block must still get the trunk's dtype, or its norms, its residual and its experts see bf16
     where the trunk's see float32 (and torch._grouped_mm got bf16 tokens with float32 weights)."""
     args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 32), mtp_depth=2)
-    model = materialized(args).train()
+    model = materialized(SPEC.model_cls, args, seed=1).train()
     seen = {}
     for name, block in [*model.layers.items(), *((f"mtp.{k}", m.block) for k, m in model.mtp.items())]:
         block.register_forward_pre_hook(lambda _, inputs, name=name: seen.__setitem__(name, inputs[0].dtype))

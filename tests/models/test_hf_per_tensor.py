@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import materialized
 from torchtitan.config.errors import UserError
 from torchtitan.models.registry import get_model_spec
 
@@ -27,11 +28,7 @@ def build(family: str, flavor: str):
     """(adapter, args, our state dict) of the flavor's model on CPU, initialized with seed 0."""
     spec = get_model_spec(family)
     args = spec.args_for_training(flavor, 256, 32)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return spec.hf, args, model.state_dict()
+    return spec.hf, args, materialized(spec.model_cls, args).state_dict()
 
 
 def fused(hf_sd: dict, args) -> dict:

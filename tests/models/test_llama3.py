@@ -1,15 +1,11 @@
 import pytest
 import torch
 
+from conftest import materialized, meta_model
 from torchtitan.config import UserError
 from torchtitan.models.llama3.args import ModelArgs, flavors
 from torchtitan.models.llama3.model import Transformer, flops_per_token, model_size
 from torchtitan.models.registry import get_model_args, get_model_spec
-
-
-def meta_model(args: ModelArgs) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(args)
 
 
 # Published totals (Llama 3.1 model card: 8.03B, 70.55B, 405.85B with the 128,256-token vocabulary).
@@ -18,14 +14,14 @@ def meta_model(args: ModelArgs) -> Transformer:
     [("8B", 8_030_261_248), ("70B", 70_553_706_496), ("405B", 405_853_388_800)],
 )
 def test_published_parameter_counts(flavor, published):
-    model = meta_model(flavors[flavor])
+    model = meta_model(Transformer, flavors[flavor])
     assert sum(p.numel() for p in model.parameters()) == published
     assert model_size(flavors[flavor]).total == model_size(flavors[flavor]).active == published
     assert all(p.is_meta for p in model.parameters())  # nothing was allocated
 
 
 def test_8b_layer_shapes_match_meta_checkpoint_names():
-    shapes = {n: tuple(p.shape) for n, p in meta_model(flavors["8B"]).named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in meta_model(Transformer, flavors["8B"]).named_parameters()}
     assert shapes["tok_embeddings.weight"] == (128256, 4096)
     assert shapes["layers.0.attention.wq.weight"] == (4096, 4096)
     assert shapes["layers.0.attention.wk.weight"] == (1024, 4096)
@@ -53,15 +49,8 @@ def small_args(**kw) -> ModelArgs:
     return ModelArgs(**base)
 
 
-def materialized(args: ModelArgs, seed: int = 0) -> Transformer:
-    model = meta_model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
-
-
 def test_forward_shape_and_causality():
-    model = materialized(small_args())
+    model = materialized(Transformer, small_args())
     tokens = torch.randint(0, 97, (2, 16))
     logits = model(tokens)
     assert logits.shape == (2, 16, 97)
@@ -73,15 +62,15 @@ def test_forward_shape_and_causality():
 
 
 def test_init_is_seeded_and_independent_of_construction_order():
-    a = materialized(small_args(), seed=3)
-    b = materialized(small_args(), seed=3)
-    c = materialized(small_args(), seed=4)
+    a = materialized(Transformer, small_args(), seed=3)
+    b = materialized(Transformer, small_args(), seed=3)
+    c = materialized(Transformer, small_args(), seed=4)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
             assert not torch.equal(pa, pc), name
     # A model with a layer removed (as on a pipeline stage) keeps the same values for the rest.
-    d = meta_model(small_args())
+    d = meta_model(Transformer, small_args())
     del d.layers["0"]
     d.to_empty(device="cpu")
     d.init_weights(seed=3)
@@ -90,7 +79,7 @@ def test_init_is_seeded_and_independent_of_construction_order():
 
 def test_init_statistics():
     args = small_args(dim=256, n_heads=8, n_kv_heads=8, vocab_size=512)
-    model = materialized(args)
+    model = materialized(Transformer, args)
     assert abs(model.tok_embeddings.weight.std().item() - 1.0) < 0.05
     wq = model.layers["0"].attention.wq.weight
     assert wq.abs().max().item() <= 2 * 0.02 + 1e-6  # truncated at 2 std
@@ -101,8 +90,8 @@ def test_init_statistics():
 
 def test_grouped_query_attention_matches_repeated_heads():
     # With n_kv_heads=2 of 4, heads 0,1 share KV head 0: same as an MHA model whose wk/wv repeat rows.
-    gqa = materialized(small_args(n_layers=1))
-    mha = materialized(small_args(n_layers=1, n_kv_heads=4))
+    gqa = materialized(Transformer, small_args(n_layers=1))
+    mha = materialized(Transformer, small_args(n_layers=1, n_kv_heads=4))
     sd = gqa.state_dict()
     hd = 16
     for w in ("wk", "wv"):

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import materialized, meta_model
 from torchtitan.config.errors import UserError
 from torchtitan.models.qwen3.args import ModelArgs, flavors
 from torchtitan.models.qwen3.model import Transformer, flops_per_token, model_size
@@ -15,18 +16,6 @@ from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
 
 VOCAB = 151936
-
-
-def meta_model(args: ModelArgs) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(args)
-
-
-def materialized(args: ModelArgs, seed: int = 0) -> Transformer:
-    model = meta_model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
 
 
 def small_args(**kw) -> ModelArgs:
@@ -67,7 +56,7 @@ def test_published_parameter_counts(flavor):
     spec = get_model_spec("qwen3")
     args = spec.flavors[flavor]
     assert args.tie_word_embeddings == tied
-    model = meta_model(args)
+    model = meta_model(Transformer, args)
     assert sum(p.numel() for p in model.parameters()) == expected  # a tied weight counts once
     assert all(p.is_meta for p in model.parameters())  # nothing was allocated
     size = spec.size(args)
@@ -106,7 +95,7 @@ def test_debug_flavors_fit_tensor_parallel_up_to_4():
 
 def test_forward_shape_causality_and_explicit_head_dim():
     args = small_args()
-    model = materialized(args)
+    model = materialized(Transformer, args)
     attention = model.layers["0"].attention
     assert attention.wq.weight.shape == (4 * 32, 64) and attention.wk.weight.shape == (2 * 32, 64)
     assert attention.wo.weight.shape == (64, 4 * 32)
@@ -122,10 +111,10 @@ def test_forward_shape_causality_and_explicit_head_dim():
 
 
 def test_pipeline_stages_skip_absent_modules():
-    model = materialized(small_args())
+    model = materialized(Transformer, small_args())
     tokens = torch.randint(0, 128, (1, 8))
     full = model(tokens)
-    first, second = materialized(small_args()), materialized(small_args())
+    first, second = materialized(Transformer, small_args()), materialized(Transformer, small_args())
     first.norm = first.output = None
     del first.layers["1"]
     second.tok_embeddings = None
@@ -134,7 +123,7 @@ def test_pipeline_stages_skip_absent_modules():
 
 
 def test_token_positions_index_the_rotary_table():
-    model = materialized(small_args())
+    model = materialized(Transformer, small_args())
     full = model.rope.clone()
     positions = torch.tensor([5, 6, 60, 61])
     model.set_token_positions(positions)
@@ -144,7 +133,7 @@ def test_token_positions_index_the_rotary_table():
 
 
 def test_init_statistics():
-    model = materialized(small_args(dim=256, vocab_size=512))
+    model = materialized(Transformer, small_args(dim=256, vocab_size=512))
     assert abs(model.tok_embeddings.weight.std().item() - 1.0) < 0.05
     assert abs(model.output.weight.std().item() - 256**-0.5) < 0.01
     assert model.layers["0"].attention.wq.weight.abs().max().item() <= 2 * 0.02 + 1e-6
@@ -158,7 +147,7 @@ def test_init_statistics():
 
 def test_tied_weight_survives_materialization_and_is_initialized_once():
     args = small_args(dim=256, vocab_size=512, tie_word_embeddings=True)
-    model = materialized(args)
+    model = materialized(Transformer, args)
     assert model.output.weight is model.tok_embeddings.weight
     assert [n for n, _ in model.named_parameters() if n.endswith(("tok_embeddings.weight", "output.weight"))] == [
         "tok_embeddings.weight"
@@ -180,8 +169,8 @@ def test_tied_weight_survives_materialization_and_is_initialized_once():
 
 def test_tied_gradient_is_both_uses_and_one_update():
     args = small_args(tie_word_embeddings=True)
-    tied = materialized(args)
-    untied = materialized(small_args())
+    tied = materialized(Transformer, args)
+    untied = materialized(Transformer, small_args())
     # Same values, but the output layer gets its own copy of the embedding.
     untied.load_state_dict({k: v.clone() for k, v in tied.state_dict().items()})
     tokens = torch.randint(0, 128, (2, 12))
@@ -223,7 +212,7 @@ def _save_hf(folder, model: Transformer, args: ModelArgs):
 def test_logits_match_transformers_qwen3(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
     args = small_args(tie_word_embeddings=tied)
-    model = materialized(args, seed=3)
+    model = materialized(Transformer, args, seed=3)
     _randomize_norms(model)
     _save_hf(tmp_path, model, args)
     if tied:
@@ -249,7 +238,7 @@ def test_logits_match_transformers_qwen3(tmp_path, tied):
     converted = from_hf(hf_sd, args)
     if tied:
         assert converted["output.weight"] is converted["tok_embeddings.weight"]
-    fresh = materialized(args, seed=7)
+    fresh = materialized(Transformer, args, seed=7)
     fresh.load_state_dict(converted)
     with torch.no_grad():
         assert (fresh(tokens) - theirs).abs().max().item() < 1e-4
@@ -302,21 +291,21 @@ def test_unrepresentable_hf_configs_are_user_errors(change, message):
 
 def test_wrong_keys_and_shapes_are_named():
     args = small_args()
-    hf = to_hf(materialized(args).state_dict(), args)
+    hf = to_hf(materialized(Transformer, args).state_dict(), args)
     del hf["model.layers.1.self_attn.q_norm.weight"]
     hf["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128)
     with pytest.raises(UserError, match=r"unknown keys model\.layers\.0\.self_attn\.q_proj\.bias.*missing keys "
                                         r"model\.layers\.1\.self_attn\.q_norm\.weight"):
         from_hf(hf, args)
     # Untied weights given to a tied model (and back): lm_head is unknown / differs, missing when untied.
-    hf = to_hf(materialized(args).state_dict(), args)
+    hf = to_hf(materialized(Transformer, args).state_dict(), args)
     with pytest.raises(UserError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
         from_hf(hf, small_args(tie_word_embeddings=True))
     tied_args = small_args(tie_word_embeddings=True)
     with pytest.raises(UserError, match=r"missing keys lm_head\.weight"):
-        from_hf(to_hf(materialized(tied_args).state_dict(), tied_args), args)
+        from_hf(to_hf(materialized(Transformer, tied_args).state_dict(), tied_args), args)
     # Stored rotary frequencies are recomputed, not an error; wrong head counts are named with shapes.
-    hf = to_hf(materialized(args).state_dict(), args)
+    hf = to_hf(materialized(Transformer, args).state_dict(), args)
     hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
     assert "layers.0.attention.wq.weight" in from_hf(hf, args)
     with pytest.raises(UserError, match=r"k_proj\.weight has shape \(64, 64\), expected \(128, 64\)"):
@@ -334,7 +323,7 @@ def test_spec_and_tp_plan_names_match_the_model(flavor):
     args = spec.flavors[flavor]
     sizes = {"n_heads", "n_kv_heads", "vocab_size"} | ({"ffn hidden dim"} if args.moe is None else set())
     assert set(spec.tp_sizes(args)) == sizes
-    model = meta_model(args)
+    model = meta_model(Transformer, args)
     block = model.layers["0"]
     plan = TP_PLAN.block(block)
     for key in plan:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import materialized
 from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, save_hf
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
@@ -26,14 +27,6 @@ def moe_args(route_norm: bool = True, **kw):
                 max_seq_len=64, moe=MoEArgs(num_experts=E, top_k=TOP_K, hidden_dim=HIDDEN, route_norm=route_norm))
     base.update(kw)
     return SPEC.args_cls(**base)
-
-
-def materialized(args, seed: int = 0):
-    with torch.device("meta"):
-        model = SPEC.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
 
 
 @torch.no_grad()
@@ -65,7 +58,7 @@ def expert_bias_keys(args) -> list[str]:
 def test_export_loads_as_qwen3_moe_with_our_logits(tmp_path, route_norm):
     transformers = pytest.importorskip("transformers")
     args = moe_args(route_norm)
-    model = materialized(args, seed=3)
+    model = materialized(SPEC.model_cls, args, seed=3)
     randomize(model)
     # Qwen3-MoE has no balancing bias: compare with ours at zero (as init leaves it).
     sd = model.state_dict()
@@ -102,10 +95,10 @@ def test_export_loads_as_qwen3_moe_with_our_logits(tmp_path, route_norm):
 
     # The comparison sees what it names: our model with gate and up swapped, or with the other
     # renormalization, is far from transformers' logits.
-    swapped = materialized(args)
+    swapped = materialized(SPEC.model_cls, args)
     swap = {"experts.w1": "experts.w3", "experts.w3": "experts.w1"}
     swapped.load_state_dict({k: sd[next((k.replace(a, b) for a, b in swap.items() if a in k), k)] for k in sd})
-    other_norm = materialized(moe_args(not route_norm))
+    other_norm = materialized(SPEC.model_cls, moe_args(not route_norm))
     other_norm.load_state_dict(sd)
     with torch.no_grad():
         assert (swapped(x) - theirs).abs().max().item() > 1e-2
@@ -114,7 +107,7 @@ def test_export_loads_as_qwen3_moe_with_our_logits(tmp_path, route_norm):
 
 def test_export_drops_a_nonzero_bias_with_a_warning_and_refuses_other_routing(caplog):
     args = moe_args()
-    sd = materialized(args).state_dict()
+    sd = materialized(SPEC.model_cls, args).state_dict()
     sd["layers.0.feed_forward.expert_bias"] = torch.tensor([0.1, -0.1, 0.0, 0.0])
     with caplog.at_level("WARNING"):
         hf = to_hf(sd, args)
@@ -126,7 +119,7 @@ def test_export_drops_a_nonzero_bias_with_a_warning_and_refuses_other_routing(ca
         with pytest.raises(UserError, match=f"{name} = {value!r}"):
             hf_config(other)
         with pytest.raises(UserError, match=name):
-            to_hf(materialized(other).state_dict(), other)
+            to_hf(materialized(SPEC.model_cls, other).state_dict(), other)
 
 
 # ---- import: transformers -> our model ----
@@ -151,7 +144,7 @@ def test_save_pretrained_imports_with_transformers_logits(tmp_path, route_norm):
     assert all(torch.equal(sd[k], torch.zeros(E)) for k in expert_bias_keys(args))  # fresh balancing state
     # What the trainer's initial load checks: every tensor of our model, the bias included.
     load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, args))
-    model = materialized(args, seed=5)
+    model = materialized(SPEC.model_cls, args, seed=5)
     model.load_state_dict(sd)  # strict
     x = tokens()
     with torch.no_grad():
@@ -210,7 +203,7 @@ def _hub_and_fused(args, sd):
 
 def test_per_expert_and_fused_files_read_to_the_same_tensors(tmp_path):
     args = moe_args()
-    model = materialized(args, seed=4)
+    model = materialized(SPEC.model_cls, args, seed=4)
     randomize(model)
     sd = model.state_dict()
     hub, fused = _hub_and_fused(args, sd)
@@ -236,7 +229,7 @@ def test_per_expert_and_fused_files_read_to_the_same_tensors(tmp_path):
 
 def test_wrong_expert_keys_and_shapes_are_named():
     args = moe_args()
-    sd = materialized(args).state_dict()
+    sd = materialized(SPEC.model_cls, args).state_dict()
     hub, fused = _hub_and_fused(args, sd)
     del hub["model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(UserError, match=r"Qwen3-MoE model with 2 layers, 4 experts.*"
@@ -252,7 +245,7 @@ def test_wrong_expert_keys_and_shapes_are_named():
     with pytest.raises(UserError, match=r"unknown keys model\.layers\.0\.mlp\.gate\.weight"):
         from_hf(fused, dense)
     with pytest.raises(UserError, match=r"unknown keys model\.layers\.0\.mlp\.gate_proj\.weight"):
-        from_hf(to_hf(materialized(dense).state_dict(), dense), args)
+        from_hf(to_hf(materialized(SPEC.model_cls, dense).state_dict(), dense), args)
 
 
 # ---- configs we cannot represent ----

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import materialized
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
@@ -49,10 +50,7 @@ def hf_qwen3(**config) -> "transformers.PreTrainedModel":
 
 
 def ours_from(hf, args: ModelArgs) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)  # the rotary table; every weight is then replaced
+    model = materialized(Transformer, args)  # init_weights: the rotary table; every weight is then replaced
     model.load_state_dict(from_hf(hf.state_dict(), args))
     return model.eval()
 

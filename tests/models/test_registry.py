@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics
-from torchtitan.config import UserError, load_config
+from conftest import REPO, TINY, debug_config, read_metrics
+from torchtitan.config import UserError
 from torchtitan.models import registry
 from torchtitan.models.registry import (
     get_model_args,
@@ -21,9 +21,6 @@ from torchtitan.models.registry import (
     register_flavor,
     register_model,
 )
-
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
-TOKENIZER = str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model")
 
 # The docs/models.md example: a llama3 small enough to train in seconds on a CPU.
 MY_FLAVORS = """\
@@ -52,10 +49,6 @@ def tiny_args():
     return dataclasses.replace(get_model_args("llama3", "debugmodel"), dim=128, n_layers=2, n_heads=4)
 
 
-def cfg(*overrides):
-    return load_config(["--job.config_file", DEBUG, "--model.tokenizer_path", TOKENIZER, *overrides])
-
-
 def test_a_registered_flavor_is_found_wherever_flavors_are_looked_up():
     from torchtitan.preflight import preflight
 
@@ -67,7 +60,7 @@ def test_a_registered_flavor_is_found_wherever_flavors_are_looked_up():
         assert spec.flavors["debugmodel"].dim == 256  # the family's own flavors are still there
     assert spec.args_for_training("tiny", 4096, 64).n_layers == 2
     assert "tiny" not in registry._own_spec("llama3").flavors  # the family's table is not edited
-    plan = preflight(cfg("--model.flavor", "tiny"), world_size=1)
+    plan = preflight(debug_config("--model.flavor", "tiny"), world_size=1)
     assert plan.spec.flavors["tiny"] == tiny_args()
 
 

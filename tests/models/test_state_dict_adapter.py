@@ -4,6 +4,7 @@ itself is checked in tests/components/test_hf_checkpoint.py."""
 import pytest
 import torch
 
+from conftest import materialized, small_llama3_args
 from torchtitan.config import UserError
 from torchtitan.models.llama3.args import ModelArgs, flavors
 from torchtitan.models.common.rotary import complex_table, rotate_pairs
@@ -11,23 +12,13 @@ from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
 
 
-def small_args(**kw) -> ModelArgs:
-    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
-    base.update(kw)
-    return ModelArgs(**base)
-
-
 def state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.state_dict()
+    return materialized(Transformer, args, seed).state_dict()
 
 
 @pytest.mark.parametrize("n_kv_heads", [2, None])
 def test_round_trip_is_exact(n_kv_heads):
-    args = small_args(n_kv_heads=n_kv_heads)
+    args = small_llama3_args(n_kv_heads=n_kv_heads)
     sd = state_dict(args)
     hf = to_hf(sd, args)
     assert "model.layers.1.self_attn.k_proj.weight" in hf and "lm_head.weight" in hf
@@ -41,7 +32,7 @@ def test_round_trip_is_exact(n_kv_heads):
 
 def test_permutation_turns_interleaved_rope_into_rotate_half():
     # Rotating Meta's q then reordering each head's features equals rotating HF's q with rotate_half.
-    args = small_args()
+    args = small_llama3_args()
     sd = state_dict(args, seed=1)
     wq = sd["layers.0.attention.wq.weight"]
     wq_hf = to_hf(sd, args)["model.layers.0.self_attn.q_proj.weight"]
@@ -60,7 +51,7 @@ def test_permutation_turns_interleaved_rope_into_rotate_half():
 
 
 def test_unknown_and_missing_keys_are_named():
-    args = small_args()
+    args = small_llama3_args()
     hf = to_hf(state_dict(args), args)
     hf["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
     del hf["lm_head.weight"]
@@ -75,10 +66,10 @@ def test_unknown_and_missing_keys_are_named():
 
 
 def test_wrong_head_layout_is_a_user_error():
-    args = small_args()
+    args = small_llama3_args()
     hf = to_hf(state_dict(args), args)
     with pytest.raises(UserError, match=r"k_proj\.weight has shape \(32, 64\); expected 64 rows"):
-        from_hf(hf, small_args(n_kv_heads=4))
+        from_hf(hf, small_llama3_args(n_kv_heads=4))
 
 
 @pytest.mark.parametrize("name", ["debugmodel", "1B", "3B", "8B", "70B", "405B"])
@@ -95,7 +86,7 @@ def test_config_round_trip_keeps_every_dimension(name):
 
 
 def test_config_accepts_transformers5_rope_parameters_and_narrow_ffn():
-    config = hf_config(small_args())
+    config = hf_config(small_llama3_args())
     del config["rope_theta"]
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0}
     config["intermediate_size"] = 100  # below 8/3 * dim: needs ffn_dim_multiplier < 1
@@ -120,6 +111,6 @@ def test_config_accepts_transformers5_rope_parameters_and_narrow_ffn():
     ],
 )
 def test_unrepresentable_configs_are_rejected_naming_the_field(field, value):
-    config = {**hf_config(small_args()), field: value}
+    config = {**hf_config(small_llama3_args()), field: value}
     with pytest.raises(UserError, match=f"{field} = "):
         args_from_hf_config(config)

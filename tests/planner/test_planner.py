@@ -16,20 +16,18 @@
 - the recipe it writes for the debug model on 4 CPU processes trains as it is (slow).
 """
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO, load_script
 from torchtitan.config import load_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.planner.memory import estimate_memory, param_shards
 from torchtitan.planner.plan import estimate_config, planning_of
 from torchtitan.planner.simulate import simulate
 
-REPO = Path(__file__).resolve().parents[2]
 PLAN = REPO / "scripts" / "plan.py"
 DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
@@ -175,10 +173,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_planning(tmp_path, w
 
 @pytest.fixture(scope="module")
 def plan_script():
-    spec = importlib.util.spec_from_file_location("plan_script", PLAN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PLAN, "plan_script")
 
 
 MTP_ZBV = DEBUG + DSV3 + ["--model.mtp_depth", "1", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]

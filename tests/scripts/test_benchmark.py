@@ -1,16 +1,15 @@
 """scripts/benchmark.py: its argument handling and summaries in-process, and its plumbing end to end
 at tiny sizes (the numbers themselves are not checked: they measure the machine)."""
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from conftest import MODEL, REPO, load_script
+
 SCRIPT = REPO / "scripts" / "benchmark.py"
 TINY = [
     "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
@@ -19,16 +18,13 @@ TINY = [
     "--training.mixed_precision_param", "float32",
     "--metrics.no-enable_tensorboard",
     "--metrics.device_peak_tflops", "1",  # skips the one-second matmul measurement in each process
-    "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+    "--model.tokenizer_path", str(MODEL),
 ]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "benchmark")
 
 
 def run(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:

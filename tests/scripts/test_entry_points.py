@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 
 

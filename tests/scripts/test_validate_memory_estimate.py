@@ -7,11 +7,10 @@ multi-token prediction under FSDP."""
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from conftest import REPO
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ batch of one sequence) in stored order, where each reads the whole source in ord
 import gzip
 import json
 import os
-import random
 import resource
 import signal
 import subprocess
@@ -23,22 +22,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CHARS, MODEL, CharTokenizer, framed_documents, lane_streams, merged
+from conftest import CHARS, MODEL, REPO, CharTokenizer, framed_documents, lane_streams, merged, random_docs
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.shuffle import Permutation
 from torchtitan.components.data.token_folder import pretokenize
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
-ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "scripts" / "pretokenize.py"
+SCRIPT = REPO / "scripts" / "pretokenize.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import pretokenize as script  # noqa: E402 (scripts/pretokenize.py)
-
-
-def random_docs(n, seed=0, lo=0, hi=40):
-    rng = random.Random(seed)
-    return ["".join(rng.choice("abcdefghij KLMNOP\n") for _ in range(rng.randint(lo, hi))) for _ in range(n)]
 
 
 def write_jsonl(path, docs, compress=False):
@@ -81,7 +74,7 @@ def corpus(tmp_path_factory):
     """60 documents (some empty) and their token folder: ~1,200 tokens, so 40 steps of dp x 2 windows of
     17 tokens cover several epochs. Also the documents, and the same documents as an Arrow file."""
     folder = tmp_path_factory.mktemp("corpus")
-    docs = random_docs(60, seed=1)
+    docs = random_docs(60, seed=1, lo=0)
     src = write_jsonl(folder / "docs.jsonl", docs)
     meta = tokenize(src, folder / "tokens")
     assert meta["num_docs"] == 60 and meta["dtype"] == "uint16"
@@ -191,7 +184,7 @@ def test_a_streamed_source_in_stored_order_gives_the_same_samples_and_both_shuff
     """A compressed JSON lines source is a stream; its token folder has random access. In stored order
     one lane reads both alike. By default both are shuffled (every local file is): the first epoch is
     every document once, in another order than stored."""
-    docs = random_docs(30, seed=2)
+    docs = random_docs(30, seed=2, lo=0)
     src = write_jsonl(tmp_path / "d.jsonl.gz", docs, compress=True)
     meta = tokenize(src, tmp_path / "tok")
     assert meta["source_random_access"] is False
@@ -361,7 +354,7 @@ def _files(folder):
 
 
 def test_stopped_pretokenize_resumes_to_the_same_output(tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", random_docs(50, seed=4))
+    src = write_jsonl(tmp_path / "d.jsonl", random_docs(50, seed=4, lo=0))
     assert tokenize(src, tmp_path / "part", max_chunks=3) is None
     assert not (tmp_path / "part" / "meta.json").exists()
     with pytest.raises(UserError, match="incomplete"):
@@ -470,7 +463,7 @@ def test_a_datasets_stream_writes_the_tokens_of_the_same_files_read_locally(tmp_
     as training.dataset = "huggingface" reads it) writes the token folder of the same files read as local
     data; stopped after 2 chunks, the same command finishes it to the same bytes."""
     pytest.importorskip("datasets")
-    docs = random_docs(40, seed=6) + ["", None, "déjà vu ✓\n\ttabs", "x"]
+    docs = random_docs(40, seed=6, lo=0) + ["", None, "déjà vu ✓\n\ttabs", "x"]
     data = _write_docs(tmp_path / "data", docs, fmt)
     args = ["--tokenizer", MODEL, "--workers", "2", "--chunk-docs", "7"]
     assert _run(capsys, data, tmp_path / "local", *args) == (0, "")
