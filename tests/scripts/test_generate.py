@@ -2,7 +2,6 @@
 imported Hugging Face model gives transformers' own tokens, the command line prints the same text from
 a step-N folder and from its Hugging Face export, and mistakes end with one line and exit status 2."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, launch
+from conftest import MODEL, RECIPE, REPO, launch, load_script, small_llama3_args
 from torchtitan.components.hf_checkpoint import save_hf, write_dcp_model
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.models.common.layers import kv_caches
@@ -18,12 +17,9 @@ from torchtitan.models.common.moe import MoEArgs, moe_layers
 from torchtitan.models.registry import get_model_spec
 
 SCRIPT = REPO / "scripts" / "generate.py"
-RECIPE = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-          "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model")]
 LLAMA, QWEN = get_model_spec("llama3"), get_model_spec("qwen3")
 SMALL = {
-    "llama3": (LLAMA, LLAMA.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                                     max_seq_len=64)),
+    "llama3": (LLAMA, small_llama3_args()),
     "qwen3_tied": (QWEN, QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
                                        vocab_size=128, max_seq_len=64, tie_word_embeddings=True)),
     "qwen3_moe": (QWEN, QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
@@ -44,10 +40,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("generate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "generate")
 
 
 def small_model(family: str, seed: int = 1):
@@ -215,7 +208,7 @@ SAMPLING = ["--prompt", "def main(argv):\n", "--max_new_tokens", "12", "--temper
 
 def test_cli_prints_the_same_continuation_from_dcp_and_hf(gen, debug_checkpoints, capsys):
     tmp, model = debug_checkpoints
-    tokenizer = Tokenizer(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model")
+    tokenizer = Tokenizer(MODEL)
 
     def continuation(prompt: str, *args) -> str:
         new = gen.generate(model, tokenizer.encode(prompt, True, False), *args, eos_id=tokenizer.eos_id)
@@ -303,7 +296,7 @@ def test_tensor_parallel_checkpoint_generates_like_its_hf_export(gen, tmp_path, 
     with torch.no_grad():
         assert torch.equal(ours(x), exported(x))
     assert gen.main([*RECIPE, "--model.name", "qwen3", "--checkpoint", str(folder / "step-1"), *SAMPLING]) == 0
-    tokenizer = Tokenizer(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model")
+    tokenizer = Tokenizer(MODEL)
     new = gen.generate(exported, tokenizer.encode("def main(argv):\n", True, False), 12, 0.8, 50, 0.95, 3,
                        tokenizer.eos_id)
     assert capsys.readouterr().out == tokenizer.decode([t for t in new if t != tokenizer.eos_id]) + "\n"
