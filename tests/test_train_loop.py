@@ -37,6 +37,23 @@ def test_logs_first_every_log_freq_and_last_step(tmp_path):
     assert first["mfu"] == pytest.approx(100 * first["tflops"] / 1.0)
 
 
+def test_a_resumed_run_logs_its_first_step_and_counts_its_own_steps(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--metrics.log_freq", "10",
+            "--lr_scheduler.warmup_steps", "3"]
+    short_run(tmp_path, "--training.steps", "3", *ckpt)
+    # A warmup as long as the run: the learning rate never decays, and the start-up says so.
+    assert "lr_scheduler.warmup_steps (3) is not below training.steps (3)" in caplog.text
+    assert "training done: 3 steps in" in caplog.text
+    caplog.clear()
+    history = short_run(tmp_path, "--training.steps", "6", *ckpt)
+    assert "resumed from" in caplog.text and "warmup_steps" not in caplog.text
+    assert [r["step"] for r in history] == [4, 6]  # the first step of this launch, then the last
+    assert "training done: 3 steps (steps 4-6, resumed from step 3) in" in caplog.text
+
+
 @pytest.fixture
 def restore_determinism():
     yield

@@ -184,7 +184,8 @@ class Trainer:
                     # Tensor-, context- and pipeline-parallel peers share their data-parallel group's
                     # batch: count each token once, spread over all devices.
                     self.tokens_since_log += self.tokens_per_step / self.dims.world_size
-                    if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or result.stop_signal:
+                    # The first step of each launch (a resumed run's too), every log_freq, the last.
+                    if step == start_step + 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or result.stop_signal:
                         self.log(step, result)
                     if self.validator is not None and self.validator.due(step) and not result.stop_signal:
                         self.validate(step)
@@ -203,7 +204,9 @@ class Trainer:
                      "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)")
             logger.info(f"stopped by {self.stop_signals.received} after step {stopped_at} of {t.steps}; {saved}")
         else:
-            logger.info(f"training done: {t.steps} steps in {time.perf_counter() - self.start_time:.1f}s")
+            resumed = f" (steps {start_step + 1}-{t.steps}, resumed from step {start_step})" if start_step else ""
+            logger.info(f"training done: {t.steps - start_step} steps{resumed} in "
+                        f"{time.perf_counter() - self.start_time:.1f}s")
         return self.history
 
     # ---- building ---------------------------------------------------------------------------
@@ -400,10 +403,10 @@ class Trainer:
         logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
         if self.plan.memory_estimate:
             logger.info(self.plan.memory_estimate)
-        if cfg.lr_scheduler.warmup_steps > t.steps:
+        if cfg.lr_scheduler.warmup_steps >= t.steps:
             logger.warning(
-                f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps ({t.steps}): "
-                f"the peak learning rate is reached on the last step"
+                f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) is not below training.steps ({t.steps}): "
+                f"the learning rate warms up for the whole run and never decays"
             )
 
     # ---- one step -----------------------------------------------------------------------------

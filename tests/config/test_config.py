@@ -224,6 +224,20 @@ def test_unknown_key_in_wrong_section_points_to_home(tmp_path):
         load_recipe(path)
 
 
+@pytest.mark.parametrize("given, meant", [
+    ("optimizer.learning_rate", "optimizer.lr"),  # another trainer's word for the key: not 'optimizer.name'
+    ("training.learning_rate", "optimizer.lr"),  # ... in the wrong section too
+    ("training.max_steps", "training.steps"),
+    ("training.batch_size", "training.local_batch_size"),
+    ("lr_scheduler.warmup", "lr_scheduler.warmup_steps"),  # a word of the key
+    ("training.stepz", "training.steps"),  # spelling still counts
+])
+def test_a_suggestion_weighs_the_words_of_the_key(given, meant):
+    with pytest.raises(UserError) as e:
+        load_config([f"--{given}", "1"])
+    assert str(e.value).endswith(f"did you mean '--{meant}'?"), str(e.value)
+
+
 def test_unknown_section_in_toml(tmp_path):
     path = write(tmp_path / "recipe.toml", "[trainig]\nsteps = 3\n")
     msg = str(pytest.raises(UserError, load_recipe, path).value)
@@ -309,7 +323,7 @@ def test_planned_keys_inert_accepted(tmp_path):
         tmp_path / "recipe.toml",
         """
         [job]
-        print_args = true
+        print_args = false
         [metrics]
         save_for_all_ranks = false
         [parallelism]
@@ -320,7 +334,7 @@ def test_planned_keys_inert_accepted(tmp_path):
         mode = "none"
         """,
     )
-    cfg = load_recipe(path, "--training.compile", "false", "--job.print_args")
+    cfg = load_recipe(path, "--training.compile", "false", "--job.no-print_args")
     assert not hasattr(cfg.metrics, "save_for_all_ranks")  # planned values are validated, not stored
     assert cfg == dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
 

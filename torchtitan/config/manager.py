@@ -147,9 +147,47 @@ def _expected(tp: object, origin: str | None) -> str:
     return text
 
 
-def _did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
+# What other trainers and papers call a key that has another name here (whole words of a key).
+KEY_SYNONYMS = {
+    "learning_rate": "lr", "max_lr": "lr", "peak_lr": "lr", "lr_warmup_steps": "warmup_steps",
+    "num_warmup_steps": "warmup_steps", "warmup": "warmup_steps", "max_steps": "steps", "num_steps": "steps",
+    "total_steps": "steps", "train_steps": "steps", "training_steps": "steps", "iterations": "steps",
+    "batch_size": "local_batch_size", "micro_batch_size": "local_batch_size", "sequence_length": "seq_len",
+    "seq_length": "seq_len", "max_seq_len": "seq_len", "max_seq_length": "seq_len", "context_length": "seq_len",
+    "max_grad_norm": "max_norm", "grad_clip": "max_norm", "clip_grad_norm": "max_norm", "gradient_clipping": "max_norm",
+    "wd": "weight_decay", "epsilon": "eps", "adam_beta1": "beta1", "adam_beta2": "beta2", "adam_eps": "eps",
+    "output_dir": "dump_folder", "save_dir": "dump_folder", "save_interval": "interval", "save_steps": "interval",
+    "logging_steps": "log_freq", "log_interval": "log_freq", "model_name": "name", "random_seed": "seed",
+}
+
+
+def _words(name: str) -> set[str]:
+    return set(name.lower().replace("-", "_").split("_"))
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    """The candidate a mistyped `name` most likely meant. The words of the key come first: a known
+    synonym (learning_rate -> lr), then the candidate sharing the most words with it (the spelling
+    breaking ties); spelling alone (difflib) when no word matches."""
+    section, dot, key = name.rpartition(".")
+    lead = section + dot
+    for phrase, ours in KEY_SYNONYMS.items():
+        if phrase == key.lower() and lead + ours in candidates:
+            return lead + ours
+    words = _words(key) - {""}
+    def shared(candidate: str) -> int:
+        c_section, c_dot, c_key = candidate.rpartition(".")
+        return len(words & _words(c_key)) if c_section + c_dot == lead else 0
+    best = max(candidates, key=lambda c: (shared(c), difflib.SequenceMatcher(None, name, c).ratio()), default=None)
+    if best is not None and shared(best) and shared(best) * 2 >= len(words):
+        return best
     match = difflib.get_close_matches(name, candidates, n=1)
-    return f"; did you mean '{prefix}{match[0]}'?" if match else ""
+    return match[0] if match else None
+
+
+def _did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
+    match = _closest(name, candidates)
+    return f"; did you mean '{prefix}{match}'?" if match else ""
 
 
 def _unknown_section(section: str, origin: str | None, key: str | None = None) -> UserError:
@@ -171,10 +209,11 @@ def _unknown_key(section: str, key: str, origin: str | None) -> UserError:
     prefix = "--" if origin is _CLI else ""
     hint = _did_you_mean(key, _section_keys(section), f"{prefix}{section}.")
     if not hint:
-        # A key put in the wrong section is a common slip: point at where it lives.
-        homes = [s for s in _all_sections() if key in _section_keys(s)]
+        # A key put in the wrong section is a common slip: point at where it lives (under its name here).
+        ours = KEY_SYNONYMS.get(key.lower(), key)
+        homes = [s for s in _all_sections() if ours in _section_keys(s)]
         if homes:
-            hint = f"; did you mean '{prefix}{homes[0]}.{key}'?"
+            hint = f"; did you mean '{prefix}{homes[0]}.{ours}'?"
         else:
             hint = _did_you_mean(f"{section}.{key}", _all_dotted_names(), prefix)
     return UserError(f"unknown config key '{prefix}{section}.{key}' {_where(origin)}{hint}")
