@@ -523,3 +523,36 @@ def jsonl_pieces(path, docs, pieces):
     for start, doc in zip(starts, docs):
         units[next(j for j in range(pieces) if start < (j + 1) * size // pieces)].append(doc)
     return units
+
+
+def gpt_oss_mxfp4_folder(path: Path, args, bad_scales: bool = False) -> dict:
+    """A Hugging Face folder of a gpt-oss model with `args` (its training init, biases drawn) whose experts
+    are stored as the published checkpoints store them: MXFP4 blocks and scales of random codes (never
+    +-0, so that a still training step moves no weight) and exponents 2^-9 .. 2^-3; `bad_scales`: one group
+    too many. Returns {HF name: tensor} of the blocks and scales written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("gpt_oss")
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    g = torch.Generator().manual_seed(5)
+    hf_sd = {k: v + 0.02 * torch.randn(v.shape, generator=g) if k.endswith("bias") else v
+             for k, v in spec.hf.to_hf(model.state_dict(), args).items()}
+    nonzero = torch.tensor([c for c in range(16) if c not in (0, 8)], dtype=torch.uint8)  # FP4 codes of +-0 left out
+    quantized = {}
+    for name in [k for k in hf_sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, fan_in, rows = hf_sd.pop(name).shape  # stored transposed: [experts, rows, fan_in / 32, 16]
+        codes = nonzero[torch.randint(0, 14, (2, experts, rows, fan_in // 32, 16), generator=g)]
+        quantized[name + "_blocks"] = codes[0] | (codes[1] << 4)
+        groups = fan_in // 32 + (1 if bad_scales else 0)
+        # 2^-9 .. 2^-3: weights of at most 0.75, outputs of order 1 (large ones would magnify round-off).
+        quantized[name + "_scales"] = torch.randint(118, 125, (experts, rows, groups), dtype=torch.uint8, generator=g)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(spec.hf.config(args, torch.float32, 1, 2)))
+    save_file({**hf_sd, **quantized}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return quantized

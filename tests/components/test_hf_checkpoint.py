@@ -258,6 +258,15 @@ def test_bad_folders_are_refused_from_their_headers(tmp_path):
     with pytest.raises(UserError, match=r"is stored as I8, which a model cannot take"):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
 
+    # uint8 is read (gpt-oss's MXFP4 blocks and scales), but a family that does not dequantize it refuses it.
+    folder, _ = sharded_folder(tmp_path, "uint8")
+    first = sorted(folder.glob("model-*.safetensors"))[0]
+    stored = load_file(first)
+    save_file({k: v.to(torch.uint8) for k, v in stored.items()}, str(first))
+    with pytest.raises(UserError, match=r"our \S+ would be read from packed integer \(uint8\) data, which this "
+                                        r"family's import does not dequantize"):
+        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
+
     folder, _ = sharded_folder(tmp_path, "flavor")
     with pytest.raises(UserError, match=r"tok_embeddings\.weight: expected \(256, 64\), found \(128, 64\)"):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, small_args(vocab_size=256)))

@@ -365,15 +365,64 @@ def test_hf_adapter_round_trip_and_transformers_logits():
     assert spec.hf.args_from_config(config) == args
 
 
+def test_mxfp4_import_equals_transformers_dequantization(tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from torchtitan.components.hf_checkpoint import load_hf
+
+    from conftest import gpt_oss_mxfp4_folder
+
+    args = small_args(dim=64, moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=64, load_balance_coeff=None))
+    quantized = gpt_oss_mxfp4_folder(tmp_path / "mxfp4", args)
+    ours, _ = load_hf(tmp_path / "mxfp4", get_model_spec("gpt_oss").hf)
+    checked = 0
+    for i in range(args.n_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            hf = f"model.layers.{i}.mlp.experts.{proj}"
+            expected = convert_moe_packed_tensors(quantized[hf + "_blocks"].clone(), quantized[hf + "_scales"].clone(),
+                                                  dtype=torch.float32)
+            got = ours[f"layers.{i}.feed_forward.experts.{proj}"]
+            assert got.dtype == torch.float32 and torch.equal(got, expected), hf
+            checked += 1
+    assert checked == 2 * args.n_layers
+    # A block of experts read from its own bytes only (what an EP or FSDP rank reads) is that block.
+    spec = get_model_spec("gpt_oss")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    stored = {k: v for k, v in quantized.items() if k.startswith(name)}
+
+    def read(hf_name, offset, shape):
+        return stored[hf_name][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+    block = spec.hf.block_from_hf("layers.1.feed_forward.experts.gate_up_proj", read, args, frozenset(stored),
+                                  (2, 32, 0), (2, 32, 128))
+    torch.testing.assert_close(block, ours["layers.1.feed_forward.experts.gate_up_proj"][2:4, 32:64], atol=0, rtol=0)
+
+
+def test_mxfp4_scales_that_do_not_match_the_blocks_are_refused_before_launch(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import gpt_oss_mxfp4_folder
+
+    spec = get_model_spec("gpt_oss")
+    folder = tmp_path / "bad"
+    gpt_oss_mxfp4_folder(folder, spec.args_for_training("debugmodel", 4096, 256), bad_scales=True)
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NGPU="1", PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run(["./run_train.sh", "--model.name", "gpt_oss", "--job.dump_folder", str(tmp_path / "out"),
+                           "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder)],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("model.layers.0.mlp.experts.gate_up_proj: MXFP4 scales (8, 512, 9) (torch.uint8) do not match blocks "
+            "(8, 512, 8, 16)") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 def test_hf_import_refuses_what_it_cannot_read():
     spec = get_model_spec("gpt_oss")
     args = small_args()
-    hf_sd = spec.hf.to_hf(materialized(args).state_dict(), args)
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    quantized = {**{k: v for k, v in hf_sd.items() if k != name}, name + "_blocks": torch.zeros(1, dtype=torch.uint8),
-                 name + "_scales": torch.zeros(1, dtype=torch.uint8)}
-    with pytest.raises(UserError, match="MXFP4 experts .* cannot read yet; dequantize it first"):
-        spec.hf.from_hf(quantized, args)
     config = spec.hf.config(args)
     with pytest.raises(UserError, match="layer_types .* even layers"):
         spec.hf.args_from_config({**config, "layer_types": ["full_attention", "sliding_attention"] * 2})

@@ -97,7 +97,10 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
 
 
 # Weights a model can take (cast to its parameters' dtype when loaded).
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# U8: packed quantized weights (gpt-oss's MXFP4 blocks and scales), which only a family's adapter that
+# dequantizes them may take (check_hf_folder refuses a uint8 tensor that would reach the model as it is).
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "U8": torch.uint8}
 
 
 class HFFolder:
@@ -141,7 +144,8 @@ class HFFolder:
                         if kind not in _SAFETENSORS_DTYPES:
                             raise UserError(
                                 f"{path}: tensor {name} is stored as {kind}, which a model cannot take (float32, "
-                                f"bfloat16, float16 or float64 only); convert the weights to one of those first"
+                                f"bfloat16, float16 or float64, or uint8 packed weights that the family dequantizes); "
+                                f"convert the weights to one of those first"
                             )
                         self.file_of[name] = file
                         self.shapes[name] = tuple(piece.get_shape())
@@ -197,6 +201,12 @@ def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shap
         )
     hf_args = adapter.args_from_config(config)
     ours = adapter.from_hf(HFFolder(folder).meta(), args if args is not None else hf_args)
+    packed = [name for name, t in ours.items() if not t.is_floating_point()]
+    if packed:
+        raise UserError(
+            f"{folder}: our {packed[0]} would be read from packed integer (uint8) data, which this family's import "
+            f"does not dequantize; convert the weights to float32 or bfloat16 first"
+        )
     if expected_shapes is not None:
         check_shapes({k: tuple(v.shape) for k, v in ours.items()}, expected_shapes, str(folder))
     return hf_args

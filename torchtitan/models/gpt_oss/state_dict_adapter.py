@@ -8,9 +8,14 @@ router's scores only to choose experts) has no counterpart: GptOssForCausalLM ch
 logits alone. The export drops it (with a warning when it is not zero: the exported model may then
 route some tokens elsewhere); the import gives zeros, a fresh balancing state.
 
-Not yet: the published checkpoints' MXFP4 experts (`*_blocks` and `*_scales` in place of
-gate_up_proj and down_proj) are refused with that message; a bf16 or float32 folder (what
-transformers' save_pretrained writes of a dequantized model, and what our export writes) is read.
+MXFP4. The published checkpoints store the experts' two matrices quantized: `<name>_blocks`
+[experts, rows, dim / 32, 16] uint8 (32 FP4 e2m1 values per block, two per byte, the low nibble
+first) and `<name>_scales` [experts, rows, dim / 32] uint8 (a power of two per block, biased by 127),
+rows being the matrix's output features (gate_up_proj: 2 x hidden, down_proj: dim). The import
+dequantizes them (exactly, in float32; the loader casts to the training dtype) and transposes them
+to our (Hugging Face's in-memory) layout, and a sharded import reads only each rank's experts'
+bytes (block_from_hf). A folder whose scales do not match its blocks is refused before launch. The
+export writes float tensors (an MXFP4 export is not offered).
 """
 
 import dataclasses
@@ -57,36 +62,66 @@ def _our_names(args: ModelArgs) -> list[str]:
     return [*HF_TOP_LEVEL, *(f"layers.{i}.{local}" for i in range(args.n_layers) for local in (*_LAYER, _EXPERT_BIAS))]
 
 
+_MXFP4 = ("_blocks", "_scales")
+# FP4 e2m1: sign, 2 exponent bits, 1 mantissa bit (OCP microscaling formats).
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
 def hf_names(ours: str, args: ModelArgs, present: frozenset[str] = frozenset()) -> list[str]:
-    """The one Hugging Face tensor `ours` is read from ([] for the balancing bias)."""
+    """The Hugging Face tensors `ours` is read from: its one renamed tensor, or, for an expert matrix
+    stored in MXFP4, its blocks and scales ([] for the balancing bias)."""
     layer, local = split_layer_name(ours, args.n_layers, _describe(args))
     if layer is None:
         return [HF_TOP_LEVEL[ours]]
     if local == _EXPERT_BIAS:
         return []
-    return [f"model.layers.{layer}.{_LAYER[local]}"]
+    name = f"model.layers.{layer}.{_LAYER[local]}"
+    if name + "_blocks" in present or name + "_scales" in present:
+        return [name + suffix for suffix in _MXFP4]
+    return [name]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "MXFP4") -> torch.Tensor:
+    """[experts, rows, groups, 16] uint8 blocks and [experts, rows, groups] uint8 scales -> float32
+    [experts, groups x 32, rows] (the matrix as x @ W[e] reads it). Works on meta tensors (shapes)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.ndim != 4 \
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
+        raise UserError(
+            f"{name}: MXFP4 scales {tuple(scales.shape)} ({scales.dtype}) do not match blocks {tuple(blocks.shape)} "
+            f"({blocks.dtype}): blocks must be uint8 [experts, rows, groups, 16] and scales uint8 [experts, rows, "
+            "groups]; the folder is damaged or not a gpt-oss MXFP4 checkpoint"
+        )
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
+    values = values.flatten(-2) * torch.exp2(scales.float() - 127.0).unsqueeze(-1)
+    return values.flatten(-2).transpose(1, 2).contiguous()
 
 
 def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
     if ours.endswith(_EXPERT_BIAS):
         return torch.zeros(args.moe.num_experts)  # float32, as the model's buffer
+    if len(tensors) == 2:  # MXFP4, in hf_names' order
+        (name, blocks), (_, scales) = tensors.items()
+        return dequantize_mxfp4(blocks, scales, name.removesuffix("_blocks"))
     ((_, w),) = tensors.items()
     return w
+
+
+def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], offset, shape) -> torch.Tensor | None:
+    """A block [e, in, out] of an MXFP4 expert matrix from only its bytes (whole 32-value groups of `in`);
+    None otherwise (renames are read by block anyway; an unaligned block reads the sources whole)."""
+    names = hf_names(ours, args, present)
+    if len(names) != 2 or len(shape) != 3 or offset[1] % 32 or shape[1] % 32:
+        return None
+    (e, i, o), (ne, ni, no) = offset, shape
+    blocks = read(names[0], (e, o, i // 32, 0), (ne, no, ni // 32, 16))
+    scales = read(names[1], (e, o, i // 32), (ne, no, ni // 32))
+    return dequantize_mxfp4(blocks, scales, names[0].removesuffix("_blocks"))
 
 
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     names = hf_names(ours, args)
     return {names[0]: w} if names else {}
-
-
-def _refuse_mxfp4(names) -> None:
-    quantized = sorted(n for n in names if n.endswith(("_blocks", "_scales")))
-    if quantized:
-        raise UserError(
-            f"the Hugging Face folder stores MXFP4 experts ({quantized[0]}, ...), which this version cannot read yet; "
-            "dequantize it first (transformers: GptOssForCausalLM.from_pretrained(..., quantization_config="
-            "Mxfp4Config(dequantize=True)) then save_pretrained) and read that folder"
-        )
 
 
 def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -107,8 +142,8 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
 def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """GptOssForCausalLM's state dict -> ours (expert_bias zeros); runs on meta tensors as well."""
     hf_sd = {k: v for k, v in hf_sd.items() if not ROTARY_INV_FREQ.fullmatch(k)}
-    _refuse_mxfp4(hf_sd)
-    expected = [n for ours in _our_names(args) for n in hf_names(ours, args)]
+    present = frozenset(hf_sd)
+    expected = [n for ours in _our_names(args) for n in hf_names(ours, args, present)]
     check_keys(hf_sd, expected, "the Hugging Face state dict", _describe(args))
     return convert_from_hf(_our_names(args), hf_sd, args, hf_names, tensor_from_hf)
 
@@ -205,4 +240,4 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 ADAPTER = HFAdapter(model_types=("gpt_oss",), to_hf=to_hf, from_hf=from_hf, config=hf_config,
                     args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
-                    tensor_to_hf=tensor_to_hf)
+                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
