@@ -23,6 +23,7 @@ stdout, logs to stderr; mistakes are reported in one line on stderr with exit st
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -218,6 +219,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, rest
 
 
+def cpu_threads() -> tuple[int, str]:
+    """The trainer's rule for one process (torchtitan.launch): OMP_NUM_THREADS when set; otherwise
+    torch's default (a thread per core), less the cores other processes keep busy (the 1-minute load
+    average): a thread more than the free cores waits for the others at every matmul, which on a
+    loaded host made generation slower than one thread by an order of magnitude."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        return int(threads), "OMP_NUM_THREADS"
+    default = torch.get_num_threads()
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    free = max(1, min(default, default - busy))
+    return free, f"{default} core(s), about {busy} busy with other processes (OMP_NUM_THREADS sets it)"
+
+
 def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
     """The continuation of opts.prompt."""
     cfg = load_config(config_argv)
@@ -246,6 +261,10 @@ def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
         )
 
     device = torch.device(device_type())
+    if device.type == "cpu":
+        threads, why = cpu_threads()
+        torch.set_num_threads(threads)
+        logger.info(f"{threads} CPU thread(s): {why}")
     logger.info(f"loading {where} on {device.type} in {opts.dtype}")
     model = build_model(spec, args, sd, device, DTYPES[opts.dtype])
     del sd

@@ -89,9 +89,13 @@ def run(argv: list[str]) -> int:
     memory = opts.gpu_memory_gib * GiB
     ranking = plan(cfg, opts.ngpu, opts.gpus_per_node, memory, opts.device, hw, keep=opts.top)
     fits, smallest = ranking.fits, ranking.smallest
+    # A CPU peak measured now moves with the host's load: the times built on it only rank the layouts.
+    measured = opts.device == "cpu" and not opts.peak_tflops and not cfg.metrics.device_peak_tflops
+    caveat = (" (measured now on this host's CPU: it moves with the load, so the step times, tokens/s and MFU "
+              "below rank the layouts against each other and do not predict a run's)" if measured else "")
     print(f"{cfg.model.name} {cfg.model.flavor}, seq_len {cfg.training.seq_len}, on {opts.ngpu} devices of "
-          f"{opts.gpu_memory_gib:g} GiB ({opts.gpus_per_node} per node); peak {hw.peak_flops / 1e12:.1f} TFLOP/s x "
-          f"efficiency {hw.efficiency:.2f}; {ranking.fitting} of {ranking.searched} layouts fit")
+          f"{opts.gpu_memory_gib:g} GiB ({opts.gpus_per_node} per node); peak {hw.peak_flops / 1e12:.3g} TFLOP/s"
+          f"{caveat} x efficiency {hw.efficiency:.2f}; {ranking.fitting} of {ranking.searched} layouts fit")
     if ranking.refused:
         print(f"the trainer's preflight refused {sum(map(len, ranking.refused.values()))} of the layouts checked "
               f"(fastest first), left out:\n{refusals(ranking.refused)}")
@@ -117,7 +121,9 @@ def run(argv: list[str]) -> int:
               f"pipeline rank(s): one per distinct stage, {took:.1f} s): every parameter shard equals the estimate's")
     if opts.output:
         write_recipe(best, opts.output, opts.device)
-        print(f"wrote {opts.output}: NGPU={opts.ngpu} CONFIG_FILE={opts.output} ./run_train.sh")
+        nodes = opts.ngpu // opts.gpus_per_node
+        where = f" on each of the {nodes} nodes (NNODES={nodes}, RDZV_ENDPOINT: docs/launching.md)" if nodes > 1 else ""
+        print(f"wrote {opts.output}: NGPU={opts.gpus_per_node} CONFIG_FILE={opts.output} ./run_train.sh{where}")
     print(f"planned in {time.perf_counter() - start:.1f} s")
     return 0
 

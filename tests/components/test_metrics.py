@@ -1,4 +1,5 @@
 import glob
+import logging
 import time
 import json
 import re
@@ -6,7 +7,8 @@ import re
 import pytest
 import torch
 
-from torchtitan.components.metrics import MetricsLogger, device_peak_tflops, measure_matmul_tflops, peak_memory_gib
+from torchtitan.components.metrics import (ROUGH_MFU_NOTE, MetricsLogger, device_peak_tflops, duration,
+                                           measure_matmul_tflops, peak_memory_gib)
 from torchtitan.config import Metrics
 
 
@@ -161,7 +163,9 @@ def test_a_measured_peak_below_the_achieved_rate_is_re_measured_not_reported_abo
 
     calls = []
     peak = MfuPeak(0.05, "measured (torch.float32, 2 threads)", probe=lambda: calls.append(1) or 0.3)
-    assert peak.fields(0.02) == {"mfu": pytest.approx(40.0), "peak_tflops": 0.05}  # below the peak: no note
+    # Below the peak: the first line only says that a measured CPU peak is rough, and no later line does.
+    assert peak.fields(0.02) == {"mfu": pytest.approx(40.0), "peak_tflops": 0.05, "mfu_note": ROUGH_MFU_NOTE}
+    assert peak.fields(0.02) == {"mfu": pytest.approx(40.0), "peak_tflops": 0.05}
     first = peak.fields(0.1)
     assert first["mfu"] == pytest.approx(100 * 0.1 / 0.3) and first["peak_tflops"] == 0.3 and len(calls) == 1
     assert first["mfu_note"] == "peak re-measured: 0.3 TFLOP/s; the start-up measurement (0.05) was below the achieved rate"
@@ -284,3 +288,20 @@ def test_training_whose_start_up_peak_was_too_low_logs_mfu_at_most_100(tmp_path,
     assert "the start-up measurement (1e-09" in first["mfu_note"]
     assert all(r["mfu"] == pytest.approx(100 * r["tflops"] / r["peak_tflops"]) for r in history)
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == history
+
+
+def test_the_time_left_comes_from_recent_lines_not_the_start_up(caplog):
+    """The first line's step carries the start-up: it gets no time left and does not slow the later
+    estimates; a step rate that changes shows within ETA_WINDOW lines."""
+    from torchtitan.components.metrics import ETA_WINDOW
+
+    logger = MetricsLogger(Metrics(), "", write=False, total_steps=100)
+    with caplog.at_level(logging.INFO, logger="torchtitan.components.metrics"):
+        logger.log(dict(record(1, 4.0), time=60.0))  # a minute of compilation and loading
+        logger.log(dict(record(10, 4.0), time=69.0))  # then 1 s a step
+        for i in range(ETA_WINDOW):
+            logger.log(dict(record(20 + 10 * i, 4.0), time=89.0 + 20 * i))  # then 2 s a step
+    lines = [r.getMessage() for r in caplog.records]
+    assert "eta" not in lines[0]
+    assert lines[1].endswith("eta: 1m30s")  # 90 steps left at 1 s
+    assert lines[-1].endswith(f"eta: {duration(2 * (100 - (20 + 10 * (ETA_WINDOW - 1))))}")  # only 2 s steps in the window

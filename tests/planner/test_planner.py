@@ -16,6 +16,7 @@
 - the recipe it writes for the debug model on 4 CPU processes trains as it is (slow).
 """
 
+import re
 import subprocess
 import sys
 
@@ -119,6 +120,10 @@ def test_plan_writes_the_best_layout_as_a_recipe(tmp_path):
                     "--output", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "every parameter shard equals the estimate's" in proc.stdout
+    # The CPU peak is measured now and says what its figures are worth; never rounded to "0.0".
+    assert re.search(r"peak (?!0\.0 |0 )[0-9][0-9.e-]* TFLOP/s \(measured now on this host's CPU: it moves with the load",
+                     proc.stdout), proc.stdout
+    assert f"wrote {out}: NGPU=4 CONFIG_FILE={out} ./run_train.sh\n" in proc.stdout  # per node, as the docs say
     rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("1  ")]
     best = rows[0].split()[1]
     cfg = load_config(["--job.config_file", str(out)])
@@ -194,6 +199,7 @@ def test_a_multi_token_prediction_plan_never_picks_a_zero_bubble_layout(plan_scr
     assert plan_script.main([*MTP_ZBV, "--ngpu", "8", "--gpu_memory_gib", "80", "--top", "5", "--no-simulate",
                              "--output", str(out)]) == 0
     printed = capsys.readouterr().out
+    assert f"wrote {out}: NGPU=8 CONFIG_FILE={out} ./run_train.sh\n" in printed and "measured now" not in printed
     assert "the trainer's preflight refused" in printed and "pp2xfsdp4 with AC none" in printed
     written = load_config(["--job.config_file", str(out)])
     assert written.parallelism.pipeline_parallel_degree == 1

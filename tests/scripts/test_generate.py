@@ -300,3 +300,16 @@ def test_tensor_parallel_checkpoint_generates_like_its_hf_export(gen, tmp_path, 
     new = gen.generate(exported, tokenizer.encode("def main(argv):\n", True, False), 12, 0.8, 50, 0.95, 3,
                        tokenizer.eos_id)
     assert capsys.readouterr().out == tokenizer.decode([t for t in new if t != tokenizer.eos_id]) + "\n"
+
+
+def test_cpu_threads_leave_out_busy_cores_unless_omp_num_threads_says(gen, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(gen.os, "getloadavg", lambda: (6.2, 6.0, 6.0))  # six cores busy elsewhere
+    assert gen.cpu_threads()[0] == 2
+    monkeypatch.setattr(gen.os, "getloadavg", lambda: (30.0, 30.0, 30.0))  # an oversubscribed host
+    assert gen.cpu_threads()[0] == 1
+    monkeypatch.setattr(gen.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert gen.cpu_threads()[0] == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert gen.cpu_threads() == (3, "OMP_NUM_THREADS")

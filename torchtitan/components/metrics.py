@@ -9,6 +9,7 @@ measured peak is raised when a step achieves more (`MfuPeak`), so that MFU never
 configured or table peak is kept, and a line whose MFU exceeds 100% against it says why.
 """
 
+import collections
 import json
 import logging
 import os
@@ -67,6 +68,11 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: flo
     return peak, f"measured ({dtype}, {torch.get_num_threads()} threads)"
 
 
+# A peak measured on a CPU moves with what else the host runs, and MFU with it: the first step line says
+# so next to its MFU.
+ROUGH_MFU_NOTE = "rough: the peak is measured on this CPU and moves with its load"
+
+
 class MfuPeak:
     """The MFU denominator of one device, and the note a step line carries when its MFU needs one.
 
@@ -88,6 +94,7 @@ class MfuPeak:
         self.probes, self.probe_total, self.probe_s = 0, 0.0, 0.0
         self.created = time.perf_counter()
         self.warned = False
+        self.said_rough = False
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype, configured: float) -> "MfuPeak":
@@ -136,6 +143,10 @@ class MfuPeak:
                 logger.warning(f"a step achieved {achieved:.4g} TFLOP/s per device, above the MFU peak of "
                                f"{self.tflops:.4g} TFLOP/s {self.source}: its MFU reads above 100% (and each such "
                                f"line says so); {fix}")
+        if note is None and self.probe is not None and not self.said_rough:
+            # The first line says once, next to the figure, that a measured CPU peak moves with the load.
+            note = ROUGH_MFU_NOTE
+        self.said_rough = True
         mfu = 100 * achieved / self.tflops if self.tflops > 0 else 0.0
         if self.probe is not None:
             mfu = min(mfu, 100.0)  # the peak is at least the achieved rate: only rounding could pass 100
@@ -151,6 +162,9 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
+
+# Intervals between logged lines whose rate gives the time left (eta).
+ETA_WINDOW = 3
 
 _STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens", "skipped_steps",
              "data_wait_s", "peak_tflops", "mfu_note"}
@@ -244,7 +258,10 @@ class MetricsLogger:
         self.write = write
         self.color = color
         self.total_steps = total_steps
-        self.last = (start_step, 0.0)  # (step, time) of the previous line, for the time left
+        # (step, time) of the recent lines, for the time left: the rate over the last few intervals
+        # between lines. The first line of a launch starts the window: its step carries the start-up
+        # (compilation, warm-up, loading) and gets no time left.
+        self.recent: collections.deque = collections.deque(maxlen=ETA_WINDOW + 1)
         self.jsonl = None
         self.tb = None
         self.wandb = None
@@ -263,10 +280,11 @@ class MetricsLogger:
         # A model's own summaries (keys without "/", beyond the standard ones) close the line.
         extra = "".join(f"  {k}: {v:.4g}" for k, v in values.items() if k not in _STANDARD and "/" not in k)
         eta = None
-        if self.total_steps and "time" in values and step > self.last[0]:
-            # At the rate since the previous line (the first line's includes start-up).
-            eta = (values["time"] - self.last[1]) / (step - self.last[0]) * (self.total_steps - step)
-            self.last = (step, values["time"])
+        if self.total_steps and "time" in values and (not self.recent or step > self.recent[-1][0]):
+            self.recent.append((step, values["time"]))
+            if len(self.recent) > 1:
+                (first, start), (last, now) = self.recent[0], self.recent[-1]
+                eta = (now - start) / (last - first) * (self.total_steps - step)
         logger.info(step_line(values, extra, self.color, self.total_steps, eta))
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(values) + "\n")
