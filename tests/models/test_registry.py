@@ -173,3 +173,23 @@ def test_a_duplicate_model_in_the_custom_module_is_one_line_and_exit_2(tmp_path)
         "(dataclasses.replace(spec, name='llama3_custom')), or, to add a size to 'llama3', call "
         "register_flavor('llama3', FLAVOR_NAME, args) instead (see docs/models.md)"
     ]
+
+
+def test_help_and_docs_name_every_shipped_family(monkeypatch):
+    """--help lists the families from the registry (a family added to it appears there without an edit);
+    docs/models.md and the README's tour must name each, and a family added later fails this test
+    until they do."""
+    from torchtitan.config.manager import help_text
+
+    shipped = registry.builtin_model_names()
+    assert {"llama3", "qwen3", "deepseek_v3"} <= set(shipped)
+    assert f"Shipped: {', '.join(shipped)}." in help_text()
+    monkeypatch.setitem(registry._BUILTIN, "later_family", "torchtitan.models.later_family")
+    assert "later_family." in help_text()
+    monkeypatch.delitem(registry._BUILTIN, "later_family")
+    docs = (REPO / "docs" / "models.md").read_text()
+    families = docs.split("## Families and flavors", 1)[1].split("\n- ", 1)[0]
+    readme = (REPO / "README.md").read_text()
+    for name in shipped:
+        assert f"`{name}`" in families, f"docs/models.md's Families and flavors does not name {name}"
+        assert f"{name}/" in readme, f"the README's tour of torchtitan/models does not name {name}/"

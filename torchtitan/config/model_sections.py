@@ -11,7 +11,8 @@ from torchtitan.config.fields import failed, opt
 class Model:
     name: str = opt(
         "llama3",
-        "Model family: llama3, qwen3, or one registered by the module named in experimental.custom_import.",
+        "Model family: one that ships with torchtitan (listed here from torchtitan/models/registry.py) or one "
+        "registered by the module named in experimental.custom_import.",
     )
     flavor: str = opt("debugmodel", "Size of the model family (a key of its flavors table).")
     tokenizer_path: str = opt(

@@ -109,6 +109,11 @@ def model_names() -> list[str]:
     return sorted({*_BUILTIN, *_REGISTERED})
 
 
+def builtin_model_names() -> list[str]:
+    """The families that ship with torchtitan (--help lists them; docs/models.md must name each)."""
+    return list(_BUILTIN)
+
+
 def _own_spec(name: str) -> ModelSpec:
     """The spec as its family built it (or as registered), without the added flavors."""
     if name in _REGISTERED:
