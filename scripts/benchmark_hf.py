@@ -60,7 +60,7 @@ def run(folder: str, overrides: list[str]):
                         f"`python scripts/benchmark_hf.py make {folder}` first")
     import torch.distributed as dist
 
-    from torchtitan.components.hf_sharded import peak_rss, restart_peak_rss
+    from torchtitan.components.checkpoint import peak_rss, restart_peak_rss
     from torchtitan.config import load_config
     from torchtitan.distributed.utils import set_determinism
     from torchtitan.components.metrics import setup_logging

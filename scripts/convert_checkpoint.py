@@ -22,7 +22,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
-from torchtitan.components.hf_checkpoint import dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config  # noqa: E402
+from torchtitan.components.checkpoint import dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main  # noqa: E402
 from torchtitan.distributed.utils import DTYPES  # noqa: E402
 from torchtitan.models.registry import get_model_spec, import_custom_module, spec_for_hf_config  # noqa: E402

@@ -34,9 +34,10 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from torchtitan.components import checkpoint  # noqa: E402
-from torchtitan.components.hf_checkpoint import (  # noqa: E402
+from torchtitan.components.checkpoint import (  # noqa: E402
     HF_CONFIG,
+    STATE_FILE,
+    complete_checkpoints,
     dcp_model_name,
     load_hf,
     meta_shapes,
@@ -81,11 +82,11 @@ def read_weights(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor], 
         sd, args = load_hf(folder, spec.hf)
         what = f"Hugging Face {'/'.join(config.get('architectures') or [config.get('model_type', '?')])} in {folder}"
         return spec, sd, args, what
-    if not (folder / checkpoint.STATE_FILE).is_file():
-        steps = checkpoint.complete_checkpoints(str(folder))
+    if not (folder / STATE_FILE).is_file():
+        steps = complete_checkpoints(str(folder))
         if not steps:
             raise UserError(
-                f"{folder} is neither a checkpoint (step-N folder with {checkpoint.STATE_FILE}), nor a folder of "
+                f"{folder} is neither a checkpoint (step-N folder with {STATE_FILE}), nor a folder of "
                 f"step-N checkpoints, nor a Hugging Face folder ({HF_CONFIG} + *.safetensors)"
             )
         folder = folder / f"step-{steps[-1]}"

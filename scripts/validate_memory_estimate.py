@@ -64,7 +64,7 @@ def worker(argv: list[str]) -> int:
     above what the process held just before the model was built (without: the profiler's own memory
     and time would count)."""
     from torchtitan import train
-    from torchtitan.components.hf_sharded import peak_rss, restart_peak_rss
+    from torchtitan.components.checkpoint import peak_rss, restart_peak_rss
     from torchtitan.planner.allocations import memory_profile, peak_bytes
 
     profiling = "--profile" in argv

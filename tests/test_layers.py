@@ -130,16 +130,10 @@ def circles(edges: dict) -> list[list[str]]:
     return groups
 
 
-# What is left of the tangle, each to be removed by one part of the clean-up (issue 33): preflight
-# still lives in train.py, where the planner and torchtitan.preflight import it from (part 2: a
-# preflight module of its own), and the checkpoint manager's file holds the storage helpers that its
-# HF helpers import back (part 3: a checkpoint package with storage at the bottom). A ratchet: a new
-# upward import or circle fails, and so does an entry here that no longer exists, so that the list
-# only shrinks.
+# Known exceptions to the two rules: none left. A ratchet: a new upward import or circle fails, and
+# so does an entry here that no longer exists, so that the lists only shrink.
 KNOWN_UPWARD: set = set()
-KNOWN_CIRCLES = [
-    ["torchtitan.components.checkpoint", "torchtitan.components.hf_checkpoint", "torchtitan.components.hf_sharded"],
-]
+KNOWN_CIRCLES: list = []
 
 
 def upward_pairs(edges: dict) -> set[tuple[str, str]]:

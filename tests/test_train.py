@@ -209,7 +209,7 @@ def test_a_broken_hf_folder_is_refused_before_launch(tmp_path):
     """preflight reads the folder's headers (no weights): a shard of the index missing is refused."""
     import torch
 
-    from torchtitan.components.hf_checkpoint import save_hf
+    from torchtitan.components.checkpoint import save_hf
 
     spec = get_model_spec("llama3")
     args = spec.args_for_training("debugmodel", 4096, 64)

@@ -84,7 +84,7 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
                                   attention_overrides(cfg.model))
     if not cfg.checkpoint.initial_load_in_hf:
         return args
-    from torchtitan.components.hf_checkpoint import HF_CONFIG, read_hf_config
+    from torchtitan.components.checkpoint import HF_CONFIG, read_hf_config
 
     where = os.path.join(cfg.checkpoint.initial_load_path, HF_CONFIG)
     hf_vocab = read_hf_config(cfg.checkpoint.initial_load_path).get("vocab_size")
@@ -291,7 +291,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             "checkpoint.initial_load_in_hf cannot be used; turn them off"
         )
     if cfg.checkpoint.initial_load_in_hf and spec.hf is not None:
-        from torchtitan.components.hf_checkpoint import check_hf_folder, meta_shapes
+        from torchtitan.components.checkpoint import check_hf_folder, meta_shapes
 
         # From the files' headers: the family, missing files or tensors, dtypes, shapes.
         check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, model_args), model_args)

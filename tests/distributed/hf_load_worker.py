@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.components.hf_checkpoint import HFFolder, load_hf, meta_shapes
-from torchtitan.components.hf_sharded import load_hf_into, save_hf_sharded
+from torchtitan.components.checkpoint import HFFolder, load_hf, load_hf_into, meta_shapes, save_hf_sharded
 from torchtitan.config import load_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_model

@@ -201,7 +201,7 @@ def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
     # weights, bias and optimizer state restored
     assert_follows(losses(r[f"{source}_straight"], first_step=SAVED + 1), losses(r[target]), 3e-5)
     # The final bias equals the uninterrupted run's: it was restored and then updated alike.
-    from torchtitan.components.hf_checkpoint import read_dcp_model
+    from torchtitan.components.checkpoint import read_dcp_model
     from torchtitan.models.registry import get_model_spec
 
     spec = get_model_spec("qwen3")

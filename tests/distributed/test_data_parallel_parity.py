@@ -432,7 +432,7 @@ def test_bf16_layouts_track_fp32(runs, name):
 def test_moe_expert_bias_is_the_same_in_every_layout(runs):
     # The bias moves after every step by the sign of (mean load - expert load), with the counts
     # summed over all ranks of a stage: a count taken over the wrong ranks changes the signs.
-    from torchtitan.components.hf_checkpoint import read_dcp_model
+    from torchtitan.components.checkpoint import read_dcp_model
     from torchtitan.models.registry import get_model_spec
 
     spec = get_model_spec("qwen3")

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, launch, run_script
-from torchtitan.components.hf_checkpoint import HFFolder, load_hf, save_hf
+from torchtitan.components.checkpoint import HFFolder, load_hf, save_hf
 from torchtitan.models.common.hf_conversion import FUSED_DOWN, FUSED_GATE_UP
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.models.registry import get_model_spec

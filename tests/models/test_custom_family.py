@@ -221,7 +221,7 @@ def test_checkpoint_resume_continues_the_run(runs, straight, resumed):
 
 
 def test_hook_ran_every_step_and_its_buffer_was_checkpointed(runs):
-    from torchtitan.components.hf_checkpoint import read_dcp_model
+    from torchtitan.components.checkpoint import read_dcp_model
 
     tmp, _ = runs
     for name in ("fsdp2_resumed", "tp2_resumed"):

@@ -111,7 +111,7 @@ def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, m
 
 def test_export_is_deepseek_v3_for_transformers_with_the_balancing_bias(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from torchtitan.components.hf_checkpoint import load_hf, save_hf
+    from torchtitan.components.checkpoint import load_hf, save_hf
 
     args = SPEC.args_for_training("debugmodel", 4096, 64)
     model = materialized(SPEC.model_cls, args, seed=1).eval()
@@ -140,7 +140,7 @@ def test_export_is_deepseek_v3_for_transformers_with_the_balancing_bias(tmp_path
 def test_import_skips_the_multi_token_prediction_layers_and_refuses_softmax_routing(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from torchtitan.components.hf_checkpoint import load_hf, save_hf
+    from torchtitan.components.checkpoint import load_hf, save_hf
 
     args = SPEC.args_for_training("debugmodel", 4096, 64)
     save_hf(tmp_path / "hf", materialized(SPEC.model_cls, args, seed=1).state_dict(), SPEC.hf, args, torch.float32)
@@ -212,7 +212,7 @@ def test_mtp_is_refused_below_0_and_for_families_without_it():
 def test_mtp_modules_export_where_the_published_checkpoints_put_them(tmp_path):
     from safetensors import safe_open
 
-    from torchtitan.components.hf_checkpoint import load_hf, save_hf
+    from torchtitan.components.checkpoint import load_hf, save_hf
 
     args = dataclasses.replace(SPEC.args_for_training("debugmodel", 4096, 64), mtp_depth=1)
     model = materialized(SPEC.model_cls, args, seed=1).eval()

@@ -368,7 +368,7 @@ def test_hf_adapter_round_trip_and_transformers_logits():
 def test_mxfp4_import_equals_transformers_dequantization(tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from torchtitan.components.hf_checkpoint import load_hf
+    from torchtitan.components.checkpoint import load_hf
 
     from conftest import gpt_oss_mxfp4_folder
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import materialized
-from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, save_hf
+from torchtitan.components.checkpoint import load_hf, meta_shapes, save_hf
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config

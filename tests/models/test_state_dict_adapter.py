@@ -1,5 +1,5 @@
 """Meta <-> Hugging Face Llama weight conversion (pure tensors). Logit parity against transformers
-itself is checked in tests/components/test_hf_checkpoint.py."""
+itself is checked in tests/components/checkpoint/test_hf.py."""
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, read_dcp_model
+from torchtitan.components.checkpoint import load_hf, meta_shapes, read_dcp_model
 from torchtitan.models.registry import get_model_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_user_errors(tmp_path, checkpoint, script, capsys):
 PEAK = """
 import sys, runpy
 sys.argv = [sys.argv[1]] + sys.argv[2:]
-import torch, torchtitan.components.hf_checkpoint  # imports are not the converter's
+import torch, torchtitan.components.checkpoint  # imports are not the converter's
 
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])

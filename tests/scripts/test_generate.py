@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import MODEL, RECIPE, REPO, launch, load_script, small_llama3_args
-from torchtitan.components.hf_checkpoint import save_hf, write_dcp_model
+from torchtitan.components.checkpoint import save_hf, write_dcp_model
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.models.common.layers import kv_caches
 from torchtitan.models.common.moe import MoEArgs, moe_layers

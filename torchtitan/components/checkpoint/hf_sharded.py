@@ -6,7 +6,7 @@ modules; both directions walk those tensors in order through the family's per-te
 (spec.HFAdapter: hf_names, tensor_from_hf, tensor_to_hf).
 
 Load (`load_hf_into`): everything that can be refused is refused first, from the files' headers
-(hf_checkpoint.check_hf_folder). Then each rank reads, for each tensor it holds, only what it needs:
+(hf.check_hf_folder). Then each rank reads, for each tensor it holds, only what it needs:
 where the rank holds a block of our tensor, just the bytes of that block: of the one Hugging Face
 tensor it renames (the adapter returns its input unchanged), or, for a layout change (the rotary
 permutation of Llama's q/k, experts stacked from one tensor per expert or sliced from a fused one),
@@ -36,16 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from torchtitan.components.hf_checkpoint import (
-    HF_CONFIG,
-    HF_INDEX,
-    HFFolder,
-    check_hf_folder,
-    file_names,
-    plan_files,
-    write_json,
-)
-from torchtitan.config.errors import UserError
+from torchtitan.components.checkpoint.hf import HF_CONFIG, HF_INDEX, HFFolder, check_hf_folder, file_names, plan_files
+from torchtitan.components.checkpoint.storage import check_output_folder, write_json
 from torchtitan.models.common.init import local_block
 from torchtitan.models.common.spec import HFAdapter
 
@@ -163,8 +155,7 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
     call it. `model_shapes`: our name -> shape of the whole model, in model order (the same on every
     rank); `mesh`: the job's DeviceMesh (None: one process). Returns {files: this rank wrote}."""
     folder = Path(folder).resolve()
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise UserError(f"{folder} already exists and is not empty; choose a new output folder or delete it")
+    check_output_folder(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
     held = _owned_tensors(parts)
     stage, stage_ranks = _stage_ranks(mesh)

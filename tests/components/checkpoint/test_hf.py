@@ -1,15 +1,15 @@
-"""Hugging Face export/import, checked against transformers' own LlamaForCausalLM, and model-only
-DCP folders."""
+"""Hugging Face folders (hf.py): export and import checked against transformers' own
+LlamaForCausalLM, and every bad folder refused from its headers."""
 
 import dataclasses
 import json
-from dataclasses import asdict
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from torchtitan.components.hf_checkpoint import load_hf, meta_shapes, read_dcp_model, save_hf, write_dcp_model
+from conftest import materialized, small_llama3_args
+from torchtitan.components.checkpoint import check_hf_folder, load_hf, meta_shapes, save_hf
 from torchtitan.config import UserError
 from torchtitan.models.registry import get_model_spec
 
@@ -19,20 +19,6 @@ SPEC = get_model_spec("llama3")
 ModelArgs = SPEC.args_cls
 
 
-def small_args(**kw) -> ModelArgs:
-    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
-    base.update(kw)
-    return ModelArgs(**base)
-
-
-def materialized(args: ModelArgs, seed: int = 0):
-    with torch.device("meta"):
-        model = SPEC.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
-
-
 def tokens(args: ModelArgs) -> torch.Tensor:
     return torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -40,8 +26,8 @@ def tokens(args: ModelArgs) -> torch.Tensor:
 @pytest.mark.parametrize("n_kv_heads", [2, None], ids=["gqa", "mha"])
 def test_export_matches_transformers_logits(tmp_path, n_kv_heads):
     transformers = pytest.importorskip("transformers")
-    args = small_args(n_kv_heads=n_kv_heads, rope_theta=10000.0)
-    model = materialized(args, seed=1)
+    args = small_llama3_args(n_kv_heads=n_kv_heads, rope_theta=10000.0)
+    model = materialized(SPEC.model_cls, args, seed=1)
     save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32)
     hf = transformers.LlamaForCausalLM.from_pretrained(
         tmp_path / "hf", torch_dtype=torch.float32, attn_implementation="eager"
@@ -69,7 +55,7 @@ def test_import_from_transformers_matches_logits(tmp_path):
 
     sd, args = load_hf(tmp_path / "hf", SPEC.hf)
     assert (args.ffn_hidden_dim, args.kv_heads, args.rope_theta, args.norm_eps) == (160, 2, 5e5, 1e-5)
-    model = materialized(args)
+    model = materialized(SPEC.model_cls, args)
     model.load_state_dict(sd)
     with torch.no_grad():
         diff = (hf(tokens(args)).logits - model(tokens(args))).abs().max().item()
@@ -107,7 +93,7 @@ def test_tied_and_scaled_llama_3_2_imports_and_exports_with_transformers_logits(
     sd, args = load_hf(tmp_path / "hf", SPEC.hf)
     assert args.tie_word_embeddings and args.rope_scaling.factor == 32.0
     assert args.rope_scaling.original_max_position_embeddings == 16
-    model = materialized(args)
+    model = materialized(SPEC.model_cls, args)
     model.load_state_dict(sd)
     assert model.output.weight is model.tok_embeddings.weight
     with torch.no_grad():
@@ -115,7 +101,7 @@ def test_tied_and_scaled_llama_3_2_imports_and_exports_with_transformers_logits(
         diff = (expected - model(long_tokens(args))).abs().max().item()
     assert diff < 1e-4, diff
     # The scaling matters here: without it the 1e-4 check above fails (measured 2e-3 off).
-    plain = materialized(dataclasses.replace(args, rope_scaling=None))
+    plain = materialized(SPEC.model_cls, dataclasses.replace(args, rope_scaling=None))
     plain.load_state_dict(sd)
     with torch.no_grad():
         assert (expected - plain(long_tokens(args))).abs().max().item() > 1e-3
@@ -136,8 +122,8 @@ def test_other_rotary_scalings_are_refused(tmp_path):
 
 
 def test_sharded_save_writes_index_and_loads_back_exactly(tmp_path):
-    args = small_args()
-    sd = materialized(args).state_dict()
+    args = small_llama3_args()
+    sd = materialized(SPEC.model_cls, args).state_dict()
     save_hf(tmp_path / "hf", sd, SPEC.hf, args, torch.float32, max_shard_bytes=40_000)
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
     shards = [f for f in files if f.endswith(".safetensors")]
@@ -158,8 +144,8 @@ def test_sharded_save_writes_index_and_loads_back_exactly(tmp_path):
 
 
 def test_bfloat16_export(tmp_path):
-    args = small_args()
-    sd = materialized(args).state_dict()
+    args = small_llama3_args()
+    sd = materialized(SPEC.model_cls, args).state_dict()
     save_hf(tmp_path / "hf", sd, SPEC.hf, args, torch.bfloat16, bos_id=1, eos_id=2)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["torch_dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
@@ -171,8 +157,8 @@ def test_bfloat16_export(tmp_path):
 
 
 def test_refuses_to_overwrite_and_leaves_nothing_behind_on_failure(tmp_path):
-    args = small_args()
-    sd = materialized(args).state_dict()
+    args = small_llama3_args()
+    sd = materialized(SPEC.model_cls, args).state_dict()
     (tmp_path / "empty").mkdir()
     save_hf(tmp_path / "empty", sd, SPEC.hf, args, torch.float32)  # an empty folder may be filled
     with pytest.raises(UserError, match="already exists and is not empty"):
@@ -184,12 +170,12 @@ def test_refuses_to_overwrite_and_leaves_nothing_behind_on_failure(tmp_path):
 
 
 def test_shape_mismatch_names_keys_and_shapes(tmp_path):
-    args = small_args()
-    save_hf(tmp_path / "hf", materialized(args).state_dict(), SPEC.hf, args, torch.float32)
+    args = small_llama3_args()
+    save_hf(tmp_path / "hf", materialized(SPEC.model_cls, args).state_dict(), SPEC.hf, args, torch.float32)
     with pytest.raises(UserError, match=r"tok_embeddings\.weight: expected \(256, 64\), found \(128, 64\)"):
-        load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, small_args(vocab_size=256)))
+        load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, small_llama3_args(vocab_size=256)))
     with pytest.raises(UserError, match=r"layers\.2\.attention\.wq\.weight: missing"):
-        load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, small_args(n_layers=3)))
+        load_hf(tmp_path / "hf", SPEC.hf, meta_shapes(SPEC, small_llama3_args(n_layers=3)))
 
 
 def test_unreadable_folders_are_user_errors(tmp_path):
@@ -198,46 +184,34 @@ def test_unreadable_folders_are_user_errors(tmp_path):
     (tmp_path / "hf").mkdir()
     with pytest.raises(UserError, match="config.json not found"):
         load_hf(tmp_path / "hf", SPEC.hf)
-    args = small_args()
+    args = small_llama3_args()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"hidden_size": 64, "mlp_bias": True}))
     with pytest.raises(UserError, match="lacks intermediate_size"):
         load_hf(tmp_path / "hf", SPEC.hf)
-    save_hf(tmp_path / "pickled", materialized(args).state_dict(), SPEC.hf, args, torch.float32)
+    save_hf(tmp_path / "pickled", materialized(SPEC.model_cls, args).state_dict(), SPEC.hf, args, torch.float32)
     (tmp_path / "pickled" / "model.safetensors").rename(tmp_path / "pickled" / "pytorch_model.bin")
     with pytest.raises(UserError, match="never loaded"):
         load_hf(tmp_path / "pickled", SPEC.hf)
 
 
-def test_dcp_model_round_trip_and_errors(tmp_path):
-    args = small_args()
-    sd = materialized(args).state_dict()
-    write_dcp_model(tmp_path / "step-0", sd, SPEC, args, flavor="tiny")
-    state = json.loads((tmp_path / "step-0" / "train_state.json").read_text())
-    assert (state["format_version"], state["step"], state["model_only"], state["dtype"]) == (2, 0, True, "float32")
-    assert state["model"] == {"name": "llama3", "flavor": "tiny", "args": asdict(args)}
-    back, back_args, _ = read_dcp_model(tmp_path / "step-0", SPEC)
-    assert back_args == args
-    for k in sd:
-        assert torch.equal(back[k], sd[k]), k
-
-    (tmp_path / "step-0" / ".metadata").unlink()
-    with pytest.raises(UserError, match="not a complete checkpoint"):
-        read_dcp_model(tmp_path / "step-0", SPEC)
-
-
 def sharded_folder(tmp_path, name="hf"):
-    args = small_args()
-    save_hf(tmp_path / name, materialized(args).state_dict(), SPEC.hf, args, torch.float32, max_shard_bytes=40_000)
+    args = small_llama3_args()
+    save_hf(tmp_path / name, materialized(SPEC.model_cls, args).state_dict(), SPEC.hf, args, torch.float32,
+            max_shard_bytes=40_000)
     return tmp_path / name, args
+
+
+def cast_folder(tmp_path, name, dtype):
+    """A sharded folder whose first file holds its tensors in `dtype`."""
+    folder, _ = sharded_folder(tmp_path, name)
+    first = sorted(folder.glob("model-*.safetensors"))[0]
+    save_file({k: v.to(dtype) for k, v in load_file(first).items()}, str(first))
+    return folder
 
 
 def test_bad_folders_are_refused_from_their_headers(tmp_path):
     """Each refused by check_hf_folder, which reads no weight: a shard of the index missing, a tensor the
     index lists but no shard holds, a dtype a model cannot take, another flavor's shapes, another family."""
-    from safetensors.torch import save_file
-
-    from torchtitan.components.hf_checkpoint import check_hf_folder
-
     folder, args = sharded_folder(tmp_path, "missing_shard")
     sorted(folder.glob("model-*.safetensors"))[1].unlink()
     with pytest.raises(UserError, match=r"model.safetensors.index.json names model-0000\d-of-\d+.safetensors, which "
@@ -251,25 +225,19 @@ def test_bad_folders_are_refused_from_their_headers(tmp_path):
     with pytest.raises(UserError, match=r"lists tensors missing from their files: model.layers.0.mlp.extra.weight"):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
 
-    folder, _ = sharded_folder(tmp_path, "int8")
-    first = sorted(folder.glob("model-*.safetensors"))[0]
-    stored = load_file(first)
-    save_file({k: v.to(torch.int8) for k, v in stored.items()}, str(first))
+    folder = cast_folder(tmp_path, "int8", torch.int8)
     with pytest.raises(UserError, match=r"is stored as I8, which a model cannot take"):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
 
     # uint8 is read (gpt-oss's MXFP4 blocks and scales), but a family that does not dequantize it refuses it.
-    folder, _ = sharded_folder(tmp_path, "uint8")
-    first = sorted(folder.glob("model-*.safetensors"))[0]
-    stored = load_file(first)
-    save_file({k: v.to(torch.uint8) for k, v in stored.items()}, str(first))
+    folder = cast_folder(tmp_path, "uint8", torch.uint8)
     with pytest.raises(UserError, match=r"our \S+ would be read from packed integer \(uint8\) data, which this "
                                         r"family's import does not dequantize"):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
 
     folder, _ = sharded_folder(tmp_path, "flavor")
     with pytest.raises(UserError, match=r"tok_embeddings\.weight: expected \(256, 64\), found \(128, 64\)"):
-        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, small_args(vocab_size=256)))
+        check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, small_llama3_args(vocab_size=256)))
 
     qwen = get_model_spec("qwen3")
     with pytest.raises(UserError, match=r"describes model_type 'llama', but this model reads 'qwen3'"):
