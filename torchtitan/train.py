@@ -214,13 +214,9 @@ class Trainer:
     def write_config(self):
         if self.rank == 0:
             resolved = config_to_toml(self.cfg)
-            write_run_file(self.cfg.job.dump_folder, "config.toml", resolved, "config")
-            path = os.path.join(self.cfg.job.dump_folder, "config.toml")
-            if self.cfg.job.print_args:
-                logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'}), written to {path}:\n{resolved}")
-            else:
-                logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'} and the command line) "
-                            f"written to {path}")
+            path = write_run_file(self.cfg.job.dump_folder, "config.toml", resolved, "config")
+            logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'} and the command line) written to "
+                        f"{path}" + (f":\n{resolved}" if self.cfg.job.print_args else ""))
 
     def build_dataloader(self):
         dp_rank = submesh(self.mesh, "dp").get_local_rank() if self.mesh is not None else 0
@@ -396,10 +392,8 @@ class Trainer:
             f"{t.mixed_precision_param}, {t.steps} steps"
         )
         logger.info(f"mesh: {self.dims.describe()} on {self.device.type}")
-        logger.info(
-            f"batch: global batch {self.plan.global_batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} "
-            f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s))"
-        )
+        logger.info(f"batch: global batch {self.plan.global_batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} "
+                    f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s))")
         logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
         if self.plan.memory_estimate:
             logger.info(self.plan.memory_estimate)
@@ -594,7 +588,9 @@ def main(argv: list[str], trainer_cls: type[Trainer] | None = None) -> int:
         train(load_config(argv), trainer_cls)
     except HelpRequested as h:
         if os.environ.get("RANK", "0") == "0":
-            print(h.text)
+            from torchtitan.models.registry import help_with_families
+
+            print(help_with_families(h.text))
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -331,14 +331,15 @@ def keep_earlier(path: str, what: str):
     logger.warning(f"{path} holds an earlier run's {what}; kept it as {path}.{n}")
 
 
-def write_run_file(folder: str, name: str, text: str, what: str):
-    """Write `text` as `folder`/`name`, keeping an earlier run's different file (keep_earlier)."""
+def write_run_file(folder: str, name: str, text: str, what: str) -> str:
+    """Write `text` as `folder`/`name` (returned), keeping an earlier run's different file (keep_earlier)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
     if os.path.isfile(path) and open(path).read() != text:
         keep_earlier(path, what)
     with open(path, "w") as f:
         f.write(text)
+    return path
 
 
 def rewind_metrics(path: str, start_step: int):
