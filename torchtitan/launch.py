@@ -27,7 +27,7 @@ import sys
 import threading
 import traceback
 
-from torchtitan.config import UserError
+from torchtitan.config import HelpRequested, UserError
 from torchtitan.config.errors import run_main
 
 # Threads a fresh process would use (torch's default intra-op count), read before the launcher
@@ -433,7 +433,12 @@ def check_job(opts, train_argv: list[str]) -> tuple["StoreProbe", object]:
     probe = StoreProbe(opts)
     from torchtitan.config import load_config
 
-    load_config(train_argv)  # a mistake in the arguments or the recipe is found before torch is imported
+    try:
+        load_config(train_argv)  # a mistake in the arguments or the recipe is found before torch is imported
+    except HelpRequested as h:
+        from torchtitan.models.registry import help_with_families
+
+        raise HelpRequested(help_with_families(h.text)) from None
     import torch
 
     # The launcher itself computes nothing; one thread keeps it from creating an OpenMP pool, which

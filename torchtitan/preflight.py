@@ -25,7 +25,7 @@ from torchtitan.components import validate
 from torchtitan.components.checkpoint import check_writable, preflight_checkpoint
 from torchtitan.components.optimizer import check_muon_supported, check_param_groups
 from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
-from torchtitan.config import JobConfig, UserError, load_config
+from torchtitan.config import HelpRequested, JobConfig, UserError, load_config
 from torchtitan.config.errors import run_main
 from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.distributed import utils as dist_utils
@@ -352,7 +352,12 @@ def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfi
     mistake) or HelpRequested. `check_lock`: refuse a dump folder that a live run holds; only where
     no worker of this job can hold it yet (one node, or node rank 0 of several: the others may start
     after this job's rank 0 took the lock)."""
-    cfg = load_config(argv)
+    try:
+        cfg = load_config(argv)
+    except HelpRequested as h:
+        from torchtitan.models.registry import help_with_families
+
+        raise HelpRequested(help_with_families(h.text)) from None
     from torchtitan.components.data import build_dataloader
     from torchtitan.components.run_lock import refuse_if_locked
 

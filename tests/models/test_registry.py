@@ -4,6 +4,7 @@ conflicting registrations are refused with one clear message, and a refused regi
 module named by experimental.custom_import ends the trainer with one line and exit status 2."""
 
 import dataclasses
+import os
 import runpy
 import subprocess
 import sys
@@ -183,9 +184,15 @@ def test_help_and_docs_name_every_shipped_family(monkeypatch):
 
     shipped = registry.builtin_model_names()
     assert {"llama3", "qwen3", "deepseek_v3"} <= set(shipped)
-    assert f"Shipped: {', '.join(shipped)}." in help_text()
+    for command in (["./run_train.sh", "--help"], [sys.executable, "-m", "torchtitan.train", "--help"],
+                    [sys.executable, "-m", "torchtitan.preflight", "--help"]):
+        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        shown = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120).stdout
+        lines = shown.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("  --model.name "))
+        assert lines[at + 2] == f"      Shipped: {', '.join(shipped)}.", (command, lines[at:at + 3])
     monkeypatch.setitem(registry._BUILTIN, "later_family", "torchtitan.models.later_family")
-    assert "later_family." in help_text()
+    assert "later_family." in registry.help_with_families(help_text())
     monkeypatch.delitem(registry._BUILTIN, "later_family")
     docs = (REPO / "docs" / "models.md").read_text()
     families = docs.split("## Families and flavors", 1)[1].split("\n- ", 1)[0]

@@ -555,10 +555,6 @@ def help_text() -> str:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             lines.append(f"  --{section}.{f.name} ({_type_name(types[f.name])}, default: {_help_default(default)})")
             lines.append(f"      {f.metadata.get('help', '')}")
-            if (section, f.name) == ("model", "name"):
-                from torchtitan.models.registry import builtin_model_names
-
-                lines.append(f"      Shipped: {', '.join(builtin_model_names())}.")
     lines += [
         "",
         "Planned keys (not implemented yet): accepted only with their inert value shown here;",

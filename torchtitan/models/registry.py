@@ -114,6 +114,17 @@ def builtin_model_names() -> list[str]:
     return list(_BUILTIN)
 
 
+def help_with_families(text: str) -> str:
+    """The config's --help text with the shipped families under model.name (the config layer, below
+    the models, cannot read them itself)."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("  --model.name "):
+            lines.insert(i + 2, f"      Shipped: {', '.join(builtin_model_names())}.")
+            break
+    return "\n".join(lines)
+
+
 def _own_spec(name: str) -> ModelSpec:
     """The spec as its family built it (or as registered), without the added flavors."""
     if name in _REGISTERED:
