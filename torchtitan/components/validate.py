@@ -54,7 +54,7 @@ from torchtitan.components.data.mixing import integer_weights, next_source, sour
 from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.entries import parse_mix
+from torchtitan.config.entries import parse_mix, split_text_field
 from torchtitan.config.training_sections import Training, Validation
 from torchtitan.config.rules import validation_seq_len
 from torchtitan.components.batch import valid_labels
@@ -148,6 +148,9 @@ def _mix_source(cfg: Validation, training: Training | None, tokenizer: Tokenizer
     """One source of validation.dataset_mix, opened as validation.dataset would open it."""
     if spec == "python_stdlib_test":
         return _StdlibTestSource()
+    spec, field = split_text_field(spec)  # SOURCE#FIELD: the source's own text field
+    if field:
+        training = dataclasses.replace(training or Training(), dataset_text_field=field)
     try:
         dataset, path = source_kind(spec)
     except UserError as e:

@@ -85,7 +85,15 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
 
 
 MAX_MIX_PERIOD = 1_000_000  # a mixture's schedule is a pattern of this many samples at most (data/mixing.py)
-MIX_SYNTAX = "WEIGHT:SOURCE, e.g. 0.6:data/web (a list in TOML, comma-separated on the command line)"
+MIX_SYNTAX = "WEIGHT:SOURCE[#FIELD], e.g. 0.6:data/web or 0.4:data/books#content (a list in TOML, comma-separated on the command line)"
+
+
+def split_text_field(spec: str) -> tuple[str, str | None]:
+    """A mixture's SOURCE#FIELD: (the source, the field or column holding its text), as a Hugging Face
+    dataset names its own text column; (spec, None) without '#': the source reads
+    dataset_text_field."""
+    source, sep, field = spec.rpartition("#")
+    return (source, field) if sep else (spec, None)
 
 
 def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
@@ -103,6 +111,8 @@ def parse_mix(entries: list[str], key: str) -> tuple[list[Fraction], list[str]]:
             problems.append(f"{entry!r}: the weight {weight.strip()!r} is not a number")
         elif value < 0:
             problems.append(f"{entry!r}: the weight is negative")
+        elif split_text_field(spec.strip())[1] == "" or not split_text_field(spec.strip())[0]:
+            problems.append(f"{entry!r}: write SOURCE#FIELD with a source and the name of its text field after '#'")
         else:
             weights.append(value)
             specs.append(spec.strip())
@@ -140,7 +150,7 @@ def _repeated_sources(specs: list[str]) -> list[str]:
     its documents would be read by two sources, outside the weights."""
     problems, named = [], {}  # identity -> the specs that name it
     for spec in specs:
-        named.setdefault(_source_identity(spec), []).append(spec)
+        named.setdefault(_source_identity(split_text_field(spec)[0]), []).append(spec)
     for identity, names in named.items():
         if len(names) > 1:
             names = list(dict.fromkeys(names))

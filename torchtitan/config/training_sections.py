@@ -190,7 +190,8 @@ class Training:
         "[\"0.6:data/web\", \"0.4:python_stdlib\"] (on the command line 0.6:data/web,0.4:python_stdlib). A weight is "
         "the share of training sequences (hence tokens) its source supplies; weights are normalized. SOURCE: a path (a "
         "data file or folder of any supported format, or a token folder), python_stdlib, c4, c4_test, or hf:NAME (a "
-        "Hugging Face dataset streamed through datasets). Each source is shuffled, repeats and resumes on its own, "
+        "Hugging Face dataset streamed through datasets); SOURCE#FIELD reads the text from that source's own field or "
+        "column (default: dataset_text_field). Each source is shuffled, repeats and resumes on its own, "
         "as training.dataset would; metrics.jsonl logs data_share/I and data_epoch/I per source.",
     )
     dataset_text_field: str = opt(

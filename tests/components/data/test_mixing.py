@@ -314,3 +314,21 @@ def test_the_start_up_names_each_source_and_its_share(corpus, caplog):
     assert len(lines) == 3
     for line, share in zip(lines, ("50.0%", "30.0%", "20.0%")):
         assert f"({share} of the samples)" in line, lines
+
+
+def test_each_source_of_a_mixture_may_name_its_text_field(tmp_path):
+    """SOURCE#FIELD: a source whose records keep their text under another name is read without
+    rewriting it; the others read training.dataset_text_field."""
+    plain, other = tmp_path / "plain.jsonl", tmp_path / "other.jsonl"
+    plain.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs_in(ALPHABETS[0], 20, seed=1)))
+    other.write_text("".join(json.dumps({"content": d, "text": 7}) + "\n" for d in docs_in(ALPHABETS[1], 20, seed=2)))
+    cfg = Training(dataset_mix=[f"0.5:{plain}", f"0.5:{other}#content"], seq_len=16, local_batch_size=4)
+    assert not cfg.check()
+    seen = {source_of(w) for w in windows(build_dataloader(cfg, CHARS, 0, 1, 4), 4)}
+    assert seen == {0, 1}  # both sources, each read from its own field
+    # Without its field the second source is refused, naming the key that sets the field.
+    bare = Training(dataset_mix=[f"0.5:{plain}", f"0.5:{other}"], seq_len=16, local_batch_size=4)
+    with pytest.raises(UserError, match="dataset_text_field"):
+        windows(build_dataloader(bare, CHARS, 0, 1, 4), 4)
+    with pytest.raises(UserError, match=r"write SOURCE#FIELD with a source and the name of its text field"):
+        parse_mix([f"1:{other}#"], "training.dataset_mix")

@@ -19,7 +19,7 @@ from torchtitan.components.data.sources import build_source
 from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
-from torchtitan.config.entries import parse_mix
+from torchtitan.config.entries import parse_mix, split_text_field
 from torchtitan.config.training_sections import Training
 
 logger = logging.getLogger(__name__)
@@ -404,8 +404,10 @@ def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str, check_all: bo
     """One source of training.dataset_mix, opened as training.dataset would open it; its messages name
     the mixture's entry instead of the keys a mixture does not use."""
     try:
-        dataset, path = source_kind(spec)
-        as_single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[])
+        source_spec, field = split_text_field(spec)  # SOURCE#FIELD: the source's own text field
+        dataset, path = source_kind(source_spec)
+        as_single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[],
+                                        dataset_text_field=field or cfg.dataset_text_field)
         source, text_tokenizer, shuffle = open_source(as_single, tokenizer, check_all)
         return open_part(source, text_tokenizer, spec, path or "", cfg.seed if shuffle else None, cfg.shuffle_buffer)
     except UserError as e:
