@@ -199,7 +199,7 @@ class Trainer:
             gc.enable()
             self.metrics.close()
         if stopped_at is not None:
-            saved = (f"saved checkpoint {os.path.join(self.checkpointer.folder, f'step-{stopped_at}')} (the same "
+            saved = (f"saved checkpoint {self.checkpointer.folder.step(stopped_at)} (the same "
                      f"command resumes from it)" if cfg.checkpoint.enable_checkpoint else
                      "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)")
             logger.info(f"stopped by {self.stop_signals.received} after step {stopped_at} of {t.steps}; {saved}")
