@@ -1,16 +1,14 @@
-"""The training loop. The only module that sees the whole JobConfig: each builder gets its section.
+"""The training loop: the Trainer and main. The only module that sees the whole JobConfig; each
+builder gets its section.
 
     torchrun --nproc_per_node 2 -m torchtitan.train --job.config_file train_configs/debug_model.toml
 
-Build sequence: config -> preflight checks (no collectives) -> process group and mesh -> model on the
-meta device -> parallelize -> materialize (to_empty + init_weights) -> tokenizer, data, optimizer,
-LR schedule, metrics -> loop. User mistakes end the run with one message and exit code 2 on every
-rank; nothing else is printed as a traceback unless it is a bug.
-
-The model is reached only through its spec (torchtitan.models.common.spec.ModelSpec, from the registry).
-`Trainer` runs one job; its loop calls named steps (build_model, build_optimizer, forward_backward,
-optimizer_step, log, checkpoint) that a fork can override one at a time in a subclass and run with
-`main(argv, trainer_cls=MyTrainer)`.
+Sequence: preflight (torchtitan.preflight: the run's Plan, no collectives) -> process group and mesh
+-> model on the meta device -> parallelize -> materialize -> data, optimizer, LR schedule, metrics ->
+loop. User mistakes end the run with one message and exit code 2 on every rank. The model is reached
+only through its spec (models.common.spec.ModelSpec). `Trainer`'s loop calls named steps
+(build_model, build_optimizer, forward_backward, optimizer_step, log, checkpoint) that a fork can
+override in a subclass and run with `main(argv, trainer_cls=MyTrainer)`.
 """
 
 import gc
