@@ -24,8 +24,12 @@ def short_run(tmp_path, *overrides):
     return train(cfg)
 
 
-def test_logs_first_every_log_freq_and_last_step(tmp_path):
+def test_logs_first_every_log_freq_and_last_step(tmp_path, caplog):
+    caplog.set_level("INFO")
     history = short_run(tmp_path, "--training.steps", "5")
+    # The last line says what the run left: no checkpoint (the recipe's default), and how to keep one.
+    assert f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); no checkpoint: checkpointing is off" \
+        in caplog.text
     assert [r["step"] for r in history] == [1, 2, 4, 5]
     on_disk = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert on_disk == history
@@ -47,6 +51,9 @@ def test_a_resumed_run_logs_its_first_step_and_counts_its_own_steps(tmp_path, ca
     # A warmup as long as the run: the learning rate never decays, and the start-up says so.
     assert "lr_scheduler.warmup_steps (3) is not below training.steps (3)" in caplog.text
     assert "training done: 3 steps in" in caplog.text
+    # The last line says what the run left, its last checkpoint included.
+    assert f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); checkpoint {tmp_path / 'checkpoint' / 'step-3'}" \
+        in caplog.text
     caplog.clear()
     history = short_run(tmp_path, "--training.steps", "6", *ckpt)
     assert "resumed from" in caplog.text and "warmup_steps" not in caplog.text

@@ -29,8 +29,8 @@ from torchtitan.components import validate
 from torchtitan.components.batch import BatchRule, LossRanks, document_end_of
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.metrics import (MetricsLogger, MfuPeak, peak_memory_gib, process_age, rewind_metrics,
-                                           setup_logging, write_run_file)
+from torchtitan.components.metrics import (MetricsLogger, MfuPeak, left_behind, peak_memory_gib, process_age,
+                                           rewind_metrics, setup_logging, write_run_file)
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import take_run_lock
@@ -113,7 +113,6 @@ class Trainer:
         self.dims = plan.parallel_dims
         self.history: list[dict] = []
 
-    # ---- the job, top to bottom -------------------------------------------------------------
 
     def run(self) -> list[dict]:
         cfg = self.cfg
@@ -205,9 +204,10 @@ class Trainer:
             resumed = f" (steps {start_step + 1}-{t.steps}, resumed from step {start_step})" if start_step else ""
             logger.info(f"training done: {t.steps - start_step} steps{resumed} in "
                         f"{time.perf_counter() - self.start_time:.1f}s")
+            checkpoint = self.checkpointer.folder.step(t.steps) if cfg.checkpoint.enable_checkpoint else None
+            logger.info(left_behind(cfg.job.dump_folder, cfg.metrics, checkpoint))
         return self.history
 
-    # ---- building ---------------------------------------------------------------------------
 
     def write_config(self):
         if self.rank == 0:
@@ -401,7 +401,6 @@ class Trainer:
                 f"the learning rate warms up for the whole run and never decays"
             )
 
-    # ---- one step -----------------------------------------------------------------------------
 
     def train_step(self, step: int, data_iter) -> StepResult:
         """One optimizer step over the gradient-accumulation micro-batches. The step is taken only if
@@ -519,7 +518,6 @@ class Trainer:
         if self.spec.post_optimizer_step is not None:
             self.spec.post_optimizer_step(self.parts, self.model.parallelize_inputs)
 
-    # ---- after a step -------------------------------------------------------------------------
 
     def log(self, step: int, result: StepResult) -> dict:
         """Reduce the step's loss over ranks and write one metrics record."""

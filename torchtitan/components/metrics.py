@@ -342,6 +342,17 @@ def write_run_file(folder: str, name: str, text: str, what: str) -> str:
     return path
 
 
+def left_behind(dump_folder: str, cfg: Metrics, checkpoint: str | None) -> str:
+    """A finished run's last line: what it wrote and where, and its last checkpoint (or that it left none)."""
+    files = "config.toml, metrics.jsonl" + (f", {cfg.save_tb_folder}/ (TensorBoard)" if cfg.enable_tensorboard else "")
+    if checkpoint is None:
+        saved = ("no checkpoint: checkpointing is off (checkpoint.enable_checkpoint; turn it on to keep one for "
+                 "resuming, scripts/generate.py and the Hugging Face export)")
+    else:
+        saved = f"checkpoint {checkpoint}"
+    return f"left in {dump_folder}: {files}; {saved}"
+
+
 def rewind_metrics(path: str, start_step: int):
     """Before a run writes metrics.jsonl: a fresh start keeps the earlier file as metrics.jsonl.N; a
     resume from step S keeps the records up to S, and the whole earlier file as .N when it also holds
