@@ -68,7 +68,7 @@ def test_two_nodes_of_two_processes_train_as_one_process(tmp_path):
     assert all("torchtitan: 2 nodes x 2 processes, rendezvous 127.0.0.1:" in log for log in logs)
     assert all("= 4 ranks on cpu" in log for log in logs)  # one mesh over both nodes
     # Each node shows its local rank 0, prefixed with its global rank: 0 on one node, 2 on the other.
-    assert sorted(re.search(r"^\[rank(\d)\]:", log, re.M).group(1) for log in logs) == ["0", "2"]
+    assert sorted(re.search(r"^\[rank(\d)\] ", log, re.M).group(1) for log in logs) == ["0", "2"]
     two = read_metrics(tmp_path / "nodes")
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5, 6]
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two))
