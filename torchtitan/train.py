@@ -205,7 +205,8 @@ class Trainer:
             logger.info(f"training done: {t.steps - start_step} steps{resumed} in "
                         f"{time.perf_counter() - self.start_time:.1f}s")
             checkpoint = self.checkpointer.folder.step(t.steps) if cfg.checkpoint.enable_checkpoint else None
-            logger.info(left_behind(cfg.job.dump_folder, cfg.metrics, checkpoint))
+            hf = os.path.join(self.checkpointer.folder.path, f"step-{t.steps}-hf") if cfg.checkpoint.last_save_in_hf else None
+            logger.info(left_behind(cfg.job.dump_folder, cfg.metrics, checkpoint, hf))
         return self.history
 
 

@@ -342,15 +342,16 @@ def write_run_file(folder: str, name: str, text: str, what: str) -> str:
     return path
 
 
-def left_behind(dump_folder: str, cfg: Metrics, checkpoint: str | None) -> str:
-    """A finished run's last line: what it wrote and where, and its last checkpoint (or that it left none)."""
+def left_behind(dump_folder: str, cfg: Metrics, checkpoint: str | None, hf_folder: str | None = None) -> str:
+    """A finished run's last line: what it wrote and where, its last checkpoint (or that it left none)
+    and its Hugging Face export."""
     files = "config.toml, metrics.jsonl" + (f", {cfg.save_tb_folder}/ (TensorBoard)" if cfg.enable_tensorboard else "")
     if checkpoint is None:
         saved = ("no checkpoint: checkpointing is off (checkpoint.enable_checkpoint; turn it on to keep one for "
-                 "resuming, scripts/generate.py and the Hugging Face export)")
+                 "resuming" + (")" if hf_folder else ", scripts/generate.py and the Hugging Face export)"))
     else:
         saved = f"checkpoint {checkpoint}"
-    return f"left in {dump_folder}: {files}; {saved}"
+    return f"left in {dump_folder}: {files}; {saved}" + (f"; Hugging Face folder {hf_folder}" if hf_folder else "")
 
 
 def rewind_metrics(path: str, start_step: int):

@@ -242,3 +242,21 @@ def test_bad_folders_are_refused_from_their_headers(tmp_path):
     qwen = get_model_spec("qwen3")
     with pytest.raises(UserError, match=r"describes model_type 'llama', but this model reads 'qwen3'"):
         check_hf_folder(folder, qwen.hf)
+
+
+def test_an_export_is_readable_by_others_as_the_umask_allows(tmp_path):
+    # safetensors writes its files for their owner only (0600), and the staging folder is a fresh
+    # mkdir; a published folder follows the umask as a plain write would.
+    import os
+    import stat
+
+    args = small_llama3_args()
+    sd = materialized(SPEC.model_cls, args).state_dict()
+    before = os.umask(0o022)
+    try:
+        save_hf(tmp_path / "hf", sd, SPEC.hf, args, torch.float32)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from torchtitan.components.checkpoint.hf import HF_CONFIG, HF_INDEX, HFFolder, check_hf_folder, file_names, plan_files
-from torchtitan.components.checkpoint.storage import check_output_folder, write_json
+from torchtitan.components.checkpoint.storage import check_output_folder, open_to_readers, write_json
 from torchtitan.models.common.init import local_block
 from torchtitan.models.common.spec import HFAdapter
 
@@ -215,6 +215,7 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
             for file in TOKENIZER_FILES:
                 if (Path(tokenizer_path) / file).is_file():
                     shutil.copy2(Path(tokenizer_path) / file, tmp / file)
+        open_to_readers(tmp)
         os.replace(tmp, folder)
     _barrier()
     return {"files": written}

@@ -341,6 +341,16 @@ def check_output_folder(folder: Path):
         raise UserError(f"{folder} already exists and is not empty; choose a new output folder or delete it")
 
 
+def open_to_readers(folder: Path) -> None:
+    """Give `folder` and its files the modes the umask allows (as a plain write would): safetensors and
+    staging folders create them for their owner only (0600, 0700), and an exported folder is read by
+    others (a shared model store, a published repository)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextmanager
 def staging(folder: str | os.PathLike) -> Iterator[Path]:
     """A fresh hidden sibling of `folder`, renamed to `folder` when the block succeeds, deleted if not:
@@ -353,6 +363,7 @@ def staging(folder: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        open_to_readers(tmp)
         os.replace(tmp, folder)  # also replaces an existing empty folder
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
