@@ -81,6 +81,9 @@ EMPTY = "empty.jsonl"
          "seq_len = 102 must be divisible by 2 x context_parallel_degree"),
         (["--parallelism.context_parallel_degree", "4"], {}, "context_parallel_degree 4 x tensor_parallel_degree 1 = 4 does not divide the world size 2"),
         (["--parallelism.tensor_parallel_degree", "3"], {"NGPU": "3"}, "tensor_parallel_degree = 3 does not divide"),
+        (["--parallelism.context_parallel_degree", "3", "--parallelism.context_parallel_method", "ulysses",
+          "--training.seq_len", "96"], {"NGPU": "3"}, "must divide the model's 16 query heads.*largest degree that "
+                                                      "works is 2"),
         ([], {"CONFIG_FILE": "/no/recipe.toml"}, "not found: /no/recipe.toml"),
     ],
 )

@@ -29,6 +29,7 @@ from torchtitan.config import HelpRequested, JobConfig, UserError, load_config
 from torchtitan.config.errors import run_main
 from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel import check_ulysses_degree
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_split
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility
@@ -285,6 +286,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 raise UserError(f"model {spec.name} cannot run expert parallel: {e}") from None
     if t.compile:
         check_compile(cfg, spec, model_args, dims)
+    heads = getattr(model_args, "n_heads", None)
+    if dims.cp_enabled and cfg.parallelism.context_parallel_method == "ulysses" and heads is not None:
+        check_ulysses_degree(heads, dims.tp, dims.cp)
     if spec.hf is None and (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_in_hf):
         raise UserError(
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "

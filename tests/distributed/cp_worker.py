@@ -1,6 +1,8 @@
 """Context-parallel attention against single-process attention (`sdpa_attention` on the full
-tensors), forward and backward, for both rotate methods, on a 4-rank CP group and on the 2-rank CP
-groups of a 2 x 2 mesh, with grouped-query heads: plain causal, and under the full mask rule of
+tensors), forward and backward, for both rotate methods of the ring and for Ulysses (all-to-all
+around sdpa_attention, and around the per-document split_attention: "ulysses_split"), on a 4-rank CP
+group and on the 2-rank CP groups of a 2 x 2 mesh, with grouped-query heads (4 query heads over 2 KV
+heads: on 4 ranks Ulysses repeats each KV head twice): plain causal, and under the full mask rule of
 torchtitan.models.common.attention (documents whose boundaries fall inside chunks, sliding windows shorter
 and longer than a chunk, and both). Each case also runs with return_lse (name + "_lse"), where the
 log-sum-exp is compared too and the backward flows through it as well; and gpt-oss's per-head sinks
@@ -18,9 +20,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan.distributed.context_parallel import ContextParallelAttention, local_positions, shard_sequence
+from torchtitan.distributed.context_parallel import (
+    ContextParallelAttention,
+    UlyssesAttention,
+    local_positions,
+    shard_sequence,
+)
 from torchtitan.distributed.utils import exit_process
-from torchtitan.models.common.attention import sdpa_attention, visible
+from torchtitan.models.common.attention import sdpa_attention, split_attention, visible
+
+METHODS = ("allgather", "alltoall", "ulysses", "ulysses_split")
+
+
+def cp_attention(cp_mesh, method: str):
+    """The context-parallel attention a case names: a ring rotate method, or Ulysses around a kernel."""
+    if method == "ulysses":
+        return UlyssesAttention(cp_mesh, sdpa_attention)
+    if method == "ulysses_split":
+        return UlyssesAttention(cp_mesh, split_attention)
+    return ContextParallelAttention(cp_mesh, method)
 
 # Document lengths of the first row, repeated to fill it. Their boundaries (3, 9, 14, 25, 27, 36, 39,
 # 45, 50, 61, 63) miss every multiple of 8, the chunk edges below, so documents start inside chunks
@@ -64,7 +82,7 @@ def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: in
     local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     # Document ids are cut like the tokens: [batch, seq] along dim 1, as the trainer does.
     local_docs = shard_sequence(doc_ids, pos) if docs else None
-    got = ContextParallelAttention(cp_mesh, method)(*local, doc_ids=local_docs, window=window, return_lse=lse)
+    got = cp_attention(cp_mesh, method)(*local, doc_ids=local_docs, window=window, return_lse=lse)
     out, out_lse = got if lse else (got, None)
     torch.autograd.backward([out, out_lse] if lse else [out],
                             [grad_out[:, :, pos], grad_lse[:, :, pos]] if lse else [grad_out[:, :, pos]])
@@ -103,7 +121,7 @@ def compare_sinks(cp_mesh, method: str, window: int) -> float:
     pos = local_positions(seq, cp, rank)
     local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     mine = sinks.detach().clone().requires_grad_()
-    out, lse = ContextParallelAttention(cp_mesh, method)(*local, doc_ids=shard_sequence(doc_ids, pos),
+    out, lse = cp_attention(cp_mesh, method)(*local, doc_ids=shard_sequence(doc_ids, pos),
                                                          window=window, return_lse=True)
     out = out * torch.sigmoid(lse - mine[None, :, None]).unsqueeze(-1)
     out.backward(grad_out[:, :, pos])
@@ -123,7 +141,7 @@ def main(out_path: str):
     results = {}
     mesh4 = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     mesh2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    for method in ("allgather", "alltoall"):
+    for method in METHODS:
         for prefix, mesh in (("cp4", mesh4["cp"]), ("cp2", mesh2x2["cp"])):
             for lse, suffix in ((False, ""), (True, "_lse")):
                 results[f"{prefix}_{method}{suffix}"] = compare(mesh, method, lse=lse)

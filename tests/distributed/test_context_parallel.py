@@ -1,5 +1,6 @@
-"""Context parallel: the load-balanced split of the sequence, and the ring attention against
-single-process attention (forward and backward, both rotate methods, 2 and 4 ranks; causal, document
+"""Context parallel: the load-balanced split of the sequence, and the ring attention and Ulysses
+(around the SDPA and per-document split kernels) against single-process attention (forward and
+backward, both rotate methods, 2 and 4 ranks; causal, document
 masks, sliding windows and both; gpt-oss's sinks from the ring's log-sum-exp against an explicit sink
 softmax) in one 4-process launch of cp_worker.py. Training parity of every CP
 layout is in test_data_parallel_parity.py."""
@@ -14,7 +15,13 @@ import pytest
 import torch
 
 from torchtitan.config import UserError, load_config
-from torchtitan.distributed.context_parallel import chunk_ids, local_positions, shard_sequence
+from torchtitan.distributed.context_parallel import (
+    check_ulysses_degree,
+    chunk_ids,
+    kv_replicas,
+    local_positions,
+    shard_sequence,
+)
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 WORKER = Path(__file__).resolve().parent / "cp_worker.py"
@@ -66,8 +73,35 @@ def test_unknown_rotate_method_is_refused():
         load_config(["--parallelism.context_parallel_rotate_method", "ring"])
 
 
+def test_ulysses_refuses_rotate_method():
+    with pytest.raises(UserError, match="context_parallel_method = 'ulysses' has no ring"):
+        load_config(["--parallelism.context_parallel_method", "ulysses", "--parallelism.context_parallel_rotate_method",
+                     "alltoall"])
+
+
+@pytest.mark.parametrize("heads,kv_heads,cp,replicas", [(4, 2, 4, 2), (4, 2, 2, 1), (8, 1, 4, 4), (16, 16, 4, 1),
+                                                        (12, 4, 3, 3), (12, 4, 6, 3), (8, 2, 8, 4)])
+def test_ulysses_kv_replicas_give_each_head_group_its_own_kv_heads(heads, kv_heads, cp, replicas):
+    assert kv_replicas(heads, kv_heads, cp) == replicas
+    kv = kv_heads * replicas
+    for rank in range(cp):  # the query heads of a rank read KV copies that the same rank holds
+        q_heads = range(rank * heads // cp, (rank + 1) * heads // cp)
+        held = range(rank * kv // cp, (rank + 1) * kv // cp)
+        assert all(h // (heads // kv) in held for h in q_heads)
+        assert all((h // (heads // kv)) // replicas == h // (heads // kv_heads) for h in q_heads)  # same KV head
+
+
+def test_ulysses_degree_must_divide_heads_per_tp_rank():
+    check_ulysses_degree(16, 2, 8)
+    with pytest.raises(UserError, match=r"16 query heads \(tensor_parallel_degree = 4 leaves 4 per rank\).*"
+                                        r"largest degree that works is 4"):
+        check_ulysses_degree(16, 4, 8)
+    with pytest.raises(UserError, match="largest degree that works is 2"):
+        check_ulysses_degree(8, 1, 3)
+
+
 @pytest.mark.slow
-def test_ring_attention_matches_single_process_attention(tmp_path):
+def test_cp_attention_matches_single_process_attention(tmp_path):
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]
@@ -76,7 +110,8 @@ def test_ring_attention_matches_single_process_attention(tmp_path):
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = json.loads(out.read_text())
     masked = ("docs", "win5", "win10", "win20", "docs_win5", "docs_win10")
-    layouts = [f"{cp}_{method}" for cp in ("cp4", "cp2") for method in ("allgather", "alltoall")]
+    layouts = [f"{cp}_{method}" for cp in ("cp4", "cp2")
+               for method in ("allgather", "alltoall", "ulysses", "ulysses_split")]
     cases = {*layouts, *(f"{layout}_{m}" for layout in layouts for m in masked)}
     sinks = {f"{layout}_docs_win{w}_sinks" for layout in layouts for w in (5, 10)}
     assert set(results) == cases | {f"{case}_lse" for case in cases} | sinks

@@ -45,10 +45,18 @@ class Parallelism:
         "taken from data_parallel_shard_degree x context_parallel_degree, tokens travel to their experts by "
         "all-to-all; FSDP shards the experts over the ranks that remain. Must divide the number of experts.",
     )
+    context_parallel_method: Literal["ring", "ulysses"] = opt(
+        "ring",
+        "How context-parallel attention sees the whole sequence: ring (each rank keeps its queries and sees the "
+        "other ranks' keys and values, as context_parallel_rotate_method says) or ulysses (an all-to-all gives "
+        "each rank the whole sequence for heads / context_parallel_degree of the heads, the run's attention "
+        "kernel runs unchanged on it, a second all-to-all brings the outputs back; the degree must divide the "
+        "query heads per tensor-parallel rank).",
+    )
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
         "allgather",
-        "How context-parallel attention sees the other ranks' keys and values: allgather (gather them all at "
-        "once) or alltoall (pass them around the ring one block per step, merging partial softmaxes).",
+        "How the ring (context_parallel_method = 'ring') sees the other ranks' keys and values: allgather (gather "
+        "them all at once) or alltoall (pass them around the ring one block per step, merging partial softmaxes).",
     )
     pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (outermost mesh dimension).")
     pipeline_parallel_schedule: str = opt(
@@ -98,6 +106,12 @@ class Parallelism:
             self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
             f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
             f"got {self.data_parallel_shard_degree}",
+        ))
+        problems += failed((
+            not (self.context_parallel_method == "ulysses" and self.context_parallel_rotate_method != "allgather"),
+            f"parallelism.context_parallel_rotate_method = {self.context_parallel_rotate_method!r} chooses how the "
+            "ring passes keys and values, but context_parallel_method = 'ulysses' has no ring; remove it or set "
+            "context_parallel_method = 'ring'",
         ))
         if pp > 1:
             explicit = [k for k in splits if getattr(self, k)]

@@ -31,11 +31,14 @@ Both are differentiated by autograd: the backward of a gather is a reduce-scatte
 rotation is the opposite rotation. Document ids carry no gradient and travel by plain collectives.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.config import UserError
 from torchtitan.models.common.attention import math_attention, visible
 
 
@@ -223,13 +226,144 @@ class ContextParallelAttention:
         return _Tie.apply(torch.cat(outs, dim=-2), kv).to(q.dtype), torch.cat(lses, dim=-1)
 
 
+class _AllToAll(torch.autograd.Function):
+    """[cp, ...] -> [cp, ...]: slot j goes to rank j of `group`, and slot j of the result is what rank j
+    sent to this rank. An all-to-all is its own transpose, so the backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def kv_replicas(heads: int, kv_heads: int, cp: int) -> int:
+    """How many times Ulysses repeats each KV head so that the cp head groups each get whole KV heads
+    matching their query heads: the least r with cp | kv_heads x r. r always divides heads / kv_heads
+    when cp divides heads, so each query head still reads the copy of its own KV head."""
+    if heads % cp or heads % kv_heads:
+        raise ValueError(f"Ulysses context parallel {cp} cannot split {heads} query heads over {kv_heads} KV heads")
+    return cp // math.gcd(kv_heads, cp)
+
+
+def check_ulysses_degree(heads: int, tp: int, cp: int) -> None:
+    """Raise UserError before launch when Ulysses cannot split a tensor-parallel rank's query heads
+    evenly over `cp` ranks, naming the largest degree that would."""
+    local = heads // max(tp, 1)
+    if local % cp == 0:
+        return
+    best = max(d for d in range(1, cp + 1) if local % d == 0)
+    on_tp = f" (tensor_parallel_degree = {tp} leaves {local} per rank)" if tp > 1 else ""
+    raise UserError(
+        f"parallelism.context_parallel_degree = {cp} with context_parallel_method = 'ulysses' must divide the model's "
+        f"{heads} query heads{on_tp}: each rank attends over the whole sequence for heads / degree of them. The "
+        f"largest degree that works is {best}; or use context_parallel_method = 'ring', which splits the sequence "
+        "at any degree"
+    )
+
+
+class UlyssesAttention:
+    """All-to-all ("Ulysses") context parallel around any attention kernel with the contract of
+    torchtitan.models.common.attention. Each rank holds the load-balanced chunks of the sequence for
+    all (tensor-parallel local) heads. One all-to-all gives every rank the whole sequence for heads /
+    cp of them; the tokens arrive grouped by source rank and are put back into sequence order (the
+    inverse of the load-balanced order), so `kernel` runs unchanged on positions 0..seq-1 with the
+    gathered document ids and the layer's window. A second all-to-all brings each rank its own tokens
+    of every head back, in its load-balanced order; the log-sum-exp travels the same way. Rotary
+    positions are already applied to q and k by the caller (global positions of the local tokens).
+    Grouped-query KV heads are repeated (`kv_replicas`) where fewer than cp would split unevenly.
+
+    Per-head transforms on the log-sum-exp (gpt-oss's sinks) are applied by the family after this
+    returns, on the local tokens of every head: each rank holds every sink and uses it on its own
+    tokens (as under the ring); their gradient is summed over the cp ranks with the other replicated
+    parameters. The result is the same as applying head group j's sinks on rank j during attention."""
+
+    def __init__(self, cp_mesh, kernel):
+        self.group = cp_mesh.get_group()
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.kernel = kernel
+        self._orders: dict = {}
+        self._docs: tuple = (None, None)
+
+    def _order(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(perm, inverse): perm lists the global positions of the tokens grouped by rank (rank 0's
+        local tokens, then rank 1's, ...); inverse puts that grouping into sequence order."""
+        key = (seq, device)
+        if key not in self._orders:
+            perm = torch.cat([local_positions(seq, self.cp, r) for r in range(self.cp)]).to(device)
+            self._orders[key] = (perm, torch.argsort(perm))
+        return self._orders[key]
+
+    def _to_heads(self, x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """[b, h, s_local, d] (all heads, local tokens) -> [b, h / cp, seq, d] (head group of this rank,
+        every token in sequence order)."""
+        b, h, s, d = x.shape
+        x = _AllToAll.apply(x.view(b, self.cp, h // self.cp, s, d).movedim(1, 0), self.group)
+        return x.movedim(0, 2).flatten(2, 3).index_select(2, inverse)
+
+    def _to_tokens(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """[b, h / cp, seq, ...] -> [b, h, s_local, ...]: the inverse of _to_heads (the trailing feature dim optional)."""
+        x = x.index_select(2, perm)
+        x = x.unflatten(2, (self.cp, x.shape[2] // self.cp)).movedim(2, 0)
+        return _AllToAll.apply(x, self.group).movedim(0, 1).flatten(1, 2)
+
+    def _gathered_docs(self, doc_ids: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """Document ids of the whole sequence in sequence order, once per batch (every layer gets
+        the same doc_ids tensor; holding it keeps its id from being reused)."""
+        if self._docs[0] is not doc_ids:
+            gathered = _AllGather.apply(doc_ids, self.group)  # [cp, b, s_local]
+            self._docs = (doc_ids, gathered.movedim(0, 1).flatten(1, 2).index_select(1, inverse))
+        return self._docs[1]
+
+    @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                 window: int | None = None, return_lse: bool = False):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads % self.cp:
+            raise ValueError(f"context_parallel_method = 'ulysses' with degree {self.cp} cannot split the {heads} "
+                             "query heads of a rank (preflight refuses this)")
+        repeats = kv_replicas(heads, kv_heads, self.cp)
+        perm, inverse = self._order(q.shape[2] * self.cp, q.device)
+        q_all = self._to_heads(q, inverse)
+        # Keys and values travel as one block, concatenated on the features (their head dims may differ).
+        kv_all = self._to_heads(_repeat_kv(torch.cat([k, v], dim=-1), repeats), inverse)
+        k_all, v_all = kv_all.split([k.shape[-1], v.shape[-1]], dim=-1)
+        docs = self._gathered_docs(doc_ids, inverse) if doc_ids is not None else None
+        result = self.kernel(q_all, k_all, v_all, doc_ids=docs, window=window, return_lse=return_lse)
+        if not return_lse:
+            return self._to_tokens(result, perm)
+        out, lse = result
+        return self._to_tokens(out, perm), self._to_tokens(lse.unsqueeze(-1), perm).squeeze(-1)
+
+
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str,
-             blocks=None) -> None:
+             blocks=None, method: str = "ring") -> None:
     """Make `model` (a decoder or a pipeline stage of one) run on this rank's share of each sequence:
     the attention of every block (`block.<attention_path>.attention_fn`; `blocks`, default the
     model's layers) becomes context-parallel and the model's rotary positions the global positions
-    of the local tokens."""
-    attention = ContextParallelAttention(cp_mesh, rotate_method)
+    of the local tokens. `method` "ring": ContextParallelAttention with `rotate_method`; "ulysses":
+    UlyssesAttention around each block's current attention_fn (the kernel the run chose)."""
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"unknown context_parallel_method {method!r}")
+    ring = ContextParallelAttention(cp_mesh, rotate_method) if method == "ring" else None
+    wrapped: dict = {}  # one Ulysses wrapper per kernel, so its per-batch document gather is shared
     for block in (model.layers.values() if blocks is None else blocks):
-        block.get_submodule(attention_path).attention_fn = attention
+        module = block.get_submodule(attention_path)
+        if ring is not None:
+            module.attention_fn = ring
+        else:
+            kernel = module.attention_fn
+            if id(kernel) not in wrapped:
+                wrapped[id(kernel)] = UlyssesAttention(cp_mesh, kernel)
+            module.attention_fn = wrapped[id(kernel)]
     model.set_token_positions(local_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank()))
