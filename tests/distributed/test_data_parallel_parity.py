@@ -35,6 +35,10 @@ within BF16_TOL of the fp32 single-process run:
   EP 2 x FSDP 2 and EP 2 x TP 2, each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
   accumulation 2 and of CP 2 equals a loss computed by hand
   (per-token log-softmax over the documents alone, labels after an EOS left out);
+- all-to-all (Ulysses) context parallel with block-causal masks: llama3, DeepSeek-V3 (MLA, MTP),
+  Qwen3 with sliding windows and gpt-oss under CP 2, and CP 4, CP 2 x TP 2, FSDP 2 x CP 2, PP 2 x CP 2
+  and Qwen3-MoE EP 2 x CP 2, each within 1e-5 of its one process; a ring CP 2 save at step 3 resumed
+  under Ulysses CP 2 and the reverse continue the single process's losses;
 - validation ([validation], every 3 steps and at the last: 2 global batches of 8 held-out sequences)
   gives the single process's loss within 1e-5 under FSDP 2, TP 2, PP 2 (1F1B, and ZBVZeroBubble's
   two stages per rank), CP 2 and Qwen3-MoE's PP 2 x EP 2, and leaves the training losses and grad
@@ -312,8 +316,47 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
              "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
                                                                   "alltoall"],
-             **gpt_oss_jobs(gpt_oss, 2)},
-            {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4)})
+             **gpt_oss_jobs(gpt_oss, 2), **ulysses_jobs(tmp, 2)},
+            {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4),
+             **ulysses_jobs(tmp, 4)})
+
+
+ULYSSES = ["--parallelism.context_parallel_method", "ulysses"]
+ULYSSES_LAYOUTS = ["bc_cp2_ulysses", "bc_ds_mtp_cp2_ulysses", "bc_qwen3_window_cp2_ulysses", "bc_gpt_oss_cp2_ulysses",
+                   "bc_cp4_ulysses", "bc_cp2_tp2_ulysses", "bc_fsdp2_cp2_ulysses", "bc_pp2_cp2_ulysses",
+                   "bc_moe_ep2_cp2_ulysses"]
+
+
+def ulysses_jobs(tmp, nproc: int) -> dict:
+    """All-to-all (Ulysses) context parallel with block-causal masks: llama3, DeepSeek-V3's MLA (with MTP),
+    Qwen3 with sliding windows and gpt-oss's sinks under CP 2; a ring CP 2 save at step 3 resumed under
+    Ulysses CP 2 and the reverse (2 processes); CP 4, CP 2 x TP 2, FSDP 2 x CP 2, PP 2 x CP 2 and
+    Qwen3-MoE EP 2 x CP 2 (4 processes)."""
+    bc = block_causal_args(tmp)
+    lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
+    ring = CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"]
+    window = QWEN + ["--model.sliding_window", "8", "--model.max_window_layers", "1"]
+    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+
+    def copy(src, dst):
+        return {"copy": [f"{{tmp}}/{src}/checkpoint/step-3", f"{{tmp}}/{dst}/checkpoint/step-3"]}
+
+    if nproc == 2:
+        return {"bc_cp2_ulysses": bc + lb(8) + CP2 + ULYSSES + SAVE3,
+                "bc_ds_mtp_cp2_ulysses": bc + DS + MTP2 + lb(8) + CP2 + ULYSSES,
+                "bc_qwen3_window_cp2_ulysses": bc + window + lb(8) + CP2 + ULYSSES,
+                "bc_gpt_oss_cp2_ulysses": bc + GPT_OSS + lb(8) + CP2 + ULYSSES,
+                "bc_cp2_ring_saved": bc + lb(8) + ring + SAVE3,
+                "copy_ring_to_ulysses": copy("bc_cp2_ring_saved", "bc_cp2_ulysses_from_ring"),
+                "bc_cp2_ulysses_from_ring": bc + lb(8) + CP2 + ULYSSES + SAVE3,
+                "copy_ulysses_to_ring": copy("bc_cp2_ulysses", "bc_cp2_ring_from_ulysses"),
+                "bc_cp2_ring_from_ulysses": bc + lb(8) + ring + SAVE3}
+    cp = ["--parallelism.context_parallel_degree"]
+    return {"bc_cp4_ulysses": bc + lb(8) + cp + ["4"] + ULYSSES,
+            "bc_cp2_tp2_ulysses": bc + lb(8) + CP2 + ULYSSES + ["--parallelism.tensor_parallel_degree", "2"],
+            "bc_fsdp2_cp2_ulysses": bc + lb(4) + CP2 + ULYSSES,
+            "bc_pp2_cp2_ulysses": bc + lb(8) + CP2 + ULYSSES + PP2,
+            "bc_moe_ep2_cp2_ulysses": bc + moe + lb(4) + CP2 + ULYSSES + EP2}
 
 
 def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
@@ -332,7 +375,7 @@ def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
 BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_pp2_zbv",
               "bc_pp2_interleaved_accum2", "bc_fsdp2_ac_op_compile", "bc_cp2_allgather",
               "bc_cp2_alltoall", "bc_moe_ep2", "bc_ds_mtp_cp2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
-              "bc_fsdp2_tp2", *GPT_OSS_LAYOUTS]
+              "bc_fsdp2_tp2", *GPT_OSS_LAYOUTS, *ULYSSES_LAYOUTS, "bc_cp2_ring_saved"]
 
 
 @pytest.fixture(scope="module")
@@ -523,6 +566,16 @@ def test_tied_embeddings_resume_between_pipelined_and_unsplit_layouts(runs, name
     # is stored under the canonical name, so the resumed steps continue the single process's. The
     # same for the input embedding that MTP's last stage borrows (one name on both stages).
     ref, got = runs["qwen3_tied_single" if name.startswith("qwen3") else "ds_mtp_single"], runs[name]
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for r, g in zip(ref[3:], got):
+        assert abs(r["loss"] - g["loss"]) < FP32_TOL, f"{name} step {g['step']}: {g['loss']} vs {r['loss']}"
+
+
+@pytest.mark.parametrize("name", ["bc_cp2_ulysses_from_ring", "bc_cp2_ring_from_ulysses"])
+def test_context_parallel_methods_resume_each_other(runs, name):
+    # A ring CP 2 save at step 3 resumed under Ulysses CP 2, and the reverse: the model and optimizer state
+    # do not depend on the method, so steps 4-6 continue the single process's.
+    ref, got = runs["bc_single"], runs[name]
     assert [r["step"] for r in got] == [4, 5, 6]
     for r, g in zip(ref[3:], got):
         assert abs(r["loss"] - g["loss"]) < FP32_TOL, f"{name} step {g['step']}: {g['loss']} vs {r['loss']}"
