@@ -189,6 +189,32 @@ def check_mtp_window(cfg: JobConfig, spec: ModelSpec, model_args) -> None:
         )
 
 
+def check_loss_chunks(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+    """training.loss_chunk_tokens: the model must compute its own loss chunk by chunk (spec.chunked_loss),
+    in high precision, under a schedule that runs each backward once."""
+    chunk = cfg.training.loss_chunk_tokens
+    if not chunk:
+        return
+    if spec.chunked_loss is None or spec.chunked_loss is not spec.loss_sum_fn:
+        raise UserError(
+            f"training.loss_chunk_tokens = {chunk}: model {spec.name}'s loss (its spec's loss_sum_fn) is not one its "
+            "forward computes chunk by chunk (spec.chunked_loss); set training.loss_chunk_tokens = 0"
+        )
+    if "float8" in cfg.model.converters and not any(f and f in "output" for f in cfg.float8.filter_fqns):
+        raise UserError(
+            f"training.loss_chunk_tokens = {chunk} computes the output layer in high precision, but float8.filter_fqns "
+            f"({cfg.float8.filter_fqns}) lets float8 convert it; add \"output\" to float8.filter_fqns, or set "
+            "training.loss_chunk_tokens = 0"
+        )
+    schedule = cfg.parallelism.pipeline_parallel_schedule
+    if dims.pp_enabled and schedule.lower() in ZERO_BUBBLE_SCHEDULES:
+        raise UserError(
+            f"training.loss_chunk_tokens = {chunk} computes the output layer's gradients in its forward, for one "
+            f"backward; parallelism.pipeline_parallel_schedule = {schedule} splits each backward into an input and "
+            "a weight pass; choose 1F1B or Interleaved1F1B, or set training.loss_chunk_tokens = 0"
+        )
+
+
 def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDims) -> None:
     """training.compile with what torch 2.13 cannot compile here (measured: each crashed at step 1)."""
     if spec.expert_layers is not None and spec.expert_layers(meta_model(spec, model_args)):
@@ -239,6 +265,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides,
                                         attention_overrides(cfg.model))
     check_mtp_window(cfg, spec, model_args)
+    check_loss_chunks(cfg, spec, dims)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     # The model as built: the tokenizer's vocabulary, padded (TP splits it; Hugging Face weights must
     # have a row for every token), and the settings an initial Hugging Face folder brings.
@@ -259,6 +286,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
             f"model '{spec.name}' does not support context parallel (its spec names no attention to replace); "
             f"set parallelism.context_parallel_degree = 1"
         )
+    heads = getattr(model_args, "n_heads", None)
+    if dims.cp_enabled and cfg.parallelism.context_parallel_method == "ulysses" and heads is not None:
+        check_ulysses_degree(heads, dims.tp, dims.cp)
     if dims.pp_enabled:
         plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
         schedule = cfg.parallelism.pipeline_parallel_schedule
@@ -286,9 +316,6 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                 raise UserError(f"model {spec.name} cannot run expert parallel: {e}") from None
     if t.compile:
         check_compile(cfg, spec, model_args, dims)
-    heads = getattr(model_args, "n_heads", None)
-    if dims.cp_enabled and cfg.parallelism.context_parallel_method == "ulysses" and heads is not None:
-        check_ulysses_degree(heads, dims.tp, dims.cp)
     if spec.hf is None and (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_in_hf):
         raise UserError(
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "

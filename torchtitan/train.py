@@ -53,6 +53,7 @@ from torchtitan.distributed.parallelize import parallelize_model
 from torchtitan.distributed.shared_weights import SharedWeights, build_shared_weights
 from torchtitan.distributed.tensor_parallel import loss_parallel_context
 from torchtitan.models.common.attention import attention_kernel, set_attention_fn
+from torchtitan.models.common.chunked_loss import forward_loss_fn
 from torchtitan.models.common.spec import ParallelizeInputs
 from torchtitan.preflight import Plan, preflight, vocab_note
 
@@ -112,7 +113,7 @@ class Trainer:
         self.spec, self.model_args, self.tokenizer = plan.spec, plan.model_args, plan.tokenizer
         self.dims = plan.parallel_dims
         self.history: list[dict] = []
-
+        self.loss_sum_fn = forward_loss_fn(self.spec.loss_sum_fn, cfg.training.loss_chunk_tokens)
 
     def run(self) -> list[dict]:
         cfg = self.cfg
@@ -209,7 +210,6 @@ class Trainer:
             logger.info(left_behind(cfg.job.dump_folder, cfg.metrics, checkpoint, hf))
         return self.history
 
-
     def write_config(self):
         if self.rank == 0:
             resolved = config_to_toml(self.cfg)
@@ -249,6 +249,7 @@ class Trainer:
             # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
             part.init_weights(seed=t.seed, buffer_device=self.device)
+            part.loss_chunk_tokens = t.loss_chunk_tokens  # with labels, forward computes the loss (chunked_loss)
             part.train()
         if self.device.type == "cpu":
             dist_utils.release_host_memory()  # init drew each parameter whole, then kept its part
@@ -264,7 +265,7 @@ class Trainer:
             # micro-batches as more microbatches (the schedule divides the gradients by their count
             # once; a step per micro-batch would divide the earlier ones again).
             batch = t.local_batch_size * self.plan.grad_accum_steps
-            step_loss = StepLoss(self.spec.loss_sum_fn)
+            step_loss = StepLoss(self.loss_sum_fn)
             attach_schedule(pipeline, parts, cfg.parallelism, batch, self.device, step_loss)
         return ModelParts(parts, pipeline, shapes, shared_weights, inputs, step_loss)
 
@@ -325,7 +326,7 @@ class Trainer:
         schedule = None
         if self.pipeline is not None:  # microbatches of the training size (the config checks it divides)
             n_micro = v.local_batch_size // self.cfg.parallelism.pipeline_parallel_microbatch_size
-            schedule = forward_only_schedule(self.pipeline, self.parts, n_micro, self.device, self.spec.loss_sum_fn)
+            schedule = forward_only_schedule(self.pipeline, self.parts, n_micro, self.device, self.loss_sum_fn)
 
         def loss_fn(inputs, labels, kwargs):
             with loss_parallel_context(self.loss_parallel):
@@ -353,6 +354,7 @@ class Trainer:
         self.batch_rule = BatchRule(
             self.document_end_id, self.plan.attention.documents, t.ignore_cross_document_labels,
             self.cp_positions, partial(prepare_window, self.model_args) if prepare_window is not None else None,
+            labels_to_forward=t.loss_chunk_tokens > 0,
         )
         self.precompute_float8 = (
             "float8" in self.cfg.model.converters and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp
@@ -401,7 +403,6 @@ class Trainer:
                 f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) is not below training.steps ({t.steps}): "
                 f"the learning rate warms up for the whole run and never decays"
             )
-
 
     def train_step(self, step: int, data_iter) -> StepResult:
         """One optimizer step over the gradient-accumulation micro-batches. The step is taken only if
@@ -505,7 +506,7 @@ class Trainer:
                 return pipeline_step(schedule, inputs, labels, self.pipeline.is_first, self.pipeline.is_last, kwargs,
                                      forward_only=True)
             logits = self.parts[0](inputs, **kwargs)
-        return self.spec.loss_sum_fn(logits, labels)
+        return self.loss_sum_fn(logits, labels)
 
     def optimizer_step(self):
         """Step the optimizers and LR schedules on the clipped gradients, then the model's own updates."""
@@ -518,7 +519,6 @@ class Trainer:
                 precompute_float8_scales(part)
         if self.spec.post_optimizer_step is not None:
             self.spec.post_optimizer_step(self.parts, self.model.parallelize_inputs)
-
 
     def log(self, step: int, result: StepResult) -> dict:
         """Reduce the step's loss over ranks and write one metrics record."""

@@ -12,6 +12,8 @@
 - A family may derive more from the whole window (spec.prepare_window, e.g. multi-token
   prediction's further tokens and labels): labels with a last dim whose column 0 is the next-token
   label, and extra keyword inputs of forward.
+- With `labels_to_forward` (training.loss_chunk_tokens), the labels are also a keyword input of
+  forward, which then computes the loss itself, chunk by chunk (models.common.chunked_loss).
 - Everything is cut to this rank's context-parallel positions (after the document ids and the
   family's tensors are computed on the whole window) and moved to the device.
 
@@ -39,6 +41,7 @@ class BatchRule:
     cp_positions: torch.Tensor | None = None  # this rank's positions of each window (None: all)
     # The family's (inputs, labels) -> (labels, {name: [batch, seq, ...] forward input}): spec.prepare_window.
     prepare_window: Callable | None = None
+    labels_to_forward: bool = False  # the labels are forward's `labels` too (the model computes the loss)
 
     def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
                 doc_ids: torch.Tensor | None = None):
@@ -58,6 +61,8 @@ class BatchRule:
         if self.prepare_window is not None:
             labels, family = self.prepare_window(inputs, labels)
             extra.update(family)
+        if self.labels_to_forward:
+            extra["labels"] = labels
         cut = lambda x: shard_sequence(x, self.cp_positions).to(device, non_blocking=True)  # noqa: E731
         return cut(inputs), cut(labels), {name: cut(x) for name, x in extra.items()}
 

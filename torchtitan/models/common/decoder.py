@@ -22,11 +22,12 @@ from torch import nn
 
 from torchtitan.models.common import moe
 from torchtitan.models.common.activations import standard_block_counts
+from torchtitan.models.common.chunked_loss import linear_cross_entropy_sum
 from torchtitan.models.common.init import normal, ones, seeded_init_, trunc_normal, zeros
 from torchtitan.models.common.layers import Attention, FeedForward, KVCache, TransformerBlock, rotary_rows
 from torchtitan.models.common.rotary import PAIRS, Rotary
 from torchtitan.models.common.spec import (
-    ModelSize, ModelSpec, MoEHooks, count_parameters, transformer_flops_per_token,
+    ModelSize, ModelSpec, MoEHooks, count_parameters, cross_entropy_sum, transformer_flops_per_token,
 )
 
 EMBEDDING = "tok_embeddings.weight"
@@ -34,6 +35,10 @@ Init = Callable[[torch.Tensor, torch.Generator], None]  # (full tensor, generato
 
 
 class Decoder(nn.Module):
+    # Training with labels given to forward: the output layer and the loss run this many tokens at a
+    # time (chunked_loss; the trainer sets it from training.loss_chunk_tokens).
+    loss_chunk_tokens: int = 0
+
     def __init__(self, args):
         super().__init__()
         self.args = args
@@ -92,12 +97,13 @@ class Decoder(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
-        doc_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
         (attention.document_ids: each token sees only its own document). Decoding: with `cache`
         (layers.kv_caches), the tokens are at positions start_pos, start_pos + 1, ... and their keys
-        and values are added to the cache."""
+        and values are added to the cache. With `labels` (and loss_chunk_tokens set): instead of the
+        logits, the spec's summed loss, computed chunk by chunk (output_loss_sum)."""
         if cache is None:
             h = self.trunk(tokens, doc_ids)
         else:
@@ -106,7 +112,16 @@ class Decoder(nn.Module):
             for layer_id, layer in self.layers.items():
                 h = layer(h, rope, cache[layer_id], start_pos)
         h = self.norm(h) if self.norm is not None else h
+        if labels is not None and self.output is not None:
+            return self.output_loss_sum(h, labels[..., 0] if labels.dim() == 3 else labels)
         return self.output(h) if self.output is not None else h
+
+    def output_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The output layer and the summed next-token cross entropy of the final norm's output `h`
+        against `labels`, loss_chunk_tokens tokens at a time (the [tokens, vocab] logits never whole)."""
+        if self.loss_chunk_tokens <= 0:
+            raise ValueError("forward(tokens, labels=...) computes the loss chunk by chunk: set loss_chunk_tokens")
+        return linear_cross_entropy_sum(h, self.output.weight, labels, self.loss_chunk_tokens)
 
     def trunk(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The embedding and the blocks of the training forward (each may be absent on a pipeline
@@ -241,6 +256,9 @@ def decoder_spec(model_cls: type[Transformer], **fields) -> ModelSpec:
         "kv_cache": True,
         "document_masks": True,
         "adamw_params": (r"^output\.",),  # Muon leaves the output layer to AdamW
+        # Decoder.forward(tokens, labels=...) computes the family's loss chunk by chunk (a family whose
+        # loss differs overrides forward to match it, as deepseek_v3 does for multi-token prediction).
+        "chunked_loss": fields.get("loss_sum_fn", cross_entropy_sum),
         **fields,
     })
 

@@ -185,6 +185,12 @@ class ModelSpec:
     hf: HFAdapter | None = None  # None: no Hugging Face export/import for this family
     # (logits, labels) -> the SUM of the token losses over labels that are not IGNORE_INDEX.
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    # The loss_sum_fn whose value the model's training forward(tokens, labels=labels, ...) returns
+    # itself, the output layer and the loss computed chunk by chunk over the tokens, when the model's
+    # loss_chunk_tokens is set (torchtitan.models.common.chunked_loss; training.loss_chunk_tokens;
+    # decoder.Decoder does it). None, or another function than loss_sum_fn: the model does not, and
+    # training.loss_chunk_tokens is refused.
+    chunked_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # (args, inputs, labels) of whole [batch, seq] windows, the labels that do not count already
     # IGNORE_INDEX, before context parallel cuts each rank's positions -> (labels, {name: tensor}):
     # the labels loss_sum_fn gets ([batch, seq], or [batch, seq, n] whose column 0 holds the

@@ -107,24 +107,32 @@ class Transformer(decoder.Transformer):
         return TransformerBlock(layer_id, a, MLA(a), ffn)
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, doc_ids: torch.Tensor | None = None,
-                future_tokens: torch.Tensor | None = None):
+                future_tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None):
         """As the decoder's; in training with multi-token prediction, the logits of the main output and
         of each MTP depth stacked on dim 2: [batch, seq, 1 + mtp_depth, vocab] (mtp_loss_sum reads
         them). Depth k's logits at position i predict token i + k + 1; their gradient is scaled by
         mtp_loss_weight / mtp_depth. `future_tokens` [batch, seq, mtp_depth] (prepare_window): column
         k - 1 holds the token k positions ahead of each position, which depth k embeds; None: taken
-        from `tokens` (a whole window, not a context-parallel share)."""
+        from `tokens` (a whole window, not a context-parallel share). With `labels` (the decoder's
+        chunked loss): mtp_loss_sum's value, each depth's loss computed chunk by chunk."""
         if self.mtp is None or cache is not None or not self.training:
-            return super().forward(tokens, cache, start_pos, doc_ids)
+            return super().forward(tokens, cache, start_pos, doc_ids, labels)
+        if labels is not None and labels.dim() == 2:
+            labels = mtp_labels(labels, self.args.mtp_depth)
         h = self.trunk(tokens, doc_ids)
-        outs = [self.output(self.norm(h))]
+
+        def head(x: torch.Tensor, k: int) -> torch.Tensor:  # depth k's logits, or with labels its loss sum
+            return self.output(x) if labels is None else self.output_loss_sum(x, labels[..., k])
+
+        outs = [head(self.norm(h), 0)]
         scale = self.args.mtp_loss_weight / self.args.mtp_depth
         if future_tokens is None:
             future_tokens = _ahead(tokens, self.args.mtp_depth)
         for k, module in enumerate(self.mtp.values(), start=1):
             h = module(h, self.tok_embeddings(future_tokens[..., k - 1]), self.rope, doc_ids)
-            outs.append(scale_gradient(self.output(module.norm(h)), scale))
-        return torch.stack(outs, dim=2)
+            # Scaling a depth's loss scales its logits' gradient alike.
+            outs.append(scale_gradient(head(module.norm(h), k), scale))
+        return torch.stack(outs, dim=2) if labels is None else _with_mtp(outs[0], outs[1:])
 
     def rotary_table(self) -> torch.Tensor:
         a = self.args
@@ -195,10 +203,14 @@ def mtp_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(logits, labels[..., 0] if labels.dim() == 3 else labels)
     if labels.dim() == 2:
         labels = mtp_labels(labels, logits.shape[2] - 1)
-    total = cross_entropy_sum(logits[:, :, 0], labels[..., 0])
+    return _with_mtp(cross_entropy_sum(logits[:, :, 0], labels[..., 0]),
+                     [cross_entropy_sum(logits[:, :, k], labels[..., k]) for k in range(1, logits.shape[2])])
+
+
+def _with_mtp(total: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
+    """The next-token loss sum `total` plus the MTP depths' `terms`, which move the gradient but not the value."""
     # Summed from the first depth on, not from a plain zero: under loss parallel each term is a DTensor.
-    extra = None
-    for k in range(1, logits.shape[2]):
-        term = cross_entropy_sum(logits[:, :, k], labels[..., k])
-        extra = term if extra is None else extra + term
+    extra = terms[0]
+    for term in terms[1:]:
+        extra = extra + term
     return total + (extra - extra.detach())

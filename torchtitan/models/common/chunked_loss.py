@@ -1,0 +1,133 @@
+"""The output layer and the next-token cross entropy chunk by chunk over the tokens
+(training.loss_chunk_tokens): the [tokens, vocab] logits never exist at once, only one chunk's.
+
+`linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens)` is `cross_entropy_sum(hidden @
+weight.T, labels)`, the same sum over the labels that are not IGNORE_INDEX, in float32. For each
+chunk of tokens its forward computes the chunk's logits (in the compute dtype: autocast's, or the
+weight's), upcasts them to float32, takes their log-sum-exp and label logit, adds the chunk's loss
+and, while the logits are at hand, the chunk's gradients with respect to the hidden states and the
+weight (softmax minus one-hot): the backward only multiplies those by the incoming gradient. This
+"gradient in forward" order costs the three matmuls of today's path; recomputing the logits in
+backward would cost a fourth and keep nothing more than these gradients, which have the size of the
+hidden states and of the weight (scripts/benchmark_loss.py measures both: docs/performance.md).
+Without gradients (validation) only the loss is computed.
+
+Tensor parallel: the weight is a DTensor whose rows (the vocabulary) are sharded over the TP ranks.
+Each rank then computes its shard's logits for every token (the hidden states, sequence-sharded,
+are gathered) and the log-sum-exp is combined over the TP group (all-reduce of the row maxima, of
+the sums of exponentials and of the label logit, which only the rank holding that label's row
+contributes), as loss parallel does. The hidden states' gradient of each rank covers its vocabulary
+shard only: it is declared partial and summed (reduce-scattered back onto the sequence shards).
+
+A model computes this inside its forward (decoder.Decoder.forward(tokens, labels=...)), so that
+FSDP's unsharded weight, a pipeline's last stage and context parallel's share of the tokens need
+nothing more; `forward_loss_fn` is then the trainer's loss function.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from torchtitan.models.common.spec import IGNORE_INDEX
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             chunk_tokens: int) -> torch.Tensor:
+    """The summed cross entropy of the logits `hidden @ weight.T` ([..., dim] x [vocab, dim]) against
+    `labels` ([...], IGNORE_INDEX not counted), float32, computed `chunk_tokens` tokens at a time."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    group, offset = None, 0
+    if isinstance(weight, DTensor):
+        group, offset, vocab = _vocab_shard(weight)
+        if isinstance(hidden, DTensor):  # sequence-sharded: every rank needs every token
+            mesh = hidden.device_mesh
+            hidden = hidden.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(
+                grad_placements=[Partial()] * mesh.ndim)
+        weight = weight.to_local()
+    device = hidden.device
+    compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+    want = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                     chunk_tokens, compute, group, offset, want)
+
+
+def _vocab_shard(weight: DTensor):
+    """(process group, first row held here, full vocabulary) of a weight sharded on its rows."""
+    mesh, placements = weight.device_mesh, weight.placements
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    if len(sharded) != 1 or any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != sharded[0]):
+        raise ValueError(f"the output weight must be sharded on its rows (the vocabulary) over one mesh dimension, "
+                         f"got placements {placements}")
+    dim = sharded[0]
+    vocab, size = weight.shape[0], mesh.size(dim)
+    rows = -(-vocab // size)  # torch.chunk's split, as Shard(0)'s
+    return mesh.get_group(dim), rows * mesh.get_local_rank(dim), vocab
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, compute, group, offset, want_grads):
+        n, rows = hidden.shape[0], weight.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden) if want_grads and ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+                if want_grads and ctx.needs_input_grad[1] else None
+            for start in range(0, n, chunk_tokens):
+                h = hidden[start:start + chunk_tokens].to(compute)
+                y = labels[start:start + chunk_tokens]
+                logits = (h @ w.t()).float()
+                local = y - offset
+                mine = (local >= 0) & (local < rows)  # IGNORE_INDEX is negative: never anyone's
+                index = torch.where(mine, local, 0)
+                label_logit = logits.gather(1, index[:, None]).squeeze(1) * mine
+                if group is None:
+                    lse = torch.logsumexp(logits, dim=1)
+                else:
+                    top = logits.max(dim=1).values
+                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+                    top = torch.where(torch.isfinite(top), top, 0.0)
+                    sum_exp = (logits - top[:, None]).exp().sum(dim=1)
+                    dist.all_reduce(sum_exp, group=group)
+                    dist.all_reduce(label_logit, group=group)
+                    lse = top + sum_exp.log()
+                valid = y != IGNORE_INDEX
+                total += torch.where(valid, lse - label_logit, 0.0).sum()
+                if grad_hidden is None and grad_weight is None:
+                    continue
+                # d loss / d logits: softmax minus the one-hot label, zero on rows that do not count.
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[mine.nonzero().squeeze(1), index[mine]] -= 1.0
+                grad.mul_(valid[:, None])
+                grad = grad.to(compute)
+                if grad_hidden is not None:
+                    grad_hidden[start:start + chunk_tokens] = grad @ w
+                if grad_weight is not None:
+                    grad_weight += (grad.t() @ h).float()
+        ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None  # once: the stored gradients are scaled in place
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def forward_loss_fn(loss_sum_fn: Callable, chunk_tokens: int) -> Callable:
+    """The trainer's loss function (output, labels) -> summed loss: the spec's loss_sum_fn on the
+    logits, or, where the model computed that loss itself chunk by chunk (`chunk_tokens` > 0, the
+    labels given to its forward), its output as it is."""
+    return loss_sum_fn if chunk_tokens <= 0 else _model_computed
+
+
+def _model_computed(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return loss_sum
