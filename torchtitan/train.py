@@ -38,7 +38,7 @@ from torchtitan.components.stop_signals import StopSignals
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.config.rules import validation_seq_len
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.context_parallel import local_positions
+from torchtitan.distributed.context_parallel import describe_cp, local_positions
 from torchtitan.distributed.parallel_dims import submesh
 from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
@@ -279,7 +279,7 @@ class Trainer:
         fn = attention_kernel(attention.kernel)
         for part in parts:
             set_attention_fn(part, self.spec.cp_attention, fn, self.spec.blocks(part))
-        ring = f"; context parallel's ring attention ({self.cfg.parallelism.context_parallel_rotate_method})" \
+        ring = f"; context parallel: {describe_cp(self.cfg.parallelism)}" \
             if self.dims.cp_enabled else ""
         logger.info(f"attention: {attention.describe()}, {attention.kernel} kernel "
                     f"(model.attn_backend = {self.cfg.model.attn_backend!r}){ring}")

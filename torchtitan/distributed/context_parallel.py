@@ -346,6 +346,14 @@ class UlyssesAttention:
         return self._to_tokens(out, perm), self._to_tokens(lse.unsqueeze(-1), perm).squeeze(-1)
 
 
+def describe_cp(parallelism) -> str:
+    """How context-parallel attention works under `parallelism.context_parallel_method`, for the log: the
+    ring replaces the kernel, Ulysses wraps it."""
+    if parallelism.context_parallel_method == "ring":
+        return f"ring attention ({parallelism.context_parallel_rotate_method}) in place of the kernel"
+    return "Ulysses, all-to-all around the kernel"
+
+
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str,
              blocks=None, method: str = "ring") -> None:
     """Make `model` (a decoder or a pipeline stage of one) run on this rank's share of each sequence:

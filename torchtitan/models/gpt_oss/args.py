@@ -85,7 +85,8 @@ flavors: dict[str, ModelArgs] = {
 def validate(args: ModelArgs, parallel_dims) -> None:
     """Before launch (spec.validate): the MoE args, EP against the experts, the window. TP against the
     heads is preflight's generic check (tp_sizes); ring context parallel splits the sequence, not the
-    heads, so any CP degree suits the heads (the sinks stay whole on every CP rank)."""
+    heads, so any CP degree suits the heads (the sinks stay whole on every CP rank); Ulysses splits the
+    heads during attention, and preflight checks its degree against n_heads / tp for every family."""
     problems = args.moe.check()
     if args.moe.num_experts % parallel_dims.ep:
         problems.append(
