@@ -222,3 +222,30 @@ def test_a_broken_hf_folder_is_refused_before_launch(tmp_path):
     with pytest.raises(UserError, match=r"which does not exist; is the download complete"):
         preflight(cfg("--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
                       "--training.seq_len", "64"), world_size=1)
+
+
+def test_loss_chunk_tokens_mistakes_are_refused():
+    with pytest.raises(UserError, match=r"training.loss_chunk_tokens must be 0 .* got -4"):
+        cfg("--training.loss_chunk_tokens", "-4")
+    chunk = ("--training.loss_chunk_tokens", "64")
+    with pytest.raises(UserError, match=r"ZBVZeroBubble splits each backward into an input and a weight pass"):
+        preflight(cfg(*chunk, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                      "ZBVZeroBubble", "--training.local_batch_size", "8"), world_size=2)
+    with pytest.raises(UserError, match=r"float8.filter_fqns \(\['wq'\]\) lets float8 convert it"):
+        preflight(cfg(*chunk, "--model.converters", "float8", "--float8.filter_fqns", "wq"), world_size=1)
+    assert preflight(cfg(*chunk), world_size=1).spec.chunked_loss is not None
+
+
+def _own_loss(logits, labels):
+    return logits.float().logsumexp(-1).sum()
+
+
+def test_loss_chunk_tokens_is_refused_for_a_loss_the_model_does_not_compute():
+    import dataclasses
+
+    from torchtitan.models.registry import register_model
+
+    register_model(dataclasses.replace(get_model_spec("llama3"), name="llama3_own_loss", loss_sum_fn=_own_loss))
+    with pytest.raises(UserError, match=r"model llama3_own_loss's loss .* is not one its forward computes chunk by chunk"):
+        preflight(cfg("--model.name", "llama3_own_loss", "--training.loss_chunk_tokens", "64"), world_size=1)
+    preflight(cfg("--model.name", "llama3_own_loss"), world_size=1)

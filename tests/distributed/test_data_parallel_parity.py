@@ -39,6 +39,10 @@ within BF16_TOL of the fp32 single-process run:
   Qwen3 with sliding windows and gpt-oss under CP 2, and CP 4, CP 2 x TP 2, FSDP 2 x CP 2, PP 2 x CP 2
   and Qwen3-MoE EP 2 x CP 2, each within 1e-5 of its one process; a ring CP 2 save at step 3 resumed
   under Ulysses CP 2 and the reverse continue the single process's losses;
+- the output layer and loss in chunks (training.loss_chunk_tokens 48: uneven chunks of each rank's
+  tokens) under FSDP 2, TP 2 (vocabulary-sharded log-sum-exp, with and without loss parallel), PP 2,
+  CP 2 and PP 2 x TP 2, the tied Qwen3 flavor under TP 2 and DeepSeek-V3 with multi-token prediction
+  under TP 2 and PP 2, each within 1e-5 of its unchunked single process, and with validation;
 - validation ([validation], every 3 steps and at the last: 2 global batches of 8 held-out sequences)
   gives the single process's loss within 1e-5 under FSDP 2, TP 2, PP 2 (1F1B, and ZBVZeroBubble's
   two stages per rank), CP 2 and Qwen3-MoE's PP 2 x EP 2, and leaves the training losses and grad
@@ -117,6 +121,8 @@ SINGLE = {
     # single_fp32 with validation: its training losses must be bitwise single_fp32's.
     "single_fp32_val": ["--training.local_batch_size", "8"] + val(8),
 }
+# training.loss_chunk_tokens: 48 tokens, which divides no rank's share (512, 256 or 128 tokens per micro-batch).
+CHUNK = ["--training.loss_chunk_tokens", "48"]
 TWO = {
     "fsdp2": ["--training.local_batch_size", "4"] + val(4),
     "fsdp2_accum2": ["--training.local_batch_size", "2"],
@@ -193,6 +199,17 @@ TWO = {
     "copy_ds_mtp_single": {"copy": ["{tmp}/ds_mtp_single/checkpoint/step-3",
                                     "{tmp}/ds_mtp_pp2_resumed/checkpoint/step-3"]},
     "ds_mtp_pp2_resumed": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
+    "chunk_fsdp2": CHUNK + ["--training.local_batch_size", "4"] + val(4),
+    "chunk_fsdp2_accum2": CHUNK + ["--training.local_batch_size", "2"],
+    "chunk_tp2": CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + val(8),
+    "chunk_tp2_no_loss_parallel": CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree",
+                                           "2", "--parallelism.disable_loss_parallel"],
+    "chunk_pp2": CHUNK + ["--training.local_batch_size", "8"] + PP2 + val(8),
+    "chunk_cp2": CHUNK + ["--training.local_batch_size", "8"] + CP2 + val(8),
+    "qwen3_tied_chunk_tp2": QWEN_TIED + CHUNK + ["--training.local_batch_size", "8",
+                                                 "--parallelism.tensor_parallel_degree", "2"],
+    "ds_mtp_chunk_tp2": DS + MTP2 + CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "ds_mtp_chunk_pp2": DS + MTP2 + CHUNK + ["--training.local_batch_size", "8"] + PP2,
 }
 FOUR = {
     "hsdp2x2_bf16": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
@@ -237,6 +254,7 @@ FOUR = {
     "ds_mtp_pp2_ep2": DS + MTP2 + ["--training.local_batch_size", "4"] + PP2 + EP2,
     "copy_ds_mtp_pp2": {"copy": ["{tmp}/ds_mtp_pp2/checkpoint/step-3", "{tmp}/ds_mtp_fsdp4_resumed/checkpoint/step-3"]},
     "ds_mtp_fsdp4_resumed": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "2"],
+    "chunk_pp2_tp2": CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + PP2,
 }
 EIGHT = {
     "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
@@ -259,6 +277,8 @@ DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", 
               "ds_mtp_ep2", "ds_mtp_tp2", "ds_mtp_cp2", "ds_mtp_pp2", "ds_mtp_pp2_tp2", "ds_mtp_pp2_ep2"]
 MUON_LAYOUTS = ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_cp2", "muon_fsdp2_tp2", "muon_hsdp2x2", "moe_muon_ep2",
                 "moe_muon_ep2_fsdp2", "ds_muon_ep2_fsdp2"]
+CHUNK_LAYOUTS = ["chunk_fsdp2", "chunk_fsdp2_accum2", "chunk_tp2", "chunk_tp2_no_loss_parallel", "chunk_pp2",
+                 "chunk_cp2", "chunk_pp2_tp2", "qwen3_tied_chunk_tp2", "ds_mtp_chunk_tp2", "ds_mtp_chunk_pp2"]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
@@ -437,7 +457,7 @@ def test_mtp_moves_the_gradient_not_the_logged_loss(runs):
      "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2",
      "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2", "qwen3_tied_pp2", "qwen3_tied_pp2_zbv",
      "qwen3_tied_pp2_fsdp2", "qwen3_tied_pp4",
-     *MOE_LAYOUTS, *BC_LAYOUTS, *DS_LAYOUTS, *MUON_LAYOUTS],
+     *MOE_LAYOUTS, *BC_LAYOUTS, *DS_LAYOUTS, *MUON_LAYOUTS, *CHUNK_LAYOUTS],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     reference = reference_of(name)
@@ -519,7 +539,7 @@ def test_metrics_records_have_the_documented_keys(runs):
 
 
 VAL_LAYOUTS = ["fsdp2", "tp2", "pp2_1f1b", "pp2_zbv", "cp2_allgather", "moe_pp2_ep2", "bc_fsdp2", "bc_pp2",
-               "bc_cp2_allgather"]
+               "bc_cp2_allgather", "chunk_fsdp2", "chunk_tp2", "chunk_pp2", "chunk_cp2"]
 
 
 @pytest.mark.parametrize("name", VAL_LAYOUTS)

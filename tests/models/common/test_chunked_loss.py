@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import materialized
+from conftest import losses, materialized, train_in_process
+from torchtitan.models.common import decoder
 from torchtitan.models.common.chunked_loss import forward_loss_fn, linear_cross_entropy_sum
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.models.registry import get_model_spec
@@ -134,3 +135,19 @@ def test_deepseek_multi_token_prediction_chunked_equals_the_stacked_logits():
     with torch.no_grad():
         next_token = model.output_loss_sum(model.norm(model.trunk(inputs)), labels[..., 0])
     torch.testing.assert_close(got[0], next_token, rtol=1e-6, atol=0)
+
+
+def test_the_trainer_computes_the_loss_in_chunks_with_accumulation(tmp_path, monkeypatch):
+    calls = []
+
+    def counting(hidden, weight, labels, chunk_tokens):
+        calls.append((tuple(hidden.shape), chunk_tokens))
+        return linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
+
+    # Two accumulation micro-batches of 4 x 64 tokens per step.
+    argv = ("--training.steps", "3", "--training.local_batch_size", "4")
+    whole = losses(train_in_process(tmp_path / "whole", *argv))
+    monkeypatch.setattr(decoder, "linear_cross_entropy_sum", counting)
+    chunked = losses(train_in_process(tmp_path / "chunked", *argv, "--training.loss_chunk_tokens", "48"))
+    assert len(calls) == 6 and {c[1] for c in calls} == {48} and calls[0][0][:2] == (4, 64)
+    assert max(abs(a - b) for a, b in zip(whole, chunked)) < 1e-5, (whole, chunked)
