@@ -7,7 +7,8 @@ torchtitan.models.common.attention (documents whose boundaries fall inside chunk
 and longer than a chunk, and both). Each case also runs with return_lse (name + "_lse"), where the
 log-sum-exp is compared too and the backward flows through it as well; and gpt-oss's per-head sinks
 on the ring's output and log-sum-exp, with documents and windows, against an explicit softmax with a
-sink column (name + "_sinks"). Rank 0 writes {case: max abs
+sink column (name + "_sinks"); the rotating ring with overlapped transfers against the same ring
+without overlap, bitwise (name "*_overlap_bitwise_*": 0 when equal). Rank 0 writes {case: max abs
 diff of output (and lse) and of the q, k, v gradients}, inf where any of them holds a NaN or inf.
 
     torchrun --nproc_per_node 4 tests/distributed/cp_worker.py OUT.json
@@ -136,6 +137,29 @@ def compare_sinks(cp_mesh, method: str, window: int) -> float:
     return worst.item()
 
 
+def compare_overlap(cp_mesh, window: int | None) -> float:
+    """The rotating ring with its transfers overlapped against the same ring waiting for each transfer at
+    once: 0.0 when output, log-sum-exp and the q, k, v gradients are bitwise equal (torch.equal), else
+    1.0 (documents, a window, grouped-query heads)."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    torch.manual_seed(2)
+    batch, heads, kv_heads, seq, dim = 2, 4, 2, 2 * CHUNK * cp, 16
+    full = [torch.randn(batch, n, seq, dim) for n in (heads, kv_heads, kv_heads)]
+    grad_out, grad_lse = torch.randn(batch, heads, seq, dim), torch.randn(batch, heads, seq)
+    pos = local_positions(seq, cp, rank)
+    docs = shard_sequence(document_rows(seq), pos)
+    results = []
+    for overlap in (True, False):
+        local = [t[:, :, pos].clone().requires_grad_() for t in full]
+        out, lse = ContextParallelAttention(cp_mesh, "alltoall", overlap)(*local, doc_ids=docs, window=window,
+                                                                          return_lse=True)
+        torch.autograd.backward([out, lse], [grad_out[:, :, pos], grad_lse[:, :, pos]])
+        results.append([out, lse] + [t.grad for t in local])
+    same = torch.tensor(0.0 if all(torch.equal(a, b) for a, b in zip(*results)) else 1.0)
+    dist.all_reduce(same, op=dist.ReduceOp.MAX)
+    return same.item()
+
+
 def main(out_path: str):
     dist.init_process_group("gloo")
     results = {}
@@ -149,6 +173,9 @@ def main(out_path: str):
                     results[f"{prefix}_{method}_{name}{suffix}"] = compare(mesh, method, CHUNK, docs, window, lse)
             for window in (5, 10):
                 results[f"{prefix}_{method}_docs_win{window}_sinks"] = compare_sinks(mesh, method, window)
+    for prefix, mesh in (("cp4", mesh4["cp"]), ("cp2", mesh2x2["cp"])):
+        for window in (None, 10):
+            results[f"{prefix}_alltoall_overlap_bitwise_win{window}"] = compare_overlap(mesh, window)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -114,6 +114,9 @@ def test_cp_attention_matches_single_process_attention(tmp_path):
                for method in ("allgather", "alltoall", "ulysses", "ulysses_split")]
     cases = {*layouts, *(f"{layout}_{m}" for layout in layouts for m in masked)}
     sinks = {f"{layout}_docs_win{w}_sinks" for layout in layouts for w in (5, 10)}
-    assert set(results) == cases | {f"{case}_lse" for case in cases} | sinks
+    bitwise = {f"{cp}_alltoall_overlap_bitwise_win{w}" for cp in ("cp4", "cp2") for w in (None, 10)}
+    assert set(results) == cases | {f"{case}_lse" for case in cases} | sinks | bitwise
+    for case in bitwise:  # overlapping the ring's transfers changes no bit of the results
+        assert results[case] == 0.0, f"{case}: overlapped ring differs from the non-overlapping one"
     for case, diff in results.items():  # the worker reports inf for any NaN or inf
         assert diff < 1e-5, f"{case}: output/gradient differs by {diff}"

@@ -58,6 +58,12 @@ class Parallelism:
         "How the ring (context_parallel_method = 'ring') sees the other ranks' keys and values: allgather (gather "
         "them all at once) or alltoall (pass them around the ring one block per step, merging partial softmaxes).",
     )
+    context_parallel_ring_overlap: bool = opt(
+        True,
+        "The rotating ring (context_parallel_rotate_method = 'alltoall'): post the transfer of the next block of "
+        "keys and values (in backward, of their gradient) before computing on the current one, so that the "
+        "transfer overlaps the attention; off, each transfer is waited for at once. Results are bitwise the same.",
+    )
     pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (outermost mesh dimension).")
     pipeline_parallel_schedule: str = opt(
         "1F1B",
@@ -108,6 +114,12 @@ class Parallelism:
             f"got {self.data_parallel_shard_degree}",
         ))
         problems += failed((
+            self.context_parallel_ring_overlap
+            or (self.context_parallel_method == "ring" and self.context_parallel_rotate_method == "alltoall"),
+            "parallelism.context_parallel_ring_overlap = false: only the rotating ring (context_parallel_method = "
+            "'ring', context_parallel_rotate_method = 'alltoall') has transfers to overlap; remove it or choose "
+            "the rotating ring",
+        ), (
             not (self.context_parallel_method == "ulysses" and self.context_parallel_rotate_method != "allgather"),
             f"parallelism.context_parallel_rotate_method = {self.context_parallel_rotate_method!r} chooses how the "
             "ring passes keys and values, but context_parallel_method = 'ulysses' has no ring; remove it or set "

@@ -26,7 +26,9 @@ Rotate methods (`parallelism.context_parallel_rotate_method`):
 - alltoall: a ring of cp steps; at each step every rank attends to one rank's block of keys and
   values and passes the block (with its document ids) on to the next rank (an all-to-all in which
   each rank sends to one peer). Partial results are merged through their log-sum-exp, as in flash
-  attention. Fully masked chunk pairs (later chunks; chunks beyond the window) are skipped.
+  attention. Fully masked chunk pairs (later chunks; chunks beyond the window) are skipped. The
+  transfer of the next block is posted before the current block's attention and waited for after it
+  (`context_parallel_ring_overlap`), in forward and in backward (_RotatePost / _RotateWait).
 Both are differentiated by autograd: the backward of a gather is a reduce-scatter, the backward of a
 rotation is the opposite rotation. Document ids carry no gradient and travel by plain collectives.
 """
@@ -76,29 +78,69 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
-def _shift(x: torch.Tensor, group, offset: int) -> torch.Tensor:
-    """Send `x` to the rank `offset` ahead in the ring and return what the rank `offset` behind sent."""
+def _shift(x: torch.Tensor, group, offset: int, async_op: bool = False):
+    """Send `x` to the rank `offset` ahead in the ring and return what the rank `offset` behind sent;
+    with `async_op`, (the receive buffer, the transfer's work handle) at once, the buffer filled when
+    the work is waited for."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = x.contiguous().view(-1)
     send, recv = [0] * size, [0] * size
     send[(rank + offset) % size] = flat.numel()
     recv[(rank - offset) % size] = flat.numel()
     out = torch.empty_like(flat)
-    dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out.view(x.shape)
+    work = dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                  async_op=async_op)
+    return (out.view(x.shape), work) if async_op else out.view(x.shape)
 
 
-class _Rotate(torch.autograd.Function):
-    """One ring step: receive the previous rank's block; backward sends the gradient back."""
+class _Transfer:
+    """The work handle of a ring transfer in flight, shared by the pair of Functions below."""
+
+    def __init__(self, group, overlap: bool):
+        self.group, self.overlap, self.work = group, overlap, None
+
+    def post(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        out, self.work = _shift(x, self.group, offset, async_op=True)
+        if not self.overlap:  # the non-overlapping ring: wait at once
+            self.wait()
+        return out
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class _RotatePost(torch.autograd.Function):
+    """One ring step, first half: post the transfer of this rank's block to the next rank and return the
+    receive buffer (filled once _RotateWait has run). Backward: wait for the gradient that
+    _RotateWait's backward posted back, so that the posting rank computes meanwhile."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, group, 1)
+    def forward(ctx, x: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+        ctx.transfer = transfer
+        return transfer.post(x, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, ctx.group, -1), None
+        ctx.transfer.wait()
+        return grad, None
+
+
+class _RotateWait(torch.autograd.Function):
+    """One ring step, second half: wait for the block posted by _RotatePost. Backward: post the
+    gradient back to the rank the block came from (the receive buffer is _RotatePost's gradient: its
+    only consumer is this Function, so nothing reads it before the wait)."""
+
+    @staticmethod
+    def forward(ctx, buffer: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+        ctx.transfer = transfer
+        transfer.wait()
+        return buffer.view_as(buffer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.transfer.post(grad, -1), None
 
 
 class _Tie(torch.autograd.Function):
@@ -154,13 +196,14 @@ class ContextParallelAttention:
     `return_lse` it returns (output, lse), lse [batch, heads, local_seq] over the keys of the whole
     sequence (the attention contract of torchtitan.models.common.attention)."""
 
-    def __init__(self, cp_mesh, rotate_method: str):
+    def __init__(self, cp_mesh, rotate_method: str, overlap: bool = True):
         if rotate_method not in ("allgather", "alltoall"):
             raise ValueError(f"unknown context_parallel_rotate_method {rotate_method!r}")
         self.group = cp_mesh.get_group()
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
         self.rotate_method = rotate_method
+        self.overlap = overlap  # the rotating ring: transfer the next block while computing on this one
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -204,10 +247,16 @@ class ContextParallelAttention:
         kv = torch.cat([k, v], dim=-1)
         kv_docs = doc_ids
         for step in range(self.cp):
-            if step > 0:
-                kv = _Rotate.apply(kv, self.group)
+            last = step == self.cp - 1
+            if not last:
+                # Post the next block's transfer before computing on this one (with overlap, the wait
+                # comes after the computation; without, at once). Its backward mirrors it.
+                transfer = _Transfer(self.group, self.overlap)
+                incoming = _RotatePost.apply(kv, transfer)
                 if kv_docs is not None:  # the block's document ids travel with it; no gradient
-                    kv_docs = _shift(kv_docs, self.group, 1)
+                    docs_in, docs_work = _shift(kv_docs, self.group, 1, async_op=True)
+                    if not self.overlap:
+                        docs_work.wait()
             source = (self.rank - step) % self.cp  # whose block this rank holds at this step
             k_block, v_block = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
             k_chunks = _repeat_kv(k_block, repeats).chunk(2, dim=-2)
@@ -222,6 +271,11 @@ class ContextParallelAttention:
                         mask = visible(_chunk_positions(q_id, chunk, q.device), _chunk_positions(k_id, chunk, q.device),
                                        q_docs[qi], k_docs[ki], window)
                     parts[qi].append(math_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
+            if not last:
+                kv = _RotateWait.apply(incoming, transfer)
+                if kv_docs is not None:
+                    docs_work.wait()
+                    kv_docs = docs_in
         outs, lses = zip(*(_merge(p) for p in parts))
         return _Tie.apply(torch.cat(outs, dim=-2), kv).to(q.dtype), torch.cat(lses, dim=-1)
 
@@ -350,20 +404,24 @@ def describe_cp(parallelism) -> str:
     """How context-parallel attention works under `parallelism.context_parallel_method`, for the log: the
     ring replaces the kernel, Ulysses wraps it."""
     if parallelism.context_parallel_method == "ring":
-        return f"ring attention ({parallelism.context_parallel_rotate_method}) in place of the kernel"
+        rotate = parallelism.context_parallel_rotate_method
+        if rotate == "alltoall":
+            rotate += ", transfers overlapped" if parallelism.context_parallel_ring_overlap else ", no overlap"
+        return f"ring attention ({rotate}) in place of the kernel"
     return "Ulysses, all-to-all around the kernel"
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str,
-             blocks=None, method: str = "ring") -> None:
+             blocks=None, method: str = "ring", overlap: bool = True) -> None:
     """Make `model` (a decoder or a pipeline stage of one) run on this rank's share of each sequence:
     the attention of every block (`block.<attention_path>.attention_fn`; `blocks`, default the
     model's layers) becomes context-parallel and the model's rotary positions the global positions
     of the local tokens. `method` "ring": ContextParallelAttention with `rotate_method`; "ulysses":
-    UlyssesAttention around each block's current attention_fn (the kernel the run chose)."""
+    UlyssesAttention around each block's current attention_fn (the kernel the run chose). `overlap`:
+    the rotating ring's transfers overlap its computation."""
     if method not in ("ring", "ulysses"):
         raise ValueError(f"unknown context_parallel_method {method!r}")
-    ring = ContextParallelAttention(cp_mesh, rotate_method) if method == "ring" else None
+    ring = ContextParallelAttention(cp_mesh, rotate_method, overlap) if method == "ring" else None
     wrapped: dict = {}  # one Ulysses wrapper per kernel, so its per-batch document gather is shared
     for block in (model.layers.values() if blocks is None else blocks):
         module = block.get_submodule(attention_path)

@@ -46,7 +46,7 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
         if spec.cp_attention is None:
             raise ValueError(f"model {spec.name} does not support context parallel (its spec has no cp_attention)")
         apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method, spec.cp_attention,
-                 spec.blocks(model), parallelism.context_parallel_method)
+                 spec.blocks(model), parallelism.context_parallel_method, parallelism.context_parallel_ring_overlap)
     ac = inputs.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if training.compile:
