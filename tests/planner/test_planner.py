@@ -110,6 +110,34 @@ def test_memory_terms_follow_the_layout():
     assert last.pp_rank in (0, 1) and (last.logits > 0) == (last.pp_rank == 1)
 
 
+def test_context_parallel_methods_are_searched_and_costed():
+    from torchtitan.planner.plan import candidates
+    from torchtitan.planner.timing import cp_volume
+
+    cfg = config("--training.seq_len", "4096", "--training.global_batch_size", "8")
+    p = planning_of(cfg)
+    # llama3 debugmodel: 16 heads, no grouped-query attention. The ring sends its key/value block cp - 1
+    # times (and the gradients back): 4 (cp - 1) hidden units; Ulysses 8 (cp - 1) / cp.
+    assert [cp_volume("ring", p.args, cp, 1) for cp in (2, 4, 8)] == [4, 12, 28]
+    assert [cp_volume("ulysses", p.args, cp, 1) for cp in (2, 4, 8)] == [4, 6, 7]
+    layouts = {(c.parallelism.context_parallel_degree, c.parallelism.tensor_parallel_degree,
+                c.parallelism.context_parallel_method) for c in candidates(cfg, 8, 8, p.spec, p.args)}
+    assert {(2, 1, "ring"), (2, 1, "ulysses"), (8, 1, "ulysses"), (4, 2, "ulysses")} <= layouts
+    ring = estimate_config(config("--training.seq_len", "4096", "--parallelism.context_parallel_degree", "4"), 4, "cpu")
+    uly = estimate_config(config("--training.seq_len", "4096", "--parallelism.context_parallel_degree", "4",
+                                 "--parallelism.context_parallel_method", "ulysses"), 4, "cpu")
+    assert uly.time.communication < ring.time.communication and uly.layout() == "cp4u" and ring.layout() == "cp4"
+    # A recipe that asks for Ulysses keeps it; a degree that cannot split the heads offers the ring only.
+    fixed = config("--training.seq_len", "4096", "--parallelism.context_parallel_method", "ulysses")
+    assert {c.parallelism.context_parallel_method for c in candidates(fixed, 8, 8, p.spec, p.args)
+            if c.parallelism.context_parallel_degree > 1} == {"ulysses"}
+    qwen = config("--model.name", "qwen3", "--training.seq_len", "4096", "--training.global_batch_size", "8")
+    q = planning_of(qwen)  # 8 query heads: TP 4 leaves 2 per rank, so CP 4 and 8 are ring only
+    methods = {(c.parallelism.context_parallel_degree, c.parallelism.context_parallel_method)
+               for c in candidates(qwen, 16, 16, q.spec, q.args) if c.parallelism.tensor_parallel_degree == 4}
+    assert (4, "ring") in methods and (2, "ulysses") in methods and (4, "ulysses") not in methods
+
+
 def run_plan(*args: str, cwd=REPO):
     return subprocess.run([sys.executable, str(PLAN), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 

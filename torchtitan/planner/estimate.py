@@ -31,9 +31,15 @@ class Estimate:
     def layout(self) -> str:
         d = self.dims
         parts = [f"pp{d.pp}" if d.pp > 1 else "", f"rep{d.dp_replicate}" if d.dp_replicate > 1 else "",
-                 f"fsdp{d.dp_shard}" if d.dp_shard > 1 else "", f"cp{d.cp}" if d.cp > 1 else "",
+                 f"fsdp{d.dp_shard}" if d.dp_shard > 1 else "", self._cp(),
                  f"tp{d.tp}" if d.tp > 1 else "", f"ep{d.ep}" if d.ep > 1 else ""]
         return "x".join(p for p in parts if p) or "single"
+
+    def _cp(self) -> str:
+        """cp2 (the ring) or cp2u (Ulysses)."""
+        if self.dims.cp == 1:
+            return ""
+        return f"cp{self.dims.cp}" + ("u" if self.cfg.parallelism.context_parallel_method == "ulysses" else "")
 
     def ac(self) -> str:
         ac = self.cfg.activation_checkpoint

@@ -3,7 +3,8 @@ ranked (scripts/plan.py is its command line).
 
 Searched: tensor parallel within a node (powers of two whose splits divide the model's sizes),
 pipeline parallel (degrees that give every stage a layer; the recipe's schedule), context parallel
-(powers of two up to 8 dividing the sequence), data parallel sharding and HSDP replicas (one replica
+(powers of two up to 8 dividing the sequence; the ring, and Ulysses where the degree divides the
+query heads per TP rank, unless the recipe sets context_parallel_method = "ulysses"), data parallel sharding and HSDP replicas (one replica
 per node group when FSDP would span more than a node), expert parallel for MoE flavors (powers of two
 dividing the experts and the shard ranks), activation checkpointing (none, op, full) and the
 micro-batch size. A degree the recipe (or the command line) sets to anything but its default is kept
@@ -87,6 +88,22 @@ def _fixed(cfg) -> dict[str, int]:
     return fixed
 
 
+def cp_methods(cfg, args, cp: int, tp: int) -> list[dict]:
+    """The context-parallel methods searched at degree `cp` (as parallelism settings): the ring with the
+    recipe's rotate method, and Ulysses where cp divides the query heads of a TP rank; only the recipe's
+    method where it sets one other than the default ring."""
+    p = cfg.parallelism
+    ring = {"context_parallel_method": "ring"}
+    ulysses = {"context_parallel_method": "ulysses", "context_parallel_rotate_method": "allgather",
+               "context_parallel_ring_overlap": True}
+    if cp == 1:
+        return [{}]
+    if p.context_parallel_method == "ulysses":
+        return [ulysses]
+    heads = getattr(args, "n_heads", None)
+    return [ring] + ([ulysses] if heads is not None and (heads // tp) % cp == 0 else [])
+
+
 def _global_batch(cfg, world_size: int) -> int:
     """The global batch in sequences the planner keeps (module docstring)."""
     t = cfg.training
@@ -165,7 +182,7 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                         eps = options("expert_parallel_degree",
                                       [e for e in _powers_of_two(num_experts) if num_experts % e == 0
                                        and (shard * cp) % e == 0])
-                    for ep, (mode, option) in itertools.product(eps, AC_MODES):
+                    for ep, (mode, option), method in itertools.product(eps, AC_MODES, cp_methods(cfg, args, cp, tp)):
                         local = global_batch // dp
                         micros = [m for m in (1, 2, 4, 8) if local % m == 0 and (pp == 1 or local // m >= pp)]
                         for micro in (micros if pp > 1 else [local]):
@@ -174,7 +191,8 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                                 parallelism={"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
                                              "context_parallel_degree": cp, "data_parallel_replicate_degree": rep,
                                              "data_parallel_shard_degree": shard, "expert_parallel_degree": ep,
-                                             "pipeline_parallel_microbatch_size": micro if pp > 1 else 1},
+                                             "pipeline_parallel_microbatch_size": micro if pp > 1 else 1,
+                                             **method},
                                 training={"local_batch_size": local, "global_batch_size": global_batch},
                                 activation_checkpoint={"mode": mode, "selective_ac_option": option},
                             )

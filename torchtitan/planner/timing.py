@@ -12,7 +12,9 @@ over stated bandwidths, and the pipeline bubble of the schedule.
   forward) per micro-batch of gradient accumulation, reduce-scatter of the gradients;
   TP (sequence parallel): per block and micro-batch 4 collectives of the block's input in forward and
   4 in backward;
-  CP: per block the keys and values gathered in forward, their gradients reduce-scattered in backward;
+  CP: per block, ring: the keys and values gathered (or rotated) in forward, their gradients
+  reduce-scattered (rotated back) in backward; Ulysses: q, k, v and the output through all-to-alls in
+  forward and backward (cp_volume);
   EP: per MoE block 2 all-to-alls of the routed tokens in forward, 2 in backward;
   PP: each micro-batch's activations sent forward and their gradients back, per stage boundary.
   FSDP's traffic overlaps compute (only what exceeds it counts); the others are exposed.
@@ -21,6 +23,7 @@ over stated bandwidths, and the pipeline bubble of the schedule.
   weight-gradient filling).
 """
 
+import math
 from dataclasses import dataclass
 
 from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
@@ -54,6 +57,22 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def cp_volume(method: str, args, cp: int, tp: int) -> float:
+    """Bytes a rank sends per attention layer for context parallel (forward and backward), in units of its
+    hidden activations (local tokens x dim). Ring: its key and value block (2 units) to the next rank cp - 1
+    times, and their gradients back. Ulysses: (cp - 1) / cp of its q, k, v (the KV heads, repeated where cp
+    does not divide them) and of the output, in forward and again in backward; it moves less than the
+    ring from cp = 3 on (and at cp = 2 for grouped-query heads) but waits for its transfers, while the
+    rotating ring can overlap them with its blocks' attention (counted as exposed here all the same)."""
+    if method != "ulysses":
+        return 4 * (cp - 1)
+    heads = getattr(args, "n_heads", 1) // max(tp, 1)
+    kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or getattr(args, "n_heads", 1)
+    kv = kv // max(tp, 1)
+    kv *= cp // math.gcd(kv, cp)  # repeated so that the cp head groups each get whole KV heads
+    return 2 * (2 + 2 * min(kv, heads) / heads) * _ring(cp)
+
+
 def step_time(flops_per_token: float, args, dims, cfg, gathered_elements: float, n_moe_blocks_per_stage: int,
               hw: Hardware) -> StepTime:
     """Seconds per optimizer step. `flops_per_token`: the spec's training FLOPs per token;
@@ -84,7 +103,8 @@ def step_time(flops_per_token: float, args, dims, cfg, gathered_elements: float,
     if dims.tp > 1:
         comm += 8 * layers * hidden * _ring(dims.tp) / _bandwidth(hw, dims.tp)
     if dims.cp > 1:
-        comm += 4 * layers * hidden / dims.tp * _ring(dims.cp) * dims.cp / _bandwidth(hw, dims.cp * dims.tp)
+        comm += layers * cp_volume(par.context_parallel_method, args, dims.cp, dims.tp) * hidden / dims.tp \
+            / _bandwidth(hw, dims.cp * dims.tp)
     if dims.ep > 1 and n_moe_blocks_per_stage:
         top_k = args.moe.top_k
         comm += 4 * n_moe_blocks_per_stage * hidden / dims.tp * top_k * _ring(dims.ep) / _bandwidth(
