@@ -314,14 +314,17 @@ def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len:
     return float(sum(kept)), float(max(per_block))
 
 
-def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int) -> tuple[float, float]:
+def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int,
+                 output_kept: bool) -> tuple[float, float]:
     """The last stage's output and loss: (what stays until the loss's backward: the final norm's input
-    and gathered output, the logits in the compute dtype and cross-entropy's float32 log-softmax; what
-    its backward adds: the float32 gradients of the log-softmax and of its input, live together, and
-    under loss parallel a third, DTensor's sharded log-softmax backward's own)."""
+    and gathered output, cross-entropy's float32 log-softmax and, where something holds the model's
+    output (`output_kept`: a pipeline stage keeps it for its backward), the logits in the compute
+    dtype, which the loss does not save; what its backward adds: the float32 gradients of the
+    log-softmax and of its input, live together, and under loss parallel a third, DTensor's sharded
+    log-softmax backward's own)."""
     sharded = loss_parallel and tp > 1
     vocab = args.vocab_size / (tp if sharded else 1)
-    kept = tokens * (vocab * (act_bytes + 4) + args.dim * (act_bytes + act_bytes / tp + 4))
+    kept = tokens * (vocab * ((act_bytes if output_kept else 0) + 4) + args.dim * (act_bytes + act_bytes / tp + 4))
     return kept, tokens * vocab * (12 if sharded else 8)
 
 
@@ -380,7 +383,8 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         last = spec.pipeline.after[-1] in modules
         # Logits come out in the training dtype under FSDP's policy and under autocast alike.
         logit_bytes = DTYPE_BYTES[t.mixed_precision_param]
-        logits_kept, loss_backward = (logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes)
+        logits_kept, loss_backward = (logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes,
+                                                   output_kept=dims.pp > 1)
                                       if last else (0.0, 0.0))
         # Multi-token prediction's blocks feed the output layer and the loss again: their logits and
         # log-softmax are kept together; the loss's backward runs one output at a time.
