@@ -107,7 +107,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[start:start + chunk_tokens] = grad @ w
                 if grad_weight is not None:
-                    grad_weight += (grad.t() @ h).float()
+                    if compute == torch.float32:  # summed in place: no [vocab, dim] temporary per chunk
+                        grad_weight.addmm_(grad.t(), h)
+                    else:
+                        grad_weight += (grad.t() @ h).float()
         ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
