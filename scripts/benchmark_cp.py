@@ -1,0 +1,108 @@
+"""Context-parallel methods against each other: the trainer under CP N with the ring (gathered keys and
+values; rotating, with and without overlapped transfers) and with Ulysses (all-to-all), at one or more
+sequence lengths, each variant its own torchrun launch (run_train.sh).
+
+    python scripts/benchmark_cp.py [--nproc 2] [--seq 4096,16384] [--steps 6] [--warmup 2] [--repeat 1] \\
+        [--variants allgather,alltoall,alltoall_no_overlap,ulysses] [overrides as for run_train.sh]
+
+Every launch trains the recipe (default train_configs/debug_model.toml) for S steps with one sequence of
+seq tokens per step (local and global batch 1: every rank holds seq / N tokens of it), fp32, logging
+every step into a temporary dump folder. Reported per variant and length: the median over the steps
+after the first W (pooled over the repeats) of rank 0's tokens/s (its own tokens: seq / N per step),
+of its step time, and the largest peak memory rank 0 reported (max RSS on CPU, max allocated on
+CUDA). --repeat R runs the variants R times in rotating order, so that a drift of the machine's load
+falls on all of them. A launch that fails (e.g. out of memory) is reported as such, and the others go on.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = {
+    "allgather": ["--parallelism.context_parallel_rotate_method", "allgather"],
+    "alltoall": ["--parallelism.context_parallel_rotate_method", "alltoall"],
+    "alltoall_no_overlap": ["--parallelism.context_parallel_rotate_method", "alltoall",
+                            "--parallelism.no-context_parallel_ring_overlap"],
+    "ulysses": ["--parallelism.context_parallel_method", "ulysses"],
+}
+LABELS = {"allgather": "ring, gathered (allgather)", "alltoall": "ring, rotating, overlapped",
+          "alltoall_no_overlap": "ring, rotating, no overlap", "ulysses": "Ulysses (all-to-all)"}
+
+
+def run_one(nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path,
+            timeout: int) -> list[dict] | str:
+    """Rank 0's per-step records of one launch, or the reason it failed."""
+    argv = ["--training.steps", str(steps), "--training.seq_len", str(seq), "--training.local_batch_size", "1",
+            "--training.global_batch_size", "1", "--training.mixed_precision_param", "float32",
+            "--parallelism.context_parallel_degree", str(nproc), "--metrics.log_freq", "1",
+            "--job.dump_folder", str(folder), *VARIANTS[variant], *overrides]
+    env = dict(os.environ, NGPU=str(nproc))
+    try:
+        proc = subprocess.run([str(REPO / "run_train.sh"), *argv], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout} s"
+    metrics = folder / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"failed ({proc.returncode}): {tail[0][:200]}"
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "tps" in r]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--seq", default="4096")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    opts, overrides = parser.parse_known_args(argv)
+    variants = opts.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if not any(a == "--job.config_file" for a in overrides):
+        overrides = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides]
+    print(f"CP {opts.nproc}, {opts.steps} steps (median after {opts.warmup}), {opts.repeat} repeat(s); "
+          f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq in (int(s) for s in opts.seq.split(",")):
+            pooled: dict[str, list[dict] | str] = {v: [] for v in variants}
+            for r in range(opts.repeat):
+                order = variants[r % len(variants):] + variants[:r % len(variants)]
+                for variant in order:
+                    if isinstance(pooled[variant], str):
+                        continue  # failed before: do not try again
+                    got = run_one(opts.nproc, seq, opts.steps, variant, overrides,
+                                  Path(tmp) / f"{variant}_{seq}_{r}", opts.timeout)
+                    pooled[variant] = got if isinstance(got, str) else pooled[variant] + got[opts.warmup:]
+                    print(f"  seq {seq} {variant} repeat {r}: {'ok' if not isinstance(got, str) else got}", flush=True)
+            for variant in variants:
+                records = pooled[variant]
+                if isinstance(records, str) or not records:
+                    rows.append((seq, variant, None, None, None, records or "no steps"))
+                    continue
+                tps = statistics.median(r["tps"] for r in records)
+                rows.append((seq, variant, tps, seq / opts.nproc / tps, max(r["memory_gib"] for r in records), ""))
+    print(f"\n| seq | CP | method | tokens/s per rank | step time (s) | peak memory (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for seq, variant, tps, step, mem, note in rows:
+        if tps is None:
+            print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {note} | | |")
+        else:
+            print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {tps:,.0f} | {step:.2f} | {mem:.2f} |")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
