@@ -168,7 +168,7 @@ def test_a_killed_worker_is_restarted_then_reported_in_one_line(tmp_path):
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGKILL
+    assert proc.returncode == 128 + signal.SIGKILL, err[-5000:]
     launcher_lines = [line for line in err.splitlines() if not line.startswith("[rank")]
     match = re.fullmatch(r"error: training failed: rank 1 was killed by SIGKILL; its output: (\S+)",
                          launcher_lines[-1])
