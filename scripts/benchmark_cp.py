@@ -14,7 +14,6 @@ CUDA). --repeat R runs the variants R times in rotating order, so that a drift o
 falls on all of them. A launch that fails (e.g. out of memory) is reported as such, and the others go on.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -35,13 +34,18 @@ LABELS = {"allgather": "ring, gathered (allgather)", "alltoall": "ring, rotating
           "alltoall_no_overlap": "ring, rotating, no overlap", "ulysses": "Ulysses (all-to-all)"}
 
 
+def launch_argv(nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path) -> list[str]:
+    """The trainer's arguments for one variant: the overrides come last, so the recipe's config file leads."""
+    return [*overrides, "--training.steps", str(steps), "--training.seq_len", str(seq), "--training.local_batch_size",
+            "1", "--training.global_batch_size", "1", "--training.mixed_precision_param", "float32",
+            "--parallelism.context_parallel_degree", str(nproc), "--metrics.log_freq", "1",
+            "--job.dump_folder", str(folder), *VARIANTS[variant]]
+
+
 def run_one(nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path,
             timeout: int) -> list[dict] | str:
     """Rank 0's per-step records of one launch, or the reason it failed."""
-    argv = ["--training.steps", str(steps), "--training.seq_len", str(seq), "--training.local_batch_size", "1",
-            "--training.global_batch_size", "1", "--training.mixed_precision_param", "float32",
-            "--parallelism.context_parallel_degree", str(nproc), "--metrics.log_freq", "1",
-            "--job.dump_folder", str(folder), *VARIANTS[variant], *overrides]
+    argv = launch_argv(nproc, seq, steps, variant, overrides, folder)
     env = dict(os.environ, NGPU=str(nproc))
     try:
         proc = subprocess.run([str(REPO / "run_train.sh"), *argv], cwd=REPO, env=env, capture_output=True,
@@ -56,21 +60,30 @@ def run_one(nproc: int, seq: int, steps: int, variant: str, overrides: list[str]
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    from torchtitan.config.errors import ArgumentParser, positive_int
+    from torchtitan.preflight import check
+
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--seq", default="4096")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=positive_int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--repeat", type=positive_int, default=1)
+    parser.add_argument("--timeout", type=positive_int, default=900)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     opts, overrides = parser.parse_known_args(argv)
     variants = opts.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    if not all(s.isdigit() and int(s) > 0 for s in opts.seq.split(",")):
+        parser.error(f"--seq {opts.seq}: comma-separated sequence lengths of 1 or more")
     if not any(a == "--job.config_file" for a in overrides):
         overrides = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides]
+    for seq in opts.seq.split(","):  # the trainer's own checks, before any launch: one line and exit 2
+        for variant in variants:
+            check(launch_argv(opts.nproc, int(seq), opts.steps, variant, overrides, Path("/tmp/unused")),
+                  opts.nproc, check_lock=False)
     print(f"CP {opts.nproc}, {opts.steps} steps (median after {opts.warmup}), {opts.repeat} repeat(s); "
           f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
@@ -105,4 +118,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.path.insert(0, str(REPO))
+    from torchtitan.config.errors import run_main
+
+    sys.exit(run_main(main, sys.argv[1:]))

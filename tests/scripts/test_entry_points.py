@@ -136,6 +136,10 @@ CASES = {
     "benchmark_startup unknown mode": (["benchmark_startup.py", "--modes", "nope"], "unknown modes ['nope']"),
     "benchmark_startup bad count": (["benchmark_startup.py", "--nproc", "x"], "--nproc must be an integer"),
     # The trainer's own checks before any run is launched.
+    "benchmark_cp unknown variant": (["benchmark_cp.py", "--variants", "ring"], "--variants: unknown ['ring']"),
+    "benchmark_cp Ulysses degree that cannot split the heads": (
+        ["benchmark_cp.py", "--nproc", "3", "--seq", "96", "--variants", "ulysses"],
+        "The largest degree that works is 2"),
     "benchmark unknown flavor": (["benchmark.py", "--model.flavor", "nope"], "unknown model.flavor 'nope'"),
     "generate seed": (["generate.py", "--checkpoint", "{t}", "--prompt", "x", "--seed", "-1"],
                       "--seed must be in [0, 2**64)"),
