@@ -10,7 +10,9 @@ another's (RSS maxima only grow). The process builds the hidden states [tokens, 
 gradient, as the final norm's output does), the output weight [vocab, dim] in float32 and the labels
 (one in ten IGNORE_INDEX), then times `repeat` forward+backward passes (after one untimed pass on
 CUDA); the loss is float32 in every case. bfloat16 is the trainer's one-process mixed precision:
-float32 weights under torch.autocast(bfloat16). Reported per case: the median time, and the peak
+float32 weights under torch.autocast(bfloat16). Reported per case: the median wall time and process
+CPU time (on a shared CPU host the wall time follows the load of others; the CPU time, all threads
+together, much less: compare that), and the peak
 memory the pass needs beyond its inputs: on CPU the process's RSS high-water mark above its RSS
 before the first pass, on CUDA the allocator's peak above what was allocated before; both include
 the weight's and the hidden states' gradients, which exist whatever the path (the next column leaves
@@ -123,20 +125,21 @@ def one_case(tokens: int, dim: int, vocab: int, dtype: str, chunk: int, recomput
         torch.cuda.reset_peak_memory_stats()
     else:
         before = rss_bytes()
-    times, loss = [], None
+    times, cpu_times, loss = [], [], None
     for _ in range(repeat):
         hidden.grad = weight.grad = None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - before
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     grads = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    return {"time_s": statistics.median(times), "peak_gib": peak / 2**30, "activations_gib": (peak - grads) / 2**30,
+    return {"time_s": statistics.median(times), "cpu_s": statistics.median(cpu_times), "peak_gib": peak / 2**30, "activations_gib": (peak - grads) / 2**30,
             "loss": loss, "device": device.type}
 
 
@@ -226,8 +229,8 @@ def main(argv: list[str]) -> int:
     print(f"output layer + loss, forward and backward: {args.tokens} tokens, hidden {args.dim}, "
           f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}, "
           f"median of {args.repeat}")
-    print("| vocab | dtype | chunk tokens | peak GiB | of which not gradients | time s | peak, time vs whole |")
-    print("|---|---|---|---|---|---|---|")
+    print("| vocab | dtype | chunk tokens | peak GiB | of which not gradients | time s | CPU s | peak, CPU s vs whole |")
+    print("|---|---|---|---|---|---|---|---|")
     for vocab in map(int, args.vocab.split(",")):
         for dtype in args.dtype.split(","):
             cases = [(int(c), False) for c in args.chunks.split(",")] + ([(args.recompute, True)] if args.recompute else [])
@@ -238,15 +241,15 @@ def main(argv: list[str]) -> int:
                 out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
                                      text=True)
                 if out.returncode != 0:
-                    print(f"| {vocab:,} | {dtype} | {chunk} | failed: {out.stderr.strip().splitlines()[-1]} | | | |")
+                    print(f"| {vocab:,} | {dtype} | {chunk} | failed: {out.stderr.strip().splitlines()[-1]} | | | | |")
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 if chunk == 0:
                     whole = r
                 name = "whole logits" if chunk == 0 else f"{chunk}" + (" (recompute in backward)" if recompute else "")
-                ratio = f"{r['peak_gib'] / whole['peak_gib']:.2f}, {r['time_s'] / whole['time_s']:.2f}" if whole else ""
+                ratio = f"{r['peak_gib'] / whole['peak_gib']:.2f}, {r['cpu_s'] / whole['cpu_s']:.2f}" if whole else ""
                 print(f"| {vocab:,} | {dtype} | {name} | {r['peak_gib']:.2f} | {r['activations_gib']:.2f} | "
-                      f"{r['time_s']:.2f} | {ratio} |", flush=True)
+                      f"{r['time_s']:.2f} | {r['cpu_s']:.1f} | {ratio} |", flush=True)
     return 0
 
 

@@ -93,7 +93,10 @@ def test_qwen3_chunked_equals_the_whole_logits_in_float32(flavor):
         assert model.output.weight is model.tok_embeddings.weight
 
 
-def test_qwen3_chunked_under_bf16_autocast_is_close():
+def test_qwen3_chunked_under_bf16_autocast_is_close(monkeypatch):
+    from torchtitan.models.common import chunked_loss
+
+    monkeypatch.setattr(chunked_loss, "_ROW_BLOCK", 100)  # the weight gradient in 6 blocks of rows, one partial
     spec = get_model_spec("qwen3")
     args = spec.args_for_training("debugmodel", 512, 24)
     model = materialized(spec.model_cls, args)

@@ -67,6 +67,11 @@ def _vocab_shard(weight: DTensor):
     return mesh.get_group(dim), rows * mesh.get_local_rank(dim), vocab
 
 
+# Under a lower compute dtype, the weight gradient's rows summed per chunk this many at a time: the
+# temporaries are [_ROW_BLOCK, dim] (not [vocab, dim], the weight's size, in two dtypes).
+_ROW_BLOCK = 16384
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens, compute, group, offset, want_grads):
@@ -109,8 +114,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_weight is not None:
                     if compute == torch.float32:  # summed in place: no [vocab, dim] temporary per chunk
                         grad_weight.addmm_(grad.t(), h)
-                    else:
-                        grad_weight += (grad.t() @ h).float()
+                    else:  # the compute dtype's products summed in float32, a block of rows at a time
+                        for row in range(0, rows, _ROW_BLOCK):
+                            grad_weight[row:row + _ROW_BLOCK] += (grad[:, row:row + _ROW_BLOCK].t() @ h).float()
         ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
