@@ -90,22 +90,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 mine = (local >= 0) & (local < rows)  # IGNORE_INDEX is negative: never anyone's
                 index = torch.where(mine, local, 0)
                 label_logit = logits.gather(1, index[:, None]).squeeze(1) * mine
-                if group is None:
-                    lse = torch.logsumexp(logits, dim=1)
-                else:
-                    top = logits.max(dim=1).values
+                top = logits.amax(dim=1)
+                if group is not None:
                     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-                    top = torch.where(torch.isfinite(top), top, 0.0)
-                    sum_exp = (logits - top[:, None]).exp().sum(dim=1)
+                # exp(logits - max), in place: the chunk's one [chunk, vocab] float32 tensor, which
+                # becomes the softmax, then the gradient.
+                exp = logits.sub_(top[:, None]).exp_()
+                sum_exp = exp.sum(dim=1)
+                if group is not None:
                     dist.all_reduce(sum_exp, group=group)
                     dist.all_reduce(label_logit, group=group)
-                    lse = top + sum_exp.log()
+                lse = top + sum_exp.log()
                 valid = y != IGNORE_INDEX
                 total += torch.where(valid, lse - label_logit, 0.0).sum()
                 if grad_hidden is None and grad_weight is None:
                     continue
                 # d loss / d logits: softmax minus the one-hot label, zero on rows that do not count.
-                grad = logits.sub_(lse[:, None]).exp_()
+                grad = exp.div_(sum_exp[:, None])
                 grad[mine.nonzero().squeeze(1), index[mine]] -= 1.0
                 grad.mul_(valid[:, None])
                 grad = grad.to(compute)
