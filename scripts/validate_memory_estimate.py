@@ -29,6 +29,7 @@ BASE = ["--training.steps", "6", "--metrics.log_freq", "1", "--training.seq_len"
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 # (name, processes, overrides). bf16 under FSDP's policy (bf16 parameters for compute) where FSDP
 # shards; without it under autocast over float32 parameters (single, tp2, pp2_1f1b); single_fp32 in
 # float32.
@@ -56,6 +57,9 @@ LAYOUTS = [
                                     "--float8.enable_fsdp_float8_all_gather"]),
     ("dsv3_fsdp2", 2, DSV3),
     ("dsv3_mtp_fsdp2", 2, DSV3 + ["--model.mtp_depth", "1"]),
+    ("gpt_oss_fsdp2", 2, GPT_OSS),
+    ("gpt_oss_ep2_op_ac", 2, GPT_OSS + ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
+                                        "selective", "--activation_checkpoint.selective_ac_option", "op"]),
 ]
 
 

@@ -88,6 +88,7 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 # with biases and the clamped SwiGLU, top-4, no balancing bias (as published; gpt_oss/args.py says why).
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 GPT_OSS_LAYOUTS = ["bc_gpt_oss_fsdp2", "bc_gpt_oss_tp2", "bc_gpt_oss_pp2", "bc_gpt_oss_cp2", "bc_gpt_oss_ep2",
+                   "bc_gpt_oss_ep2_ac_op",
                    "bc_gpt_oss_ep2_fsdp2", "bc_gpt_oss_ep2_tp2"]
 # Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
@@ -388,7 +389,11 @@ def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
         return {"bc_gpt_oss_fsdp2": gpt_oss + lb(4), "bc_gpt_oss_tp2": gpt_oss + lb(8) + tp2,
                 "bc_gpt_oss_pp2": gpt_oss + lb(8) + PP2,
                 "bc_gpt_oss_cp2": gpt_oss + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
-                "bc_gpt_oss_ep2": gpt_oss + lb(4) + EP2}
+                "bc_gpt_oss_ep2": gpt_oss + lb(4) + EP2,
+                # The op policy inside blocks whose experts FSDP wraps apart (their hooks' profiler marks
+                # run inside the checkpointed region) and with biased projections (addmm).
+                "bc_gpt_oss_ep2_ac_op": gpt_oss + lb(4) + EP2 + ["--activation_checkpoint.mode", "selective",
+                                                                 "--activation_checkpoint.selective_ac_option", "op"]}
     return {"bc_gpt_oss_ep2_fsdp2": gpt_oss + lb(2) + EP2, "bc_gpt_oss_ep2_tp2": gpt_oss + lb(4) + tp2 + EP2}
 
 

@@ -15,7 +15,8 @@ from torchtitan.models.registry import get_model_spec
 from torchtitan.planner.allocations import kept_by
 
 CASES = [("llama3", "debugmodel", "1"), ("qwen3", "debugmodel", "1"), ("qwen3", "debugmodel_moe", "1"),
-         ("deepseek_v3", "debugmodel", "0"), ("deepseek_v3", "debugmodel", "1")]
+         ("deepseek_v3", "debugmodel", "0"), ("deepseek_v3", "debugmodel", "1"),
+         ("gpt_oss", "debugmodel", "0"), ("gpt_oss", "debugmodel", "1")]  # a windowed layer, a full one
 
 
 def traced_bytes_per_token(model, layer: str, batch: int, seq: int, dtype) -> float:

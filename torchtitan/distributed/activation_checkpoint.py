@@ -15,7 +15,7 @@ The per-operator policy ("selective" with "op") recomputes the whole block in ba
 outputs of expensive operators, which are kept from forward:
 - attention (every SDPA kernel: flash, memory-efficient, cuDNN, the fused "overrideable" one and
   the CPU flash kernel): the most expensive op per byte of output;
-- matmuls (`aten.mm`), but only every other one (the 1st, 3rd, ... in each block), which halves the
+- matmuls (`aten.mm`, and `aten.addmm` for a linear layer with a bias), but only every other one (the 1st, 3rd, ... in each block), which halves the
   memory that saving all of them would cost while still sparing half of the recompute FLOPs;
 - `aten.max` (the amax of float8 scaling: a scalar, so free to keep) and the reduce-scatter of
   sequence parallelism (recomputing it would repeat communication).
@@ -36,6 +36,8 @@ from torch.utils.checkpoint import (
 MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten
+# A linear layer with a bias is one addmm: a matmul like the others.
+_MATMULS = (_aten.mm.default, _aten.addmm.default)
 _SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
@@ -73,14 +75,30 @@ def _parse_selective_option(option) -> tuple[int, object]:
     raise ValueError(f"selective activation checkpointing takes a positive integer or 'op', got {option!r}")
 
 
+def _run_profiler_marks_in_recompute() -> None:
+    """FSDP's hooks on a module inside a checkpointed block (the experts under expert parallel) mark
+    their work with record_function, a different number of times in forward and in the recompute,
+    and torch's selective checkpointing matches every op of the recompute to one of the forward's
+    ("invocation index 3 encountered during backward but not found in storage"). A profiler mark
+    has nothing to save or reuse: it runs each time, as torch already does for detach."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    profiler = torch.ops.profiler
+    torch_checkpoint.SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default,
+                                             profiler._record_function_enter.default,
+                                             profiler._record_function_exit.default,
+                                             profiler._record_function_exit._RecordFunction})
+
+
 def op_policy_context():
     """A fresh (forward, recompute) context pair per checkpointed call, as `checkpoint` expects."""
+    _run_profiler_marks_in_recompute()
     # The same policy function serves forward and recompute; each phase counts its own matmuls so
     # that both agree on which ones were saved.
     mm_count = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs):
-        if func is _aten.mm.default:
+        if func in _MATMULS:
             mm_count[ctx.is_recompute] += 1
             odd = mm_count[ctx.is_recompute] % 2 == 1
             return CheckpointPolicy.MUST_SAVE if odd else CheckpointPolicy.PREFER_RECOMPUTE

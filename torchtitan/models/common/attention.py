@@ -73,12 +73,16 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     log-sum-exp is differentiable: (output [..., q, v_dim], lse [..., q]). `mask` (boolean, broadcastable
     to the scores; None: every key visible) may hide every key of a query row: such a row gets output 0
     and lse -inf (it then adds nothing where partial results are merged), without NaN either way."""
+    if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
+        # Autocast would run the two matmuls, and so the softmax after them, in bf16.
+        with torch.autocast(q.device.type, enabled=False):
+            return math_attention(q, k, v, mask)
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     # Shift by the row max for stability. The shift cancels in both results, so it needs no
     # gradient; an empty row (max -inf) is shifted by 0 instead, which keeps exp() at 0, not NaN.
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
