@@ -110,6 +110,30 @@ def test_memory_terms_follow_the_layout():
     assert last.pp_rank in (0, 1) and (last.logits > 0) == (last.pp_rank == 1)
 
 
+def test_the_logits_terms_follow_the_loss_chunk_size():
+    # The debug recipe on one process: micro-batches of 4 x 256 = 1,024 tokens, a 4,096-token vocabulary.
+    def memory(*args):
+        return estimate_config(config(*args), 1, "cpu").memory
+
+    whole = memory()
+    chunks = {n: memory("--training.loss_chunk_tokens", str(n)) for n in (128, 256, 512, 1024, 4096)}
+    # Kept until backward: the gradients of the final norm's output and of the output weight, not the
+    # log-softmax of every token (7.3 MB against 18.9: at this small vocabulary the weight's gradient,
+    # 4 MB, is a large share); the chunk's logits exist during the forward only (in activations' peak).
+    assert chunks[128].logits == chunks[512].logits < whole.logits / 2
+    assert chunks[128].activations < chunks[256].activations < chunks[512].activations < whole.activations
+    step = chunks[256].activations - chunks[128].activations
+    assert chunks[512].activations - chunks[256].activations == pytest.approx(2 * step)
+    assert chunks[4096].activations == chunks[1024].activations  # a chunk holds at most the micro-batch
+    # [memory_estimation] prints the same estimate before launch (in GiB to 2 places: 0.02 and 0.01).
+    from torchtitan.preflight import preflight
+
+    lines = [preflight(config("--memory_estimation.enabled", *args), 1).memory_estimate
+             for args in ((), ("--training.loss_chunk_tokens", "128"))]
+    logits = [float(re.search(r"logits ([0-9.]+)", line).group(1)) for line in lines]
+    assert logits[1] < logits[0], lines
+
+
 def test_context_parallel_methods_are_searched_and_costed():
     from torchtitan.planner.plan import candidates
     from torchtitan.planner.timing import cp_volume

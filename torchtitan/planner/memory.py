@@ -328,6 +328,20 @@ def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int
     return kept, tokens * vocab * (12 if sharded else 8)
 
 
+def chunked_logits_bytes(args, tokens: int, tp: int, act_bytes: int, chunk_tokens: int) -> tuple[float, float]:
+    """logits_bytes under training.loss_chunk_tokens (torchtitan.models.common.chunked_loss), whose
+    forward computes the loss and its gradients a chunk of tokens at a time: (what stays until the
+    backward: the final norm's tensors, as above, and the gradients the forward computed, for the
+    final norm's output (every token, float32 at most) and for the output weight (this rank's rows
+    of the vocabulary, float32); what one chunk adds while it is computed: its float32 logits, which
+    become the softmax and the gradient in place, and under a lower compute dtype the matmul's
+    output, then the gradient's copy in that dtype, either beside the float32 tensor). Under TP each rank computes its vocabulary shard's
+    logits whether or not loss parallel is on; a pipeline stage's output is the loss itself."""
+    vocab = args.vocab_size / tp
+    kept = tokens * args.dim * (act_bytes + act_bytes / tp + 4 + 4) + vocab * args.dim * 4
+    return kept, min(chunk_tokens, tokens) * vocab * (4 + (act_bytes if act_bytes < 4 else 0))
+
+
 # ---- the estimate ----
 
 
@@ -383,9 +397,13 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         last = spec.pipeline.after[-1] in modules
         # Logits come out in the training dtype under FSDP's policy and under autocast alike.
         logit_bytes = DTYPE_BYTES[t.mixed_precision_param]
-        logits_kept, loss_backward = (logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes,
-                                                   output_kept=dims.pp > 1)
-                                      if last else (0.0, 0.0))
+        if not last:
+            logits_kept, loss_backward = 0.0, 0.0
+        elif t.loss_chunk_tokens:
+            logits_kept, loss_backward = chunked_logits_bytes(args, tokens, dims.tp, logit_bytes, t.loss_chunk_tokens)
+        else:
+            logits_kept, loss_backward = logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes,
+                                                      output_kept=dims.pp > 1)
         # Multi-token prediction's blocks feed the output layer and the loss again: their logits and
         # log-softmax are kept together; the loss's backward runs one output at a time.
         logits_kept *= 1 + sum(block_counts(spec, args, b, seq).outputs for b in blocks)

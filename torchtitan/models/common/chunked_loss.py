@@ -75,49 +75,16 @@ _ROW_BLOCK = 16384
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens, compute, group, offset, want_grads):
-        n, rows = hidden.shape[0], weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if want_grads and ctx.needs_input_grad[0] else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
                 if want_grads and ctx.needs_input_grad[1] else None
-            for start in range(0, n, chunk_tokens):
-                h = hidden[start:start + chunk_tokens].to(compute)
-                y = labels[start:start + chunk_tokens]
-                logits = (h @ w.t()).float()
-                local = y - offset
-                mine = (local >= 0) & (local < rows)  # IGNORE_INDEX is negative: never anyone's
-                index = torch.where(mine, local, 0)
-                label_logit = logits.gather(1, index[:, None]).squeeze(1) * mine
-                top = logits.amax(dim=1)
-                if group is not None:
-                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-                # exp(logits - max), in place: the chunk's one [chunk, vocab] float32 tensor, which
-                # becomes the softmax, then the gradient.
-                exp = logits.sub_(top[:, None]).exp_()
-                sum_exp = exp.sum(dim=1)
-                if group is not None:
-                    dist.all_reduce(sum_exp, group=group)
-                    dist.all_reduce(label_logit, group=group)
-                lse = top + sum_exp.log()
-                valid = y != IGNORE_INDEX
-                total += torch.where(valid, lse - label_logit, 0.0).sum()
-                if grad_hidden is None and grad_weight is None:
-                    continue
-                # d loss / d logits: softmax minus the one-hot label, zero on rows that do not count.
-                grad = exp.div_(sum_exp[:, None])
-                grad[mine.nonzero().squeeze(1), index[mine]] -= 1.0
-                grad.mul_(valid[:, None])
-                grad = grad.to(compute)
-                if grad_hidden is not None:
-                    grad_hidden[start:start + chunk_tokens] = grad @ w
-                if grad_weight is not None:
-                    if compute == torch.float32:  # summed in place: no [vocab, dim] temporary per chunk
-                        grad_weight.addmm_(grad.t(), h)
-                    else:  # the compute dtype's products summed in float32, a block of rows at a time
-                        for row in range(0, rows, _ROW_BLOCK):
-                            grad_weight[row:row + _ROW_BLOCK] += (grad[:, row:row + _ROW_BLOCK].t() @ h).float()
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                part = slice(start, start + chunk_tokens)
+                total += _chunk(hidden[part].to(compute), w, labels[part], group, offset,
+                                None if grad_hidden is None else grad_hidden[part], grad_weight)
         ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
@@ -130,6 +97,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_total.to(grad_weight.dtype))
         return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, group, offset: int, grad_hidden: torch.Tensor | None,
+           grad_weight: torch.Tensor | None) -> torch.Tensor:
+    """One chunk: its summed loss; its gradients written into `grad_hidden` (its rows) and added to
+    `grad_weight` (None: not wanted). A function of its own, so that its [chunk, vocab] tensors are
+    freed before the next chunk's are made."""
+    rows = w.shape[0]
+    logits = (h @ w.t()).float()
+    local = y - offset
+    mine = (local >= 0) & (local < rows)  # IGNORE_INDEX is negative: never anyone's
+    index = torch.where(mine, local, 0)
+    label_logit = logits.gather(1, index[:, None]).squeeze(1) * mine
+    top = logits.amax(dim=1)
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    # exp(logits - max), in place: the chunk's one [chunk, vocab] float32 tensor, which becomes the
+    # softmax, then the gradient.
+    exp = logits.sub_(top[:, None]).exp_()
+    sum_exp = exp.sum(dim=1)
+    if group is not None:
+        dist.all_reduce(sum_exp, group=group)
+        dist.all_reduce(label_logit, group=group)
+    valid = y != IGNORE_INDEX
+    loss = torch.where(valid, top + sum_exp.log() - label_logit, 0.0).sum()
+    if grad_hidden is None and grad_weight is None:
+        return loss
+    # d loss / d logits: softmax minus the one-hot label, zero on rows that do not count.
+    grad = exp.div_(sum_exp[:, None])
+    grad[mine.nonzero().squeeze(1), index[mine]] -= 1.0
+    grad = grad.mul_(valid[:, None]).to(w.dtype)
+    if grad_hidden is not None:
+        grad_hidden.copy_(grad @ w)
+    if grad_weight is not None:
+        if w.dtype == torch.float32:  # summed in place: no [vocab, dim] temporary per chunk
+            grad_weight.addmm_(grad.t(), h)
+        else:  # the compute dtype's products summed in float32, a block of rows at a time
+            for row in range(0, rows, _ROW_BLOCK):
+                grad_weight[row:row + _ROW_BLOCK] += (grad[:, row:row + _ROW_BLOCK].t() @ h).float()
+    return loss
 
 
 def forward_loss_fn(loss_sum_fn: Callable, chunk_tokens: int) -> Callable:
