@@ -137,7 +137,8 @@ FIXES = {
     "grads": "more FSDP or pipeline ranks",
     "optimizer": "more FSDP or pipeline ranks (the optimizer state is sharded with the parameters)",
     "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
-    "logits": "tensor parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
+    "logits": "training.loss_chunk_tokens (the output layer and the loss a chunk of tokens at a time), tensor "
+              "parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
     "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
 }
 
