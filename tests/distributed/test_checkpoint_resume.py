@@ -38,6 +38,9 @@ CP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degre
 QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.weight_decay_norms_and_biases"]
 TP2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+EP2_TP2 = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+           "--parallelism.tensor_parallel_degree", "2"]
 EP2_FSDP2 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
 EP4 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4"]
 PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
@@ -91,6 +94,11 @@ def runs(tmp_path_factory):
         "muon_fsdp4_straight": CKPT + MUON + BF16_STATE + FSDP4,
         "copy17": saved_step(tmp, "muon_fsdp4_straight", "muon_fsdp4_to_fsdp2_tp2"),
         "muon_fsdp4_to_fsdp2_tp2": CKPT + MUON + BF16_STATE + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+        # gpt-oss: sinks sharded by head (TP) and experts with their biases by expert (EP), resumed whole
+        # per rank under FSDP 4.
+        "gpt_oss_ep2_tp2_straight": CKPT + GPT_OSS + EP2_TP2,
+        "copy18": saved_step(tmp, "gpt_oss_ep2_tp2_straight", "gpt_oss_ep2_tp2_to_fsdp4"),
+        "gpt_oss_ep2_tp2_to_fsdp4": CKPT + GPT_OSS + FSDP4,
     }, 4, tmp)
     results.update(launch({
         "fsdp2_straight": CKPT + FSDP2,
@@ -209,6 +217,15 @@ def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
     have, _, _ = read_dcp_model(tmp / target / "checkpoint" / f"step-{STEPS}", spec)
     for key in [k for k in want if k.endswith("expert_bias")]:
         torch.testing.assert_close(have[key], want[key], atol=1e-7, rtol=0)
+
+
+def test_gpt_oss_checkpoint_moves_from_ep_and_tp_to_fsdp(runs):
+    # Sinks saved as TP's head shards and experts (weights, biases, optimizer state) as EP's expert
+    # shards, loaded whole per rank under FSDP 4; the steps after follow the uninterrupted EP 2 x TP 2 run.
+    tmp, r = runs
+    assert_follows(losses(r["gpt_oss_ep2_tp2_straight"], first_step=SAVED + 1), losses(r["gpt_oss_ep2_tp2_to_fsdp4"]),
+                   3e-5)
+    assert train_state(tmp, "gpt_oss_ep2_tp2_to_fsdp4", STEPS)["model"]["name"] == "gpt_oss"
 
 
 @pytest.mark.parametrize("target", ["qwen3_tied_fsdp4_to_fsdp2_tp2", "qwen3_tied_fsdp4_to_tp2"])
