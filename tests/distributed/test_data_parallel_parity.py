@@ -6,7 +6,8 @@ within BF16_TOL of the fp32 single-process run:
 - pipeline parallel (1F1B, Interleaved1F1B, ZBVZeroBubble, explicit splits by split points and by
   module lists), alone and with FSDP and TP;
 - context parallel (allgather and alltoall rotation), alone and with FSDP, HSDP, TP, PP, op-level
-  activation checkpointing, and full activation checkpointing plus compile;
+  activation checkpointing, and full activation checkpointing plus compile; Ulysses with op-level
+  activation checkpointing plus compile;
 - Muon (optimizer.name = "Muon": hidden matrices and stacked experts orthogonalized whole, the work
   spread over the ranks that split them) under FSDP 2, TP 2, PP 2, CP 2, HSDP 2 x 2 and FSDP 2 x TP 2,
   and the experts of Qwen3-MoE (EP 2, EP 2 x FSDP 2) and DeepSeek-V3 (EP 2 x FSDP 2) with Muon;
@@ -159,6 +160,10 @@ TWO = {
     "cp2_alltoall_ac_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                                 "--parallelism.context_parallel_rotate_method", "alltoall",
                                 "--activation_checkpoint.mode", "full", "--training.compile"],
+    # Ulysses' all-to-alls inside op-level checkpointing (recomputed in backward) and between compiled graphs.
+    "cp2_ulysses_ac_op_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                                  "--parallelism.context_parallel_method", "ulysses", "--activation_checkpoint.mode",
+                                  "selective", "--activation_checkpoint.selective_ac_option", "op", "--training.compile"],
     # Pipeline with gradient accumulation (2 micro-batches of 4 per step, each split into 2 microbatches).
     "pp2_accum2": ["--training.local_batch_size", "4"] + PP2,
     "qwen3_fsdp2": QWEN + ["--training.local_batch_size", "4"],
@@ -457,7 +462,7 @@ def test_mtp_moves_the_gradient_not_the_logged_loss(runs):
     ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
      "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
      "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
-     "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
+     "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "cp2_ulysses_ac_op_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
      "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2", "pp2_accum2",
      "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2",
      "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2", "qwen3_tied_pp2", "qwen3_tied_pp2_zbv",
