@@ -366,7 +366,7 @@ class UlyssesAttention:
         return x.movedim(0, 2).flatten(2, 3).index_select(2, inverse)
 
     def _to_tokens(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        """[b, h / cp, seq, ...] -> [b, h, s_local, ...]: the inverse of _to_heads (the trailing feature dim optional)."""
+        """[b, h / cp, seq, ...] -> [b, h, s_local, ...]: the inverse of _to_heads (any trailing dims)."""
         x = x.index_select(2, perm)
         x = x.unflatten(2, (self.cp, x.shape[2] // self.cp)).movedim(2, 0)
         return _AllToAll.apply(x, self.group).movedim(0, 1).flatten(1, 2)

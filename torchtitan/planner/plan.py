@@ -4,8 +4,8 @@ ranked (scripts/plan.py is its command line).
 Searched: tensor parallel within a node (powers of two whose splits divide the model's sizes),
 pipeline parallel (degrees that give every stage a layer; the recipe's schedule), context parallel
 (powers of two up to 8 dividing the sequence; the ring, and Ulysses where the degree divides the
-query heads per TP rank, unless the recipe sets context_parallel_method = "ulysses"), data parallel sharding and HSDP replicas (one replica
-per node group when FSDP would span more than a node), expert parallel for MoE flavors (powers of two
+query heads per TP rank; only Ulysses where the recipe sets context_parallel_method = "ulysses"),
+data parallel sharding and HSDP replicas (one replica per node group when FSDP would span more than a node), expert parallel for MoE flavors (powers of two
 dividing the experts and the shard ranks), activation checkpointing (none, op, full) and the
 micro-batch size. A degree the recipe (or the command line) sets to anything but its default is kept
 fixed. The global batch in sequences is the recipe's training.global_batch_size, or local_batch_size
