@@ -1,5 +1,7 @@
 """Context parallelism: every sequence is split over the ranks of the `cp` mesh dimension, and attention
-sees the whole sequence through the project's own ring attention (PyTorch's experimental
+sees the whole sequence through the project's own ring attention or, with
+`parallelism.context_parallel_method = "ulysses"`, through all-to-alls around the run's own kernel
+(UlyssesAttention, below) (PyTorch's experimental
 context_parallel has no CPU path; this one runs on CPU with gloo and on CUDA with nccl alike). It
 applies the mask rule of `torchtitan.models.common.attention`: query i sees key j when j <= i, i - j < window
 (when the layer has a sliding window) and both are in the same document (when document ids are given).
@@ -20,7 +22,7 @@ no rank's loss depends on how many valid labels its own tokens hold, and the cp 
 to the whole sequences' share of the global-batch loss. FSDP shards over the cp ranks as over
 data-parallel ranks.
 
-Rotate methods (`parallelism.context_parallel_rotate_method`):
+The ring's rotate methods (`parallelism.context_parallel_rotate_method`):
 - allgather: gather the keys, values and document ids of all ranks once, then one masked attention
   over the full sequence. Simple; holds the whole sequence's keys and values.
 - alltoall: a ring of cp steps; at each step every rank attends to one rank's block of keys and
