@@ -4,7 +4,6 @@ bad-input message, scripts/fetch_tokenizer.py without a network, a folder whose 
 and tokenizer.json disagree (loaded as transformers.AutoTokenizer loads it), and two training steps with a
 Hugging Face tokenizer."""
 
-import base64
 import json
 import logging
 import math
@@ -14,90 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODEL, REPO, load_script
+from conftest import BPE_SIZE, MODEL, REPO, SPECIALS, load_script, stdlib_texts, write_ranks
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokenizer, detect, llama3_special_tokens
 from torchtitan.config.errors import UserError
 
 UNICODE = "  leading\n\tclass X:\n        pass   \n\n\n  x = 'é 中文 😀 Ünïcödé'\r\n123456789 trailing  "
 
-BPE_SIZE = 650  # trained pieces (the 256 byte symbols included); ids 650-652 are special, 653 added by the config
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return Tokenizer(MODEL)
-
-
-# ---- small tokenizers built offline -----------------------------------------------------------
-
-
-def _stdlib_texts(count: int) -> list[str]:
-    files = stdlib_files()
-    return [p.read_text(encoding="utf-8", errors="replace") for p in files[:: len(files) // count][:count]]
-
-
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory) -> Path:
-    """A Llama-3-like Hugging Face folder: a byte-level BPE trained on stdlib files, its special tokens
-    in tokenizer.json, a post-processor that prepends BOS, and tokenizer_config.json naming BOS/EOS
-    and declaring one more special token that tokenizer.json lacks."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_SIZE, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_stdlib_texts(12), trainer)
-    assert tok.get_vocab_size() == BPE_SIZE
-    tok.add_special_tokens(SPECIALS)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", BPE_SIZE)]
-    )
-    folder = tmp_path_factory.mktemp("llama3_like")
-    tok.save(str(folder / "tokenizer.json"))
-    added = {str(BPE_SIZE + i): {"content": t, "special": True} for i, t in enumerate(SPECIALS + ["<|extra|>"])}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "added_tokens_decoder": added,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": {"content": "<|begin_of_text|>", "lstrip": False}, "eos_token": {"content": "<|end_of_text|>"},
-    }))
-    return folder
-
-
-def _byte_symbols() -> dict[str, int]:
-    """The byte-level BPE alphabet: each byte's printable stand-in character -> the byte. Bytes that
-    print as themselves (visible Latin-1) keep their character; the others, in order, take
-    characters from U+0100 on."""
-    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    symbols, extra = {chr(b): b for b in visible}, 0
-    for b in range(256):
-        if b not in visible:
-            symbols[chr(256 + extra)] = b
-            extra += 1
-    return symbols
-
-
-def _write_ranks(path: Path, tokens: list[bytes]) -> Path:
-    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % rank for rank, t in enumerate(tokens)))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiktoken_file(hf_folder, tmp_path_factory) -> Path:
-    """A tiktoken ranks file of the same BPE: each piece as raw bytes, ranked by its id (the merge
-    order); no sidecar, so Llama 3's special tokens follow the ranks."""
-    vocab = json.loads((hf_folder / "tokenizer.json").read_text())["model"]["vocab"]
-    symbols = _byte_symbols()
-    tokens = [b""] * len(vocab)
-    for piece, rank in vocab.items():
-        tokens[rank] = bytes(symbols[c] for c in piece)
-    return _write_ranks(tmp_path_factory.mktemp("tiktoken") / "tokenizer.model", tokens)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +107,7 @@ def test_kind_is_chosen_from_what_the_path_holds(hf_folder, tiktoken_file, tmp_p
 @pytest.mark.parametrize("kind", [SENTENCEPIECE, HF, TIKTOKEN])
 def test_round_trip_ascii_and_non_ascii(kinds, kind):
     tok = kinds[kind]
-    for text in [*_stdlib_texts(3), UNICODE, "", " ", "\n\n"]:
+    for text in [*stdlib_texts(3), UNICODE, "", " ", "\n\n"]:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
         framed = tok.encode(text, bos=True, eos=True)
@@ -353,7 +279,7 @@ def test_tiktoken_file_gets_llama3_specials_after_its_ranks(kinds, tiktoken_file
     assert (tok.bos_id, tok.eos_id) == (BPE_SIZE, BPE_SIZE + 1)
     assert tok.special_tokens["<|eot_id|>"] == BPE_SIZE + 9 and len(tok.special_tokens) == 256
     assert tok.vocab_size == BPE_SIZE + 256
-    text = _stdlib_texts(2)[1]
+    text = stdlib_texts(2)[1]
     assert len(tok.encode(text)) < len(text.encode()) / 2  # the merges of the trained BPE work
 
 
@@ -361,7 +287,7 @@ def test_llama3_original_layout(tmp_path):
     # A file of 128,000 ranks (Llama 3's count): its 256 special tokens sit exactly where Llama 3's do.
     tokens = [bytes([b]) for b in range(256)] + [bytes([a, b]) for a in range(256) for b in range(256)]
     tokens += [bytes([97, b, c]) for b in range(256) for c in range(256)]
-    tok = Tokenizer(_write_ranks(tmp_path / "tokenizer.model", tokens[:128_000]))
+    tok = Tokenizer(write_ranks(tmp_path / "tokenizer.model", tokens[:128_000]))
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (128_000, 128_001, 128_256)
     assert {n: tok.special_tokens[n] for n in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")} == {
         "<|start_header_id|>": 128_006, "<|end_header_id|>": 128_007, "<|eot_id|>": 128_009}
@@ -412,7 +338,7 @@ def _ranks_with_line(tmp, tiktoken_file, lineno, line):
 
 
 def _missing_bytes(tmp, hf, tt):
-    return _write_ranks(tmp / "t.model", [bytes([b]) for b in range(200)]), ["56 of the 256 single bytes", "0xc8"]
+    return write_ranks(tmp / "t.model", [bytes([b]) for b in range(200)]), ["56 of the 256 single bytes", "0xc8"]
 
 
 def _text_file(tmp, hf, tt):

@@ -32,7 +32,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch, run_script
+from conftest import MODEL, REPO, TINY, launch, run_script
 from torchtitan.components.checkpoint import HFFolder, load_hf, save_hf
 from torchtitan.models.common.hf_conversion import FUSED_DOWN, FUSED_GATE_UP
 from torchtitan.components.tokenizer import Tokenizer
@@ -186,6 +186,17 @@ def test_export_holds_the_imported_tensors_bit_for_bit(runs, name):
     assert ours_out.keys() == ours_in.keys()
     for k in ours_in:
         assert torch.equal(ours_out[k], ours_in[k]), f"{name}: {k} changed"
+
+
+def test_every_export_holds_the_runs_tokenizer(runs):
+    # The jobs train with the shipped sentencepiece model; each export writes it in Hugging Face form
+    # (the rank that publishes the folder), and AutoTokenizer encodes as the trainer does.
+    tmp, _, _ = runs
+    text = "def f(x):\n    return x + 1\n"
+    expected = Tokenizer(MODEL).encode(text, bos=True)
+    for name in [n for jobs in LAYOUTS.values() for n in jobs]:
+        out = tmp / name / "checkpoint" / "step-1-hf"
+        assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == expected, name
 
 
 @pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2",

@@ -38,15 +38,14 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from torchtitan.components.checkpoint.hf import HF_CONFIG, HF_INDEX, HFFolder, check_hf_folder, file_names, plan_files
 from torchtitan.components.checkpoint.storage import check_output_folder, open_to_readers, write_json
+from torchtitan.components.tokenizer_export import export_tokenizer
+from torchtitan.config.errors import UserError
 from torchtitan.models.common.init import local_block
 from torchtitan.models.common.spec import HFAdapter
 
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
-# Tokenizer files of a Hugging Face tokenizer folder, copied into an export when present.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt")
 
 
 def _owned_tensors(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -211,10 +210,11 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
             weight_map = {hf: file for file, file_items in zip(names, files) for name in file_items
                           for hf in hf_shapes[name]}
             write_json(tmp / HF_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        if tokenizer_path is not None and Path(tokenizer_path).is_dir():
-            for file in TOKENIZER_FILES:
-                if (Path(tokenizer_path) / file).is_file():
-                    shutil.copy2(Path(tokenizer_path) / file, tmp / file)
+        if tokenizer_path is not None:
+            try:
+                export_tokenizer(tokenizer_path, tmp)
+            except UserError as e:  # the weights are still worth publishing
+                logger.warning(f"the export {folder} has no tokenizer: {e}")
         open_to_readers(tmp)
         os.replace(tmp, folder)
     _barrier()

@@ -1,0 +1,68 @@
+"""The run's tokenizer written in Hugging Face form (tokenizer_export.py): transformers' AutoTokenizer
+loads it and encodes as the trainer does (BOS, then the same ids), for the shipped sentencepiece
+model, a tiktoken BPE file and a Hugging Face folder (copied); a tokenizer it cannot write alike is
+refused with the reason; scripts/convert_checkpoint.py to-hf writes it with --tokenizer."""
+
+import json
+
+import pytest
+
+from conftest import MODEL, REPO, load_script, stdlib_texts
+from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokenizer
+from torchtitan.components.tokenizer_export import export_tokenizer
+from torchtitan.config.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+# Source files, then what a byte-level or a sentencepiece split can get wrong: runs of spaces and tabs,
+# leading and trailing spaces, digits, accents, CJK and an emoji (byte fallback), sentencepiece's own
+# space mark in the text, line endings.
+TEXTS = [*stdlib_texts(4), "  leading\n\tclass X:\n        pass   \n\n\n", "x = 'é 中文 😀 Ünïcödé'\r\n",
+         "123456789 trailing  ", "a\u2581b  \u2581 c", " ", "", "if x:\n    return  y"]
+
+
+@pytest.fixture(scope="module")
+def paths(hf_folder, tiktoken_file):
+    return {SENTENCEPIECE: MODEL, TIKTOKEN: tiktoken_file, HF: hf_folder}
+
+
+@pytest.mark.parametrize("kind", [SENTENCEPIECE, TIKTOKEN, HF])
+def test_auto_tokenizer_encodes_and_decodes_as_the_trainer(paths, kind, tmp_path):
+    ours = Tokenizer(paths[kind])
+    written = export_tokenizer(paths[kind], tmp_path)
+    assert "tokenizer.json" in written and all((tmp_path / name).is_file() for name in written)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ids == ours.encode(text, bos=True), text[:60]
+        # Decoded as the trainer decodes: the text itself, but where sentencepiece's space mark was in
+        # the text (sentencepiece decodes it as a space, and so does the export).
+        assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+        assert ours.decode(ids) == text or (kind == SENTENCEPIECE and "\u2581" in text)
+
+
+def test_a_unigram_sentencepiece_model_is_refused_with_the_reason(tmp_path):
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(stdlib_texts(4)), model_prefix=str(tmp_path / "uni"),
+                                   model_type="unigram", vocab_size=300, eos_id=2, minloglevel=2)
+    with pytest.raises(UserError, match="model type UNIGRAM .only BPE is written.*add_dummy_prefix"):
+        export_tokenizer(tmp_path / "uni.model", tmp_path)
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
+def test_convert_checkpoint_writes_the_tokenizer(straight, tmp_path):
+    step = straight[0] / "checkpoint" / "step-6"
+    convert = load_script(REPO / "scripts" / "convert_checkpoint.py", "convert_checkpoint")
+    out = tmp_path / "hf"
+    assert convert.main(["to-hf", str(step), str(out), "--tokenizer", str(MODEL)]) == 0
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    text = "def f(x):\n    return x + 1\n"
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == Tokenizer(MODEL).encode(
+        text, bos=True)
+    # A wrong path is reported before any weight is read, and nothing is written.
+    assert convert.main(["to-hf", str(step), str(tmp_path / "hf2"), "--tokenizer",
+                         str(REPO / "no_such.model")]) == 2
+    assert not (tmp_path / "hf2").exists()
