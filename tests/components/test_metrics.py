@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchtitan.components.metrics import (ROUGH_MFU_NOTE, MetricsLogger, device_peak_tflops, duration,
-                                           measure_matmul_tflops, peak_memory_gib)
+                                           measure_matmul_tflops)
 from torchtitan.config import Metrics
 
 

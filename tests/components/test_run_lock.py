@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from conftest import REPO, TINY
 from torchtitan.components import run_lock
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint

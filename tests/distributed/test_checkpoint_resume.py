@@ -8,11 +8,8 @@ and a full filesystem during a save (SIGKILLs at random moments: test_fault_soak
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -176,7 +176,7 @@ def param_shards(spec, model: nn.Module, dims, parallelism) -> dict[int, dict[st
     shards: dict[int, dict[str, Shard]] = {}
     for pp_rank, modules in _module_names_by_pp_rank(spec, model, dims, parallelism).items():
         modules = set(modules)
-        held, taken = {}, set()
+        held = {}
         for info in table:
             if info.module not in modules:
                 continue
