@@ -183,7 +183,7 @@ def whole_steps(args) -> int:
     vocab = int(args.vocab.split(",")[0])
     print(f"qwen3 {args.step}, vocab {vocab:,}: {args.steps} steps of {args.batch} x {args.tokens} tokens, "
           f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}")
-    print("| dtype | chunk tokens | peak GiB (process) | tokens/s | step-1.. loss | peak, tokens/s vs whole |")
+    print("| dtype | chunk tokens | peak GiB (process) | tokens/s | last step's loss | peak, tokens/s vs whole |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtype.split(","):
         whole = None
