@@ -90,10 +90,12 @@ def chunked(q, k, v, g, beta, chunk: int = 64, state=None, doc_ids=None):
     keep_state = G[..., -1].exp() * (doc[..., -1] == before).float()  # the chunk continues that document throughout
     s = q.new_zeros(b, h, dk, dv) if state is None else state.float()
     out = []
-    for c in range(n):
-        w = u[:, :, c] - wk[:, :, c] @ s
-        out.append(q_carry[:, :, c] @ s + scores[:, :, c] @ w)
-        s = keep_state[:, :, c, None, None] * s + keep[:, :, c].transpose(-1, -2) @ w
+    # unbind once: indexing chunk c in the loop would make each backward step zero-fill a whole tensor.
+    per_chunk = zip(*(t.unbind(2) for t in (u, wk, q_carry, scores, keep, keep_state)))
+    for u_c, wk_c, q_c, scores_c, keep_c, keep_state_c in per_chunk:
+        w = u_c - wk_c @ s
+        out.append(q_c @ s + scores_c @ w)
+        s = keep_state_c[..., None, None] * s + keep_c.transpose(-1, -2) @ w
     o = torch.stack(out, dim=2).permute(0, 2, 3, 1, 4).reshape(b, n * chunk, h, dv)
     return o[:, :t].to(dtype), s
 
