@@ -30,6 +30,7 @@ _BUILTIN: dict[str, str] = {
     "qwen3": "torchtitan.models.qwen3",
     "deepseek_v3": "torchtitan.models.deepseek_v3",
     "gpt_oss": "torchtitan.models.gpt_oss",
+    "qwen3_5": "torchtitan.models.qwen3_5",
 }
 _BUILT: dict[str, ModelSpec] = {}  # the built-in specs built so far
 _REGISTERED: dict[str, ModelSpec] = {}  # register_model's specs, as given

@@ -1,0 +1,15 @@
+"""Qwen3.5 (dense, text): gated DeltaNet layers with a gated full-attention layer every fourth."""
+
+from torchtitan.models.common.spec import ModelSpec
+
+
+def build_spec() -> ModelSpec:
+    from torchtitan.models.common.decoder import decoder_spec
+    from torchtitan.models.qwen3_5 import args, model, parallelize
+
+    return decoder_spec(
+        model.Transformer, name="qwen3_5", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes, validate=args.validate,
+        activation_counts=None,  # not counted yet for DeltaNet blocks: the layout planner refuses the family
+        kv_cache=False,  # no decoding cache for the DeltaNet state yet
+    )

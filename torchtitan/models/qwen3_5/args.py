@@ -1,0 +1,100 @@
+"""Qwen3.5 (dense, text) hyper-parameters and the table of sizes (flavors).
+
+The layer pattern is Hugging Face's `layer_types`: layer i is full attention when (i + 1) is a
+multiple of `full_attention_interval`, gated DeltaNet ("linear_attention") otherwise.
+"""
+
+from dataclasses import dataclass
+
+from torchtitan.config.errors import UserError
+
+FULL, LINEAR = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The defaults are transformers' Qwen3_5TextConfig defaults (its docstring: a Qwen3.5-9B style
+    configuration); config.json names in the comments."""
+
+    dim: int = 4096  # hidden_size
+    n_layers: int = 32  # num_hidden_layers
+    # Full-attention layers: grouped-query heads, a sigmoid output gate per head (q_proj twice as wide),
+    # per-head q/k RMSNorm, rotary on the first partial_rotary_factor of each head.
+    n_heads: int = 16
+    n_kv_heads: int = 4
+    head_dim: int = 256
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    # Gated DeltaNet layers (linear_*): key heads (queries share them) and value heads, a multiple of them.
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    conv_kernel: int = 4  # linear_conv_kernel_dim: the depthwise causal conv on q, k and v
+    full_attention_interval: int = 4
+    hidden_dim: int = 12288  # intermediate_size (SwiGLU)
+    vocab_size: int = 248320
+    norm_eps: float = 1e-6
+    max_seq_len: int = 32768
+    tie_word_embeddings: bool = False
+    depth_init: bool = True
+    delta_chunk: int = 64  # the chunk of the chunked gated delta rule (models/common/delta_rule.py)
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return tuple(FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR for i in range(self.n_layers))
+
+    def is_full_attention(self, layer_id: int) -> bool:
+        return (layer_id + 1) % self.full_attention_interval == 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.hidden_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each head that rotate (Hugging Face: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+# debugmodel: CPU-sized, 8 layers (DeltaNet x3, full, DeltaNet x3, full: both kinds at least twice);
+# 8 query heads over 4 KV heads, 4 DeltaNet key heads under 8 value heads: every head count divides TP 2
+# and 4. The trainer replaces vocab_size with the tokenizer's (padded).
+flavors: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, vocab_size=4096,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+        rope_theta=10000.0, max_seq_len=2048,
+    ),
+    # transformers 5.25 Qwen3_5TextConfig() as it is (its parameter count is tested against it).
+    "9B": ModelArgs(),
+}
+
+
+def validate(args: ModelArgs, parallel_dims) -> None:
+    """Before launch (spec.validate). TP against every split head count is preflight's generic check
+    (parallelize.tp_sizes)."""
+    problems = []
+    if parallel_dims.cp > 1:
+        problems.append(
+            f"parallelism.context_parallel_degree = {parallel_dims.cp}: context parallel is not yet supported for "
+            "qwen3_5 (its gated DeltaNet layers carry a state along the sequence, which neither the ring nor "
+            "Ulysses passes between ranks yet); set it to 1 and use FSDP, TP or PP instead"
+        )
+    if args.linear_num_key_heads < 1 or args.linear_num_value_heads % args.linear_num_key_heads:
+        problems.append(
+            f"linear_num_value_heads = {args.linear_num_value_heads} is not a multiple of linear_num_key_heads = "
+            f"{args.linear_num_key_heads} (each key head serves a whole number of value heads)"
+        )
+    if args.conv_kernel < 1:
+        problems.append(f"conv_kernel = {args.conv_kernel}: the causal convolution needs a kernel of at least 1")
+    if args.full_attention_interval < 1:
+        problems.append(f"full_attention_interval = {args.full_attention_interval} must be at least 1")
+    if args.rotary_dim % 2 or args.rotary_dim < 2:
+        problems.append(f"head_dim x partial_rotary_factor = {args.rotary_dim} must be an even number >= 2")
+    if problems:
+        raise UserError(f"model args of this qwen3_5 flavor: {'; '.join(problems)}")

@@ -1,0 +1,186 @@
+"""Qwen3.5 (dense, text): a hybrid decoder of gated DeltaNet layers and gated full-attention layers
+(layer i is full attention when (i + 1) % full_attention_interval == 0; args.layer_types), each
+followed by SwiGLU, as transformers' Qwen3_5ForCausalLM computes it. Every block is the shared
+pre-norm layers.TransformerBlock; its `attention` is one of:
+
+- `GatedAttention` (HF self_attn): grouped-query attention through the project's attention contract
+  (`attention_fn`, so block-causal masks and every kernel apply), with
+  - wq twice as wide: per head, head_dim query features then head_dim gate features (HF's q_proj
+    layout, so tensor parallel splits whole heads with their gates);
+  - per-head RMSNorm on q and k before the rotary embedding;
+  - rotary (rotate-half) on the first rotary_dim = head_dim x partial_rotary_factor features only;
+  - the output multiplied by sigmoid(gate) before wo.
+- `GatedDeltaNet` (HF linear_attn): projections in_proj_q, in_proj_k, in_proj_v (HF fuses these three
+  as in_proj_qkv; kept apart here so that tensor parallel splits each by head), in_proj_z (the output
+  gate), in_proj_a (decay input), in_proj_b (write strength); a depthwise causal conv (kernel
+  conv_kernel) + SiLU on q, k and v that does not reach across a document start; q and k
+  L2-normalized (q scaled by dk^-0.5); g = -exp(A_log) * softplus(a + dt_bias) in float32, beta =
+  sigmoid(b); q/k heads repeated up to the value heads (each key head serves consecutive value
+  heads); the chunked gated delta rule (models/common/delta_rule.py) restarting at every document;
+  an RMSNorm over each head's output gated by silu(z); out_proj.
+
+Norm weights: Hugging Face's Qwen3.5 RMSNorms (the block norms, the final norm, q_norm, k_norm) scale
+by (1 + weight) and store weight - 1; ours are plain nn.RMSNorm (weight 1 at init); the adapter adds or
+subtracts 1. The DeltaNet output norm is a plain one in both.
+
+Generation with a cache is not implemented for this family (spec.kv_cache False).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.common import decoder, delta_rule
+from torchtitan.models.common.layers import Attention, FeedForward, TransformerBlock
+from torchtitan.models.common.rotary import HALVES
+from torchtitan.models.common.spec import transformer_flops_per_token
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel weight (split by head or channel), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, in float32 (Hugging Face's / flash-linear-attention's)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedAttention(Attention):
+    def __init__(self, args):
+        super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, HALVES, qk_norm_eps=args.norm_eps)
+        self.wq = nn.Linear(args.dim, 2 * args.n_heads * args.head_dim, bias=False)  # query and gate per head
+        self.rotary_dim = args.rotary_dim
+
+    def rotate_part(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        return torch.cat([self.rotate(x[..., :r], rope), x[..., r:]], dim=-1)
+
+    def forward(self, x, rope, cache=None, start_pos=0, doc_ids=None):
+        bs, seq, _ = x.shape
+        q, gate = self.wq(x).view(bs, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate_part(q, rope), self.rotate_part(k, rope)
+        out = self.attend(q, k, v, cache, start_pos, doc_ids)
+        return self.wo(out * torch.sigmoid(gate.reshape(bs, seq, -1)))
+
+
+class CausalConv(nn.Module):
+    """Depthwise causal convolution, weight [channels, kernel] (HF's conv1d.weight [channels, 1, kernel]);
+    tensor parallel splits the channels (dim 0) as it splits the projection before it."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        return delta_rule.causal_conv(x, _local(self.weight), doc_ids)
+
+
+class HeadParams(nn.Module):
+    """The per-value-head decay parameters: A_log and dt_bias [value heads] (split by head under TP)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.chunk = args.delta_chunk
+        self.in_proj_q = nn.Linear(args.dim, nk * self.dk, bias=False)
+        self.in_proj_k = nn.Linear(args.dim, nk * self.dk, bias=False)
+        self.in_proj_v = nn.Linear(args.dim, nv * self.dv, bias=False)
+        self.in_proj_z = nn.Linear(args.dim, nv * self.dv, bias=False)
+        self.in_proj_a = nn.Linear(args.dim, nv, bias=False)
+        self.in_proj_b = nn.Linear(args.dim, nv, bias=False)
+        self.conv_q = CausalConv(nk * self.dk, args.conv_kernel)
+        self.conv_k = CausalConv(nk * self.dk, args.conv_kernel)
+        self.conv_v = CausalConv(nv * self.dv, args.conv_kernel)
+        self.heads = HeadParams(nv)
+        self.norm = nn.RMSNorm(self.dv, eps=args.norm_eps)
+        self.out_proj = nn.Linear(nv * self.dv, args.dim, bias=False)
+        # The trainer sets every block's attention kernel at the spec's cp_attention path; the recurrence
+        # uses none (context parallel, which would replace it, is refused for this family).
+        self.attention_fn = None
+
+    def forward(self, x, rope, cache=None, start_pos=0, doc_ids=None):
+        if cache is not None:
+            raise NotImplementedError("qwen3_5: decoding with a cache (the DeltaNet state) is not implemented")
+        bs, seq, _ = x.shape
+        q = F.silu(self.conv_q(self.in_proj_q(x), doc_ids)).view(bs, seq, -1, self.dk)
+        k = F.silu(self.conv_k(self.in_proj_k(x), doc_ids)).view(bs, seq, -1, self.dk)
+        v = F.silu(self.conv_v(self.in_proj_v(x), doc_ids)).view(bs, seq, -1, self.dv)
+        q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
+        per_key = v.shape[2] // k.shape[2]  # value heads per key head (this rank's heads under TP)
+        if per_key > 1:
+            q, k = q.repeat_interleave(per_key, dim=2), k.repeat_interleave(per_key, dim=2)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        a_log, dt_bias = _local(self.heads.A_log), _local(self.heads.dt_bias)
+        g = -a_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias.float())
+        out, _ = delta_rule.chunked(q, k, v, g, beta, chunk=self.chunk, doc_ids=doc_ids)
+        z = self.in_proj_z(x).view(bs, seq, -1, self.dv)
+        out = self.norm(out.to(x.dtype)) * F.silu(z)
+        return self.out_proj(out.flatten(2))
+
+
+def _uniform(low: float, high: float):
+    return lambda t, g: torch.nn.init.uniform_(t, low, high, generator=g)
+
+
+def _log_uniform(low: float, high: float):
+    def fill(t, g):
+        torch.nn.init.uniform_(t, low, high, generator=g)
+        t.log_()
+    return fill
+
+
+class Transformer(decoder.Transformer):
+    rotary = HALVES
+    qk_norm = True
+    input_projections = decoder.Transformer.input_projections + (
+        "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b")
+
+    def block(self, layer_id: int) -> nn.Module:
+        a = self.args
+        mixer = GatedAttention(a) if a.is_full_attention(layer_id) else GatedDeltaNet(a)
+        return TransformerBlock(layer_id, a, mixer, FeedForward(a.dim, a.hidden_dim))
+
+    def rotary_table(self) -> torch.Tensor:
+        a = self.args
+        return self.rotary.table(a.rotary_dim, a.max_seq_len, a.rope_theta)
+
+    def init_for(self, name: str):
+        local = name.rsplit(".", 2)
+        if name.endswith(".A_log"):  # A uniform in [0.01, 16], as Hugging Face draws it
+            return _log_uniform(0.01, 16.0)
+        if name.endswith(".dt_bias"):
+            return lambda t, g: torch.nn.init.ones_(t)
+        if len(local) == 3 and local[-2] in ("conv_q", "conv_k", "conv_v"):
+            bound = self.args.conv_kernel ** -0.5  # nn.Conv1d's default for a depthwise conv: 1/sqrt(fan_in)
+            return _uniform(-bound, bound)
+        return super().init_for(name)
+
+    @classmethod
+    def flops_per_token(cls, args, doc_lengths: int | list[int]) -> float:
+        """6 per matmul parameter, attention pairs of the full-attention layers only, and per DeltaNet
+        layer the recurrence: per value head and token, reading the state (k^T S), writing it (k w^T)
+        and the output (S^T q), 2 dk dv FLOPs each forward, twice that backward: 18 dk dv."""
+        full = [None] * sum(args.is_full_attention(i) for i in range(args.n_layers))
+        size = cls.model_size(args)
+        base = transformer_flops_per_token(decoder.matmul_parameters(size, args), args.n_heads * args.head_dim,
+                                           full, doc_lengths)
+        linear = args.n_layers - len(full)
+        return base + linear * 18 * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim
+
+
+model_size = Transformer.model_size
+flops_per_token = Transformer.flops_per_token
