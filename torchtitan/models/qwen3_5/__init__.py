@@ -5,11 +5,11 @@ from torchtitan.models.common.spec import ModelSpec
 
 def build_spec() -> ModelSpec:
     from torchtitan.models.common.decoder import decoder_spec
-    from torchtitan.models.qwen3_5 import args, model, parallelize
+    from torchtitan.models.qwen3_5 import args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
         model.Transformer, name="qwen3_5", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
-        tp_sizes=parallelize.tp_sizes, validate=args.validate,
+        tp_sizes=parallelize.tp_sizes, validate=args.validate, hf=state_dict_adapter.ADAPTER,
         activation_counts=None,  # not counted yet for DeltaNet blocks: the layout planner refuses the family
         kv_cache=False,  # no decoding cache for the DeltaNet state yet
     )
