@@ -33,7 +33,8 @@ within BF16_TOL of the fp32 single-process run:
   Qwen3-MoE with EP 2,
   and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, and gpt-oss's debug flavor (sinks,
   windows of 16 on alternate layers, biased experts) under FSDP 2, TP 2, PP 2, CP 2 (ring), EP 2,
-  EP 2 x FSDP 2 and EP 2 x TP 2, each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
+  EP 2 x FSDP 2 and EP 2 x TP 2, and Qwen3.5's debug flavor (gated DeltaNet + gated attention) under
+  FSDP 2, TP 2 and PP 2, each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
   accumulation 2 and of CP 2 equals a loss computed by hand
   (per-token log-softmax over the documents alone, labels after an EOS left out);
 - all-to-all (Ulysses) context parallel with block-causal masks: llama3, DeepSeek-V3 (MLA, MTP),
@@ -91,6 +92,10 @@ GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 GPT_OSS_LAYOUTS = ["bc_gpt_oss_fsdp2", "bc_gpt_oss_tp2", "bc_gpt_oss_pp2", "bc_gpt_oss_cp2", "bc_gpt_oss_ep2",
                    "bc_gpt_oss_ep2_ac_op",
                    "bc_gpt_oss_ep2_fsdp2", "bc_gpt_oss_ep2_tp2"]
+# Qwen3.5's debug flavor: 6 gated DeltaNet layers (the state and conv window reset at each document) and 2 gated
+# full-attention layers; TP splits the DeltaNet by head (projections column-wise, conv weights by channel).
+QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
+QWEN3_5_LAYOUTS = ["bc_qwen3_5_fsdp2", "bc_qwen3_5_tp2", "bc_qwen3_5_pp2"]
 # Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
 VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
@@ -322,7 +327,8 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
     gpt_oss = bc + GPT_OSS
     return ({"bc_single": bc + lb(8) + val(8), "bc_qwen3_window_single": bc + window + lb(8),
              "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8),
-             "bc_ds_mtp_single": bc + DS + MTP2 + lb(8), "bc_gpt_oss_single": gpt_oss + lb(8)},
+             "bc_ds_mtp_single": bc + DS + MTP2 + lb(8), "bc_gpt_oss_single": gpt_oss + lb(8),
+             "bc_qwen3_5_single": bc + QWEN3_5 + lb(8)},
             {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
              "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_pp2": bc + lb(8) + PP2 + val(8),
@@ -342,7 +348,11 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
              "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
                                                                   "alltoall"],
-             **gpt_oss_jobs(gpt_oss, 2), **ulysses_jobs(tmp, 2)},
+             **gpt_oss_jobs(gpt_oss, 2), **ulysses_jobs(tmp, 2),
+             # Qwen3.5 (measured: FSDP 2 3.8e-6, TP 2 4.8e-6, PP 2 9.5e-7 from its one process over 6 steps).
+             "bc_qwen3_5_fsdp2": bc + QWEN3_5 + lb(4),
+             "bc_qwen3_5_tp2": bc + QWEN3_5 + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+             "bc_qwen3_5_pp2": bc + QWEN3_5 + lb(8) + PP2},
             {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4),
              **ulysses_jobs(tmp, 4)})
 
@@ -405,7 +415,7 @@ def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
 BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_pp2_zbv",
               "bc_pp2_interleaved_accum2", "bc_fsdp2_ac_op_compile", "bc_cp2_allgather",
               "bc_cp2_alltoall", "bc_moe_ep2", "bc_ds_mtp_cp2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
-              "bc_fsdp2_tp2", *GPT_OSS_LAYOUTS, *ULYSSES_LAYOUTS, "bc_cp2_ring_saved"]
+              "bc_fsdp2_tp2", *GPT_OSS_LAYOUTS, *QWEN3_5_LAYOUTS, *ULYSSES_LAYOUTS, "bc_cp2_ring_saved"]
 
 
 @pytest.fixture(scope="module")
@@ -427,14 +437,14 @@ def runs(tmp_path_factory):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_gpt_oss", "bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
+    for prefix in ("bc_gpt_oss", "bc_qwen3_5", "bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
 @pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
-                                  "bc_qwen3_window_single", "bc_gpt_oss_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
+                                  "bc_qwen3_window_single", "bc_gpt_oss_single", "bc_qwen3_5_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6
