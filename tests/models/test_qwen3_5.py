@@ -134,3 +134,18 @@ def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path)
         assert (back(tokens).logits - got).abs().max() < 1e-4
     # Config round trip.
     assert SPEC.hf.args_from_config(SPEC.hf.config(args)) == dataclasses.replace(args, delta_chunk=64)
+
+
+def test_context_parallel_is_refused_before_launch_with_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, NGPU="2", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    done = subprocess.run(["./run_train.sh", "--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "2",
+                           "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "context parallel is not yet supported for qwen3_5" in done.stdout + done.stderr
