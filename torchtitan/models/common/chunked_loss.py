@@ -8,8 +8,9 @@ weight's), upcasts them to float32, takes their log-sum-exp and label logit, add
 and, while the logits are at hand, the chunk's gradients with respect to the hidden states and the
 weight (softmax minus one-hot): the backward only multiplies those by the incoming gradient. This
 "gradient in forward" order costs the three matmuls of today's path; recomputing the logits in
-backward would cost a fourth and keep nothing more than these gradients, which have the size of the
-hidden states and of the weight (scripts/benchmark_loss.py measures both: docs/performance.md).
+backward costs a fourth (measured: 1.5x to 1.9x the CPU time of the whole pass) to spare these
+gradients, which have the size of the hidden states and of the weight and which the weight's and
+the hidden states' gradients become anyway (scripts/benchmark_loss.py, docs/performance.md).
 Without gradients (validation) only the loss is computed.
 
 Tensor parallel: the weight is a DTensor whose rows (the vocabulary) are sharded over the TP ranks.
@@ -41,7 +42,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     group, offset = None, 0
     if isinstance(weight, DTensor):
-        group, offset, vocab = _vocab_shard(weight)
+        group, offset = _vocab_shard(weight)
         if isinstance(hidden, DTensor):  # sequence-sharded: every rank needs every token
             mesh = hidden.device_mesh
             hidden = hidden.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(
@@ -55,16 +56,15 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def _vocab_shard(weight: DTensor):
-    """(process group, first row held here, full vocabulary) of a weight sharded on its rows."""
+    """(process group, first row held here) of a weight sharded on its rows."""
     mesh, placements = weight.device_mesh, weight.placements
     sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
     if len(sharded) != 1 or any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != sharded[0]):
         raise ValueError(f"the output weight must be sharded on its rows (the vocabulary) over one mesh dimension, "
                          f"got placements {placements}")
     dim = sharded[0]
-    vocab, size = weight.shape[0], mesh.size(dim)
-    rows = -(-vocab // size)  # torch.chunk's split, as Shard(0)'s
-    return mesh.get_group(dim), rows * mesh.get_local_rank(dim), vocab
+    rows = -(-weight.shape[0] // mesh.size(dim))  # torch.chunk's split, as Shard(0)'s
+    return mesh.get_group(dim), rows * mesh.get_local_rank(dim)
 
 
 # Under a lower compute dtype, the weight gradient's rows summed per chunk this many at a time: the
