@@ -349,7 +349,7 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
                                                                   "alltoall"],
              **gpt_oss_jobs(gpt_oss, 2), **ulysses_jobs(tmp, 2),
-             # Qwen3.5 (measured: FSDP 2 3.8e-6, TP 2 4.8e-6, PP 2 9.5e-7 from its one process over 6 steps).
+             # Qwen3.5 (measured: FSDP 2 5.2e-6, TP 2 4.8e-6, PP 2 9.5e-7 from its one process over 6 steps).
              "bc_qwen3_5_fsdp2": bc + QWEN3_5 + lb(4),
              "bc_qwen3_5_tp2": bc + QWEN3_5 + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_qwen3_5_pp2": bc + QWEN3_5 + lb(8) + PP2},

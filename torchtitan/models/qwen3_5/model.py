@@ -10,10 +10,13 @@ pre-norm layers.TransformerBlock; its `attention` is one of:
   - per-head RMSNorm on q and k before the rotary embedding;
   - rotary (rotate-half) on the first rotary_dim = head_dim x partial_rotary_factor features only;
   - the output multiplied by sigmoid(gate) before wo.
-- `GatedDeltaNet` (HF linear_attn): projections in_proj_q, in_proj_k, in_proj_v (HF fuses these three
-  as in_proj_qkv; kept apart here so that tensor parallel splits each by head), in_proj_z (the output
-  gate), in_proj_a (decay input), in_proj_b (write strength); a depthwise causal conv (kernel
-  conv_kernel) + SiLU on q, k and v that does not reach across a document start; q and k
+- `GatedDeltaNet` (HF linear_attn): in_proj_qkv (q, k and v), in_proj_z (the output gate), in_proj_a
+  (decay input), in_proj_b (write strength); a depthwise causal conv (`conv1d`, kernel conv_kernel) +
+  SiLU on q, k and v that does not reach across a document start. in_proj_qkv's rows and conv1d's
+  channels are grouped by key head: for key head h, its query, its key, then the values of the value
+  heads it serves (HF stores all queries, all keys, all values: the adapter permutes the rows, a fixed
+  permutation of the model's sizes), so that tensor parallel's column-wise split gives each rank whole
+  key heads with their value heads and the conv channels split the same way; q and k
   L2-normalized (q scaled by dk^-0.5); g = -exp(A_log) * softplus(a + dt_bias) in float32, beta =
   sigmoid(b); q/k heads repeated up to the value heads (each key head serves consecutive value
   heads); the chunked gated delta rule (models/common/delta_rule.py) restarting at every document;
@@ -96,15 +99,13 @@ class GatedDeltaNet(nn.Module):
         nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
         self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
         self.chunk = args.delta_chunk
-        self.in_proj_q = nn.Linear(args.dim, nk * self.dk, bias=False)
-        self.in_proj_k = nn.Linear(args.dim, nk * self.dk, bias=False)
-        self.in_proj_v = nn.Linear(args.dim, nv * self.dv, bias=False)
+        self.per_key = nv // nk  # value heads per key head
+        group = 2 * self.dk + self.per_key * self.dv  # one key head's rows: q, k, its values
+        self.in_proj_qkv = nn.Linear(args.dim, nk * group, bias=False)
         self.in_proj_z = nn.Linear(args.dim, nv * self.dv, bias=False)
         self.in_proj_a = nn.Linear(args.dim, nv, bias=False)
         self.in_proj_b = nn.Linear(args.dim, nv, bias=False)
-        self.conv_q = CausalConv(nk * self.dk, args.conv_kernel)
-        self.conv_k = CausalConv(nk * self.dk, args.conv_kernel)
-        self.conv_v = CausalConv(nv * self.dv, args.conv_kernel)
+        self.conv1d = CausalConv(nk * group, args.conv_kernel)
         self.heads = HeadParams(nv)
         self.norm = nn.RMSNorm(self.dv, eps=args.norm_eps)
         self.out_proj = nn.Linear(nv * self.dv, args.dim, bias=False)
@@ -116,13 +117,14 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             raise NotImplementedError("qwen3_5: decoding with a cache (the DeltaNet state) is not implemented")
         bs, seq, _ = x.shape
-        q = F.silu(self.conv_q(self.in_proj_q(x), doc_ids)).view(bs, seq, -1, self.dk)
-        k = F.silu(self.conv_k(self.in_proj_k(x), doc_ids)).view(bs, seq, -1, self.dk)
-        v = F.silu(self.conv_v(self.in_proj_v(x), doc_ids)).view(bs, seq, -1, self.dv)
+        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), doc_ids))
+        # [batch, seq, key heads (this rank's under TP), q | k | values of its value heads]
+        q, k, v = qkv.view(bs, seq, -1, 2 * self.dk + self.per_key * self.dv).split(
+            [self.dk, self.dk, self.per_key * self.dv], dim=-1)
+        v = v.reshape(bs, seq, -1, self.dv)  # value head h * per_key + j is key head h's j-th
         q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
-        per_key = v.shape[2] // k.shape[2]  # value heads per key head (this rank's heads under TP)
-        if per_key > 1:
-            q, k = q.repeat_interleave(per_key, dim=2), k.repeat_interleave(per_key, dim=2)
+        if self.per_key > 1:
+            q, k = q.repeat_interleave(self.per_key, dim=2), k.repeat_interleave(self.per_key, dim=2)
         beta = torch.sigmoid(self.in_proj_b(x))
         a_log, dt_bias = _local(self.heads.A_log), _local(self.heads.dt_bias)
         g = -a_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias.float())
@@ -147,7 +149,7 @@ class Transformer(decoder.Transformer):
     rotary = HALVES
     qk_norm = True
     input_projections = decoder.Transformer.input_projections + (
-        "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b")
+        "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
 
     def block(self, layer_id: int) -> nn.Module:
         a = self.args
@@ -159,12 +161,11 @@ class Transformer(decoder.Transformer):
         return self.rotary.table(a.rotary_dim, a.max_seq_len, a.rope_theta)
 
     def init_for(self, name: str):
-        local = name.rsplit(".", 2)
         if name.endswith(".A_log"):  # A uniform in [0.01, 16], as Hugging Face draws it
             return _log_uniform(0.01, 16.0)
         if name.endswith(".dt_bias"):
             return lambda t, g: torch.nn.init.ones_(t)
-        if len(local) == 3 and local[-2] in ("conv_q", "conv_k", "conv_v"):
+        if name.endswith(".conv1d.weight"):
             bound = self.args.conv_kernel ** -0.5  # nn.Conv1d's default for a depthwise conv: 1/sqrt(fan_in)
             return _uniform(-bound, bound)
         return super().init_for(name)

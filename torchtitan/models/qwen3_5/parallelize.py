@@ -3,10 +3,10 @@
 Full-attention blocks: the standard block plan (wq column-wise: whole heads with their gates, as
 HF's q_proj interleaves them per head) plus the per-head q/k norms as in Qwen3.
 
-Gated DeltaNet blocks, split by head: in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_a and
-in_proj_b column-wise (rank r holds key heads r*K/tp.. and value heads r*V/tp.., and the value heads
-of its key heads, since each key head serves consecutive value heads); the conv weights by channel
-(dim 0, the same channels as the projection before them); A_log and dt_bias by head; the output
+Gated DeltaNet blocks, split by head: in_proj_qkv, in_proj_z, in_proj_a and in_proj_b column-wise
+(in_proj_qkv's rows are grouped by key head, each with its value heads (model.py), so rank r holds
+key heads r*K/tp.. and their value heads r*V/tp.., as in_proj_z/a/b's value heads); the conv weight
+by channel (dim 0, the same rows as in_proj_qkv's); A_log and dt_bias by head; the output
 norm (one weight for all heads) replicated with its gradient summed, as the q/k norms; out_proj
 row-wise into sequence shards.
 """
@@ -36,14 +36,13 @@ def _head_norm() -> SequenceParallel:
 
 
 def block_plan(block: nn.Module) -> dict:
-    if not hasattr(block.attention, "in_proj_q"):  # full attention
+    if not hasattr(block.attention, "in_proj_qkv"):  # full attention
         return {**decoder_block_plan(block), "attention.q_norm": _head_norm(), "attention.k_norm": _head_norm()}
     plan = {name: style for name, style in decoder_block_plan(block).items() if not name.startswith("attention.")}
     plan["attention"] = gather_sequence_input(n_inputs=2)
-    for proj in ("q", "k", "v", "z", "a", "b"):
+    for proj in ("qkv", "z", "a", "b"):
         plan[f"attention.in_proj_{proj}"] = ColwiseParallel()
-    for conv in ("conv_q", "conv_k", "conv_v"):
-        plan[f"attention.{conv}"] = ShardDim0()
+    plan["attention.conv1d"] = ShardDim0()
     plan["attention.heads"] = ShardDim0()
     plan["attention.norm"] = _head_norm()
     plan["attention.out_proj"] = RowwiseParallel(output_layouts=Shard(1))

@@ -5,15 +5,13 @@ What is not a rename:
 - Hugging Face's zero-centered RMSNorms (block norms, final norm, q_norm, k_norm) store weight - 1 and
   scale by (1 + weight); ours store the scale itself: ours = theirs + 1. The DeltaNet output norm
   (linear_attn.norm) is a plain RMSNorm in both.
-- linear_attn.in_proj_qkv [2 key_dim + value_dim, dim] is our in_proj_q, in_proj_k, in_proj_v stacked
-  (rows in that order), and linear_attn.conv1d.weight [same channels, 1, kernel] our conv_q, conv_k,
-  conv_v [channels, kernel] stacked; kept apart here so that tensor parallel splits each by head.
+- linear_attn.in_proj_qkv [2 key_dim + value_dim, dim] holds all queries, then all keys, then all
+  values; ours has the same rows grouped by key head (its query, its key, the values of its value
+  heads: model.py says why), and linear_attn.conv1d.weight [channels, 1, kernel] likewise against our
+  conv1d.weight [channels, kernel]: one fixed row permutation (`qkv_order`) each way.
 Everything else renames: full attention under self_attn (q_proj holds query and gate per head, our
 wq as it is), DeltaNet under linear_attn (in_proj_z, in_proj_a, in_proj_b, A_log, dt_bias, norm,
-out_proj), SwiGLU under mlp.
-
-Per tensor, reading (hf_names / tensor_from_hf) slices the fused tensors; writing one of our
-q/k/v parts alone (tensor_to_hf) is refused: the exporter must write the whole-dict to_hf.
+out_proj), SwiGLU under mlp. Every conversion is per tensor (the sharded loader and exporter).
 """
 
 import torch
@@ -43,11 +41,22 @@ _DELTANET = {
     "attention.norm.weight": "linear_attn.norm.weight",
     "attention.out_proj.weight": "linear_attn.out_proj.weight",
 }
-_QKV, _CONV = "linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"
-_FUSED = {  # ours -> (HF fused tensor, part index among q, k, v)
-    **{f"attention.in_proj_{p}.weight": (_QKV, i) for i, p in enumerate("qkv")},
-    **{f"attention.conv_{p}.weight": (_CONV, i) for i, p in enumerate("qkv")},
+_PERMUTED = {  # ours -> HF, rows permuted (qkv_order)
+    "attention.in_proj_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attention.conv1d.weight": "linear_attn.conv1d.weight",
 }
+
+
+def qkv_order(args: ModelArgs) -> torch.Tensor:
+    """For each of our in_proj_qkv rows (grouped by key head), the HF row it is."""
+    nk, dk, dv = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    per_key = args.linear_num_value_heads // nk
+    rows = []
+    for h in range(nk):
+        rows += range(h * dk, (h + 1) * dk)  # its query
+        rows += range(nk * dk + h * dk, nk * dk + (h + 1) * dk)  # its key
+        rows += range(2 * nk * dk + h * per_key * dv, 2 * nk * dk + (h + 1) * per_key * dv)  # its values
+    return torch.tensor(rows)
 
 
 def _describe(args: ModelArgs) -> str:
@@ -57,7 +66,7 @@ def _describe(args: ModelArgs) -> str:
 def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     """Our layer-local names of layer `layer`."""
     mixer = [f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")] if args.is_full_attention(layer) \
-        else [*_DELTANET, *_FUSED]
+        else [*_DELTANET, *_PERMUTED]
     norms = [n for n in _CENTERED if args.is_full_attention(layer) or not n.startswith("attention.")]
     return mixer + norms + list(HF_FEED_FORWARD)
 
@@ -68,7 +77,7 @@ def our_names(args: ModelArgs) -> list[str]:
 
 
 def _hf_local(local: str) -> str:
-    for table in (HF_ATTENTION, _CENTERED, _DELTANET, HF_FEED_FORWARD):
+    for table in (HF_ATTENTION, _CENTERED, _DELTANET, _PERMUTED, HF_FEED_FORWARD):
         if local in table:
             return table[local]
     raise KeyError(local)
@@ -80,24 +89,16 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str] = frozenset()) 
         if ours == "output.weight" and args.tie_word_embeddings:
             return ["model.embed_tokens.weight"]
         return [HF_TOP_LEVEL[ours]]
-    hf = _FUSED[local][0] if local in _FUSED else _hf_local(local)
-    return [f"model.layers.{layer}.{hf}"]
-
-
-def _parts(args: ModelArgs, fused: str) -> list[int]:
-    """The row (channel) counts of q, k and v in a fused DeltaNet tensor."""
-    key = args.linear_num_key_heads * args.linear_key_head_dim
-    return [key, key, args.linear_num_value_heads * args.linear_value_head_dim]
+    return [f"model.layers.{layer}.{_hf_local(local)}"]
 
 
 def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
     (name,) = hf_names(ours, args)
     t = tensors[name]
     layer, local = split_layer_name(ours, args.n_layers, _describe(args))
-    if local in _FUSED:
-        fused, part = _FUSED[local]
-        t = t.split(_parts(args, fused), dim=0)[part]
-        return t.squeeze(1) if fused == _CONV else t
+    if local in _PERMUTED:
+        t = t[qkv_order(args).to(t.device)]
+        return t.squeeze(1) if local.startswith("attention.conv1d") else t
     if local in _CENTERED or ours == "norm.weight":
         return t + 1
     return t
@@ -107,10 +108,11 @@ def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch
     layer, local = split_layer_name(ours, args.n_layers, _describe(args))
     if ours == "output.weight" and args.tie_word_embeddings:
         return {}
-    if local in _FUSED:
-        raise UserError(f"{ours} is one part of Hugging Face's fused {_FUSED[local][0]}: export qwen3_5 whole "
-                        "(the state-dict adapter's to_hf), not tensor by tensor")
     (name,) = hf_names(ours, args)
+    if local in _PERMUTED:
+        hf = torch.empty_like(w)
+        hf[qkv_order(args).to(w.device)] = w
+        return {name: hf.unsqueeze(1) if local.startswith("attention.conv1d") else hf}
     if local in _CENTERED or ours == "norm.weight":
         return {name: w - 1}
     return {name: w}
@@ -121,16 +123,7 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
                optional=("output.weight",) if args.tie_word_embeddings else ())
     out = {}
     for ours, w in sd.items():
-        layer, local = split_layer_name(ours, args.n_layers, _describe(args))
-        if local in _FUSED:
-            continue
         out.update(tensor_to_hf(ours, w, args))
-    for layer in range(args.n_layers):
-        if args.is_full_attention(layer):
-            continue
-        pre = f"layers.{layer}.attention."
-        out[f"model.layers.{layer}.{_QKV}"] = torch.cat([sd[f"{pre}in_proj_{p}.weight"] for p in "qkv"])
-        out[f"model.layers.{layer}.{_CONV}"] = torch.cat([sd[f"{pre}conv_{p}.weight"] for p in "qkv"]).unsqueeze(1)
     return out
 
 
@@ -145,7 +138,9 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     return out
 
 
-def hf_config(args: ModelArgs, dtype: str = "float32", bos_id: int | None = None, eos_id: int | None = None) -> dict:
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
+              eos_id: int | None = None) -> dict:
+    dtype = str(dtype).removeprefix("torch.")
     config = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPES[0], "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
@@ -157,7 +152,7 @@ def hf_config(args: ModelArgs, dtype: str = "float32", bos_id: int | None = None
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
                             "partial_rotary_factor": args.partial_rotary_factor},
         "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "dtype": dtype,
+        "hidden_act": "silu", "attention_bias": False, "dtype": dtype, "torch_dtype": dtype,
     }
     return with_token_ids(config, bos_id, eos_id)
 
