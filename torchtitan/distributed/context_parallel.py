@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.config import UserError
+from torchtitan.distributed.comms import all_to_all
 from torchtitan.models.common.attention import math_attention, visible
 
 
@@ -282,26 +283,6 @@ class ContextParallelAttention:
         return _Tie.apply(torch.cat(outs, dim=-2), kv).to(q.dtype), torch.cat(lses, dim=-1)
 
 
-class _AllToAll(torch.autograd.Function):
-    """[cp, ...] -> [cp, ...]: slot j goes to rank j of `group`, and slot j of the result is what rank j
-    sent to this rank. An all-to-all is its own transpose, so the backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 def kv_replicas(heads: int, kv_heads: int, cp: int) -> int:
     """How many times Ulysses repeats each KV head so that the cp head groups each get whole KV heads
     matching their query heads: the least r with cp | kv_heads x r. r always divides heads / kv_heads
@@ -364,14 +345,14 @@ class UlyssesAttention:
         """[b, h, s_local, d] (all heads, local tokens) -> [b, h / cp, seq, d] (head group of this rank,
         every token in sequence order)."""
         b, h, s, d = x.shape
-        x = _AllToAll.apply(x.view(b, self.cp, h // self.cp, s, d).movedim(1, 0), self.group)
+        x = all_to_all(x.view(b, self.cp, h // self.cp, s, d).movedim(1, 0), self.group)
         return x.movedim(0, 2).flatten(2, 3).index_select(2, inverse)
 
     def _to_tokens(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """[b, h / cp, seq, ...] -> [b, h, s_local, ...]: the inverse of _to_heads (any trailing dims)."""
         x = x.index_select(2, perm)
         x = x.unflatten(2, (self.cp, x.shape[2] // self.cp)).movedim(2, 0)
-        return _AllToAll.apply(x, self.group).movedim(0, 1).flatten(1, 2)
+        return all_to_all(x, self.group).movedim(0, 1).flatten(1, 2)
 
     def _gathered_docs(self, doc_ids: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         """Document ids of the whole sequence in sequence order, once per batch (every layer gets

@@ -27,26 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from torchtitan.distributed.comms import all_to_all
 from torchtitan.models.common.moe import check_expert_layer
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of `x` split by `send` among the group's ranks; returns the rows received (`recv` from each)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(
-            out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
-        )
-        return out, None, None, None
 
 
 class ExpertParallel:
@@ -63,12 +45,12 @@ class ExpertParallel:
         received = torch.empty_like(sent)  # [source rank, my local expert]
         dist.all_to_all_single(received, sent.contiguous(), group=self.group)
         send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-        arrived = _AllToAll.apply(x, send_splits, recv_splits, self.group)
+        arrived = all_to_all(x, self.group, send_splits, recv_splits)
         # Arrived in (source, local expert) order; the experts want (local expert, source) order.
         by_expert = _regroup(received)
         out = torch.empty_like(arrived)
         out[by_expert] = experts(arrived[by_expert], received.sum(0))
-        return _AllToAll.apply(out, recv_splits, send_splits, self.group)
+        return all_to_all(out, self.group, recv_splits, send_splits)
 
 
 def _regroup(counts: torch.Tensor) -> torch.Tensor:
