@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw as torch_adamw
 
+from torchtitan.models.common.init import local_part
+
 # The quintic Newton-Schulz coefficients of Keller Jordan's Muon (as torch.optim.Muon's).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -67,11 +69,6 @@ def adjusted_lr(lr: float, rule: str, rows: int, cols: int) -> float:
     if rule == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     return lr
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view that in-place updates write through), or `t` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def holds_whole_matrices(p: torch.Tensor) -> bool:
@@ -232,7 +229,7 @@ class MuonAdamW(torch.optim.Optimizer):
         updates = []
         for p in params:
             (buf,) = self._state(p, "momentum_buffer")
-            grad, buf_local = local(p.grad), local(buf)
+            grad, buf_local = local_part(p.grad), local_part(buf)
             momentum = buf_local.float() if buf_local.dtype != torch.float32 else buf_local
             momentum.lerp_(grad.float(), 1 - mu)
             if momentum is not buf_local:
@@ -249,7 +246,7 @@ class MuonAdamW(torch.optim.Optimizer):
         spread_out = iter(spread.run())
         for p, ortho in zip(params, orthos):
             ortho = next(spread_out) if ortho is None else ortho
-            p_local = local(p)
+            p_local = local_part(p)
             p_local.mul_(1 - lr * wd)
             p_local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2], p.shape[-1]))
 
@@ -274,13 +271,13 @@ class MuonAdamW(torch.optim.Optimizer):
             step_t = self.state[p]["step"]
             step_t += 1
             step = step_t.item()
-            grad = local(p.grad).float()
-            m, v = local(exp_avg).float(), local(exp_avg_sq).float()
+            grad = local_part(p.grad).float()
+            m, v = local_part(exp_avg).float(), local_part(exp_avg_sq).float()
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            local(exp_avg).copy_(m)
-            local(exp_avg_sq).copy_(v)
-            p_local = local(p)
+            local_part(exp_avg).copy_(m)
+            local_part(exp_avg_sq).copy_(v)
+            p_local = local_part(p)
             p_local.mul_(1 - lr * wd)
             denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
             p_local.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
@@ -288,6 +285,6 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def state_bytes(optimizers) -> int:
     """Bytes of optimizer state held by this rank (local shards of DTensors)."""
-    return sum(local(t).numel() * local(t).element_size()
+    return sum(local_part(t).numel() * local_part(t).element_size()
                for opt in optimizers for state in opt.state.values() for t in state.values()
                if isinstance(t, torch.Tensor))

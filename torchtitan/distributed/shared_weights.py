@@ -22,11 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from torchtitan.models.common.init import local_part
 
 
 @dataclass
@@ -56,26 +53,26 @@ class SharedWeights:
         """Give every copy the canonical copy's value (after initialization)."""
         for w in self.weights:
             params = [self._param(i, n) for i, n in w.copies]
-            source = _local(params[0]) if w.holds_canonical else None
+            source = local_part(params[0]) if w.holds_canonical else None
             if w.group is not None:
-                buf = _local(params[0]).clone() if source is None else source.clone()
+                buf = local_part(params[0]).clone() if source is None else source.clone()
                 dist.broadcast(buf, group=w.group, group_src=w.canonical_group_rank)
                 source = buf
             for p in params:
-                if _local(p) is not source:
-                    _local(p).copy_(source)
+                if local_part(p) is not source:
+                    local_part(p).copy_(source)
 
     @torch.no_grad()
     def sum_gradients(self):
         """Replace each copy's gradient by the sum of all copies' (before clipping)."""
         for w in self.weights:
             params = [self._param(i, n) for i, n in w.copies]
-            grads = [_local(p.grad) for p in params if p.grad is not None]
+            grads = [local_part(p.grad) for p in params if p.grad is not None]
             if len(grads) != len(params):  # a stage that did not use its copy this step
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                grads = [_local(p.grad) for p in params]
+                grads = [local_part(p.grad) for p in params]
             total = grads[0].clone() if len(grads) > 1 else grads[0]
             for g in grads[1:]:
                 total.add_(g)

@@ -16,6 +16,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a view: in-place updates write through; gradients flow to this
+    part only), or `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def stable_seed(seed: int, key: str) -> int:
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -23,10 +23,9 @@ with these differences, each as transformers' modeling_gpt_oss computes it:
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common import decoder, moe
-from torchtitan.models.common.init import normal, trunc_normal, zeros
+from torchtitan.models.common.init import local_part, normal, trunc_normal, zeros
 from torchtitan.models.common.layers import Attention, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import ModelSize, count_parameters
@@ -41,7 +40,7 @@ class HeadSinks(nn.Module):
 
     def local(self) -> torch.Tensor:
         """This rank's heads' logits."""
-        return self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return local_part(self.weight)
 
 
 class SinkAttention(Attention):

@@ -32,17 +32,12 @@ Generation with a cache is not implemented for this family (spec.kv_cache False)
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common import decoder, delta_rule
+from torchtitan.models.common.init import local_part
 from torchtitan.models.common.layers import Attention, FeedForward, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import transformer_flops_per_token
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor-parallel weight (split by head or channel), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -81,7 +76,7 @@ class CausalConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel))
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        return delta_rule.causal_conv(x, _local(self.weight), doc_ids)
+        return delta_rule.causal_conv(x, local_part(self.weight), doc_ids)
 
 
 class HeadParams(nn.Module):
@@ -126,7 +121,7 @@ class GatedDeltaNet(nn.Module):
         if self.per_key > 1:
             q, k = q.repeat_interleave(self.per_key, dim=2), k.repeat_interleave(self.per_key, dim=2)
         beta = torch.sigmoid(self.in_proj_b(x))
-        a_log, dt_bias = _local(self.heads.A_log), _local(self.heads.dt_bias)
+        a_log, dt_bias = local_part(self.heads.A_log), local_part(self.heads.dt_bias)
         g = -a_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias.float())
         out, _ = delta_rule.chunked(q, k, v, g, beta, chunk=self.chunk, doc_ids=doc_ids)
         z = self.in_proj_z(x).view(bs, seq, -1, self.dv)
