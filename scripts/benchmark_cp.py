@@ -10,12 +10,14 @@ seq tokens per step (local and global batch 1: every rank holds seq / N tokens o
 every step into a temporary dump folder. Reported per variant and length: the median over the steps
 after the first W (pooled over the repeats) of rank 0's tokens/s (its own tokens: seq / N per step),
 of its step time, and the largest peak memory rank 0 reported (max RSS on CPU, max allocated on
-CUDA). --repeat R runs the variants R times in rotating order, so that a drift of the machine's load
+CUDA), and the CPU seconds the launch used over all its processes (user + system, start-up included:
+on a shared host wall time moves with the other jobs' load, CPU time much less). --repeat R runs the variants R times in rotating order, so that a drift of the machine's load
 falls on all of them. A launch that fails (e.g. out of memory) is reported as such, and the others go on.
 """
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,11 +44,18 @@ def launch_argv(nproc: int, seq: int, steps: int, variant: str, overrides: list[
             "--job.dump_folder", str(folder), *VARIANTS[variant]]
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_one(nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path,
-            timeout: int) -> list[dict] | str:
-    """Rank 0's per-step records of one launch, or the reason it failed."""
+            timeout: int) -> tuple[list[dict], float] | str:
+    """Rank 0's per-step records of one launch and the CPU seconds of all its processes, or the reason
+    it failed."""
     argv = launch_argv(nproc, seq, steps, variant, overrides, folder)
     env = dict(os.environ, NGPU=str(nproc))
+    cpu_before = _children_cpu_s()  # the launcher waits for its workers, so their time counts here
     try:
         proc = subprocess.run([str(REPO / "run_train.sh"), *argv], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=timeout)
@@ -56,7 +65,7 @@ def run_one(nproc: int, seq: int, steps: int, variant: str, overrides: list[str]
     if proc.returncode != 0 or not metrics.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return f"failed ({proc.returncode}): {tail[0][:200]}"
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "tps" in r]
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "tps" in r], _children_cpu_s() - cpu_before
 
 
 def main(argv: list[str]) -> int:
@@ -90,6 +99,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for seq in (int(s) for s in opts.seq.split(",")):
             pooled: dict[str, list[dict] | str] = {v: [] for v in variants}
+            cpu: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(opts.repeat):
                 order = variants[r % len(variants):] + variants[:r % len(variants)]
                 for variant in order:
@@ -97,22 +107,28 @@ def main(argv: list[str]) -> int:
                         continue  # failed before: do not try again
                     got = run_one(opts.nproc, seq, opts.steps, variant, overrides,
                                   Path(tmp) / f"{variant}_{seq}_{r}", opts.timeout)
-                    pooled[variant] = got if isinstance(got, str) else pooled[variant] + got[opts.warmup:]
-                    print(f"  seq {seq} {variant} repeat {r}: {'ok' if not isinstance(got, str) else got}", flush=True)
+                    if isinstance(got, str):
+                        pooled[variant] = got
+                    else:
+                        pooled[variant] += got[0][opts.warmup:]
+                        cpu[variant].append(got[1])
+                    done = got if isinstance(got, str) else f"ok, {got[1]:.0f} CPU s"
+                    print(f"  seq {seq} {variant} repeat {r}: {done}", flush=True)
             for variant in variants:
                 records = pooled[variant]
                 if isinstance(records, str) or not records:
-                    rows.append((seq, variant, None, None, None, records or "no steps"))
+                    rows.append((seq, variant, None, None, None, None, records or "no steps"))
                     continue
                 tps = statistics.median(r["tps"] for r in records)
-                rows.append((seq, variant, tps, seq / opts.nproc / tps, max(r["memory_gib"] for r in records), ""))
-    print(f"\n| seq | CP | method | tokens/s per rank | step time (s) | peak memory (GiB) |")
-    print("|---|---|---|---|---|---|")
-    for seq, variant, tps, step, mem, note in rows:
+                rows.append((seq, variant, tps, seq / opts.nproc / tps, max(r["memory_gib"] for r in records),
+                             statistics.median(cpu[variant]), ""))
+    print("\n| seq | CP | method | tokens/s per rank | step time (s) | peak memory (GiB) | CPU s per launch |")
+    print("|---|---|---|---|---|---|---|")
+    for seq, variant, tps, step, mem, cpu_s, note in rows:
         if tps is None:
-            print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {note} | | |")
+            print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {note} | | | |")
         else:
-            print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {tps:,.0f} | {step:.2f} | {mem:.2f} |")
+            print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {tps:,.0f} | {step:.2f} | {mem:.2f} | {cpu_s:,.0f} |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -28,7 +28,10 @@ The ring's rotate methods (`parallelism.context_parallel_rotate_method`):
 - alltoall: a ring of cp steps; at each step every rank attends to one rank's block of keys and
   values and passes the block (with its document ids) on to the next rank (an all-to-all in which
   each rank sends to one peer). Partial results are merged through their log-sum-exp, as in flash
-  attention. Fully masked chunk pairs (later chunks; chunks beyond the window) are skipped. The
+  attention. Each chunk pair runs block_attention (torchtitan.models.common.attention), which keeps
+  for backward only its inputs, output and log-sum-exp and recomputes the probabilities there, so
+  no chunk pair's [q, k] scores outlive it. Fully masked chunk pairs (later chunks; chunks beyond
+  the window) are skipped. The
   transfer of the next block is posted before the current block's attention and waited for after it
   (`context_parallel_ring_overlap`), in forward and in backward (_RotatePost / _RotateWait).
 Both are differentiated by autograd: the backward of a gather is a reduce-scatter, the backward of a
@@ -44,7 +47,7 @@ from torch import nn
 
 from torchtitan.config import UserError
 from torchtitan.distributed.comms import all_to_all
-from torchtitan.models.common.attention import math_attention, visible
+from torchtitan.models.common.attention import block_attention, math_attention, visible
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -187,6 +190,15 @@ def _pair_masked_out(q_id: int, k_id: int, chunk: int, window: int | None) -> bo
     return window is not None and q_id * chunk - ((k_id + 1) * chunk - 1) >= window
 
 
+def _pair_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
+               window: int | None):
+    """The mask of a chunk pair as block_attention's function of query rows: built a slice at a time,
+    in forward and again in backward, from the positions and document ids it holds."""
+    def rows(start: int, stop: int) -> torch.Tensor:
+        return visible(q_pos[start:stop], k_pos, None if q_doc is None else q_doc[:, start:stop], k_doc, window)
+    return rows
+
+
 class ContextParallelAttention:
     """Attention of this rank's queries to the keys of the whole sequence split over `cp_mesh`, under
     the mask rule of `torchtitan.models.common.attention` (causal, sliding window, document mask).
@@ -271,9 +283,9 @@ class ContextParallelAttention:
                         continue
                     mask = None  # an earlier chunk with neither documents nor window: all visible
                     if k_id == q_id or doc_ids is not None or window is not None:
-                        mask = visible(_chunk_positions(q_id, chunk, q.device), _chunk_positions(k_id, chunk, q.device),
-                                       q_docs[qi], k_docs[ki], window)
-                    parts[qi].append(math_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
+                        mask = _pair_mask(_chunk_positions(q_id, chunk, q.device),
+                                          _chunk_positions(k_id, chunk, q.device), q_docs[qi], k_docs[ki], window)
+                    parts[qi].append(block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
             if not last:
                 kv = _RotateWait.apply(incoming, transfer)
                 if kv_docs is not None:

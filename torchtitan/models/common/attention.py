@@ -93,6 +93,102 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse.squeeze(-1)
 
 
+# Query rows per slice of block_attention: a slice's scores, and in backward their gradient, are
+# [..., rows, keys] float32 tensors of at most this many elements (64 MiB), whatever the block's length.
+BLOCK_SLICE_ELEMENTS = 1 << 24
+
+
+def _row_slices(q: torch.Tensor, k_len: int) -> list[tuple[int, int]]:
+    per_row = max(q[..., :1, :1].numel() * k_len, 1)  # the leading dims times the keys
+    rows = max(1, BLOCK_SLICE_ELEMENTS // per_row)
+    return [(a, min(a + rows, q.shape[-2])) for a in range(0, q.shape[-2], rows)]
+
+
+def _mask_rows(mask, start: int, stop: int) -> torch.Tensor | None:
+    """The mask of query rows start:stop: `mask` is None, a boolean tensor broadcastable to the scores,
+    or a function (start, stop) -> such a tensor for those rows."""
+    if mask is None or callable(mask):
+        return mask if mask is None else mask(start, stop)
+    return mask[..., start:stop, :] if mask.dim() >= 2 and mask.shape[-2] > 1 else mask
+
+
+class _BlockAttention(torch.autograd.Function):
+    """math_attention's (output, lse) computed as flash attention does: the forward keeps only q, k, v,
+    the mask (or the function that builds it), the output and the lse, and the backward recomputes the
+    probabilities P = exp(S - lse) from them, so no [q, k] tensor outlives its slice of query rows. The
+    lse has a gradient of its own (the ring merges blocks through it): with D = rowsum(dO * O),
+    dS = P * (dO @ V^T - D + dlse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        scale = q.shape[-1] ** -0.5
+        qf, kf, vf = q.float(), k.float(), v.float()
+        out = qf.new_empty((*qf.shape[:-1], vf.shape[-1]))
+        lse = qf.new_empty(qf.shape[:-1])
+        for a, b in _row_slices(q, k.shape[-2]):
+            scores = (qf[..., a:b, :] @ kf.transpose(-1, -2)).mul_(scale)
+            rows_mask = _mask_rows(mask, a, b)
+            if rows_mask is not None:
+                scores.masked_fill_(~rows_mask, float("-inf"))
+            # The row-max shift and the empty-row rules of math_attention: output 0, lse -inf, no NaN.
+            row_max = scores.amax(dim=-1, keepdim=True)
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            weights = scores.sub_(row_max).exp_()
+            total = weights.sum(dim=-1, keepdim=True)
+            out[..., a:b, :] = (weights @ vf) / total.clamp_min(1.0)
+            lse[..., a:b] = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)),
+                                        torch.full_like(total, float("-inf"))).squeeze(-1)
+        tensor_mask = isinstance(mask, torch.Tensor)
+        # A mask tensor goes through save_for_backward so that activation checkpointing frees it with
+        # the rest; a function (it holds only positions and document ids) stays on ctx.
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if tensor_mask else []))
+        ctx.mask = None if tensor_mask else mask
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, *saved_mask = ctx.saved_tensors
+        mask = saved_mask[0] if saved_mask else ctx.mask
+        with torch.autocast(q.device.type, enabled=False):
+            scale = q.shape[-1] ** -0.5
+            qf, kf, vf = q.float(), k.float(), v.float()
+            grad_out, grad_lse = grad_out.float(), grad_lse.float()
+            # A fully masked row has lse -inf: exp(S - 0) of its -inf scores is 0, where -inf - -inf is NaN.
+            lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+            dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+            for a, b in _row_slices(q, k.shape[-2]):
+                q_rows, d_out = qf[..., a:b, :], grad_out[..., a:b, :]
+                probs = (q_rows @ kf.transpose(-1, -2)).mul_(scale)
+                rows_mask = _mask_rows(mask, a, b)
+                if rows_mask is not None:
+                    probs.masked_fill_(~rows_mask, float("-inf"))
+                probs.sub_(lse[..., a:b, None]).exp_()
+                dv += probs.transpose(-1, -2) @ d_out
+                rowsum = (d_out * out[..., a:b, :]).sum(dim=-1, keepdim=True)
+                d_scores = (d_out @ vf.transpose(-1, -2)).sub_(rowsum).add_(grad_lse[..., a:b, None]).mul_(probs)
+                del probs
+                dq[..., a:b, :] = (d_scores @ kf).mul_(scale)
+                dk += (d_scores.transpose(-1, -2) @ q_rows).mul_(scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """math_attention's (output, lse), same dtypes and mask rules, with the memory of flash attention:
+    autograd keeps q, k, v, output and lse instead of the [q, k] scores and probabilities, and forward
+    and backward work on slices of the query rows (BLOCK_SLICE_ELEMENTS). `mask`: None (every key
+    visible), a boolean tensor broadcastable to the scores, or a function (start, stop) returning the
+    mask of query rows start:stop (so that a long block's mask need not exist whole). q, k and v have
+    the same leading dims (repeat_kv first)."""
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"block_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
+                         "must share their leading dims")
+    if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):  # float32, as math_attention
+            return _BlockAttention.apply(q, k, v, mask)
+    return _BlockAttention.apply(q, k, v, mask)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                    window: int | None = None, return_lse: bool = False):
     """SDPA: with is_causal when every key before a query counts, else with a boolean mask."""
