@@ -225,8 +225,10 @@ def test_a_broken_hf_folder_is_refused_before_launch(tmp_path):
 
 
 def test_loss_chunk_tokens_mistakes_are_refused():
-    with pytest.raises(UserError, match=r"training.loss_chunk_tokens must be 0 .* got -4"):
+    with pytest.raises(UserError, match=r'training.loss_chunk_tokens must be "auto", 0 .* got -4'):
         cfg("--training.loss_chunk_tokens", "-4")
+    with pytest.raises(UserError, match=r"training.loss_chunk_tokens: expected an integer or one of 'auto', got 'big'"):
+        cfg("--training.loss_chunk_tokens", "big")
     chunk = ("--training.loss_chunk_tokens", "64")
     with pytest.raises(UserError, match=r"ZBVZeroBubble splits each backward into an input and a weight pass"):
         preflight(cfg(*chunk, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
@@ -234,6 +236,39 @@ def test_loss_chunk_tokens_mistakes_are_refused():
     with pytest.raises(UserError, match=r"float8.filter_fqns \(\['wq'\]\) lets float8 convert it"):
         preflight(cfg(*chunk, "--model.converters", "float8", "--float8.filter_fqns", "wq"), world_size=1)
     assert preflight(cfg(*chunk), world_size=1).spec.chunked_loss is not None
+
+
+def test_auto_loss_chunks_follow_the_rule():
+    """"auto" chunks at 1,024 tokens where one rank's micro-batch has 2,048 tokens or more and its float32
+    logits take 256 MiB or more (models.common.chunked_loss.auto_chunk_tokens), where the layout can."""
+    from torchtitan.models.common.chunked_loss import AUTO_CHUNK_TOKENS, auto_chunk_tokens
+
+    assert AUTO_CHUNK_TOKENS == 1024
+    assert auto_chunk_tokens(2048, 2**15) == 1024  # 2,048 x 32,768 x 4 bytes = 256 MiB
+    assert auto_chunk_tokens(2048, 2**15 - 1) == 0  # a row short of it
+    assert auto_chunk_tokens(2047, 248_320) == 0  # one chunk would hold (nearly) all
+    assert auto_chunk_tokens(8192, 128_256) == 1024
+
+    def chunks(*args, world_size=1):
+        return preflight(cfg(*args), world_size=world_size).loss_chunk_tokens
+
+    assert cfg().training.loss_chunk_tokens == "auto"
+    assert chunks() == 0  # the debug recipe: micro-batches of 1,024 tokens x a 4,096-entry vocabulary
+    big = ("--training.seq_len", "2048", "--training.local_batch_size", "8")  # 16,384 tokens x 4,096 x 4 B = 256 MiB
+    assert chunks(*big) == 1024
+    assert chunks(*big, "--parallelism.tensor_parallel_degree", "2", world_size=2) == 0  # half the vocabulary each
+    assert chunks(*big, "--parallelism.context_parallel_degree", "2", world_size=2) == 0  # half the tokens each
+    assert chunks(*big, "--parallelism.data_parallel_shard_degree", "2", world_size=2) == 1024
+    assert chunks(*big, "--parallelism.pipeline_parallel_degree", "2", world_size=2) == 0  # micro-batches of 1
+    assert chunks(*big, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+                  "8", world_size=2) == 1024
+    # Where it cannot chunk, auto takes the whole logits instead of refusing.
+    assert chunks(*big, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                  "ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size", "8", world_size=2) == 0
+    assert chunks(*big, "--model.converters", "float8", "--float8.filter_fqns", "wq") == 0
+    assert chunks(*big, "--model.converters", "float8", "--float8.filter_fqns", "output") == 1024
+    assert chunks(*big, "--training.loss_chunk_tokens", "0") == 0
+    assert chunks("--training.loss_chunk_tokens", "64") == 64
 
 
 def _own_loss(logits, labels):
@@ -248,4 +283,6 @@ def test_loss_chunk_tokens_is_refused_for_a_loss_the_model_does_not_compute():
     register_model(dataclasses.replace(get_model_spec("llama3"), name="llama3_own_loss", loss_sum_fn=_own_loss))
     with pytest.raises(UserError, match=r"model llama3_own_loss's loss .* is not one its forward computes chunk by chunk"):
         preflight(cfg("--model.name", "llama3_own_loss", "--training.loss_chunk_tokens", "64"), world_size=1)
-    preflight(cfg("--model.name", "llama3_own_loss"), world_size=1)
+    plan = preflight(cfg("--model.name", "llama3_own_loss", "--training.seq_len", "2048", "--training.local_batch_size",
+                         "8"), world_size=1)
+    assert plan.loss_chunk_tokens == 0  # auto, on a model that cannot chunk

@@ -34,6 +34,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_split
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility
 from torchtitan.models.common.attention import choose_attention_kernel
+from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
 from torchtitan.models.common.moe import check_expert_layer
 from torchtitan.models.common.moe import overrides_from_config as moe_overrides
 from torchtitan.models.common.spec import VOCAB_MULTIPLE, ModelSpec, meta_model
@@ -67,6 +68,7 @@ class Plan:
     model_args: object  # the args of the model this run builds (model_args_for_run)
     tokenizer: Tokenizer
     attention: AttentionPlan
+    loss_chunk_tokens: int  # training.loss_chunk_tokens as a number: "auto" resolved (0: the whole logits)
     memory_estimate: str | None = None  # [memory_estimation]: the estimate of this layout, one line
 
 
@@ -189,32 +191,6 @@ def check_mtp_window(cfg: JobConfig, spec: ModelSpec, model_args) -> None:
         )
 
 
-def check_loss_chunks(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
-    """training.loss_chunk_tokens: the model must compute its own loss chunk by chunk (spec.chunked_loss),
-    in high precision, under a schedule that runs each backward once."""
-    chunk = cfg.training.loss_chunk_tokens
-    if not chunk:
-        return
-    if spec.chunked_loss is None or spec.chunked_loss is not spec.loss_sum_fn:
-        raise UserError(
-            f"training.loss_chunk_tokens = {chunk}: model {spec.name}'s loss (its spec's loss_sum_fn) is not one its "
-            "forward computes chunk by chunk (spec.chunked_loss); set training.loss_chunk_tokens = 0"
-        )
-    if "float8" in cfg.model.converters and not any(f and f in "output" for f in cfg.float8.filter_fqns):
-        raise UserError(
-            f"training.loss_chunk_tokens = {chunk} computes the output layer in high precision, but float8.filter_fqns "
-            f"({cfg.float8.filter_fqns}) lets float8 convert it; add \"output\" to float8.filter_fqns, or set "
-            "training.loss_chunk_tokens = 0"
-        )
-    schedule = cfg.parallelism.pipeline_parallel_schedule
-    if dims.pp_enabled and schedule.lower() in ZERO_BUBBLE_SCHEDULES:
-        raise UserError(
-            f"training.loss_chunk_tokens = {chunk} computes the output layer's gradients in its forward, for one "
-            f"backward; parallelism.pipeline_parallel_schedule = {schedule} splits each backward into an input and "
-            "a weight pass; choose 1F1B or Interleaved1F1B, or set training.loss_chunk_tokens = 0"
-        )
-
-
 def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDims) -> None:
     """training.compile with what torch 2.13 cannot compile here (measured: each crashed at step 1)."""
     if spec.expert_layers is not None and spec.expert_layers(meta_model(spec, model_args)):
@@ -265,11 +241,11 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides,
                                         attention_overrides(cfg.model))
     check_mtp_window(cfg, spec, model_args)
-    check_loss_chunks(cfg, spec, dims)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     # The model as built: the tokenizer's vocabulary, padded (TP splits it; Hugging Face weights must
     # have a row for every token), and the settings an initial Hugging Face folder brings.
     model_args = model_args_for_run(spec, cfg, tokenizer.vocab_size)
+    loss_chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, model_args.vocab_size)
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise UserError(
@@ -347,7 +323,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         memory = check_memory(cfg, world_size, dist_utils.device_type(),
                               int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                               Planning.build(spec, model_args, cfg))
-    return Plan(dims, global_batch, accum, spec, model_args, tokenizer, attention, memory)
+    return Plan(dims, global_batch, accum, spec, model_args, tokenizer, attention, loss_chunk_tokens, memory)
 
 
 def resolve_attention(cfg: JobConfig, spec: ModelSpec, model_args) -> AttentionPlan:

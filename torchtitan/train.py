@@ -113,7 +113,7 @@ class Trainer:
         self.spec, self.model_args, self.tokenizer = plan.spec, plan.model_args, plan.tokenizer
         self.dims = plan.parallel_dims
         self.history: list[dict] = []
-        self.loss_sum_fn = forward_loss_fn(self.spec.loss_sum_fn, cfg.training.loss_chunk_tokens)
+        self.loss_sum_fn = forward_loss_fn(self.spec.loss_sum_fn, plan.loss_chunk_tokens)
 
     def run(self) -> list[dict]:
         cfg = self.cfg
@@ -249,7 +249,7 @@ class Trainer:
             # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
             part.init_weights(seed=t.seed, buffer_device=self.device)
-            part.loss_chunk_tokens = t.loss_chunk_tokens  # with labels, forward computes the loss (chunked_loss)
+            part.loss_chunk_tokens = self.plan.loss_chunk_tokens  # with labels, forward computes the loss (chunked_loss)
             part.train()
         if self.device.type == "cpu":
             dist_utils.release_host_memory()  # init drew each parameter whole, then kept its part
@@ -354,7 +354,7 @@ class Trainer:
         self.batch_rule = BatchRule(
             self.document_end_id, self.plan.attention.documents, t.ignore_cross_document_labels,
             self.cp_positions, partial(prepare_window, self.model_args) if prepare_window is not None else None,
-            labels_to_forward=t.loss_chunk_tokens > 0,
+            labels_to_forward=self.plan.loss_chunk_tokens > 0,
         )
         self.precompute_float8 = (
             "float8" in self.cfg.model.converters and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp
@@ -394,7 +394,8 @@ class Trainer:
         )
         logger.info(f"mesh: {self.dims.describe()} on {self.device.type}")
         logger.info(f"batch: global batch {self.plan.global_batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} "
-                    f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s))")
+                    f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s)); loss "
+                    + (f"in chunks of {self.plan.loss_chunk_tokens} tokens" if self.plan.loss_chunk_tokens else "on the whole logits"))
         logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
         if self.plan.memory_estimate:
             logger.info(self.plan.memory_estimate)

@@ -125,6 +125,15 @@ def test_the_logits_terms_follow_the_loss_chunk_size():
     step = chunks[256].activations - chunks[128].activations
     assert chunks[512].activations - chunks[256].activations == pytest.approx(2 * step)
     assert chunks[4096].activations == chunks[1024].activations  # a chunk holds at most the micro-batch
+    # "auto" (the default) is resolved per layout as the trainer does: the whole logits here, chunks of
+    # 1,024 at 16,384 tokens a micro-batch (256 MiB of float32 logits), the whole logits again under TP 2.
+    assert config().training.loss_chunk_tokens == "auto" and whole == memory("--training.loss_chunk_tokens", "0")
+    big = ("--training.seq_len", "2048", "--training.local_batch_size", "8")
+    assert memory(*big) == memory(*big, "--training.loss_chunk_tokens", "1024")
+    assert memory(*big).logits < memory(*big, "--training.loss_chunk_tokens", "0").logits / 2
+    tp2 = ("--parallelism.tensor_parallel_degree", "2")
+    assert estimate_config(config(*big, *tp2), 2, "cpu").memory == estimate_config(
+        config(*big, *tp2, "--training.loss_chunk_tokens", "0"), 2, "cpu").memory
     # [memory_estimation] prints the same estimate before launch (in GiB to 2 places: 0.02 and 0.01).
     from torchtitan.preflight import preflight
 

@@ -84,8 +84,15 @@ def _unwrap_optional(tp: object) -> tuple[object, bool]:
     args = typing.get_args(tp)
     if type(None) in args and typing.get_origin(tp) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        return rest[0], True
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
     return tp, False
+
+
+def _alternatives(tp: object) -> tuple[object, ...] | None:
+    """The members of a union such as `int | Literal["auto"]` (a number or a word); None for other types."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +125,9 @@ def _type_name(tp: object) -> str:
     if tp is ANY:
         return "any"
     inner, optional = _unwrap_optional(tp)
-    if typing.get_origin(inner) is Literal:
+    if _alternatives(inner):
+        name = "|".join(_type_name(a) for a in _alternatives(inner))
+    elif typing.get_origin(inner) is Literal:
         name = "|".join(str(c) for c in typing.get_args(inner))
     elif inner in (list[str], list[list[str]]):
         name = "list[str]" if inner == list[str] else "list[list[str]]"
@@ -130,7 +139,9 @@ def _type_name(tp: object) -> str:
 def _expected(tp: object, origin: str | None) -> str:
     """What a value of this type looks like, for error messages."""
     inner, optional = _unwrap_optional(tp)
-    if typing.get_origin(inner) is Literal:
+    if _alternatives(inner):
+        text = " or ".join(_expected(a, origin) for a in _alternatives(inner))
+    elif typing.get_origin(inner) is Literal:
         text = "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
     else:
         text = {
@@ -229,7 +240,13 @@ def _check_toml_value(section: str, key: str, value: object, tp: object, origin:
         return value
     inner, _ = _unwrap_optional(tp)
     ok = False
-    if typing.get_origin(inner) is Literal:
+    if _alternatives(inner):
+        for alternative in _alternatives(inner):
+            try:
+                return _check_toml_value(section, key, value, alternative, origin)
+            except UserError:
+                pass
+    elif typing.get_origin(inner) is Literal:
         ok = any(type(value) is type(c) and value == c for c in typing.get_args(inner))
     elif inner is bool:
         ok = isinstance(value, bool)
@@ -321,7 +338,14 @@ def _parse_cli_value(section: str, key: str, text: str, tp: object) -> object:
         return None
     value: object = text
     ok = True
-    if inner is bool:
+    if _alternatives(inner):
+        for alternative in _alternatives(inner):
+            try:
+                return _parse_cli_value(section, key, text, alternative)
+            except UserError:
+                pass
+        ok = False
+    elif inner is bool:
         ok = text.lower() in _BOOL_WORDS
         value = _BOOL_WORDS.get(text.lower())
     elif inner is int:

@@ -242,13 +242,13 @@ class Training:
         "(label -100). The loss is the sum over the labels that count divided by their number in the whole "
         "optimizer step, over all ranks and micro-batches.",
     )
-    loss_chunk_tokens: int = opt(
-        0,
+    loss_chunk_tokens: int | Literal["auto"] = opt(
+        "auto",
         "Compute the output layer and the loss this many tokens at a time, in forward and backward, so that the "
         "[tokens, vocabulary] logits never exist whole: only one chunk's logits, each token's log-sum-exp and "
         "label logit, and the gradients. The same loss and gradients (to round-off) on every layout; the output "
         "layer's activation memory falls from tokens x vocabulary to loss_chunk_tokens x vocabulary (see "
-        "docs/performance.md for when it pays). 0: the whole logits at once.",
+        "docs/performance.md for when it pays). 0: the whole logits at once. \"auto\": chunks of 1,024 tokens where a micro-batch on one rank has 2,048 tokens or more and its float32 logits (tokens x vocabulary shard x 4 bytes) would take 256 MiB or more, and where the model and layout can chunk; the whole logits otherwise.",
     )
     max_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
@@ -286,8 +286,8 @@ class Training:
              f"training.global_batch_size must be -1 (local_batch_size x data-parallel degree) or a positive "
              f"integer, got {self.global_batch_size}"),
             (self.max_norm >= 0, f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}"),
-            (self.loss_chunk_tokens >= 0,
-             f"training.loss_chunk_tokens must be 0 (the whole logits at once) or a positive number of tokens, got "
+            (self.loss_chunk_tokens == "auto" or self.loss_chunk_tokens >= 0,
+             f"training.loss_chunk_tokens must be \"auto\", 0 (the whole logits at once) or a positive number of tokens, got "
              f"{self.loss_chunk_tokens}"),
             (self.shuffle_buffer >= 1,
              f"training.shuffle_buffer must be 1 or more documents, got {self.shuffle_buffer}"),

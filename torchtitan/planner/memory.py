@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from torchtitan.config import UserError
+from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
 from torchtitan.distributed.pipeline_parallel import (
     ZERO_BUBBLE_SCHEDULES,
     is_single_stage_schedule,
@@ -382,6 +383,7 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
     else:
         micro, n_micro = t.local_batch_size, 1
     tokens = micro * seq
+    chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, args.vocab_size)
     names = _module_names_by_pp_rank(spec, model, dims, par)
     float8_gathered = _float8_gathered(spec, model, cfg) if fsdp else set()
     extra_blocks = _extra_blocks(spec, model)
@@ -399,8 +401,8 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         logit_bytes = DTYPE_BYTES[t.mixed_precision_param]
         if not last:
             logits_kept, loss_backward = 0.0, 0.0
-        elif t.loss_chunk_tokens:
-            logits_kept, loss_backward = chunked_logits_bytes(args, tokens, dims.tp, logit_bytes, t.loss_chunk_tokens)
+        elif chunk_tokens:
+            logits_kept, loss_backward = chunked_logits_bytes(args, tokens, dims.tp, logit_bytes, chunk_tokens)
         else:
             logits_kept, loss_backward = logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes,
                                                       output_kept=dims.pp > 1)

@@ -31,7 +31,58 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torchtitan.config import UserError
+from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.models.common.spec import IGNORE_INDEX
+
+# training.loss_chunk_tokens = "auto": chunks of AUTO_CHUNK_TOKENS where one rank's micro-batch holds two
+# chunks or more and its whole float32 logits would take AUTO_MIN_LOGITS_BYTES or more; the whole logits
+# otherwise. At chunks of 1,024 tokens the output layer plus loss took 0.17 to 0.26 of the whole logits'
+# peak memory at 0.92 to 1.01 of its CPU time; smaller chunks saved a little more memory but cost time
+# under bf16 (docs/performance.md, "The output layer and the loss in chunks"). Below the size bound the
+# logits are a small part of a step's activations (the debug model's: 16 MB), so its run is unchanged.
+AUTO_CHUNK_TOKENS = 1024
+AUTO_MIN_LOGITS_BYTES = 256 * 2**20
+
+
+def auto_chunk_tokens(tokens: int, vocab_shard: int) -> int:
+    """The chunk size "auto" picks for `tokens` tokens per output-layer call on a rank whose output layer
+    holds `vocab_shard` rows: AUTO_CHUNK_TOKENS, or 0 (the whole logits) where chunking does not pay."""
+    pays = tokens >= 2 * AUTO_CHUNK_TOKENS and tokens * vocab_shard * 4 >= AUTO_MIN_LOGITS_BYTES
+    return AUTO_CHUNK_TOKENS if pays else 0
+
+
+def chunking_obstacle(cfg, spec, pp: int) -> str | None:
+    """Why this run cannot compute its loss chunk by chunk, or None: the model's forward must compute
+    its loss (spec.chunked_loss), in high precision, under a schedule that runs each backward once."""
+    if spec.chunked_loss is None or spec.chunked_loss is not spec.loss_sum_fn:
+        return (f"model {spec.name}'s loss (its spec's loss_sum_fn) is not one its forward computes chunk by "
+                "chunk (spec.chunked_loss)")
+    if "float8" in cfg.model.converters and not any(f and f in "output" for f in cfg.float8.filter_fqns):
+        return (f"it computes the output layer in high precision, but float8.filter_fqns ({cfg.float8.filter_fqns}) "
+                "lets float8 convert it; add \"output\" to float8.filter_fqns")
+    schedule = cfg.parallelism.pipeline_parallel_schedule
+    if pp > 1 and schedule.lower() in ZERO_BUBBLE_SCHEDULES:
+        return (f"it computes the output layer's gradients in its forward, for one backward; "
+                f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into an input and a "
+                "weight pass; choose 1F1B or Interleaved1F1B")
+    return None
+
+
+def resolve_chunk_tokens(cfg, spec, tp: int, cp: int, pp: int, vocab_size: int) -> int:
+    """training.loss_chunk_tokens as a number of tokens (0: the whole logits) for this layout: the
+    setting, or what "auto" picks (auto_chunk_tokens; 0 where chunking_obstacle). A number set where
+    chunking cannot run is a UserError."""
+    t, setting = cfg.training, cfg.training.loss_chunk_tokens
+    obstacle = chunking_obstacle(cfg, spec, pp) if setting else None
+    if setting == "auto":
+        if obstacle is not None:
+            return 0
+        micro = cfg.parallelism.pipeline_parallel_microbatch_size if pp > 1 else t.local_batch_size
+        return auto_chunk_tokens(micro * (t.seq_len // cp), vocab_size // tp)
+    if obstacle is not None:
+        raise UserError(f"training.loss_chunk_tokens = {setting}: {obstacle}, or set training.loss_chunk_tokens = 0")
+    return setting
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
