@@ -30,6 +30,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+LONG = ["--training.seq_len", "2048", "--training.local_batch_size", "1"]
 # (name, processes, overrides). bf16 under FSDP's policy (bf16 parameters for compute) where FSDP
 # shards; without it under autocast over float32 parameters (single, tp2, pp2_1f1b); single_fp32 in
 # float32.
@@ -45,6 +47,12 @@ LAYOUTS = [
     ("fsdp2_pp2_1f1b", 4, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
     ("fsdp2_pp2_zbv", 4, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     ("cp2", 2, ["--parallelism.context_parallel_degree", "2"]),
+    ("cp2_rotating", 2, CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"]),
+    ("cp2_ulysses", 2, CP2 + ["--parallelism.context_parallel_method", "ulysses"]),
+    # Longer sequences, where the methods' attention tensors weigh: one sequence of 2,048 tokens.
+    ("cp2_2k", 2, CP2 + LONG),
+    ("cp2_2k_rotating", 2, CP2 + LONG + ["--parallelism.context_parallel_rotate_method", "alltoall"]),
+    ("cp2_2k_ulysses", 2, CP2 + LONG + ["--parallelism.context_parallel_method", "ulysses"]),
     ("ep2", 2, MOE + ["--parallelism.expert_parallel_degree", "2"]),
     ("fsdp2_full_ac", 2, ["--activation_checkpoint.mode", "full"]),
     ("fsdp2_op_ac", 2, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),

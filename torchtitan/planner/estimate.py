@@ -36,10 +36,13 @@ class Estimate:
         return "x".join(p for p in parts if p) or "single"
 
     def _cp(self) -> str:
-        """cp2 (the ring) or cp2u (Ulysses)."""
+        """cp2 (the gathered ring), cp2r (the rotating ring) or cp2u (Ulysses)."""
         if self.dims.cp == 1:
             return ""
-        return f"cp{self.dims.cp}" + ("u" if self.cfg.parallelism.context_parallel_method == "ulysses" else "")
+        p = self.cfg.parallelism
+        if p.context_parallel_method == "ulysses":
+            return f"cp{self.dims.cp}u"
+        return f"cp{self.dims.cp}" + ("r" if p.context_parallel_rotate_method == "alltoall" else "")
 
     def ac(self) -> str:
         ac = self.cfg.activation_checkpoint

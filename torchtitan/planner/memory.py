@@ -17,6 +17,7 @@ has kept its activations and the loss's gradient is being computed):
 - with training.enable_cpu_offload, parameters, gradients and optimizer state are in host memory and
   not counted;
 - activations: what the live micro-batches keep for backward (the spec's activation_counts per block,
+  plus what context parallel's method keeps in attention beyond them (cp_attention_bytes),
   under the activation-checkpointing mode, times the pipeline schedule's live micro-batches); with
   checkpointing, plus the one block being recomputed where that is more than the loss's backward;
 - logits: the last stage's output and loss: the final norm's tensors, the logits in the compute
@@ -291,12 +292,49 @@ def block_counts(spec, args, block: nn.Module, seq_len: int):
     return per_seq[seq_len]
 
 
+def _attention_dims(args) -> tuple[int, int, int]:
+    """(query heads, query/key head dim, value head dim) of a family's args (MLA's differ)."""
+    heads = args.n_heads
+    qk = getattr(args, "qk_head_dim", None) or getattr(args, "head_dim", None) or args.dim // heads
+    return heads, qk, getattr(args, "v_head_dim", None) or qk
+
+
+def cp_attention_bytes(args, par, cp: int, tp: int, tokens: int, seq_len: int, act_bytes: int,
+                       documents: bool) -> float:
+    """What one block's context-parallel attention keeps for backward beyond what the family's counts hold
+    for a flash kernel on the local tokens (q, k and v repeated to every query head, the output and
+    the log-sum-exp), for a micro-batch of `tokens` local tokens of sequences of `seq_len`. Saved tensors
+    of one attention call on 2 gloo ranks (docs/planning.md), per method:
+    - Ulysses: nothing more. Each rank holds the whole sequence for heads / cp of the heads: as many
+      elements as its own tokens of every head;
+    - the gathered ring: the whole sequence's keys and values (cp - 1 more blocks of them) and the mask
+      of its queries against every key, which SDPA keeps in the compute dtype (one per sequence with
+      document masks, else one for the micro-batch);
+    - the rotating ring: the received blocks of keys and values (cp - 1 more, kept for backward though
+      its attention holds one chunk pair at a time: block_attention), each chunk pair's float32 output
+      and log-sum-exp with the merge's weights (2 cp + 1 pairs of half the local tokens under the
+      causal mask: a window skips some), and no kernel output."""
+    if cp == 1 or par.context_parallel_method == "ulysses":
+        return 0.0
+    heads, qk, v = _attention_dims(args)
+    heads /= tp
+    kv = (cp - 1) * tokens * heads * (qk + v) * act_bytes
+    if par.context_parallel_rotate_method == "allgather":
+        local = seq_len // cp
+        masks = tokens // local if documents else 1
+        return kv + masks * local * seq_len * act_bytes
+    pairs = (2 * cp + 1) / 2 * tokens * heads * (v + 3) * 4
+    return kv + pairs - tokens * heads * v * act_bytes
+
+
 def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len: int, tp: int, act_bytes: int,
-                      ac_mode: str, ac_option: str, autocast: bool = False) -> tuple[float, float]:
+                      ac_mode: str, ac_option: str, autocast: bool = False,
+                      attention_extra: float = 0.0) -> tuple[float, float]:
     """(bytes one micro-batch of `tokens` keeps over these blocks, the largest block's own: what its
-    recomputation brings back under checkpointing)."""
+    recomputation brings back under checkpointing). `attention_extra`: what each block's attention keeps
+    beyond the counts (cp_attention_bytes), without checkpointing and under the op policy."""
     per_block = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "none", autocast) * tokens
-                 for b in blocks]
+                 + attention_extra for b in blocks]
     if not per_block:
         return 0.0, 0.0
     dim = args.dim
@@ -306,7 +344,7 @@ def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len:
         kept = [boundary for _ in per_block]
     elif ac_mode == "selective" and ac_option == "op":
         kept = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "op") * tokens + boundary
-                for b in blocks]
+                + attention_extra for b in blocks]
     elif ac_mode == "selective":
         n = int(ac_option)
         kept = [boundary if i % n == 0 else full for i, full in enumerate(per_block)]
@@ -384,6 +422,9 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         micro, n_micro = t.local_batch_size, 1
     tokens = micro * seq
     chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, args.vocab_size)
+    # The methods of context parallel keep different tensors in attention (cp_attention_bytes).
+    attention_extra = cp_attention_bytes(args, par, dims.cp, dims.tp, tokens, t.seq_len, act_bytes,
+                                         cfg.model.attn_mask_type == "block_causal") if spec.cp_attention else 0.0
     names = _module_names_by_pp_rank(spec, model, dims, par)
     float8_gathered = _float8_gathered(spec, model, cfg) if fsdp else set()
     extra_blocks = _extra_blocks(spec, model)
@@ -395,7 +436,7 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         blocks += [b for top, b in extra_blocks if top in modules]
         live, _ = live_microbatches(par.pipeline_parallel_schedule, dims.pp, pp_rank, n_micro) if dims.pp > 1 else (1, 1)
         kept, recomputed = stage_activations(spec, args, blocks, tokens, seq, dims.tp, act_bytes, ac.mode,
-                                             ac.selective_ac_option, autocast)
+                                             ac.selective_ac_option, autocast, attention_extra)
         last = spec.pipeline.after[-1] in modules
         # Logits come out in the training dtype under FSDP's policy and under autocast alike.
         logit_bytes = DTYPE_BYTES[t.mixed_precision_param]

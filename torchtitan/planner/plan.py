@@ -3,8 +3,9 @@ ranked (scripts/plan.py is its command line).
 
 Searched: tensor parallel within a node (powers of two whose splits divide the model's sizes),
 pipeline parallel (degrees that give every stage a layer; the recipe's schedule), context parallel
-(powers of two up to 8 dividing the sequence; the ring, and Ulysses where the degree divides the
-query heads per TP rank; only Ulysses where the recipe sets context_parallel_method = "ulysses"),
+(powers of two up to 8 dividing the sequence; the gathered and the rotating ring, and Ulysses where the
+degree divides the query heads per TP rank; only the recipe's method where it sets Ulysses or the
+rotating ring),
 data parallel sharding and HSDP replicas (one replica per node group when FSDP would span more than a node), expert parallel for MoE flavors (powers of two
 dividing the experts and the shard ranks), activation checkpointing (none, op, full) and the
 micro-batch size. A degree the recipe (or the command line) sets to anything but its default is kept
@@ -89,19 +90,25 @@ def _fixed(cfg) -> dict[str, int]:
 
 
 def cp_methods(cfg, args, cp: int, tp: int) -> list[dict]:
-    """The context-parallel methods searched at degree `cp` (as parallelism settings): the ring with the
-    recipe's rotate method, and Ulysses where cp divides the query heads of a TP rank; only the recipe's
-    method where it sets one other than the default ring."""
+    """The context-parallel methods searched at degree `cp` (as parallelism settings): the gathered ring,
+    the rotating ring (the same communication, a different memory: no mask of the whole sequence, its
+    blocks' outputs in float32; memory.cp_attention_bytes) and Ulysses where cp divides the query heads
+    of a TP rank; only the recipe's method where it sets one other than the default gathered ring."""
     p = cfg.parallelism
-    ring = {"context_parallel_method": "ring"}
+    gathered = {"context_parallel_method": "ring", "context_parallel_rotate_method": "allgather",
+                "context_parallel_ring_overlap": True}
+    rotating = {"context_parallel_method": "ring", "context_parallel_rotate_method": "alltoall",
+                "context_parallel_ring_overlap": p.context_parallel_ring_overlap}
     ulysses = {"context_parallel_method": "ulysses", "context_parallel_rotate_method": "allgather",
                "context_parallel_ring_overlap": True}
     if cp == 1:
         return [{}]
     if p.context_parallel_method == "ulysses":
         return [ulysses]
+    if p.context_parallel_rotate_method == "alltoall":
+        return [rotating]
     heads = getattr(args, "n_heads", None)
-    return [ring] + ([ulysses] if heads is not None and (heads // tp) % cp == 0 else [])
+    return [gathered, rotating] + ([ulysses] if heads is not None and (heads // tp) % cp == 0 else [])
 
 
 def _global_batch(cfg, world_size: int) -> int:
