@@ -80,7 +80,9 @@ def test_a_document_does_not_see_the_documents_before_it():
 
 
 @pytest.mark.parametrize("change, dims_, says", [
-    ({}, dims(cp=2), "context parallel is not yet supported for qwen3_5"),
+    ({}, dims(cp=4, tp=2), r"context_parallel_degree = 4 must divide the 2 DeltaNet key heads .* the largest degree "
+                           r"that works is 2"),
+    ({"linear_num_key_heads": 3, "linear_num_value_heads": 6}, dims(cp=2), "the largest degree that works is 1"),
     ({"linear_num_value_heads": 6}, dims(), "not a multiple of linear_num_key_heads"),
     ({"conv_kernel": 0}, dims(), "kernel of at least 1"),
 ])
@@ -136,19 +138,21 @@ def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path)
     assert SPEC.hf.args_from_config(SPEC.hf.config(args)) == dataclasses.replace(args, delta_chunk=64)
 
 
-def test_context_parallel_is_refused_before_launch_with_exit_2(tmp_path):
+def test_context_parallel_that_splits_a_deltanet_head_is_refused_before_launch_with_exit_2(tmp_path):
     import os
     import subprocess
     import sys
 
     from conftest import REPO
 
-    env = dict(os.environ, NGPU="2", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    done = subprocess.run(["./run_train.sh", "--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "2",
-                           "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    # Checked before any process starts: 8 "processes" (TP 2 x CP 4) on this 2-core host start none.
+    env = dict(os.environ, NGPU="8", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    done = subprocess.run(["./run_train.sh", "--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "4",
+                           "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "context parallel is not yet supported for qwen3_5" in done.stdout + done.stderr
+    assert "must divide the 2 DeltaNet key heads of a tensor-parallel rank" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
 
 
 def test_trainer_imports_and_exports_transformers_folders_under_fsdp(tmp_path):

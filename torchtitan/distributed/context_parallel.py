@@ -320,31 +320,21 @@ def check_ulysses_degree(heads: int, tp: int, cp: int) -> None:
     )
 
 
-class UlyssesAttention:
-    """All-to-all ("Ulysses") context parallel around any attention kernel with the contract of
-    torchtitan.models.common.attention. Each rank holds the load-balanced chunks of the sequence for
-    all (tensor-parallel local) heads. One all-to-all gives every rank the whole sequence for heads /
-    cp of them; the tokens arrive grouped by source rank and are put back into sequence order (the
-    inverse of the load-balanced order), so `kernel` runs unchanged on positions 0..seq-1 with the
-    gathered document ids and the layer's window. A second all-to-all brings each rank its own tokens
-    of every head back, in its load-balanced order; the log-sum-exp travels the same way. Rotary
-    positions are already applied to q and k by the caller (global positions of the local tokens).
-    Grouped-query KV heads are repeated (`kv_replicas`) where fewer than cp would split unevenly.
+class HeadExchange:
+    """The all-to-all of Ulysses context parallel, for any layer that works head by head along the
+    whole sequence (attention; gated DeltaNet's conv and recurrence). Each rank holds the
+    load-balanced chunks of the sequence (local_positions) for all of its heads; `to_heads` gives
+    every rank the whole sequence, in sequence order, for heads / cp of them (rank j the j-th
+    contiguous group), and `to_tokens` brings each rank its own tokens of every head back."""
 
-    Per-head transforms on the log-sum-exp (gpt-oss's sinks) are applied by the family after this
-    returns, on the local tokens of every head: each rank holds every sink and uses it on its own
-    tokens (as under the ring); their gradient is summed over the cp ranks with the other replicated
-    parameters. The result is the same as applying head group j's sinks on rank j during attention."""
-
-    def __init__(self, cp_mesh, kernel):
+    def __init__(self, cp_mesh):
         self.group = cp_mesh.get_group()
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
-        self.kernel = kernel
         self._orders: dict = {}
         self._docs: tuple = (None, None)
 
-    def _order(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def order(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, inverse): perm lists the global positions of the tokens grouped by rank (rank 0's
         local tokens, then rank 1's, ...); inverse puts that grouping into sequence order."""
         key = (seq, device)
@@ -353,26 +343,49 @@ class UlyssesAttention:
             self._orders[key] = (perm, torch.argsort(perm))
         return self._orders[key]
 
-    def _to_heads(self, x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[b, h, s_local, d] (all heads, local tokens) -> [b, h / cp, seq, d] (head group of this rank,
         every token in sequence order)."""
         b, h, s, d = x.shape
+        _, inverse = self.order(s * self.cp, x.device)
         x = all_to_all(x.view(b, self.cp, h // self.cp, s, d).movedim(1, 0), self.group)
         return x.movedim(0, 2).flatten(2, 3).index_select(2, inverse)
 
-    def _to_tokens(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        """[b, h / cp, seq, ...] -> [b, h, s_local, ...]: the inverse of _to_heads (any trailing dims)."""
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, h / cp, seq, ...] -> [b, h, s_local, ...]: the inverse of to_heads (any trailing dims)."""
+        perm, _ = self.order(x.shape[2], x.device)
         x = x.index_select(2, perm)
         x = x.unflatten(2, (self.cp, x.shape[2] // self.cp)).movedim(2, 0)
         return all_to_all(x, self.group).movedim(0, 1).flatten(1, 2)
 
-    def _gathered_docs(self, doc_ids: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        """Document ids of the whole sequence in sequence order, once per batch (every layer gets
-        the same doc_ids tensor; holding it keeps its id from being reused)."""
+    def gathered_docs(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Document ids [b, s_local] of the whole sequence in sequence order, once per batch (every
+        layer gets the same doc_ids tensor; holding it keeps its id from being reused)."""
         if self._docs[0] is not doc_ids:
+            _, inverse = self.order(doc_ids.shape[1] * self.cp, doc_ids.device)
             gathered = _AllGather.apply(doc_ids, self.group)  # [cp, b, s_local]
             self._docs = (doc_ids, gathered.movedim(0, 1).flatten(1, 2).index_select(1, inverse))
         return self._docs[1]
+
+
+class UlyssesAttention:
+    """All-to-all ("Ulysses") context parallel around any attention kernel with the contract of
+    torchtitan.models.common.attention: q, k and v go through a HeadExchange, so `kernel` runs
+    unchanged on positions 0..seq-1 of heads / cp of the heads with the gathered document ids and the
+    layer's window, and the output (and log-sum-exp) comes back to each rank's own tokens of every
+    head, in its load-balanced order. Rotary positions are already applied to q and k by the caller
+    (global positions of the local tokens). Grouped-query KV heads are repeated (`kv_replicas`) where
+    fewer than cp would split unevenly.
+
+    Per-head transforms on the log-sum-exp (gpt-oss's sinks) are applied by the family after this
+    returns, on the local tokens of every head: each rank holds every sink and uses it on its own
+    tokens (as under the ring); their gradient is summed over the cp ranks with the other replicated
+    parameters. The result is the same as applying head group j's sinks on rank j during attention."""
+
+    def __init__(self, cp_mesh, kernel, exchange: HeadExchange | None = None):
+        self.exchange = exchange or HeadExchange(cp_mesh)
+        self.cp = self.exchange.cp
+        self.kernel = kernel
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -382,17 +395,17 @@ class UlyssesAttention:
             raise ValueError(f"context_parallel_method = 'ulysses' with degree {self.cp} cannot split the {heads} "
                              "query heads of a rank (preflight refuses this)")
         repeats = kv_replicas(heads, kv_heads, self.cp)
-        perm, inverse = self._order(q.shape[2] * self.cp, q.device)
-        q_all = self._to_heads(q, inverse)
+        ex = self.exchange
+        q_all = ex.to_heads(q)
         # Keys and values travel as one block, concatenated on the features (their head dims may differ).
-        kv_all = self._to_heads(_repeat_kv(torch.cat([k, v], dim=-1), repeats), inverse)
+        kv_all = ex.to_heads(_repeat_kv(torch.cat([k, v], dim=-1), repeats))
         k_all, v_all = kv_all.split([k.shape[-1], v.shape[-1]], dim=-1)
-        docs = self._gathered_docs(doc_ids, inverse) if doc_ids is not None else None
+        docs = ex.gathered_docs(doc_ids) if doc_ids is not None else None
         result = self.kernel(q_all, k_all, v_all, doc_ids=docs, window=window, return_lse=return_lse)
         if not return_lse:
-            return self._to_tokens(result, perm)
+            return ex.to_tokens(result)
         out, lse = result
-        return self._to_tokens(out, perm), self._to_tokens(lse.unsqueeze(-1), perm).squeeze(-1)
+        return ex.to_tokens(out), ex.to_tokens(lse.unsqueeze(-1)).squeeze(-1)
 
 
 def describe_cp(parallelism) -> str:
@@ -417,14 +430,18 @@ def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attent
     if method not in ("ring", "ulysses"):
         raise ValueError(f"unknown context_parallel_method {method!r}")
     ring = ContextParallelAttention(cp_mesh, rotate_method, overlap) if method == "ring" else None
-    wrapped: dict = {}  # one Ulysses wrapper per kernel, so its per-batch document gather is shared
+    exchange = HeadExchange(cp_mesh)  # one, so that its per-batch document gather is shared
+    wrapped: dict = {}  # one Ulysses wrapper per kernel
     for block in (model.layers.values() if blocks is None else blocks):
         module = block.get_submodule(attention_path)
-        if ring is not None:
+        if hasattr(module, "set_head_exchange"):
+            # A mixer that is not attention (gated DeltaNet) goes head-parallel by all-to-all itself.
+            module.set_head_exchange(exchange)
+        elif ring is not None:
             module.attention_fn = ring
         else:
             kernel = module.attention_fn
             if id(kernel) not in wrapped:
-                wrapped[id(kernel)] = UlyssesAttention(cp_mesh, kernel)
+                wrapped[id(kernel)] = UlyssesAttention(cp_mesh, kernel, exchange)
             module.attention_fn = wrapped[id(kernel)]
     model.set_token_positions(local_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank()))

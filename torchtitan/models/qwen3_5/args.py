@@ -79,11 +79,15 @@ def validate(args: ModelArgs, parallel_dims) -> None:
     """Before launch (spec.validate). TP against every split head count is preflight's generic check
     (parallelize.tp_sizes)."""
     problems = []
-    if parallel_dims.cp > 1:
+    local_key_heads = args.linear_num_key_heads // max(parallel_dims.tp, 1)
+    if parallel_dims.cp > 1 and local_key_heads % parallel_dims.cp:
+        # Under context parallel each rank runs the recurrence for key heads / cp of the key heads.
+        best = max(d for d in range(1, parallel_dims.cp + 1) if local_key_heads % d == 0)
         problems.append(
-            f"parallelism.context_parallel_degree = {parallel_dims.cp}: context parallel is not yet supported for "
-            "qwen3_5 (its gated DeltaNet layers carry a state along the sequence, which neither the ring nor "
-            "Ulysses passes between ranks yet); set it to 1 and use FSDP, TP or PP instead"
+            f"parallelism.context_parallel_degree = {parallel_dims.cp} must divide the {local_key_heads} DeltaNet key "
+            f"heads of a tensor-parallel rank (linear_num_key_heads = {args.linear_num_key_heads}, tensor_parallel_degree "
+            f"= {parallel_dims.tp}): each rank runs the recurrence for 1 / degree of them over the whole sequence; the "
+            f"largest degree that works is {best}"
         )
     if args.linear_num_key_heads < 1 or args.linear_num_value_heads % args.linear_num_key_heads:
         problems.append(

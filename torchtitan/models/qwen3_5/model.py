@@ -26,7 +26,9 @@ Norm weights: Hugging Face's Qwen3.5 RMSNorms (the block norms, the final norm, 
 by (1 + weight) and store weight - 1; ours are plain nn.RMSNorm (weight 1 at init); the adapter adds or
 subtracts 1. The DeltaNet output norm is a plain one in both.
 
-Generation with a cache is not implemented for this family (spec.kv_cache False).
+Context parallel: the attention layers through the run's method; the DeltaNet layers head-parallel by
+all-to-all (GatedDeltaNet.set_head_exchange). Generation with a cache is not implemented for this
+family (spec.kv_cache False).
 """
 
 import torch
@@ -68,15 +70,13 @@ class GatedAttention(Attention):
 
 
 class CausalConv(nn.Module):
-    """Depthwise causal convolution, weight [channels, kernel] (HF's conv1d.weight [channels, 1, kernel]);
-    tensor parallel splits the channels (dim 0) as it splits the projection before it."""
+    """The depthwise causal convolution's weight [channels, kernel] (HF's conv1d.weight [channels, 1,
+    kernel]); tensor parallel splits the channels (dim 0) as it splits the projection before it.
+    GatedDeltaNet applies it (delta_rule.causal_conv) to the channels of the heads it computes."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, kernel))
-
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        return delta_rule.causal_conv(x, local_part(self.weight), doc_ids)
 
 
 class HeadParams(nn.Module):
@@ -105,28 +105,57 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.RMSNorm(self.dv, eps=args.norm_eps)
         self.out_proj = nn.Linear(nv * self.dv, args.dim, bias=False)
         # The trainer sets every block's attention kernel at the spec's cp_attention path; the recurrence
-        # uses none (context parallel, which would replace it, is refused for this family).
+        # uses none. Under context parallel it goes head-parallel instead (set_head_exchange).
         self.attention_fn = None
+        self.exchange = None
+
+    def set_head_exchange(self, exchange) -> None:
+        """Context parallel (distributed.context_parallel.apply_cp, any method): the projections run on
+        this rank's tokens; one all-to-all (exchange.to_heads) gives each rank the whole sequence for
+        1 / cp of the key heads with their value heads, on which the conv, the decay and the recurrence
+        run as on one process (with the gathered document ids, so they restart at every document),
+        and a second brings the normalized output of every head back to the rank's own tokens for
+        the gate and out_proj. Chosen over passing each rank's final state down the ranks (a prefix
+        scan): no rank waits for the one before it, the conv needs no halo, the kernel is unchanged,
+        and the load-balanced token order needs nothing more than Ulysses attention's exchange."""
+        self.exchange = exchange
 
     def forward(self, x, rope, cache=None, start_pos=0, doc_ids=None):
         if cache is not None:
             raise NotImplementedError("qwen3_5: decoding with a cache (the DeltaNet state) is not implemented")
-        bs, seq, _ = x.shape
-        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), doc_ids))
-        # [batch, seq, key heads (this rank's under TP), q | k | values of its value heads]
-        q, k, v = qkv.view(bs, seq, -1, 2 * self.dk + self.per_key * self.dv).split(
-            [self.dk, self.dk, self.per_key * self.dv], dim=-1)
+        bs = x.shape[0]
+        group = 2 * self.dk + self.per_key * self.dv  # one key head's channels: q, k, its values
+        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        conv_w = local_part(self.conv1d.weight)
+        a_log, dt_bias = local_part(self.heads.A_log), local_part(self.heads.dt_bias)
+        ex, docs = self.exchange, doc_ids
+        if ex is not None:
+            qkv, a, b = (_to_heads(ex, t, heads) for t, heads in ((qkv, conv_w.shape[0] // group), (a, a.shape[-1]),
+                                                                  (b, b.shape[-1])))
+            # Rank j of the group computes the j-th contiguous group of this (TP) rank's key heads.
+            conv_w, a_log, dt_bias = (t.chunk(ex.cp)[ex.rank] for t in (conv_w, a_log, dt_bias))
+            docs = ex.gathered_docs(doc_ids) if doc_ids is not None else None
+        seq = qkv.shape[1]
+        qkv = F.silu(delta_rule.causal_conv(qkv, conv_w, docs))
+        # [batch, seq, key heads (this rank's), q | k | values of its value heads]
+        q, k, v = qkv.view(bs, seq, -1, group).split([self.dk, self.dk, self.per_key * self.dv], dim=-1)
         v = v.reshape(bs, seq, -1, self.dv)  # value head h * per_key + j is key head h's j-th
         q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
         if self.per_key > 1:
             q, k = q.repeat_interleave(self.per_key, dim=2), k.repeat_interleave(self.per_key, dim=2)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        a_log, dt_bias = local_part(self.heads.A_log), local_part(self.heads.dt_bias)
-        g = -a_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias.float())
-        out, _ = delta_rule.chunked(q, k, v, g, beta, chunk=self.chunk, doc_ids=doc_ids)
-        z = self.in_proj_z(x).view(bs, seq, -1, self.dv)
-        out = self.norm(out.to(x.dtype)) * F.silu(z)
-        return self.out_proj(out.flatten(2))
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        out, _ = delta_rule.chunked(q, k, v, g, torch.sigmoid(b), chunk=self.chunk, doc_ids=docs)
+        out = self.norm(out.to(x.dtype))  # per head: the same before or after the exchange back
+        if ex is not None:
+            out = ex.to_tokens(out.transpose(1, 2)).transpose(1, 2)  # [batch, local tokens, heads, dv]
+        z = self.in_proj_z(x).view(bs, x.shape[1], -1, self.dv)
+        return self.out_proj((out * F.silu(z)).flatten(2))
+
+
+def _to_heads(exchange, x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, local tokens, heads x d] -> [batch, whole sequence, heads / cp x d] (exchange.to_heads)."""
+    bs, seq, _ = x.shape
+    return exchange.to_heads(x.view(bs, seq, heads, -1).transpose(1, 2)).transpose(1, 2).flatten(2)
 
 
 def _uniform(low: float, high: float):
