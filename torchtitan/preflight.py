@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components import validate
+from torchtitan.components import fault_tolerance, validate
 from torchtitan.components.checkpoint import check_writable, preflight_checkpoint
 from torchtitan.components.optimizer import check_muon_supported, check_param_groups
 from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
@@ -309,6 +309,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         check_param_groups(meta_model(spec, model_args), cfg.optimizer)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise UserError("metrics.enable_wandb needs the wandb package: pip install wandb (or turn it off)")
+    fault_tolerance.check(cfg.fault_tolerance)  # torchft installed, the lighthouse answers
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch

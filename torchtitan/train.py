@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components import validate
+from torchtitan.components import fault_tolerance, validate
 from torchtitan.components.batch import BatchRule, LossRanks, document_end_of
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.metrics import (MetricsLogger, MfuPeak, left_behind, peak_memory_gib, process_age,
-                                           rewind_metrics, setup_logging, write_run_file)
+from torchtitan.components.metrics import (MetricsLogger, MfuPeak, left_behind, peak_memory_gib, rewind_metrics,
+                                           setup_logging, startup_line, startup_phase, write_run_file)
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import take_run_lock
@@ -144,6 +144,8 @@ class Trainer:
             return []
         with self.phase("loading the checkpoint"):
             start_step, _ = self.checkpointer.load()
+            self.replicas = fault_tolerance.ReplicaGroups(cfg.fault_tolerance, start_step, self)
+            start_step = self.replicas.join(start_step)  # replica groups: wait for them, or heal from one
             if self.device.type == "cpu":
                 dist_utils.release_host_memory()
         with self.phase("preparing the step"):
@@ -178,7 +180,7 @@ class Trainer:
                     if step == start_step + 1:  # compiled, loaded and warmed up: the steady-state bound applies
                         dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
                         self.startup["first step"] = time.perf_counter() - self.start_time
-                        self.log_startup()
+                        logger.info(startup_line(self.startup))
                     # Tensor-, context- and pipeline-parallel peers share their data-parallel group's
                     # batch: count each token once, spread over all devices.
                     self.tokens_since_log += self.tokens_per_step / self.dims.world_size
@@ -196,6 +198,7 @@ class Trainer:
         finally:
             gc.enable()
             self.metrics.close()
+            self.replicas.close()
         if stopped_at is not None:
             saved = (f"saved checkpoint {self.checkpointer.folder.step(stopped_at)} (the same "
                      f"command resumes from it)" if cfg.checkpoint.enable_checkpoint else
@@ -219,8 +222,10 @@ class Trainer:
 
     def build_dataloader(self):
         dp_rank = submesh(self.mesh, "dp").get_local_rank() if self.mesh is not None else 0
-        return build_dataloader(self.cfg.training, self.tokenizer, dp_rank, self.dims.dp_degree,
-                                self.plan.global_batch_size, pin_memory=self.device.type == "cuda",
+        # Each replica group reads its own lanes (fault_tolerance.data_lanes).
+        lanes = fault_tolerance.data_lanes(self.cfg.fault_tolerance, dp_rank, self.dims.dp_degree,
+                                           self.plan.global_batch_size)
+        return build_dataloader(self.cfg.training, self.tokenizer, *lanes, pin_memory=self.device.type == "cuda",
                                 gather=dist_utils.gather_objects)
 
     def build_model(self) -> ModelParts:
@@ -372,18 +377,8 @@ class Trainer:
                 warm_up_schedule(self.pipeline, self.parts, self.model.step_loss,
                                  *self.batch_rule.prepare(zeros, zeros, self.device))
 
-    @contextmanager
-    def phase(self, what: str):
-        """A start-up phase: said when it begins (a large model or checkpoint takes minutes), timed."""
-        logger.info(f"{what}...")
-        start = time.perf_counter()
-        yield
-        self.startup[what] = time.perf_counter() - start
-
-    def log_startup(self):
-        phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.startup.items())
-        since = process_age()
-        logger.info(f"start-up: {phases}" + (f"; first step done {since:.1f}s after the process started" if since else ""))
+    def phase(self, what: str):  # a start-up phase: said when it begins, timed
+        return startup_phase(what, self.startup)
 
     def log_start(self):
         cfg, t = self.cfg, self.cfg.training
@@ -410,6 +405,7 @@ class Trainer:
         its loss and gradient norm are finite on every rank; otherwise it is skipped
         (training.skip_nonfinite_steps) or the run stops, before the state can reach a checkpoint."""
         self.optim.zero_grad()
+        self.replicas.start_step(step)
         loss_sum = torch.zeros((), device=self.device)
         waited = time.perf_counter()
         micro_batches = [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
@@ -429,6 +425,7 @@ class Trainer:
             loss_sum += self.forward_backward(inputs, labels, kwargs, scale)
         self.model.shared_weights.sum_gradients()
         params = [p for part in self.parts for p in part.parameters()]
+        self.replicas.average(params, loss_sum)  # over the live replica groups (fault_tolerance)
         grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.loss_ranks.pp_group,
                                                not_counted=self.model.shared_weights.duplicates())
         # One small all-reduce and one host sync per step: whether any rank's loss is non-finite (with
@@ -440,10 +437,11 @@ class Trainer:
         norm, loss_bad, stop = torch.cat([grad_norm.detach().float().reshape(1), flags]).tolist()
         lr = self.optim.lr
         finite = math.isfinite(norm) and not loss_bad
-        if finite:
+        committed = self.replicas.should_commit(step)  # False only when a replica group failed in the step
+        if finite and committed:
             self.skipped_in_a_row = 0
             self.optimizer_step()
-        else:
+        elif committed:
             self.skip_step(step, "gradient norm" if not math.isfinite(norm) else "loss", norm)
         signal_name = (self.stop_signals.received or "a stop signal (on another rank)") if stop else None
         return StepResult(loss_sum, norm, lr, not finite, signal_name)
@@ -543,6 +541,7 @@ class Trainer:
             # Mean time a step waited for its batches since the previous record (data loading off
             # the critical path keeps it near zero).
             "data_wait_s": self.data_wait_since_log / max(step - self.last_log_step, 1),
+            **self.replicas.fields(),
         }
         if self.spec.metrics is not None:
             record.update(self.spec.metrics(self.parts, self.model.parallelize_inputs))

@@ -10,6 +10,7 @@ configured or table peak is kept, and a line whose MFU exceeds 100% against it s
 """
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -375,6 +376,22 @@ def rewind_metrics(path: str, start_step: int):
     keep_earlier(path, "metrics")
     with open(path, "w") as f:
         f.writelines(line + "\n" for line in kept)
+
+
+@contextlib.contextmanager
+def startup_phase(what: str, times: dict[str, float]):
+    """A start-up phase: said when it begins (a large model or checkpoint takes minutes), timed into `times`."""
+    logger.info(f"{what}...")
+    start = time.perf_counter()
+    yield
+    times[what] = time.perf_counter() - start
+
+
+def startup_line(times: dict[str, float]) -> str:
+    """The start-up's phases and their seconds, and how long after the process started the first step ended."""
+    phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in times.items())
+    since = process_age()
+    return f"start-up: {phases}" + (f"; first step done {since:.1f}s after the process started" if since else "")
 
 
 def process_age() -> float | None:

@@ -4,8 +4,8 @@ Every field of a section is read by the code. Its default is defined in its sect
 and its `help` doubles as the `--help` text: job_sections.py (job, metrics, profiling, checkpoint,
 memory_estimation, experimental), model_sections.py (model, activation_checkpoint, float8, moe),
 training_sections.py (optimizer, lr_scheduler, training, validation) and parallelism_sections.py (parallelism,
-comm). Key names follow torchtitan's mid-2025 TOML schema. Keys of that schema that this version does not
-implement yet live in `PLANNED_KEYS` below: they load while they hold a value that asks for nothing, and are
+comm, fault_tolerance). Key names follow torchtitan's mid-2025 TOML schema. Keys of that schema that this version
+does not implement yet live in `PLANNED_KEYS` below: they load while they hold a value that asks for nothing, and are
 rejected with a clear message otherwise, so a recipe never silently loses an option.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torchtitan.config.job_sections import Checkpoint, Experimental, Job, MemoryEstimation, Metrics, Profiling
 from torchtitan.config.model_sections import ActivationCheckpoint, Float8, Model, MoE
-from torchtitan.config.parallelism_sections import Comm, Parallelism
+from torchtitan.config.parallelism_sections import Comm, FaultTolerance, Parallelism
 from torchtitan.config.training_sections import LRScheduler, Optimizer, Training, Validation
 
 
@@ -27,6 +27,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)

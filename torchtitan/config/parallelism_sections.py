@@ -171,3 +171,51 @@ class Comm:
             self.trace_buf_size >= 0,
             f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {self.trace_buf_size}",
         ))
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Replica groups on torchft (torchtitan/components/fault_tolerance.py, docs/launching.md): each group is an
+    ordinary run; across groups each rank's gradients are averaged over the groups alive at that step."""
+
+    enabled: bool = opt(
+        False,
+        "Train as one replica group of several (needs the torchft package: pip install torchft==0.2.0). Each group "
+        "is an ordinary run with its own dump folder; a group that dies leaves the others training.",
+    )
+    group_count: int = opt(1, "Replica groups of the job (the same in every group); each reads its own data lanes.")
+    group_id: int = opt(0, "This group's id, 0..group_count-1.")
+    min_groups: int = opt(
+        1, "Groups that must be alive for a step to be committed; with fewer, steps are not committed (and "
+           "the groups wait for others to join).",
+    )
+    lighthouse: str = opt(
+        "", "Address of the torchft lighthouse that forms the groups' quorum, http://HOST:PORT (start one with "
+            "torchft_lighthouse --min_replicas 1 --bind HOST:PORT, or run_train.sh with LIGHTHOUSE_PORT).",
+    )
+    timeout_seconds: int = opt(
+        30, "Timeout of the groups' gradient average and commit vote, and of the lighthouse's first answer "
+            "(checked before launch). A group that stops answering is dropped after it.",
+    )
+    quorum_timeout_seconds: int = opt(
+        120, "How long a step waits for the lighthouse to form a quorum of at least min_groups groups.",
+    )
+
+    def check(self) -> list[str]:
+        if not self.enabled:
+            return []
+        problems = [
+            f"fault_tolerance.{key} must be a positive integer, got {getattr(self, key)}; set it to 1 or more"
+            for key in ("group_count", "min_groups", "timeout_seconds", "quorum_timeout_seconds")
+            if not getattr(self, key) > 0
+        ]
+        return problems + failed(
+            (0 <= self.group_id < self.group_count,
+             f"fault_tolerance.group_id = {self.group_id} is outside 0..group_count-1 "
+             f"(fault_tolerance.group_count = {self.group_count})"),
+            (self.min_groups <= self.group_count,
+             f"fault_tolerance.min_groups = {self.min_groups} is above fault_tolerance.group_count = "
+             f"{self.group_count}: no step could ever be committed"),
+            (self.lighthouse.startswith(("http://", "https://")) and ":" in self.lighthouse.split("//", 1)[1],
+             f"fault_tolerance.lighthouse = {self.lighthouse!r} must be the lighthouse's http://HOST:PORT"),
+        )
