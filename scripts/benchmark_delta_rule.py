@@ -4,6 +4,7 @@ time and peak allocated memory, and the chunked kernel's agreement with the toke
 
     python scripts/benchmark_delta_rule.py [--lengths 1024,4096,16384] [--heads 4] [--head-dim 64]
         [--chunk 64] [--repeat 3] [--check-lengths 1024,4096,16384]
+    python scripts/benchmark_delta_rule.py --layers [--flavor debugmodel] [--lengths ...] [--repeat 3]
 
 Per length, one sequence (batch 1), float32 on the CPU: q, k, v [1, seq, heads, head_dim] (q and k
 L2-normalized, as gated DeltaNet feeds the rule), g and beta [1, seq, heads]; the attention case runs
@@ -12,6 +13,10 @@ of `repeat` forward+backward passes, and the most bytes the CPU allocator held a
 pass beyond its inputs (the profiler's allocation events, torchtitan.planner.allocations). The check
 runs the token-by-token form (forward only: a Python loop over the tokens) at --check-lengths and
 prints the largest difference of the outputs.
+
+--layers instead times whole Qwen3.5 blocks of one flavor (the same width): a gated DeltaNet block
+(projections, conv, the chunked rule, gated norm, SwiGLU) against a gated full-attention block (SDPA,
+the default kernel), forward and backward of one sequence, float32, parameters' gradients included.
 """
 
 import argparse
@@ -79,8 +84,12 @@ def benchmark(argv: list[str]) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--check-lengths", default="1024,4096,16384",
                    help="lengths at which the token-by-token form is run too (slow: a loop over the tokens)")
+    p.add_argument("--layers", action="store_true", help="whole Qwen3.5 blocks instead of the bare kernels")
+    p.add_argument("--flavor", default="debugmodel", help="--layers: the qwen3_5 flavor whose blocks are timed")
     opts = p.parse_args(argv)
     lengths = numbers(opts.lengths, "--lengths")
+    if opts.layers:
+        return layer_rows(opts, lengths)
     checks = set(numbers(opts.check_lengths, "--check-lengths")) if opts.check_lengths else set()
     for name in ("heads", "head_dim", "chunk", "repeat"):
         if getattr(opts, name) < 1:
@@ -108,6 +117,35 @@ def benchmark(argv: list[str]) -> None:
             diff = f"{(ref - got).abs().max().item():.1e}"
         print(f"| {seq} | {rule_s:.3f} ({rule_cpu:.3f}) | {rule_b / 2**20:.1f} | {attn_s:.3f} ({attn_cpu:.3f}) | "
               f"{attn_b / 2**20:.1f} | {rule_cpu / attn_cpu:.2f} | {diff} |", flush=True)
+
+
+def layer_rows(opts, lengths: list[int]) -> None:
+    from torchtitan.models.registry import get_model_args, get_model_spec
+
+    spec = get_model_spec("qwen3_5")
+    get_model_args("qwen3_5", opts.flavor)  # an unknown flavor is a UserError naming the known ones
+    args = spec.args_for_training(opts.flavor, 4096, max(lengths))
+    torch.manual_seed(0)
+    model = spec.model_cls(args)
+    model.init_weights(seed=0)
+    kinds = {"gated DeltaNet": next(i for i in range(args.n_layers) if not args.is_full_attention(i)),
+             "gated attention": next(i for i in range(args.n_layers) if args.is_full_attention(i))}
+    print(f"qwen3_5 {opts.flavor}: dim {args.dim}; DeltaNet {args.linear_num_key_heads} key / "
+          f"{args.linear_num_value_heads} value heads of {args.linear_key_head_dim} / {args.linear_value_head_dim}, "
+          f"chunk {args.delta_chunk}; attention {args.n_heads} / {args.n_kv_heads} heads of {args.head_dim}; float32, "
+          f"batch 1, {torch.get_num_threads()} threads; forward+backward of one block, median of {opts.repeat}")
+    print("| tokens | DeltaNet block s (CPU s) | DeltaNet block MiB | attention block s (CPU s) | attention block MiB "
+          "| DeltaNet / attention CPU time |")
+    print("|---|---|---|---|---|---|")
+    for seq in lengths:
+        row = []
+        for layer in kinds.values():
+            block = model.layers[str(layer)]
+            x = torch.randn(1, seq, args.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+            row.append(measure(lambda: block(x, model.rope[:seq]), [x, *block.parameters()], opts.repeat))
+        (d_s, d_cpu, d_b), (a_s, a_cpu, a_b) = row
+        print(f"| {seq} | {d_s:.3f} ({d_cpu:.3f}) | {d_b / 2**20:.1f} | {a_s:.3f} ({a_cpu:.3f}) | {a_b / 2**20:.1f} "
+              f"| {d_cpu / a_cpu:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
