@@ -8,7 +8,8 @@ and longer than a chunk, and both). Each case also runs with return_lse (name + 
 log-sum-exp is compared too and the backward flows through it as well; and gpt-oss's per-head sinks
 on the ring's output and log-sum-exp, with documents and windows, against an explicit softmax with a
 sink column (name + "_sinks"); the rotating ring with overlapped transfers against the same ring
-without overlap, bitwise (name "*_overlap_bitwise_*": 0 when equal). Rank 0 writes {case: max abs
+without overlap, bitwise (name "*_overlap_bitwise_*": 0 when equal); the rotating ring with its
+chunk pairs computed a few query rows at a time ("*_alltoall_sliced*"). Rank 0 writes {case: max abs
 diff of output (and lse) and of the q, k, v gradients}, inf where any of them holds a NaN or inf.
 
     torchrun --nproc_per_node 4 tests/distributed/cp_worker.py OUT.json
@@ -28,6 +29,7 @@ from torchtitan.distributed.context_parallel import (
     shard_sequence,
 )
 from torchtitan.distributed.utils import exit_process
+from torchtitan.models.common import attention
 from torchtitan.models.common.attention import sdpa_attention, split_attention, visible
 
 METHODS = ("allgather", "alltoall", "ulysses", "ulysses_split")
@@ -176,6 +178,14 @@ def main(out_path: str):
     for prefix, mesh in (("cp4", mesh4["cp"]), ("cp2", mesh2x2["cp"])):
         for window in (None, 10):
             results[f"{prefix}_alltoall_overlap_bitwise_win{window}"] = compare_overlap(mesh, window)
+    # The rotating ring's block_attention with 3 query rows per slice (chunks of 8 rows: slices of 3, 3
+    # and 2), as a long block runs: the slices' masks are cut from the chunk pair's positions and documents.
+    whole = attention.BLOCK_SLICE_ELEMENTS
+    attention.BLOCK_SLICE_ELEMENTS = 2 * 4 * CHUNK * 3  # batch x heads x keys x rows
+    for prefix, mesh in (("cp4", mesh4["cp"]), ("cp2", mesh2x2["cp"])):
+        for name, docs, window in (("", False, None), ("_docs_win10", True, 10)):
+            results[f"{prefix}_alltoall_sliced{name}_lse"] = compare(mesh, "alltoall", CHUNK, docs, window, True)
+    attention.BLOCK_SLICE_ELEMENTS = whole
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

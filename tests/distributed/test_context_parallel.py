@@ -115,7 +115,8 @@ def test_cp_attention_matches_single_process_attention(tmp_path):
     cases = {*layouts, *(f"{layout}_{m}" for layout in layouts for m in masked)}
     sinks = {f"{layout}_docs_win{w}_sinks" for layout in layouts for w in (5, 10)}
     bitwise = {f"{cp}_alltoall_overlap_bitwise_win{w}" for cp in ("cp4", "cp2") for w in (None, 10)}
-    assert set(results) == cases | {f"{case}_lse" for case in cases} | sinks | bitwise
+    sliced = {f"{cp}_alltoall_sliced{m}_lse" for cp in ("cp4", "cp2") for m in ("", "_docs_win10")}
+    assert set(results) == cases | {f"{case}_lse" for case in cases} | sinks | bitwise | sliced
     for case in bitwise:  # overlapping the ring's transfers changes no bit of the results
         assert results[case] == 0.0, f"{case}: overlapped ring differs from the non-overlapping one"
     for case, diff in results.items():  # the worker reports inf for any NaN or inf
