@@ -83,6 +83,26 @@ def test_data_lanes_make_each_group_a_data_parallel_replica():
     assert data_lanes(load_config(TINY).fault_tolerance, 1, 2, 8) == (1, 2, 8)
 
 
+@pytest.mark.slow
+def test_fewer_live_groups_than_min_groups_stop_the_run_within_the_quorum_timeout(tmp_path):
+    port = free_port()
+    lighthouse = subprocess.Popen([str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
+                                   f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.5)
+        proc = subprocess.run(["./run_train.sh", *TINY, *FT, "--fault_tolerance.min_groups", "2",
+                               "--fault_tolerance.quorum_timeout_seconds", "3", "--fault_tolerance.lighthouse",
+                               f"http://127.0.0.1:{port}", "--job.dump_folder", str(tmp_path)],
+                              cwd=REPO, env=env_of(NGPU="1"), capture_output=True, text=True, timeout=300)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("only 1 replica group(s) alive for fault_tolerance.quorum_timeout_seconds = 3, fewer than "
+            "fault_tolerance.min_groups = 2") in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+
+
 # --- two real groups --------------------------------------------------------------------------------
 
 STEPS = 8

@@ -167,7 +167,8 @@ class ReplicaGroups:
     def start_step(self, step: int):
         """The quorum of the groups alive now (the process group across them is rebuilt when it changed). A fresh
         run's first step waits (up to fault_tolerance.quorum_timeout_seconds) for all group_count groups, so that
-        they start together instead of the first one training alone."""
+        they start together instead of the first one training alone; any step waits as long for min_groups, and
+        the run stops when they do not come."""
         if self.manager is not None:
             if self.joined:
                 self.joined = False
@@ -175,11 +176,18 @@ class ReplicaGroups:
             self.last_step = step - 1
             self.manager.start_quorum()
             deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
-            while (self.waiting and self.healed_step is None and self.manager.num_participants() < self.cfg.group_count
-                   and time.monotonic() < deadline):
+            need = self.cfg.group_count if self.waiting and self.healed_step is None else self.cfg.min_groups
+            while self.manager.num_participants() < need and time.monotonic() < deadline:
                 time.sleep(0.2)
                 self.manager.start_quorum()
             self.waiting = False
+            if self.manager.num_participants() < self.cfg.min_groups:
+                raise UserError(
+                    f"step {step}: only {self.manager.num_participants()} replica group(s) alive for "
+                    f"fault_tolerance.quorum_timeout_seconds = {self.cfg.quorum_timeout_seconds}, fewer than "
+                    f"fault_tolerance.min_groups = {self.cfg.min_groups}; restart the lost groups (they heal from a "
+                    f"live one) or lower min_groups"
+                )
             if self.manager.num_participants() != self.participants:
                 logger.info(f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
                             f"quorum (was {self.participants})")

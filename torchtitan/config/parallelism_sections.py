@@ -186,8 +186,8 @@ class FaultTolerance:
     group_count: int = opt(1, "Replica groups of the job (the same in every group); each reads its own data lanes.")
     group_id: int = opt(0, "This group's id, 0..group_count-1.")
     min_groups: int = opt(
-        1, "Groups that must be alive for a step to be committed; with fewer, steps are not committed (and "
-           "the groups wait for others to join).",
+        1, "Groups that must take part in a step for it to be committed; with fewer alive, a step waits up to "
+           "quorum_timeout_seconds for more, then the run stops.",
     )
     lighthouse: str = opt(
         "", "Address of the torchft lighthouse that forms the groups' quorum, http://HOST:PORT (start one with "
@@ -198,7 +198,8 @@ class FaultTolerance:
             "(checked before launch). A group that stops answering is dropped after it.",
     )
     quorum_timeout_seconds: int = opt(
-        120, "How long a step waits for the lighthouse to form a quorum of at least min_groups groups.",
+        120, "How long a step waits for a quorum of at least min_groups groups (a fresh run's first step: of all "
+             "group_count groups, then it starts with those present).",
     )
 
     def check(self) -> list[str]:
