@@ -17,7 +17,7 @@ from torchtitan.models.common.moe import MoEArgs, moe_layers
 from torchtitan.models.registry import get_model_spec
 
 SCRIPT = REPO / "scripts" / "generate.py"
-LLAMA, QWEN = get_model_spec("llama3"), get_model_spec("qwen3")
+LLAMA, QWEN, QWEN3_5 = get_model_spec("llama3"), get_model_spec("qwen3"), get_model_spec("qwen3_5")
 SMALL = {
     "llama3": (LLAMA, small_llama3_args()),
     "qwen3_tied": (QWEN, QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
@@ -25,6 +25,11 @@ SMALL = {
     "qwen3_moe": (QWEN, QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
                                       vocab_size=128, max_seq_len=64,
                                       moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, route_norm=True))),
+    # DeltaNet, attention, DeltaNet, attention; chunks of 8, so a prompt of 10 spans two.
+    "qwen3_5": (QWEN3_5, QWEN3_5.args_cls(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                                          vocab_size=128, max_seq_len=64, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                          full_attention_interval=2, delta_chunk=8)),
 }
 
 
@@ -61,6 +66,8 @@ def randomize(model: torch.nn.Module, seed: int = 1):
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+        elif name.endswith(("A_log", "dt_bias")):  # DeltaNet's decay: exp(A_log) in [1, 3], dt_bias around 0
+            p.copy_(torch.rand(p.shape, generator=g) - 0.5 + (0.5 if name.endswith("A_log") else 0.0))
         elif p.dim() >= 2:
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
 
@@ -107,7 +114,7 @@ def test_kv_cache_logits_equal_the_training_forward(family):
         assert not moe.tokens_per_expert.any() and not moe.expert_bias.any() and not moe.stats
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3_5"])
 def test_generate_with_and_without_cache_gives_the_same_tokens(gen, family):
     model = small_model(family, seed=3)
     prompt = tokens(6)[0].tolist()
@@ -153,6 +160,13 @@ def hf_model(transformers, kind: str):
                                                "beta_slow": 1.0, "truncate": False}, **common)
         config._attn_implementation = "eager"
         cls = transformers.GptOssForCausalLM
+    elif kind == "qwen3_5":  # a gated DeltaNet layer, then a gated attention layer
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        config = Qwen3_5TextConfig(intermediate_size=96, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2,
+                                   **common)
+        cls = Qwen3_5ForCausalLM
     else:
         config = transformers.Qwen3MoeConfig(intermediate_size=96, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                              num_experts_per_tok=2, norm_topk_prob=True, **common)
@@ -163,7 +177,7 @@ def hf_model(transformers, kind: str):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5"])
 def test_greedy_from_imported_hf_model_equals_transformers_generate(gen, tmp_path, kind):
     transformers = pytest.importorskip("transformers")
     hf = hf_model(transformers, kind)

@@ -104,12 +104,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids=None) -> torch.Te
     """Depthwise causal convolution: x [batch, seq, channels], weight [channels, kernel]; out_t =
     sum_s weight[:, -1 - s] * x_{t-s} over the earlier tokens of the same document (zeros before
     the window or the document)."""
-    kernel = weight.shape[-1]
+    kernel, seq = weight.shape[-1], x.shape[1]
     out = x * weight[:, -1]
     for s in range(1, kernel):
-        shifted = F.pad(x[:, :-s], (0, 0, s, 0))
+        shifted = F.pad(x, (0, 0, s, 0))[:, :seq]  # x_{t-s}, zeros before the start (also where seq <= s)
         if doc_ids is not None:
-            same = F.pad(doc_ids[:, s:] == doc_ids[:, :-s], (s, 0), value=False)
+            same = F.pad(doc_ids[:, s:] == doc_ids[:, :-s], (s, 0), value=False)[:, :seq]
             shifted = shifted * same[..., None].to(x.dtype)
         out = out + shifted * weight[:, -1 - s]
     return out

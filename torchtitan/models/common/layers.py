@@ -15,12 +15,15 @@ class KVCache:
 
     A family's attention calls `attend` in place of its `attention_fn` when the model is called with
     caches (`model(tokens, cache=kv_caches(model, n), start_pos=p)`): the tokens given are at
-    positions p, p+1, ...; the caller advances p by their number. Training never passes a cache."""
+    positions p, p+1, ...; the caller advances p by their number. Training never passes a cache.
+    A layer that carries a state along the sequence instead (a linear-attention recurrence, its conv
+    window) keeps it in `states` between calls."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.states: dict[str, torch.Tensor] = {}
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
                window: int | None = None, return_lse: bool = False):

@@ -11,5 +11,4 @@ def build_spec() -> ModelSpec:
         model.Transformer, name="qwen3_5", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes, validate=args.validate, hf=state_dict_adapter.ADAPTER,
         activation_counts=None,  # not counted yet for DeltaNet blocks: the layout planner refuses the family
-        kv_cache=False,  # no decoding cache for the DeltaNet state yet
     )

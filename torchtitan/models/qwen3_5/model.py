@@ -27,8 +27,8 @@ by (1 + weight) and store weight - 1; ours are plain nn.RMSNorm (weight 1 at ini
 subtracts 1. The DeltaNet output norm is a plain one in both.
 
 Context parallel: the attention layers through the run's method; the DeltaNet layers head-parallel by
-all-to-all (GatedDeltaNet.set_head_exchange). Generation with a cache is not implemented for this
-family (spec.kv_cache False).
+all-to-all (GatedDeltaNet.set_head_exchange). Decoding with a cache (layers.KVCache): the attention
+layers cache keys and values, the DeltaNet layers their conv window and recurrent state (`states`).
 """
 
 import torch
@@ -121,8 +121,6 @@ class GatedDeltaNet(nn.Module):
         self.exchange = exchange
 
     def forward(self, x, rope, cache=None, start_pos=0, doc_ids=None):
-        if cache is not None:
-            raise NotImplementedError("qwen3_5: decoding with a cache (the DeltaNet state) is not implemented")
         bs = x.shape[0]
         group = 2 * self.dk + self.per_key * self.dv  # one key head's channels: q, k, its values
         qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
@@ -136,7 +134,21 @@ class GatedDeltaNet(nn.Module):
             conv_w, a_log, dt_bias = (t.chunk(ex.cp)[ex.rank] for t in (conv_w, a_log, dt_bias))
             docs = ex.gathered_docs(doc_ids) if doc_ids is not None else None
         seq = qkv.shape[1]
-        qkv = F.silu(delta_rule.causal_conv(qkv, conv_w, docs))
+        state = None
+        if cache is not None:
+            # Decoding (layers.KVCache): the tokens continue the cached ones. The conv sees the last
+            # kernel - 1 inputs before them, and the recurrence starts from the cached state.
+            if start_pos == 0:
+                cache.states.clear()
+            window = conv_w.shape[-1] - 1
+            before = cache.states.get("conv", qkv.new_zeros(bs, 0, qkv.shape[-1]))
+            joined = torch.cat([before, qkv], dim=1)
+            cache.states["conv"] = joined[:, joined.shape[1] - window:] if window else joined[:, :0]
+            qkv = delta_rule.causal_conv(joined, conv_w)[:, before.shape[1]:]
+            state = cache.states.get("state")
+        else:
+            qkv = delta_rule.causal_conv(qkv, conv_w, docs)
+        qkv = F.silu(qkv)
         # [batch, seq, key heads (this rank's), q | k | values of its value heads]
         q, k, v = qkv.view(bs, seq, -1, group).split([self.dk, self.dk, self.per_key * self.dv], dim=-1)
         v = v.reshape(bs, seq, -1, self.dv)  # value head h * per_key + j is key head h's j-th
@@ -144,7 +156,9 @@ class GatedDeltaNet(nn.Module):
         if self.per_key > 1:
             q, k = q.repeat_interleave(self.per_key, dim=2), k.repeat_interleave(self.per_key, dim=2)
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-        out, _ = delta_rule.chunked(q, k, v, g, torch.sigmoid(b), chunk=self.chunk, doc_ids=docs)
+        out, state = delta_rule.chunked(q, k, v, g, torch.sigmoid(b), chunk=self.chunk, state=state, doc_ids=docs)
+        if cache is not None:
+            cache.states["state"] = state
         out = self.norm(out.to(x.dtype))  # per head: the same before or after the exchange back
         if ex is not None:
             out = ex.to_tokens(out.transpose(1, 2)).transpose(1, 2)  # [batch, local tokens, heads, dv]

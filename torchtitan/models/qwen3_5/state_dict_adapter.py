@@ -14,6 +14,8 @@ wq as it is), DeltaNet under linear_attn (in_proj_z, in_proj_a, in_proj_b, A_log
 out_proj), SwiGLU under mlp. Every conversion is per tensor (the sharded loader and exporter).
 """
 
+import dataclasses
+
 import torch
 
 from torchtitan.config.errors import UserError
@@ -185,6 +187,11 @@ def args_from_config(config: dict) -> ModelArgs:
         tie_word_embeddings=config.get("tie_word_embeddings", False),
     )
     types = config.get("layer_types")
+    if types is not None and "full_attention_interval" not in config:
+        # transformers 5.25 saves the pattern as layer_types only: its period is where the first full layer is.
+        types = list(types)
+        args = dataclasses.replace(args, full_attention_interval=types.index(FULL) + 1 if FULL in types
+                                   else len(types) + 1)
     if types is not None and list(types) != [t if t == FULL else "linear_attention" for t in args.layer_types]:
         raise UserError(f"config.json layer_types {types} differ from full attention every "
                         f"{args.full_attention_interval} layers, the only pattern supported")
