@@ -5,8 +5,8 @@ SIGKILLed mid-run leaves the other training to the end."""
 import os
 import signal
 import subprocess
-import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -83,16 +83,31 @@ def test_data_lanes_make_each_group_a_data_parallel_replica():
     assert data_lanes(load_config(TINY).fault_tolerance, 1, 2, 8) == (1, 2, 8)
 
 
+def start_lighthouse(*flags: str) -> tuple[subprocess.Popen, str]:
+    """A real torchft lighthouse on a free port, once it answers (a loaded host may take seconds to start
+    it, and the trainer refuses a lighthouse that does not answer); (its process, its address)."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
+                             f"127.0.0.1:{port}", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{address}/status", timeout=1)
+            return proc, address
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the lighthouse on port {port} did not answer (exit {proc.poll()})") from None
+            time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_fewer_live_groups_than_min_groups_stop_the_run_within_the_quorum_timeout(tmp_path):
-    port = free_port()
-    lighthouse = subprocess.Popen([str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
-                                   f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse, address = start_lighthouse()
     try:
-        time.sleep(1.5)
         proc = subprocess.run(["./run_train.sh", *TINY, *FT, "--fault_tolerance.min_groups", "2",
                                "--fault_tolerance.quorum_timeout_seconds", "3", "--fault_tolerance.lighthouse",
-                               f"http://127.0.0.1:{port}", "--job.dump_folder", str(tmp_path)],
+                               address, "--job.dump_folder", str(tmp_path)],
                               cwd=REPO, env=env_of(NGPU="1"), capture_output=True, text=True, timeout=300)
     finally:
         lighthouse.kill()
@@ -124,6 +139,26 @@ def _pids_of(folder: Path) -> list[int]:
     return pids
 
 
+def _kill_group(folder: Path) -> None:
+    """SIGKILL every process of a group (a real node loss: no signal handler runs)."""
+    for pid in _pids_of(folder):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(procs: list, folders: list[Path], lighthouse: subprocess.Popen) -> None:
+    """Leave nothing of a test running: the launch commands, every process of each group, the lighthouse."""
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+    for folder in folders:
+        _kill_group(folder)
+    lighthouse.kill()
+    lighthouse.wait()
+
+
 def _logged_steps(folder: Path) -> int:
     try:
         return len(read_metrics(folder))
@@ -136,25 +171,13 @@ def two_groups(tmp_path_factory):
     """Two groups of one process each with a real lighthouse; group 1 is SIGKILLed (launcher and worker) after
     step KILL_AFTER. Returns (folders, group 0's exit code and output)."""
     tmp = tmp_path_factory.mktemp("ft")
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
-         "--heartbeat_timeout_ms", "2000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "2000")
     folders = [tmp / "group0", tmp / "group1"]
     procs = []
     try:
-        deadline = time.monotonic() + 30
-        while True:  # the lighthouse answers
-            probe = subprocess.run([sys.executable, "-c", "import sys, urllib.request; "
-                                    "urllib.request.urlopen(sys.argv[1], timeout=1)", f"http://127.0.0.1:{port}/status"],
-                                   capture_output=True)
-            if probe.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
         for g, folder in enumerate(folders):
             cmd = ["./run_train.sh", *TINY, *FT, "--training.steps", str(STEPS), "--training.global_batch_size", "4",
-                   "--fault_tolerance.group_id", str(g), "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}",
+                   "--fault_tolerance.group_id", str(g), "--fault_tolerance.lighthouse", address,
                    "--job.dump_folder", str(folder)]
             with open(tmp / f"group{g}.log", "w") as log:  # a file: a full pipe would stop the group
                 procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of(NGPU="1"), stdout=log,
@@ -164,25 +187,11 @@ def two_groups(tmp_path_factory):
             assert procs[1].poll() is None and procs[0].poll() is None, "a group ended before the kill"
             assert time.monotonic() < deadline, "group 1 did not reach the kill step"
             time.sleep(0.1)
-        for pid in _pids_of(folders[1]):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_group(folders[1])
         procs[0].wait(timeout=400)
         yield folders, procs[0].returncode, (tmp / "group0.log").read_text()
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        for folder in folders:
-            for pid in _pids_of(folder):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        lighthouse.kill()
-        lighthouse.wait()
+        _stop(procs, folders, lighthouse)
 
 
 @pytest.mark.slow
@@ -228,14 +237,11 @@ def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_pat
     write at the same step hold bit-identical weights."""
     import hashlib
 
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
-         "--heartbeat_timeout_ms", "2000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "2000")
     folders = [tmp_path / "group0", tmp_path / "group1"]
     cmd = [*TINY, *FT, "--training.steps", "400", "--training.global_batch_size", "4",
            "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0",
-           "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
+           "--fault_tolerance.lighthouse", address]
 
     def start(g: int) -> subprocess.Popen:
         with open(tmp_path / f"group{g}.log", "w") as log:  # a file: a full pipe would stop the group
@@ -250,14 +256,12 @@ def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_pat
 
     procs = []
     try:
-        time.sleep(1.5)
         procs = [start(0), start(1)]
         deadline = time.monotonic() + 300
         while _logged_steps(folders[1]) < KILL_AFTER:
             assert procs[0].poll() is None and procs[1].poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        for pid in _pids_of(folders[1]):
-            os.kill(pid, signal.SIGKILL)
+        _kill_group(folders[1])
         procs[1].wait()
         assert not saved(1)
         procs[1] = start(1)  # the same command
@@ -269,18 +273,7 @@ def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_pat
             assert time.monotonic() < deadline, "no common checkpoint"
             time.sleep(0.2)
     finally:
-        for proc in procs:
-            proc.kill()
-        for folder in folders:
-            for pid in _pids_of(folder):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        lighthouse.kill()
-        lighthouse.wait()
-    for proc in procs:
-        proc.wait()
+        _stop(procs, folders, lighthouse)
     out = (tmp_path / "group1.log").read_text()
     assert "healed from a live replica group at step" in out, out[-5000:]
     step = max(common)
