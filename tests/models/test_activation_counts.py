@@ -1,9 +1,9 @@
 """Each family's activation counts (spec.activation_counts, read by the layout planner) against what a
 real block keeps for backward: its saved tensors, traced on CPU in float32, parameters and the
 rotary table left out, in float32 and in bfloat16 (where norms and some attention tensors stay float32).
-Within 1% for every block kind of every family (dense, MoE, qk-norm, MLA). The per-operator
-checkpointing policy's counts against what a checkpointed block leaves allocated after its forward,
-read from the CPU allocator's events: within 1%."""
+Within 1% for every block kind of every family (dense, MoE, qk-norm, MLA, sinks, gated DeltaNet and
+gated attention). The per-operator checkpointing policy's counts against what a checkpointed block
+leaves allocated after its forward, read from the CPU allocator's events: within 1%."""
 
 import dataclasses
 
@@ -16,7 +16,8 @@ from torchtitan.planner.allocations import kept_by
 
 CASES = [("llama3", "debugmodel", "1"), ("qwen3", "debugmodel", "1"), ("qwen3", "debugmodel_moe", "1"),
          ("deepseek_v3", "debugmodel", "0"), ("deepseek_v3", "debugmodel", "1"),
-         ("gpt_oss", "debugmodel", "0"), ("gpt_oss", "debugmodel", "1")]  # a windowed layer, a full one
+         ("gpt_oss", "debugmodel", "0"), ("gpt_oss", "debugmodel", "1"),  # a windowed layer, a full one
+         ("qwen3_5", "debugmodel", "0"), ("qwen3_5", "debugmodel", "3")]  # gated DeltaNet, gated full attention
 
 
 def traced_bytes_per_token(model, layer: str, batch: int, seq: int, dtype) -> float:
@@ -41,7 +42,7 @@ def saved_bytes(model, forward) -> int:
     return sum(saved.values())
 
 
-SEQ = 128
+SEQ = 128  # a multiple of Qwen3.5's delta-rule chunk (64), as its counts assume
 
 
 def block_and_counts(name: str, flavor: str, layer: str, dtype, **overrides):

@@ -5,10 +5,10 @@ from torchtitan.models.common.spec import ModelSpec
 
 def build_spec() -> ModelSpec:
     from torchtitan.models.common.decoder import decoder_spec
-    from torchtitan.models.qwen3_5 import args, model, parallelize, state_dict_adapter
+    from torchtitan.models.qwen3_5 import activations, args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
         model.Transformer, name="qwen3_5", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
         tp_sizes=parallelize.tp_sizes, validate=args.validate, hf=state_dict_adapter.ADAPTER,
-        activation_counts=None,  # not counted yet for DeltaNet blocks: the layout planner refuses the family
+        activation_counts=activations.block_counts,  # DeltaNet blocks (the chunked rule's) and gated attention's
     )
