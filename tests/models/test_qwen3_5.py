@@ -155,6 +155,29 @@ def test_context_parallel_that_splits_a_deltanet_head_is_refused_before_launch_w
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_the_planner_and_memory_estimation_estimate_the_family():
+    """The spec has activation counts for both block kinds (qwen3_5/activations.py, checked against
+    traced blocks in tests/models/test_activation_counts.py): [memory_estimation] prints an estimate
+    before launch and scripts/plan.py ranks layouts, where both refused the family before."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    config = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "qwen3_5"]
+    done = subprocess.run([sys.executable, "-m", "torchtitan.preflight", *config, "--memory_estimation.enabled"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "WORLD_SIZE": "2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("memory estimate for fsdp2 with AC none: ") and "activations" in done.stdout
+    planned = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *config, "--ngpu", "4",
+                              "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--no-simulate"],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "qwen3_5 debugmodel" in planned.stdout and "layouts fit" in planned.stdout
+    assert "activation_counts" not in planned.stdout + planned.stderr
+
+
 def test_trainer_imports_and_exports_transformers_folders_under_fsdp(tmp_path):
     """A transformers folder as the initial weights of a 2-process FSDP run (each rank reading its
     shards); the run's export (last_save_in_hf, written tensor by tensor) loads in transformers with
