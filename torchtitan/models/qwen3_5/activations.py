@@ -29,9 +29,10 @@ def delta_rule_counts(heads: int, dk: int, dv: int, chunk: int, seq_len: int) ->
     - per head, [chunk] per token: the decay, its strict part, beta * strict, k k^T, the unit
       triangular system, q k^T and the scores (7);
     - per head, [dk]: the contiguous copies of k and k^T, and of q and k^T, that the batched
-      matmuls make (4), k, q (the repeated ones), wk (the solve for the state), and what each
-      chunk's last token keeps of k (8); q * exp(G) as well where there is more than one chunk
-      (the first chunk starts from a zero state that needs no gradient);
+      matmuls make (4), k, q (the repeated ones) and wk (the solve for the state) (7); where there
+      is more than one chunk, q * exp(G) (the first chunk starts from a zero state that needs no
+      gradient) and what each chunk's last token keeps of k (with one chunk only the final state
+      reads it, which the block drops: autograd frees that branch when the forward returns);
     - per head, [dv]: u (the solve for the values) and w (the chunk's writes);
     - per head: the exps of the cumulative decay and their masked factors (6); per chunk: the last
       token's decay and mask (and its product beyond the first chunk);
@@ -39,12 +40,17 @@ def delta_rule_counts(heads: int, dk: int, dv: int, chunk: int, seq_len: int) ->
       head.
     Under autocast the matmuls keep bf16: k k^T and q k^T and their operands' copies, the scores
     and what the chunk's last token keeps in bf16 casts, each state in two casts besides float32,
-    and the casts of q * exp(G) and wk chunk by chunk beyond the first."""
+    and the casts of q * exp(G) and wk chunk by chunk beyond the first. Counted as traced (every
+    tensor saved during the forward, as tests/models/test_activation_counts.py measures): under
+    autocast the last chunk's update of the final state keeps casts of its w and keep and the
+    float32 state before it, which autograd frees when the block drops that state, so the counts
+    are over by (2 dk + 2 dv) / n + 4 dk dv / seq_len bytes per token and head (1.6% of the
+    debug model's block at 128 tokens, nothing much at thousands)."""
     n = max(seq_len // chunk, 1)
     more = 1.0 if n > 1 else 0.0
-    fp32 = (chunk / 4 + 2 + 7 * heads * chunk + (8 + more) * heads * dk + 2 * heads * dv + 6 * heads
+    fp32 = (chunk / 4 + 2 + 7 * heads * chunk + (7 + 2 * more) * heads * dk + 2 * heads * dv + 6 * heads
             + (heads + 1 + more * heads) / chunk + heads * dk * dv / chunk)
-    moved = -3 * heads * chunk - 5 * heads * dk - more * 2 * heads * dk / n + 2 * heads * dk * dv / chunk
+    moved = -3 * heads * chunk - (4 + more) * heads * dk - more * 2 * heads * dk / n + 2 * heads * dk * dv / chunk
     return fp32, moved
 
 
