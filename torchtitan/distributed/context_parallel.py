@@ -47,7 +47,7 @@ from torch import nn
 
 from torchtitan.config import UserError
 from torchtitan.distributed.comms import all_to_all
-from torchtitan.models.common.attention import block_attention, math_attention, visible
+from torchtitan.models.common.attention import block_attention, visible
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -246,10 +246,11 @@ class ContextParallelAttention:
             # Integer ids need no gradient; the same gather (forward only) with a unit last dim so
             # that _global_order sees the [..., seq, d] layout of k and v.
             doc_all = self._global_order(_AllGather.apply(doc_ids.unsqueeze(-1), self.group)).squeeze(-1)
-        mask = visible(q_pos, k_pos, doc_ids, doc_all, window)
         if return_lse:
-            out, lse = math_attention(q, k_all, v_all, mask)
+            # block_attention, not math_attention: no [local, seq] scores (nor mask) kept for backward.
+            out, lse = block_attention(q, k_all, v_all, _pair_mask(q_pos, k_pos, doc_ids, doc_all, window))
             return out.to(q.dtype), lse
+        mask = visible(q_pos, k_pos, doc_ids, doc_all, window)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
     def _ring(self, q, k, v, repeats: int, doc_ids, window) -> tuple[torch.Tensor, torch.Tensor]:

@@ -309,7 +309,8 @@ def cp_attention_bytes(args, par, cp: int, tp: int, tokens: int, seq_len: int, a
       elements as its own tokens of every head;
     - the gathered ring: the whole sequence's keys and values (cp - 1 more blocks of them) and the mask
       of its queries against every key, which SDPA keeps in the compute dtype (one per sequence with
-      document masks, else one for the micro-batch);
+      document masks, else one for the micro-batch; a family that needs the log-sum-exp, gpt-oss's
+      sinks, runs block_attention instead, which keeps no mask: counted all the same, a bound);
     - the rotating ring: the received blocks of keys and values (cp - 1 more, kept for backward though
       its attention holds one chunk pair at a time: block_attention), each chunk pair's float32 output
       and log-sum-exp with the merge's weights (2 cp + 1 pairs of half the local tokens under the
