@@ -121,14 +121,18 @@ class ParallelDims:
         expert group's weights with FSDP. Flattened: 'expert_dp' (dp_replicate x dp_shard_mod_ep)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        rest = self.dp_shard * self.cp // self.ep
-        mesh = init_device_mesh(
-            device_type,
-            (self.pp, self.dp_replicate, rest, self.ep, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"),
-        )
-        mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
-        return mesh
+        def build():
+            rest = self.dp_shard * self.cp // self.ep
+            mesh = init_device_mesh(
+                device_type,
+                (self.pp, self.dp_replicate, rest, self.ep, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"),
+            )
+            mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
+            return mesh
+
+        return _kept(("experts", device_type, self.pp, self.dp_replicate, self.dp_shard * self.cp, self.ep, self.tp),
+                     build)
 
     def build_mesh(self, device_type: str):
         """A mesh with dims (pp, dp_replicate, dp_shard, cp, tp): tp innermost so tensor-parallel peers are
@@ -140,25 +144,46 @@ class ParallelDims:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(
-            device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
-        )
-        # torch deprecates slicing a flattened dim from the root mesh: the flattened meshes are kept on
-        # it (submesh reads them), with HSDP's 2D (dp_replicate, dp_shard_cp) mesh unflattened from dp_cp.
-        flat = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-            "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
-        }
-        if self.dp_replicate > 1 and self.fsdp_enabled:
-            flat["dp_replicate", "dp_shard_cp"] = flat["dp_cp"]._unflatten(
-                0, (self.dp_replicate, self.dp_shard * self.cp), ("hsdp_replicate", "hsdp_shard")
+        def build():
+            mesh = init_device_mesh(
+                device_type,
+                (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
             )
-        mesh.titan_flattened = flat
-        return mesh
+            # torch deprecates slicing a flattened dim from the root mesh: the flattened meshes are kept on
+            # it (submesh reads them), with HSDP's 2D (dp_replicate, dp_shard_cp) mesh unflattened from dp_cp.
+            flat = {
+                "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+                "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+                "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
+            }
+            if hsdp:
+                flat["dp_replicate", "dp_shard_cp"] = flat["dp_cp"]._unflatten(
+                    0, (self.dp_replicate, self.dp_shard * self.cp), ("hsdp_replicate", "hsdp_shard")
+                )
+            mesh.titan_flattened = flat
+            return mesh
+
+        hsdp = self.dp_replicate > 1 and self.fsdp_enabled
+        return _kept((device_type, self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, hsdp), build)
+
+
+_MESHES: dict = {}  # layout -> (the default process group it was built in, the mesh)
+
+
+def _kept(layout: tuple, build):
+    """The mesh of this layout built earlier in the same process group, else a new one (build()). Jobs run one
+    after another in one process group (tests/distributed/run_jobs.py) thus share a layout's mesh: each new mesh
+    adds about ten gloo groups, whose threads and connections live as long as the process group and slow every
+    later job."""
+    import torch.distributed as dist
+
+    world, mesh = _MESHES.get(layout, (None, None))
+    if world is None or world is not dist.group.WORLD:
+        mesh = build()
+        _MESHES[layout] = (dist.group.WORLD, mesh)
+    return mesh
 
 
 def submesh(mesh, *names: str):
