@@ -53,9 +53,6 @@ def test_bad_input_is_refused_before_launch(tmp_path):
 
     assert "min_groups = 3 is above fault_tolerance.group_count = 2" in error_of("--fault_tolerance.min_groups", "3")
     assert "must be the lighthouse's http://HOST:PORT" in error_of("--fault_tolerance.lighthouse", "localhost")
-    pp = error_of("--parallelism.pipeline_parallel_degree", "2")
-    assert "does not serve parallelism.pipeline_parallel_degree = 2 yet" in pp and "FSDP" in pp
-    assert "tensor_parallel_degree = 2" in error_of("--parallelism.tensor_parallel_degree", "2")
     # Switched off, the section asks for nothing.
     assert not load_config(TINY).fault_tolerance.enabled
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import UserError
 from torchtitan.config.parallelism_sections import FaultTolerance
+from torchtitan.models.common.moe import moe_layers
 
 logger = logging.getLogger("torchtitan")
 
@@ -165,44 +166,55 @@ class ReplicaGroups:
         self.healed_step = self.last_step = state["step"]
 
     def start_step(self, step: int):
-        """The quorum of the groups alive now (the process group across them is rebuilt when it changed). A fresh
-        run's first step waits (up to fault_tolerance.quorum_timeout_seconds) for all group_count groups, so that
-        they start together instead of the first one training alone; any step waits as long for min_groups, and
-        the run stops when they do not come."""
-        if self.manager is not None:
+        """Under every_step: the quorum of the groups alive now (the process group across them is rebuilt when it
+        changed). A fresh run's first step waits (up to fault_tolerance.quorum_timeout_seconds) for all group_count
+        groups, so that they start together instead of the first one training alone; any step waits as long for
+        min_groups, and the run stops when they do not come. Under diloco the quorum is the sync's (end_step)."""
+        if self.manager is not None and self.diloco is None:
             if self.joined:
                 self.joined = False
                 return
-            self.last_step = step - 1
+            self._quorum(step - 1)
+
+    def _quorum(self, done: int):
+        """A quorum of the live groups, taken after step `done` (a group behind the others heals in it)."""
+        self.last_step = done
+        self.manager.start_quorum()
+        deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
+        need = self.cfg.group_count if self.waiting and self.healed_step is None else self.cfg.min_groups
+        while self.manager.num_participants() < need and time.monotonic() < deadline:
+            time.sleep(0.2)
             self.manager.start_quorum()
-            deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
-            need = self.cfg.group_count if self.waiting and self.healed_step is None else self.cfg.min_groups
-            while self.manager.num_participants() < need and time.monotonic() < deadline:
-                time.sleep(0.2)
-                self.manager.start_quorum()
-            self.waiting = False
-            if self.manager.num_participants() < self.cfg.min_groups:
-                raise UserError(
-                    f"step {step}: only {self.manager.num_participants()} replica group(s) alive for "
-                    f"fault_tolerance.quorum_timeout_seconds = {self.cfg.quorum_timeout_seconds}, fewer than "
-                    f"fault_tolerance.min_groups = {self.cfg.min_groups}; restart the lost groups (they heal from a "
-                    f"live one) or lower min_groups"
-                )
-            if self.manager.num_participants() != self.participants:
-                logger.info(f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
-                            f"quorum (was {self.participants})")
-            self.participants = self.manager.num_participants()
+        self.waiting = False
+        if self.manager.num_participants() < self.cfg.min_groups:
+            raise UserError(
+                f"step {done + 1}: only {self.manager.num_participants()} replica group(s) alive for "
+                f"fault_tolerance.quorum_timeout_seconds = {self.cfg.quorum_timeout_seconds}, fewer than "
+                f"fault_tolerance.min_groups = {self.cfg.min_groups}; restart the lost groups (they heal from a "
+                f"live one) or lower min_groups"
+            )
+        if self.manager.num_participants() != self.participants:
+            logger.info(f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
+                        f"quorum (was {self.participants})")
+        self.participants = self.manager.num_participants()
 
     def average(self, params: list[torch.Tensor], loss_sum: torch.Tensor):
         """Average this rank's gradients (local shards) and its summed loss over the live groups, in place: one
         flat all-reduce per dtype. A group lost during it leaves the step uncommitted (should_commit)."""
         if self.manager is None:
             return
+        from torch.distributed import ReduceOp
+
         tensors = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum]
-        for dtype in {t.dtype for t in tensors}:
-            same = [t for t in tensors if t.dtype == dtype]
+        # An MoE model's expert loads of the step are summed over the groups, as over the ranks of one run, so that
+        # every group moves its expert bias alike (moe.update_expert_bias) and keeps the same routing.
+        counts = [m.tokens_per_expert for part in self.trainer.parts for _, m in moe_layers(part)]
+        # One flat all-reduce per dtype, in the same order on every rank of every group.
+        dtypes = sorted({t.dtype for t in tensors}, key=str)
+        batches = [([t for t in tensors if t.dtype == dtype], ReduceOp.AVG) for dtype in dtypes]
+        for same, op in batches + ([(counts, ReduceOp.SUM)] if counts else []):
             flat = torch.cat([t.reshape(-1) for t in same])
-            self.manager.allreduce(flat).wait()
+            self.manager.allreduce(flat, reduce_op=op).wait()
             offset = 0
             for t in same:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -214,6 +226,9 @@ class ReplicaGroups:
             return True
         if self.manager.should_commit():
             return True
+        for part in self.trainer.parts:  # the dropped step's expert loads move no expert bias
+            for _, m in moe_layers(part):
+                m.tokens_per_expert.zero_()
         error = self.manager.errored()
         reason = error and (str(error.original_exception) or type(error.original_exception).__name__)
         why = (f"a replica group failed during it: {reason.splitlines()[0][:300]}" if error

@@ -14,8 +14,7 @@ def check_rules(cfg: JobConfig) -> list[str]:
         section = getattr(cfg, f.name)
         # A section with no rule of its own (experimental) has no check().
         problems += getattr(section, "check", list)()
-    for rule in (_batch_rules, _sequence_rules, _parallelism_rules, _float8_rules, _checkpoint_rules,
-                 _fault_tolerance_rules):
+    for rule in (_batch_rules, _sequence_rules, _parallelism_rules, _float8_rules, _checkpoint_rules):
         problems += rule(cfg)
     return problems
 
@@ -100,21 +99,6 @@ def _checkpoint_rules(cfg: JobConfig) -> list[str]:
             "Face folder"
         ]
     return []
-
-
-def _fault_tolerance_rules(cfg: JobConfig) -> list[str]:
-    """Replica groups average each rank's gradient shards across groups; that is built and tested with data
-    parallel (FSDP, HSDP, replicate) inside a group only."""
-    p = cfg.parallelism
-    if not cfg.fault_tolerance.enabled:
-        return []
-    return [
-        f"fault_tolerance.enabled does not serve parallelism.{key} = {getattr(p, key)} yet (replica groups are "
-        f"supported with data parallel inside a group: FSDP, HSDP or replicate); set it to 1"
-        for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree",
-                    "expert_parallel_degree")
-        if getattr(p, key) != 1
-    ]
 
 
 def validation_seq_len(v, t) -> int:
