@@ -111,6 +111,27 @@ def processes_naming(text: str) -> list[int]:
     return pids
 
 
+def start_lighthouse(*flags: str) -> tuple[subprocess.Popen, str]:
+    """A real torchft lighthouse on a free port, once it answers (a loaded host may take seconds to start
+    it, and the trainer refuses a lighthouse that does not answer); (its process, its address)."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
+                             f"127.0.0.1:{port}", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{address}/status", timeout=1)
+            return proc, address
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the lighthouse on port {port} did not answer (exit {proc.poll()})") from None
+            time.sleep(0.2)
+
+
 def worker_pids(text: str) -> dict[int, int]:
     """{rank: pid} of the torchrun workers (not the launcher) whose command line contains `text`."""
     workers = {}

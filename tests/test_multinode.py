@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics
+from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics, start_lighthouse
 
 SLURM = REPO / "scripts" / "multinode_trainer.slurm"
 
@@ -24,7 +24,8 @@ def env_of(**variables) -> dict:
     env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
     for name in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_GPUS_ON_NODE",
                  "HEAD_NODE_ADDR", "SRUN", "NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_PORT", "RDZV_ID",
-                 "RDZV_TIMEOUT", "MAX_RESTARTS", "LOG_RANK", "LOG_DIR", "WORKER_START", "CONFIG_FILE"):
+                 "RDZV_TIMEOUT", "MAX_RESTARTS", "LOG_RANK", "LOG_DIR", "WORKER_START", "CONFIG_FILE", "LIGHTHOUSE",
+                 "DUMP_FOLDER", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT"):
         env.pop(name, None)
     env.update(variables)
     return env
@@ -74,6 +75,40 @@ def test_two_nodes_of_two_processes_train_as_one_process(tmp_path):
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two))
     assert diff < 1e-5, ([r["loss"] for r in one], [r["loss"] for r in two])
     assert not (tmp_path / "nodes" / ".run.lock").exists()  # rank 0 (on either node) released it
+
+
+@pytest.mark.slow
+def test_an_array_job_with_a_lighthouse_runs_one_replica_group_per_task(tmp_path):
+    """LIGHTHOUSE set: array task i of an array of 2 is replica group i, dumping to DUMP_FOLDER/group<i>; both
+    groups take part in every step and average their gradients (so they log the same losses)."""
+    lighthouse, address = start_lighthouse()
+    tasks = []
+    try:
+        for i in (0, 1):
+            env = env_of(SLURM_JOB_ID=f"77{i}", SLURM_NNODES="1", SLURM_NODEID="0", HEAD_NODE_ADDR="127.0.0.1",
+                         RDZV_PORT=str(free_port()), SRUN="", NGPU="1", LIGHTHOUSE=address, DUMP_FOLDER=str(tmp_path),
+                         SLURM_ARRAY_TASK_ID=str(5 + i), SLURM_ARRAY_TASK_MIN="5", SLURM_ARRAY_TASK_COUNT="2")
+            tasks.append(start(["bash", str(SLURM), *TINY, "--training.steps", "3",
+                                "--training.global_batch_size", "4"], env))
+        outs = [p.communicate(timeout=300) for p in tasks]
+    finally:
+        for p in tasks:
+            p.kill()
+        lighthouse.kill()
+        lighthouse.wait()
+    for i, (p, (out, err)) in enumerate(zip(tasks, outs)):
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+        assert f"torchtitan: replica group {i} of 2, lighthouse {address}" in err, err[-3000:]
+    groups = [read_metrics(tmp_path / f"group{i}") for i in (0, 1)]
+    assert all(r["replica_groups"] == 2 for g in groups for r in g) and len(groups[0]) == 3, groups
+    assert [r["loss"] for r in groups[0]] == [r["loss"] for r in groups[1]]
+
+
+def test_replica_groups_need_an_array_job():
+    env = node_env(0, 29500, LIGHTHOUSE="http://127.0.0.1:1")
+    proc = subprocess.run(["bash", str(SLURM)], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "SLURM_ARRAY_TASK_ID is not set: replica groups (LIGHTHOUSE) run as an array job" in proc.stderr
 
 
 @pytest.mark.parametrize(

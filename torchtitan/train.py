@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components import fault_tolerance, validate
+from torchtitan.components import fault_tolerance, validate, watchdog
 from torchtitan.components.batch import BatchRule, LossRanks, document_end_of
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.data import build_dataloader
@@ -120,7 +120,8 @@ class Trainer:
         # From here on a scheduler's stop signal ends the run after a step, with a checkpoint.
         self.stop_signals = StopSignals(cfg.job.stop_signals, cfg.job.stop_grace_seconds)
         try:
-            return self._run()
+            with watchdog.from_config(cfg.comm, cfg.metrics, self.device, self.rank):  # stalls and stragglers
+                return self._run()
         finally:
             self.stop_signals.restore()
 
@@ -407,9 +408,8 @@ class Trainer:
         self.optim.zero_grad()
         self.replicas.start_step(step)
         loss_sum = torch.zeros((), device=self.device)
-        waited = time.perf_counter()
-        micro_batches = [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
-        self.data_wait_since_log += time.perf_counter() - waited
+        micro_batches, waited = watchdog.read_batches(data_iter, self.plan.grad_accum_steps, step)
+        self.data_wait_since_log += waited
         if self.pipeline is not None:  # the schedule takes them all at once, as microbatches
             micro_batches = [tuple(torch.cat(parts) for parts in zip(*micro_batches))]
         if self.batch_rule.block_causal:
@@ -541,7 +541,7 @@ class Trainer:
             # Mean time a step waited for its batches since the previous record (data loading off
             # the critical path keeps it near zero).
             "data_wait_s": self.data_wait_since_log / max(step - self.last_log_step, 1),
-            **self.replicas.fields(),
+            **self.replicas.fields(), **watchdog.straggler_fields(step),  # straggler_rank (components/watchdog.py)
         }
         if self.spec.metrics is not None:
             record.update(self.spec.metrics(self.parts, self.model.parallelize_inputs))

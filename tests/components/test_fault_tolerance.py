@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics, train_in_process
+from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics, start_lighthouse, train_in_process
 
 FT = ["--fault_tolerance.enabled", "--fault_tolerance.group_count", "2"]
 
@@ -78,24 +77,6 @@ def test_data_lanes_make_each_group_a_data_parallel_replica():
                       "http://h:1"]).fault_tolerance
     assert data_lanes(ft, 1, 2, 8) == (3, 4, 16)  # rank 1 of dp 2 in group 1 of 2: lane 3 of 4
     assert data_lanes(load_config(TINY).fault_tolerance, 1, 2, 8) == (1, 2, 8)
-
-
-def start_lighthouse(*flags: str) -> tuple[subprocess.Popen, str]:
-    """A real torchft lighthouse on a free port, once it answers (a loaded host may take seconds to start
-    it, and the trainer refuses a lighthouse that does not answer); (its process, its address)."""
-    port = free_port()
-    proc = subprocess.Popen([str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
-                             f"127.0.0.1:{port}", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{address}/status", timeout=1)
-            return proc, address
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"the lighthouse on port {port} did not answer (exit {proc.poll()})") from None
-            time.sleep(0.2)
 
 
 @pytest.mark.slow

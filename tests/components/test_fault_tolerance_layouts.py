@@ -4,16 +4,17 @@ Rank r of every group holds the same shards, so each rank averages its own local
 the other groups (torchtitan/components/fault_tolerance.py); an MoE model's expert-bias balancing counts the
 tokens of every group, so the groups keep the same routing."""
 
+import os
+import signal
 import subprocess
 import time
 
 import pytest
 
-from conftest import REPO, TINY, launch, read_metrics
-
-from test_fault_tolerance import FT, _kill_group, env_of, start_lighthouse
+from conftest import PYTHON_DIR, REPO, TINY, launch, processes_naming, read_metrics, start_lighthouse
 
 STEPS = 4
+FT = ["--fault_tolerance.enabled", "--fault_tolerance.group_count", "2"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 # name: (the layout inside each group of 2 processes, the model)
 LAYOUTS = {
@@ -22,6 +23,10 @@ LAYOUTS = {
             []),
     "cp2_ep2_moe": (["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"], MOE),
 }
+
+
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("NGPU", "LIGHTHOUSE_PORT", "CONFIG_FILE")},
+       "PATH": PYTHON_DIR + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1", "NGPU": "2"}
 
 
 def _run_groups(name: str, layout: list[str], model: list[str], address: str, tmp) -> list:
@@ -34,7 +39,7 @@ def _run_groups(name: str, layout: list[str], model: list[str], address: str, tm
                    "--training.global_batch_size", "4", "--fault_tolerance.group_id", str(g),
                    "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(folder)]
             with open(tmp / f"{name}_group{g}.log", "w") as log:  # a file: a full pipe would stop the group
-                procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of(NGPU="2"), stdout=log,
+                procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log,
                                               stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 600
         for g, proc in enumerate(procs):
@@ -44,8 +49,9 @@ def _run_groups(name: str, layout: list[str], model: list[str], address: str, tm
         for proc in procs:
             proc.kill()
             proc.wait()
-        for folder in folders:
-            _kill_group(folder)
+        for folder in folders:  # every process of a group that did not end
+            for pid in processes_naming(f"{folder} "):
+                os.kill(pid, signal.SIGKILL)
     return folders
 
 

@@ -135,6 +135,9 @@ CASES = {
                                                 "--only nope: no such layout"),
     "benchmark_startup unknown mode": (["benchmark_startup.py", "--modes", "nope"], "unknown modes ['nope']"),
     "benchmark_startup bad count": (["benchmark_startup.py", "--nproc", "x"], "--nproc must be an integer"),
+    "benchmark_recovery bad kill step": (["benchmark_recovery.py", "--kill-after", "100"],
+                                         "--kill-after must be an integer from 1 to 99, got '100'"),
+    "benchmark_recovery bad override": (["benchmark_recovery.py", "--training.steps", "x"], "training.steps"),
     # The trainer's own checks before any run is launched.
     "benchmark_cp unknown variant": (["benchmark_cp.py", "--variants", "ring"], "--variants: unknown ['ring']"),
     "benchmark_cp Ulysses degree that cannot split the heads": (

@@ -157,6 +157,18 @@ class Comm:
         "Entries of the collectives' flight recorder (sets TORCH_FR_BUFFER_SIZE unless it or the older "
         "TORCH_NCCL_TRACE_BUFFER_SIZE is set in the environment); 0 turns it off.",
     )
+    data_timeout_seconds: int = opt(
+        600,
+        "Longest a step may wait for its batches (a read that blocks: a network file system, a "
+        "named pipe with no writer, a data worker that stopped); past it the rank ends the run with a line naming the "
+        "step (exit 1) and the launcher stops the others (torchtitan/components/watchdog.py). 0: no limit.",
+    )
+    checkpoint_timeout_seconds: int = opt(
+        1800,
+        "Longest a checkpoint save may take after start-up: its writes, and with checkpoint.async_mode its background "
+        "writes; past it the rank ends the run with a line naming the checkpoint (exit 1), leaving the checkpoints "
+        "already published complete. 0: no limit.",
+    )
 
     def check(self) -> list[str]:
         # A collective's time limit: 0 would time out every collective at once, a negative one is refused by
@@ -166,6 +178,11 @@ class Comm:
             f"(default {getattr(Comm(), key)})"
             for key in ("init_timeout_seconds", "train_timeout_seconds")
             if not getattr(self, key) > 0
+        ]
+        problems += [
+            f"comm.{key} must be 0 (no limit) or a positive number of seconds, got {getattr(self, key)}"
+            for key in ("data_timeout_seconds", "checkpoint_timeout_seconds")
+            if not getattr(self, key) >= 0
         ]
         return problems + failed((
             self.trace_buf_size >= 0,
