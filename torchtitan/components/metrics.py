@@ -168,7 +168,8 @@ def peak_memory_gib(device: torch.device) -> float:
 ETA_WINDOW = 3
 
 _STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens", "skipped_steps",
-             "data_wait_s", "peak_tflops", "mfu_note"}
+             "data_wait_s", "peak_tflops", "mfu_note",
+             "step_time_max_over_median", "straggler_rank"}  # a straggler has a line of its own (components/watchdog.py)
 
 
 _COLORS = {"step": "\033[36m", "loss": "\033[32m", "memory": "\033[33m", "tps": "\033[34m", "mfu": "\033[35m"}

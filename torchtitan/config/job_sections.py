@@ -68,11 +68,25 @@ class Metrics:
         "default torchtitan). Offline, into {dump_folder}/wandb, unless an API key is set and the service answers "
         "(or as WANDB_MODE says); a resumed run continues the same wandb run.",
     )
+    straggler_factor: float = opt(
+        1.5,
+        "At each log step (after a launch's first) the ranks compare their own time per step: the time each spent "
+        "computing or reading data rather than waiting for its peers (metrics.jsonl: step_time_max_over_median). A "
+        "rank slower than this factor times the median of the other ranks in straggler_windows log windows in a row "
+        "is named in the log and in metrics.jsonl (straggler_rank). 0: off. torchtitan/components/watchdog.py.",
+    )
+    straggler_windows: int = opt(
+        3, "Log windows in a row (of log_freq steps each) a rank must be slower than straggler_factor to be named."
+    )
 
     def check(self) -> list[str]:
-        return positive("metrics", self, "log_freq") + failed((
+        return positive("metrics", self, "log_freq", "straggler_windows") + failed((
             self.device_peak_tflops >= 0,
             f"metrics.device_peak_tflops must be 0 (auto) or more, got {self.device_peak_tflops}",
+        ), (
+            self.straggler_factor == 0 or self.straggler_factor > 1,
+            f"metrics.straggler_factor must be 0 (off) or more than 1 (a rank slower than the others' median by "
+            f"that factor), got {self.straggler_factor}",
         ))
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from torchtitan.components import watchdog
 from torchtitan.components.checkpoint.folders import CheckpointFolder
 from torchtitan.components.checkpoint.storage import describe_failure, write_checksums
 
@@ -51,6 +52,8 @@ class AsyncSaves:
         # Checksums are computed in the background too, once this rank's files are written.
         self.executor = self.executor or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
         self.pending = (self.executor.submit(self._finish_writing, upload, partial), step)
+        # The background writes are bounded by comm.checkpoint_timeout_seconds too (components/watchdog.py).
+        watchdog.in_background("checkpoint", f"writing checkpoint step-{step} in the background", self.pending[0].done)
 
     def _finish_writing(self, upload, partial: str):
         upload.result()

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from torchtitan.components import watchdog
 from torchtitan.components.checkpoint.async_save import AsyncSaves
 from torchtitan.components.checkpoint.folders import CheckpointFolder, Peers
 from torchtitan.components.checkpoint.hf_sharded import save_hf_sharded
@@ -94,6 +95,11 @@ class CheckpointManager:
         )
 
     def save(self, step: int, tokens: int, last: bool = False):
+        # Bounded by comm.checkpoint_timeout_seconds: storage that stops answering ends the run (watchdog.py).
+        with watchdog.phase("checkpoint", f"writing checkpoint step-{step}"):
+            self._save(step, tokens, last)
+
+    def _save(self, step: int, tokens: int, last: bool):
         self.wait()
         if os.path.exists(self.folder.step(step)):
             raise UserError(f"checkpoint {self.folder.step(step)} already exists; refusing to overwrite it")
