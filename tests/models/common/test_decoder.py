@@ -19,8 +19,8 @@ def test_moe_hooks_fill_the_spec_fields_once():
     assert (spec.expert_layers, spec.pre_parallelize, spec.post_optimizer_step, spec.post_skipped_step,
             spec.metrics) == (moe.expert_layers, moe.configure_moe, moe.balance_after_step, moe.drop_step_counts,
                               moe.expert_load_metrics)
-    assert spec.high_precision == ("router.gate",)
-    assert spec.adamw_params == (r"^output\.", r"\.router\.gate\.")
+    assert spec.high_precision == ("router.gate", "shared_gate")
+    assert spec.adamw_params == (r"^output\.", r"\.router\.gate\.", r"\.shared_gate\.")
     # A copy passes the filled fields again: nothing is added twice.
     assert dataclasses.replace(spec, name="qwen3_copy").adamw_params == spec.adamw_params
     llama = get_model_spec("llama3")

@@ -76,7 +76,8 @@ def moe_counts(moe: nn.Module) -> ActivationCounts:
     """torchtitan.models.common.moe.MoE after a pre-norm (token-local under TP: nothing gathered): the
     norm's rsqrt, x * rsqrt and output; the router's scores and routing weights (float32), top-k
     indices and sort orders; per routed assignment the gathered token, w1's, w3's and silu's outputs,
-    the product and w2's output (float32); the shared experts as SwiGLU."""
+    the product and w2's output (float32); the shared experts as SwiGLU, and where a sigmoid gate
+    scales them (Qwen3.5-MoE) its sigmoid and the shared output it multiplies."""
     args = moe.args
     dim = moe.router.gate.in_features
     k, hidden = args.top_k, moe.experts.w1.shape[1]
@@ -85,14 +86,18 @@ def moe_counts(moe: nn.Module) -> ActivationCounts:
     shared = getattr(moe, "shared_experts", None)
     if shared is not None:
         split += 4 * shared.w1.out_features
+    gated = getattr(moe, "shared_gate", None) is not None
+    if gated:  # sigmoid(gate) and the shared output it scales
+        split += 1 + dim
     # The op policy keeps the router's matmul (scores, the 5th after attention's four) and one of the
     # shared experts' SwiGLU projections (which ones is set by how many small matmuls routing made).
-    op_kept = args.num_experts + (shared.w1.out_features if shared is not None else 0)
+    # After them the shared gate's logit is the 9th: kept.
+    op_kept = args.num_experts + (shared.w1.out_features if shared is not None else 0) + (1 if gated else 0)
     # Under autocast the routed experts cast their gathered tokens once (moe.matmul_dtype), so they
-    # keep what they keep in bf16; the router and the shared experts' w1 and w3 each cast the norm
-    # output.
+    # keep what they keep in bf16; the router, the shared experts' w1 and w3 and the shared gate each
+    # cast the norm output.
     return ActivationCounts(split=split, gathered=0, fp32=fp32, int64=3 * k, op_kept=op_kept,
-                            autocast_casts=2 * dim if shared is not None else 0)
+                            autocast_casts=(2 * dim if shared is not None else 0) + (dim if gated else 0))
 
 
 def add(*counts: ActivationCounts) -> ActivationCounts:

@@ -184,7 +184,7 @@ class Transformer(Decoder):
     qk_norm: bool = False  # an RMSNorm per head on queries and keys (Qwen3)
     # Matrices drawn with std 0.02, by their own name (the router's is "gate"); a block's other matrices
     # (wo, w2, w3) with its out_init_std.
-    input_projections: tuple[str, ...] = ("wq", "wk", "wv", "w1", "gate")
+    input_projections: tuple[str, ...] = ("wq", "wk", "wv", "w1", "gate", "shared_gate")
 
     def block(self, layer_id: int) -> nn.Module:
         a = self.args
@@ -270,8 +270,8 @@ def moe_hooks() -> MoEHooks:
     (not by a skipped one), the experts' load as metrics. None of it acts on a model without MoE blocks."""
     return MoEHooks(
         expert_layers=moe.expert_layers,
-        high_precision=("router.gate",),
-        adamw_params=(r"\.router\.gate\.",),
+        high_precision=("router.gate", "shared_gate"),  # the routers and the shared experts' sigmoid gate
+        adamw_params=(r"\.router\.gate\.", r"\.shared_gate\."),
         pre_parallelize=moe.configure_moe,
         post_optimizer_step=moe.balance_after_step,
         post_skipped_step=moe.drop_step_counts,

@@ -3,7 +3,8 @@
 Token-choice routing: each token picks its top-k experts by router score (softmax or sigmoid over a
 linear gate, computed in float32), optionally only among the best expert groups (node-limited
 routing), and its output is the score-weighted sum of those experts' SwiGLU outputs (plus the
-shared experts', if any). Routed experts keep their weights as 3-D tensors, experts first:
+shared experts', if any, optionally scaled per token by a sigmoid gate: Qwen2-MoE's, Qwen3-Next's and
+Qwen3.5-MoE's shared_expert_gate). Routed experts keep their weights as 3-D tensors, experts first:
 w1, w3 [experts, hidden, dim] and w2 [experts, dim, hidden] (each slice laid out like nn.Linear).
 
 What is unusual here:
@@ -55,7 +56,11 @@ class MoEArgs:
     num_experts: int = 8
     top_k: int = 2
     hidden_dim: int = 768  # of each routed expert
-    num_shared_experts: int = 0  # dense SwiGLU experts every token goes through (hidden_dim each)
+    num_shared_experts: int = 0  # dense SwiGLU experts every token goes through (shared_width together)
+    shared_hidden_dim: int | None = None  # of each shared expert; None: hidden_dim (Qwen3.5-MoE sets its own)
+    # The shared experts' output times sigmoid(shared_gate(x)), a Linear(dim, 1) per block (Qwen3.5-MoE's
+    # shared_expert_gate); False: added as it is (DeepSeek-V3).
+    shared_gate: bool = False
     score_func: str = "softmax"  # "softmax" or "sigmoid"
     route_norm: bool = False  # renormalize the top-k scores of a token to sum to 1
     route_scale: float = 1.0
@@ -85,7 +90,17 @@ class MoEArgs:
                 )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             problems.append(f"capacity_factor = {self.capacity_factor} must be positive (or unset)")
+        if self.shared_gate and not self.num_shared_experts:
+            problems.append("shared_gate = True gates the shared experts' output, but num_shared_experts = 0")
+        if self.shared_hidden_dim is not None and self.shared_hidden_dim < 1:
+            problems.append(f"shared_hidden_dim = {self.shared_hidden_dim} must be at least 1 (or unset)")
         return problems
+
+    @property
+    def shared_width(self) -> int:
+        """The hidden width of all shared experts together (one SwiGLU of this width computes them)."""
+        each = self.hidden_dim if self.shared_hidden_dim is None else self.shared_hidden_dim
+        return each * self.num_shared_experts
 
     def active_fraction(self) -> float:
         return self.top_k / self.num_experts
@@ -277,9 +292,9 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
-        self.shared_experts = (
-            FeedForward(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
-        )
+        self.shared_experts = FeedForward(dim, args.shared_width) if args.num_shared_experts else None
+        # Qwen3.5-MoE's shared_expert_gate: one logit per token, whose sigmoid scales the shared output.
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate else None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         # Assignments per expert since the last optimizer step (for the bias update and metrics).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
@@ -325,7 +340,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:  # its weights read as the router's (TokenLocal under TP)
             se = self.shared_experts
             w1, w2, w3 = (local_tensor(m.weight) for m in (se.w1, se.w2, se.w3))
-            out = out + F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)
+            shared = F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)
+            if self.shared_gate is not None:  # replicated under TP as well: its gradient summed over ranks
+                shared = torch.sigmoid(F.linear(tokens, local_tensor(self.shared_gate.weight))) * shared
+            out = out + shared
         out = out.view(shape)
         aux = self._auxiliary_losses(scores, logits, ids, shape[0])
         if self.training and _in_training_forward():
@@ -509,7 +527,7 @@ def expert_load_metrics(model_parts: list[nn.Module], inputs) -> dict[str, float
 def count_moe_parameters(args: MoEArgs, dim: int) -> tuple[int, int]:
     """(all parameters of one MoE block, those a token uses)."""
     routed = 3 * dim * args.hidden_dim
-    shared = 3 * dim * args.hidden_dim * args.num_shared_experts
+    shared = 3 * dim * args.shared_width + (dim if args.shared_gate else 0)
     gate = dim * args.num_experts
     return gate + shared + routed * args.num_experts, gate + shared + routed * args.top_k
 

@@ -17,7 +17,7 @@ compute dtype keeps and another does not:
 
 from torch import nn
 
-from torchtitan.models.common.activations import ActivationCounts, add, swiglu_counts
+from torchtitan.models.common.activations import ActivationCounts, add, moe_counts, swiglu_counts
 
 
 def delta_rule_counts(heads: int, dk: int, dv: int, chunk: int, seq_len: int) -> tuple[float, float]:
@@ -115,10 +115,22 @@ def gated_attention_counts(attention: nn.Module) -> ActivationCounts:
 
 
 def block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
-    """A Qwen3.5 block: its mixer's counts and SwiGLU's. After a DeltaNet mixer's five matmuls the op
-    policy keeps SwiGLU's w3 output (the 7th) where after attention's four it keeps w1's and w2's."""
-    mixer, ffn = block.attention, swiglu_counts(block.feed_forward)
+    """A Qwen3.5 block: its mixer's counts and SwiGLU's, or (Qwen3.5-MoE) the common mixture of
+    experts' (moe_counts, its sigmoid-gated shared expert included). After a DeltaNet mixer's five
+    matmuls the op policy keeps SwiGLU's w3 output (the 7th) where after attention's four it keeps w1's
+    and w2's."""
+    mixer = block.attention
+    if hasattr(block.feed_forward, "router"):
+        ffn = moe_counts(block.feed_forward)
+        shared = block.feed_forward.shared_experts
+        if hasattr(mixer, "in_proj_qkv") and shared is not None:
+            # After five matmuls the router's is the 6th (recomputed); the routed experts' grouped
+            # matmuls are not counted; the shared expert's w1 (7th) and w2 (9th) outputs are kept.
+            ffn = ActivationCounts(**{**ffn.__dict__, "op_kept": shared.w1.out_features + shared.w2.out_features})
+    else:
+        ffn = swiglu_counts(block.feed_forward)
+        if hasattr(mixer, "in_proj_qkv"):
+            ffn = ActivationCounts(**{**ffn.__dict__, "op_kept": block.feed_forward.w3.out_features})
     if hasattr(mixer, "in_proj_qkv"):
-        ffn = ActivationCounts(**{**ffn.__dict__, "op_kept": block.feed_forward.w3.out_features})
         return add(gated_deltanet_counts(mixer, seq_len), ffn)
     return add(gated_attention_counts(mixer), ffn)

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense, text) hyper-parameters and the table of sizes (flavors).
+"""Qwen3.5 (dense and MoE, text) hyper-parameters and the table of sizes (flavors).
 
 The layer pattern is Hugging Face's `layer_types`: layer i is full attention when (i + 1) is a
 multiple of `full_attention_interval`, gated DeltaNet ("linear_attention") otherwise.
@@ -7,6 +7,7 @@ multiple of `full_attention_interval`, gated DeltaNet ("linear_attention") other
 from dataclasses import dataclass
 
 from torchtitan.config.errors import UserError
+from torchtitan.models.common.moe import MoEArgs
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -39,6 +40,10 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     depth_init: bool = True
     delta_chunk: int = 64  # the chunk of the chunked gated delta rule (models/common/delta_rule.py)
+    # Qwen3.5-MoE: every block's feed-forward is a mixture of experts (models/common/moe.py; hidden_dim is
+    # then unused): softmax top-k with renormalized weights, plus one shared expert of its own width whose
+    # output is scaled by a sigmoid gate (shared_gate).
+    moe: MoEArgs | None = None
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -72,13 +77,36 @@ flavors: dict[str, ModelArgs] = {
     ),
     # transformers 5.25 Qwen3_5TextConfig() as it is (its parameter count is tested against it).
     "9B": ModelArgs(),
+    # Qwen3.5-MoE (hidden_dim, unused, set to the experts' width as the adapter reads it from a config).
+    # debugmodel_moe: debugmodel's mixers with 8 experts of width 256, top-2, and one shared expert of
+    # width 256; its balancing bias moves 1e-2 per step as Qwen3's debugmodel_moe's.
+    "debugmodel_moe": ModelArgs(
+        dim=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=256, vocab_size=4096,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+        rope_theta=10000.0, max_seq_len=2048,
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, num_shared_experts=1, shared_hidden_dim=256,
+                    shared_gate=True, route_norm=True, load_balance_coeff=1e-2),
+    ),
+    # transformers 5.25 Qwen3_5MoeTextConfig() (its docstring's checkpoint: Qwen/Qwen3.5-35B-A3B): 40 layers
+    # of dim 2048, 16 query heads over 2 KV heads, 256 experts of width 512, top-8, one shared expert of
+    # width 512. Its parameter count is tested against that config.
+    "35B-A3B": ModelArgs(
+        dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256, hidden_dim=512,
+        moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=512, num_shared_experts=1, shared_hidden_dim=512,
+                    shared_gate=True, route_norm=True),
+    ),
 }
 
 
 def validate(args: ModelArgs, parallel_dims) -> None:
     """Before launch (spec.validate). TP against every split head count is preflight's generic check
     (parallelize.tp_sizes)."""
-    problems = []
+    problems = args.moe.check() if args.moe is not None else []
+    if args.moe is not None and args.moe.num_experts % parallel_dims.ep:
+        problems.append(
+            f"num_experts = {args.moe.num_experts} is not divisible by parallelism.expert_parallel_degree = "
+            f"{parallel_dims.ep}; choose a degree that divides {args.moe.num_experts}"
+        )
     local_key_heads = args.linear_num_key_heads // max(parallel_dims.tp, 1)
     if parallel_dims.cp > 1 and local_key_heads % parallel_dims.cp:
         # Under context parallel each rank runs the recurrence for key heads / cp of the key heads.

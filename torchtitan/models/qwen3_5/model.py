@@ -37,7 +37,7 @@ from torch import nn
 
 from torchtitan.models.common import decoder, delta_rule
 from torchtitan.models.common.init import local_part
-from torchtitan.models.common.layers import Attention, FeedForward, TransformerBlock
+from torchtitan.models.common.layers import Attention, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import transformer_flops_per_token
 
@@ -192,7 +192,7 @@ class Transformer(decoder.Transformer):
     def block(self, layer_id: int) -> nn.Module:
         a = self.args
         mixer = GatedAttention(a) if a.is_full_attention(layer_id) else GatedDeltaNet(a)
-        return TransformerBlock(layer_id, a, mixer, FeedForward(a.dim, a.hidden_dim))
+        return TransformerBlock(layer_id, a, mixer, decoder.feed_forward(a.dim, a.hidden_dim, a.moe))
 
     def rotary_table(self) -> torch.Tensor:
         a = self.args

@@ -9,6 +9,9 @@ key heads r*K/tp.. and their value heads r*V/tp.., as in_proj_z/a/b's value head
 by channel (dim 0, the same rows as in_proj_qkv's); A_log and dt_bias by head; the output
 norm (one weight for all heads) replicated with its gradient summed, as the q/k norms; out_proj
 row-wise into sequence shards.
+
+A mixture-of-experts feed-forward (Qwen3.5-MoE) is token-local as in every family (tp_plan.TokenLocal:
+router, routed experts, shared expert and its sigmoid gate replicated, their gradients summed).
 """
 
 from torch import nn
@@ -53,7 +56,7 @@ TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:
-    return {
+    sizes = {
         "n_heads": (args.n_heads, "query heads (with their gates) are split across ranks"),
         "n_kv_heads": (args.kv_heads, "key/value heads are split across ranks"),
         "linear_num_key_heads": (args.linear_num_key_heads, "gated DeltaNet key heads are split across ranks"),
@@ -61,3 +64,6 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
+    if args.moe is not None:  # Qwen3.5-MoE: experts are token-local under TP, not split (tp_plan.decoder_block_plan)
+        del sizes["ffn hidden dim"]
+    return sizes
