@@ -34,7 +34,8 @@ within BF16_TOL of the fp32 single-process run:
   and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, and gpt-oss's debug flavor (sinks,
   windows of 16 on alternate layers, biased experts) under FSDP 2, TP 2, PP 2, CP 2 (ring), EP 2,
   EP 2 x FSDP 2 and EP 2 x TP 2, and Qwen3.5's debug flavor (gated DeltaNet + gated attention) under
-  FSDP 2, TP 2 and PP 2, each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
+  FSDP 2, TP 2 and PP 2, and its MoE flavor (a sigmoid-gated shared expert) under EP 2 and EP 2 x FSDP 2,
+  each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
   accumulation 2 and of CP 2 equals a loss computed by hand
   (per-token log-softmax over the documents alone, labels after an EOS left out);
 - all-to-all (Ulysses) context parallel with block-causal masks: llama3, DeepSeek-V3 (MLA, MTP),
@@ -96,7 +97,10 @@ GPT_OSS_LAYOUTS = ["bc_gpt_oss_fsdp2", "bc_gpt_oss_tp2", "bc_gpt_oss_pp2", "bc_g
 # full-attention layers; TP splits the DeltaNet by head (projections column-wise, conv weights by channel).
 QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
 QWEN3_5_LAYOUTS = ["bc_qwen3_5_fsdp2", "bc_qwen3_5_tp2", "bc_qwen3_5_pp2", "bc_qwen3_5_cp2", "bc_qwen3_5_cp2_ulysses",
-                   "bc_qwen3_5_cp4", "bc_qwen3_5_tp2_cp2"]
+                   "bc_qwen3_5_cp4", "bc_qwen3_5_tp2_cp2", "bc_qwen3_5_moe_ep2", "bc_qwen3_5_moe_ep2_fsdp2"]
+# Qwen3.5-MoE's debug flavor: the same mixers, every feed-forward 8 experts top-2 plus a shared expert scaled by
+# its sigmoid gate; compared with its own single process (bc_qwen3_5_moe_single).
+QWEN3_5_MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe"]
 # Validation at steps 3 and 6 on 2 global batches of 8 sequences of the default held-out set (the
 # standard library's tests); the local batch is 8 / data-parallel degree, so every layout reads the same set.
 VAL = ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "2"]
@@ -329,7 +333,7 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
     return ({"bc_single": bc + lb(8) + val(8), "bc_qwen3_window_single": bc + window + lb(8),
              "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8),
              "bc_ds_mtp_single": bc + DS + MTP2 + lb(8), "bc_gpt_oss_single": gpt_oss + lb(8),
-             "bc_qwen3_5_single": bc + QWEN3_5 + lb(8)},
+             "bc_qwen3_5_single": bc + QWEN3_5 + lb(8), "bc_qwen3_5_moe_single": bc + QWEN3_5_MOE + lb(8)},
             {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
              "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
              "bc_pp2": bc + lb(8) + PP2 + val(8),
@@ -357,11 +361,15 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              # Context parallel: the DeltaNet layers head-parallel by all-to-all, the attention layers
              # under the ring or Ulysses (measured: 4.8e-6 either way).
              "bc_qwen3_5_cp2": bc + QWEN3_5 + lb(8) + CP2,
-             "bc_qwen3_5_cp2_ulysses": bc + QWEN3_5 + lb(8) + CP2 + ULYSSES},
+             "bc_qwen3_5_cp2_ulysses": bc + QWEN3_5 + lb(8) + CP2 + ULYSSES,
+             # Qwen3.5-MoE under expert parallel (measured: EP 2 3.3e-6 from its one process over 6 steps).
+             "bc_qwen3_5_moe_ep2": bc + QWEN3_5_MOE + lb(4) + EP2},
             {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4),
              "bc_qwen3_5_cp4": bc + QWEN3_5 + lb(8) + ["--parallelism.context_parallel_degree", "4",
                                                        "--parallelism.context_parallel_rotate_method", "alltoall"],
              "bc_qwen3_5_tp2_cp2": bc + QWEN3_5 + lb(8) + CP2 + ["--parallelism.tensor_parallel_degree", "2"],
+             # Qwen3.5-MoE, EP 2 x FSDP 2 (measured: 5.7e-6).
+             "bc_qwen3_5_moe_ep2_fsdp2": bc + QWEN3_5_MOE + lb(2) + EP2,
              **ulysses_jobs(tmp, 4)})
 
 
@@ -448,14 +456,14 @@ def runs(tmp_path_factory):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_gpt_oss", "bc_qwen3_5", "bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
+    for prefix in ("bc_gpt_oss", "bc_qwen3_5_moe", "bc_qwen3_5", "bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
 @pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
-                                  "bc_qwen3_window_single", "bc_gpt_oss_single", "bc_qwen3_5_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
+                                  "bc_qwen3_window_single", "bc_gpt_oss_single", "bc_qwen3_5_single", "bc_qwen3_5_moe_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6
