@@ -180,7 +180,8 @@ class Watchdog:
                 # or had no CPU), which is its own delay whatever its training thread was doing.
                 reading = any(p.kind == "data" and p.done is None for _, p in phases)
                 own = state is None or state in OWN_STATES or reading
-                self.own_seconds += now - last if own else max(0.0, now - last - 2 * poll)
+                with self.lock:
+                    self.own_seconds += now - last if own else max(0.0, now - last - 2 * poll)
                 last, state = now, _thread_state(self.tid)
             for token, phase in phases:
                 if phase.done is not None and phase.done():
@@ -194,7 +195,8 @@ class Watchdog:
     def straggler_fields(self, step: int) -> dict:
         """At a log step, on every rank: this window's comparison of the ranks (the first log step of a
         launch, which carries the start-up, only starts the first window). Rank 0 logs a persistent straggler."""
-        own, self.own_seconds = self.own_seconds, 0.0
+        with self.lock:
+            own, self.own_seconds = self.own_seconds, 0.0
         last, self.last_log_step = self.last_log_step, step
         if self.factor <= 0 or last is None or step <= last:
             return {}
