@@ -311,8 +311,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise UserError("metrics.enable_wandb needs the wandb package: pip install wandb (or turn it off)")
     fault_tolerance.check(cfg.fault_tolerance)  # torchft installed, the lighthouse answers
     check_writable(cfg.job.dump_folder, "the config and metrics")
-    preflight_checkpoint(
-        cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len, global_batch
+    preflight_checkpoint(  # a replica group's data state spans all groups' lanes (fault_tolerance.data_lanes)
+        cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len,
+        fault_tolerance.data_lanes(cfg.fault_tolerance, 0, 1, global_batch)[2]
     )
     # The validation set holds a global batch.
     validate.preflight_validation(cfg.validation, t, tokenizer, dims.dp_degree)

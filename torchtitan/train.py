@@ -443,6 +443,7 @@ class Trainer:
             self.optimizer_step()
         elif committed:
             self.skip_step(step, "gradient norm" if not math.isfinite(norm) else "loss", norm)
+        self.replicas.end_step(step)  # diloco: the replica groups' sync every fault_tolerance.sync_every steps
         signal_name = (self.stop_signals.received or "a stop signal (on another rank)") if stop else None
         return StepResult(loss_sum, norm, lr, not finite, signal_name)
 

@@ -3,6 +3,7 @@ before launch; two real groups (one process each) with a real lighthouse train a
 SIGKILLed mid-run leaves the other training to the end."""
 
 import os
+import sys
 import signal
 import subprocess
 import time
@@ -54,6 +55,34 @@ def test_bad_input_is_refused_before_launch(tmp_path):
     assert "must be the lighthouse's http://HOST:PORT" in error_of("--fault_tolerance.lighthouse", "localhost")
     # Switched off, the section asks for nothing.
     assert not load_config(TINY).fault_tolerance.enabled
+
+
+def test_diloco_keys_are_checked_before_launch(tmp_path):
+    """fault_tolerance.sync and DiLoCo's keys: bad values end the job before launch (exit 2, one line); DiLoCo's
+    keys set under sync = 'every_step', where nothing reads them, are refused rather than ignored."""
+    from torchtitan.config import UserError, load_config
+
+    line = refused(*FT, "--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "0",
+                   "--fault_tolerance.lighthouse", "http://127.0.0.1:1", "--job.dump_folder", str(tmp_path))
+    assert "fault_tolerance.sync_every must be a positive integer, got 0" in line, line
+
+    def error_of(*args: str) -> str:
+        with pytest.raises(UserError) as e:
+            load_config([*TINY, *FT, "--fault_tolerance.lighthouse", "http://h:1", *args])
+        return str(e.value)
+
+    diloco = ["--fault_tolerance.sync", "diloco"]
+    assert "expected one of 'every_step', 'diloco'" in error_of("--fault_tolerance.sync", "local_sgd")
+    for key, value in (("sync_every", "10"), ("outer_lr", "1.0"), ("outer_momentum", "0.0")):
+        assert (f"fault_tolerance.{key} = {value} is only read under fault_tolerance.sync = 'diloco'" in
+                error_of(f"--fault_tolerance.{key}", value)), key
+    assert "outer_nesterov = False is only read under" in error_of("--fault_tolerance.no-outer_nesterov")
+    assert "outer_lr must be a positive number, got 0.0" in error_of(*diloco, "--fault_tolerance.outer_lr", "0")
+    assert "outer_momentum must be in [0, 1), got 1.0" in error_of(*diloco, "--fault_tolerance.outer_momentum", "1")
+    assert "outer_nesterov needs fault_tolerance.outer_momentum > 0" in error_of(
+        *diloco, "--fault_tolerance.outer_momentum", "0")
+    ft = load_config([*TINY, *FT, "--fault_tolerance.lighthouse", "http://h:1", *DILOCO_H1]).fault_tolerance
+    assert (ft.sync, ft.sync_every, ft.outer_lr, ft.outer_momentum, ft.outer_nesterov) == ("diloco", 1, 1, 0, False)
 
 
 def test_without_torchft_the_recipe_is_refused_with_the_install_command(monkeypatch):
@@ -262,3 +291,343 @@ def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_pat
         return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
 
     assert checksum(weights[0]) == checksum(weights[1])
+
+
+# --- DiLoCo (fault_tolerance.sync = "diloco") ----------------------------------------------------------
+
+# An inner AdamW made linear in the gradient (eps far above sqrt(v): momentum SGD with lr / eps) and no clipping:
+# then H = 1 DiLoCo with outer SGD lr 1 and no momentum averages the groups' updates, which is the update of the
+# averaged gradient: synchronous training. (With an ordinary AdamW it averages Adam updates, not gradients.)
+LINEAR = ["--optimizer.eps", "1000", "--optimizer.lr", "2", "--training.max_norm", "1e9"]
+DILOCO_H1 = ["--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "1", "--fault_tolerance.outer_lr",
+             "1", "--fault_tolerance.outer_momentum", "0", "--fault_tolerance.no-outer_nesterov"]
+
+
+def _start_group(g: int, folder: Path, address: str, *args: str, log: Path | None = None) -> subprocess.Popen:
+    """Replica group g (one process, run_train.sh) on the lighthouse at `address`, its output in a file (a full
+    pipe would stop it)."""
+    with open(log or folder.parent / f"{folder.name}.log", "w") as out:
+        return subprocess.Popen(["./run_train.sh", *TINY, *FT, "--training.global_batch_size", "4",
+                                 "--fault_tolerance.group_id", str(g), "--fault_tolerance.lighthouse", address,
+                                 "--job.dump_folder", str(folder), *args],
+                                cwd=REPO, env=env_of(NGPU="1"), stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_diloco_with_h1_outer_sgd_lr1_and_no_momentum_is_synchronous_training(tmp_path):
+    """Two DiLoCo groups (sync_every 1, outer SGD lr 1, no momentum) against one synchronous run of both groups'
+    batch (which the two-group test shows is the every_step groups' run): per step, the mean of the groups'
+    losses is the synchronous loss, and both groups end with its weights, within 1e-5."""
+    save = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(STEPS), "--checkpoint.keep_latest_k", "0"]
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "2000")
+    folders = [tmp_path / "group0", tmp_path / "group1"]
+    procs = []
+    try:
+        procs = [_start_group(g, folders[g], address, "--training.steps", str(STEPS), *LINEAR, *DILOCO_H1, *save)
+                 for g in range(2)]
+        single = train_in_process(tmp_path / "single", "--training.steps", str(STEPS), *LINEAR, *save)
+        for g, proc in enumerate(procs):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"group{g}.log").read_text()[-5000:]
+    finally:
+        _stop(procs, folders, lighthouse)
+    records = [read_metrics(folder) for folder in folders]
+    assert [r["step"] for r in records[0]] == list(range(1, STEPS + 1))
+    mean = [(a["loss"] + b["loss"]) / 2 for a, b in zip(*records)]
+    expected = [r["loss"] for r in single]
+    print(f"largest loss difference from synchronous training {max(abs(a - b) for a, b in zip(mean, expected)):.2e}")
+    assert max(abs(a - b) for a, b in zip(mean, expected)) < 1e-5, (mean, expected)
+    assert records[0][0]["loss"] != records[1][0]["loss"]  # each group trains on its own lanes
+    reference = _weights(tmp_path / "single" / "checkpoint" / f"step-{STEPS}", tmp_path)
+    for folder in folders:
+        weights = _weights(folder / "checkpoint" / f"step-{STEPS}", tmp_path)
+        assert weights.keys() == reference.keys() and len(weights) > 10
+        diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+        print(f"{folder.name}: largest weight difference from synchronous training {diff:.2e}")
+        assert diff < 1e-5, (folder.name, diff)
+
+
+# --- many kill points; the data each group trained ------------------------------------------------
+
+# A group's trainer for the tests below (test-only): it records, per step, the samples its lanes read (lane index
+# and the lane's sample number before the read: sample s of lane l is global sample s x lanes + l), whether the
+# step's update was taken, and the learning rate; and with FT_TEST_KILL = "N:POINT" it SIGKILLs its own process
+# (no handler runs) at POINT of its N-th step: "start" (before the step's quorum), "average" (before its
+# gradients go to the other groups, which wait for them in their all-reduce), "commit" (after the all-reduce,
+# before the commit vote), "update" (after the vote, before the optimizer step).
+RECORDING_TRAINER = '''
+import json, os, signal, sys
+
+from torchtitan.train import Trainer, main
+
+RECORD = os.environ["FT_TEST_RECORD"]
+KILL_STEP, _, KILL_POINT = (os.environ.get("FT_TEST_KILL") or "0:").partition(":")
+
+
+def die(point, calls):
+    if calls == int(KILL_STEP) and point == KILL_POINT:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Recording(Trainer):
+    calls = 0
+
+    def train_step(self, step, data_iter):
+        self.calls += 1
+        die("start", self.calls)
+        if self.calls == 1:
+            average, should_commit = self.replicas.average, self.replicas.should_commit
+
+            def averaged(*args):
+                die("average", self.calls)
+                average(*args)
+                die("commit", self.calls)
+
+            def vote(step):
+                committed = should_commit(step)
+                die("update", self.calls)
+                return committed
+
+            self.replicas.average, self.replicas.should_commit = averaged, vote
+        lanes = self.dataloader.dataset.lanes
+        before = {lane.index: lane.next_sample for lane in lanes}
+        taken, lr = self.optim.steps_taken, self.optim.lr
+        result = super().train_step(step, data_iter)
+        samples = [[i, s] for lane in lanes for i in [lane.index] for s in range(before[i], lane.next_sample)]
+        with open(RECORD, "a") as f:
+            f.write(json.dumps({"step": step, "samples": samples, "taken": self.optim.steps_taken > taken,
+                                "lr": lr, "pid": os.getpid()}) + "\\n")
+        return result
+
+
+sys.exit(main(sys.argv[1:], Recording))
+'''
+
+KILL_POINTS = ["start", "average", "commit", "update"]
+
+
+def _records(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _expected_lrs(steps: int, *args: str) -> list[float]:
+    """The learning rate of steps 1..steps of this job's schedule (optimizer.lr and lr_scheduler of TINY + args)."""
+    import torch
+
+    from torchtitan.components.lr_scheduler import build_lr_scheduler
+    from torchtitan.config import load_config
+
+    cfg = load_config([*TINY, *args])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimizer.lr)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.fixture(scope="module")
+def kill_points(tmp_path_factory):
+    """Group 0 trains KILL_STEPS steps with min_groups = 2 (so that it waits for group 1 instead of running ahead);
+    group 1 is started, killed at one point of its second step, and restarted with the same command (it heals
+    from group 0), once per KILL_POINTS, plus one kill from outside at a delay into a step; its last restart runs
+    to the end. Returns (tmp folder, group 0's exit code and output, the kills done)."""
+    tmp = tmp_path_factory.mktemp("kill_points")
+    script = tmp / "recording_trainer.py"
+    script.write_text(RECORDING_TRAINER)
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
+    folders = [tmp / "group0", tmp / "group1"]
+    args = [*TINY, *FT, "--training.steps", str(KILL_STEPS), "--training.global_batch_size", "4",
+            "--fault_tolerance.min_groups", "2", "--fault_tolerance.lighthouse", address,
+            "--fault_tolerance.timeout_seconds", "10"]
+
+    def start(g: int, kill: str = "") -> subprocess.Popen:
+        env = env_of(FT_TEST_RECORD=str(tmp / f"group{g}.jsonl"), FT_TEST_KILL=kill)
+        with open(tmp / f"group{g}.log", "a") as out:
+            return subprocess.Popen([sys.executable, str(script), *args, "--fault_tolerance.group_id", str(g),
+                                     "--job.dump_folder", str(folders[g])], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    procs, kills = [], []
+    try:
+        procs = [start(0), start(1, f"2:{KILL_POINTS[0]}")]
+        for point in [*KILL_POINTS[1:], "outside", None]:
+            assert procs[1].wait(timeout=300) == -signal.SIGKILL, (tmp / "group1.log").read_text()[-5000:]
+            kills.append(len(_records(tmp / "group1.jsonl")))
+            if point == "outside":  # SIGKILLed from here 0.05 s after its second step is recorded
+                procs[1] = start(1)
+                seen = len(_records(tmp / "group1.jsonl"))
+                deadline = time.monotonic() + 300
+                while len(_records(tmp / "group1.jsonl")) < seen + 2:
+                    assert procs[1].poll() is None and time.monotonic() < deadline, "group 1 ended before the kill"
+                    time.sleep(0.01)
+                time.sleep(0.05)
+                procs[1].kill()
+            else:
+                procs[1] = start(1, f"2:{point}" if point else "")
+        assert procs[1].wait(timeout=300) == 0, (tmp / "group1.log").read_text()[-5000:]
+        procs[0].wait(timeout=300)
+        yield tmp, procs[0].returncode, (tmp / "group0.log").read_text(), kills
+    finally:
+        _stop(procs, folders, lighthouse)
+
+
+KILL_STEPS = 24
+
+
+@pytest.mark.slow
+def test_a_group_killed_at_many_points_of_a_step_leaves_the_other_training_to_the_end(kill_points):
+    """At every kill point the survivor neither crashes nor stops: it ends at the last step with steps 1..N logged
+    once each, each at its own step's learning rate (a step not committed is dropped, its rate spent: no step
+    skipped or counted twice in the schedule), its updates taken = steps - uncommitted_steps."""
+    tmp, returncode, out, kills = kill_points
+    assert returncode == 0, out[-5000:]
+    assert "training done" in out and "Traceback" not in out, out[-5000:]
+    assert len(kills) == len(KILL_POINTS) + 1
+    records = read_metrics(tmp / "group0")
+    assert [r["step"] for r in records] == list(range(1, KILL_STEPS + 1))
+    steps = _records(tmp / "group0.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, KILL_STEPS + 1))
+    expected = _expected_lrs(KILL_STEPS, "--training.steps", str(KILL_STEPS))
+    assert [r["lr"] for r in steps] == pytest.approx(expected, rel=1e-6)
+    assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-6)
+    dropped = records[-1]["uncommitted_steps"]
+    assert sum(r["taken"] for r in steps) == KILL_STEPS - dropped
+    # The kills inside the step's all-reduce drop the survivor's step; the others need not.
+    assert 1 <= dropped <= len(kills), dropped
+    assert out.count("not committed (a replica group failed during it") == dropped, out[-5000:]
+    assert records[-1]["replica_groups"] == 2
+
+
+@pytest.mark.slow
+def test_no_sample_is_trained_twice_when_a_group_dies_and_comes_back(kill_points):
+    """Every sample (lane, sample number) that a committed update of either group trained was read once: neither
+    the survivor nor a restarted group (its lanes advanced to the step it healed at) reads it again; and each
+    group reads only its own lanes (group g: lanes 4g..4g+3 of 8)."""
+    tmp, _, _, _ = kill_points
+    trained: dict[tuple[int, int], tuple] = {}
+    for g in range(2):
+        records = _records(tmp / f"group{g}.jsonl")
+        assert records
+        for r in records:
+            assert {lane for lane, _ in r["samples"]} == set(range(4 * g, 4 * g + 4)), r
+            if not r["taken"]:
+                continue
+            for lane, sample in r["samples"]:
+                assert (lane, sample) not in trained, (f"lane {lane} sample {sample} trained by group {g} at step "
+                                                        f"{r['step']} and before at {trained[(lane, sample)]}")
+                trained[(lane, sample)] = (g, r["step"], r["pid"])
+    # The restarted incarnations of group 1 each started at the step they healed at, its lanes advanced to it.
+    for r in _records(tmp / "group1.jsonl"):
+        assert all(sample == r["step"] - 1 for _, sample in r["samples"]), r
+
+
+# --- DiLoCo: a lost group, checkpoints ------------------------------------------------------------
+
+DILOCO = ["--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "3"]  # outer SGD 0.7, Nesterov 0.9
+
+
+@pytest.mark.slow
+def test_under_diloco_a_killed_group_leaves_the_other_training_to_the_end(tmp_path):
+    """sync_every 3: group 1 is SIGKILLed between two syncs (after its step 4 is logged); group 0's next sync
+    (step 6) goes on with the groups alive, and it trains to the last step, syncing alone."""
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
+    folders = [tmp_path / "group0", tmp_path / "group1"]
+    procs = []
+    try:
+        procs = [_start_group(g, folders[g], address, "--training.steps", "9", *DILOCO) for g in range(2)]
+        deadline = time.monotonic() + 300
+        while _logged_steps(folders[1]) < 4:
+            assert procs[0].poll() is None and procs[1].poll() is None, "a group ended before the kill"
+            assert time.monotonic() < deadline, "group 1 did not reach the kill step"
+            time.sleep(0.05)
+        _kill_group(folders[1])
+        assert procs[0].wait(timeout=300) == 0, (tmp_path / "group0.log").read_text()[-5000:]
+    finally:
+        _stop(procs, folders, lighthouse)
+    out = (tmp_path / "group0.log").read_text()
+    records = read_metrics(folders[0])
+    assert [r["step"] for r in records] == list(range(1, 10))
+    assert records[2]["replica_groups"] == 2 and records[-1]["replica_groups"] == 1, records
+    assert "1 replica group(s) in this step's quorum (was 2)" in out, out[-5000:]
+    assert "training done" in out and "Traceback" not in out, out[-5000:]
+
+
+@pytest.mark.slow
+def test_a_resumed_diloco_run_continues_exactly(tmp_path):
+    """A DiLoCo group (sync_every 2, outer Nesterov momentum) saves at step 3, between two syncs: the checkpoint
+    holds the local weights, diloco/step-3-rank-0.pt the reference weights and the outer momentum. Resumed from
+    it, the run's losses are those of the run that went on; without that file, the resume says so and differs."""
+    import shutil
+
+    lighthouse, address = start_lighthouse()
+    args = [*FT, "--fault_tolerance.group_count", "1", "--fault_tolerance.lighthouse", address,
+            "--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "2", "--training.global_batch_size",
+            "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
+    folder = tmp_path / "run"
+    try:
+        straight = [r["loss"] for r in train_in_process(folder, *args)]
+        assert sorted(p.name for p in (folder / "checkpoint" / "diloco").iterdir()) == [
+            "step-3-rank-0.pt", "step-6-rank-0.pt"]
+
+        def resume() -> list[float]:
+            shutil.rmtree(folder / "checkpoint" / "step-6")
+            (folder / "checkpoint" / "diloco" / "step-6-rank-0.pt").unlink()
+            return [r["loss"] for r in train_in_process(folder, *args)]
+
+        assert resume() == straight[3:]
+        (folder / "checkpoint" / "diloco" / "step-3-rank-0.pt").unlink()
+        without = resume()
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert without[0] == straight[3] and without[1:] != straight[4:]
+
+
+# --- checkpoints between fault-tolerant and normal runs -------------------------------------------
+
+
+def _lanes_at(checkpoint: Path) -> dict[int, int]:
+    """{lane: samples it read} of a checkpoint's data state (train_state.json)."""
+    import json
+
+    state = json.loads((checkpoint / "train_state.json").read_text())["dataloader"]["dataset_state"]
+    return {lane: sum(s["next_sample"] for s in position) for lane, position in state["lanes"]}
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
+    """A group's checkpoint (group 0 of 2: lanes 0-3 of 8) resumes as a normal run (lanes 0-3 of 4), and a normal
+    run's checkpoint starts a group: weights, optimizer state, schedule and step carry over; the data state,
+    of another layout, does not (asked for before launch: checkpoint.exclude_from_loading = ['dataloader']), and
+    the new run's lanes start at the checkpoint's step (3): after its steps 4-5 each lane has read 5 samples."""
+    import shutil
+
+    lighthouse, address = start_lighthouse()
+    group = [*FT, "--fault_tolerance.lighthouse", address, "--fault_tolerance.quorum_timeout_seconds", "1",
+             "--training.global_batch_size", "4"]  # group 0 of 2, alone
+    save = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
+    cross = ["--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "5"]
+    try:
+        train_in_process(tmp_path / "ft", *group, *save, "--training.steps", "3")
+        train_in_process(tmp_path / "normal", "--training.global_batch_size", "4", *save, "--training.steps", "3")
+        assert _lanes_at(tmp_path / "ft" / "checkpoint" / "step-3") == {lane: 3 for lane in range(4)}
+        for source, target in (("ft", "to_normal"), ("normal", "to_ft")):
+            shutil.copytree(tmp_path / source / "checkpoint", tmp_path / target / "checkpoint")
+        # Without the exclusion, before launch: the group's data state is of another layout.
+        line = refused("--training.global_batch_size", "4", *save, "--training.steps", "5", "--job.dump_folder",
+                       str(tmp_path / "to_normal"))
+        assert "saved with training.global_batch_size = 8" in line and "exclude_from_loading dataloader" in line
+        to_normal = train_in_process(tmp_path / "to_normal", "--training.global_batch_size", "4", *save, *cross)
+        to_ft = train_in_process(tmp_path / "to_ft", *group, *save, *cross)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    lrs = _expected_lrs(5, "--training.steps", "5")
+    for records in (to_normal, to_ft):
+        assert [r["step"] for r in records] == [4, 5] and [r["lr"] for r in records] == pytest.approx(lrs[3:])
+    assert _lanes_at(tmp_path / "to_normal" / "checkpoint" / "step-5") == {lane: 5 for lane in range(4)}
+    assert _lanes_at(tmp_path / "to_ft" / "checkpoint" / "step-5") == {lane: 5 for lane in range(4)}

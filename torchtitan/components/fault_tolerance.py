@@ -74,6 +74,83 @@ def _tree_local(value):
     return _local(value) if isinstance(value, torch.Tensor) else value
 
 
+class DiLoCo:
+    """This rank's side of DiLoCo (fault_tolerance.sync = "diloco"): the algorithm of torchft.local_sgd.DiLoCo with
+    one fragment, on this rank's local shards. The reference ("global") weights are those of the last sync; at a
+    sync the groups average their weight deltas (reference - local) through the Manager, and the outer SGD steps the
+    reference weights with the average as their gradient. Built on the Manager's own calls rather than on the
+    class, so that the syncs follow the trainer's step numbers (a group whose update was skipped still takes part
+    in the sync at the same step), and so that checkpoints and healing carry the reference weights and the outer
+    state. Checkpoints: diloco/step-N-rank-R.pt next to the trainer's step-N, read back on resume."""
+
+    def __init__(self, cfg: FaultTolerance, trainer, start_step: int):
+        self.trainer = trainer
+        self.params = [p for part in trainer.parts for p in part.parameters()]
+        with torch.no_grad():
+            self.reference = [_local(p.detach()).clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.reference, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                     nesterov=cfg.outer_nesterov)
+        ckpt = trainer.cfg.checkpoint
+        self.folder = (os.path.join(trainer.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None)
+        if start_step > 0 and self.folder is not None:
+            path = self._path(start_step)
+            if os.path.isfile(path):
+                self.load_state_dict(torch.load(path, map_location=self.reference[0].device, weights_only=True))
+                logger.info(f"DiLoCo: reference weights and outer optimizer state of step {start_step} from {path}")
+            else:
+                # A checkpoint of a run without DiLoCo (or of another layout): said, not silent.
+                logger.warning(f"DiLoCo: no {path} (the checkpoint was not written by a DiLoCo run of this layout): "
+                               f"the loaded weights are the reference weights and the outer momentum starts at zero")
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}-rank-{self.trainer.rank}.pt")
+
+    def deltas(self) -> list[torch.Tensor]:
+        """This group's weight deltas since the last sync (its outer gradient), one per local shard."""
+        with torch.no_grad():
+            return [r - _local(p.detach()) for r, p in zip(self.reference, self.params)]
+
+    def outer_step(self, averaged: list[torch.Tensor] | None):
+        """The outer SGD step on the averaged deltas (None: a sync not committed, no step); the weights then
+        become the reference weights."""
+        if averaged is not None:
+            for r, d in zip(self.reference, averaged):
+                r.grad = d
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for r, p in zip(self.reference, self.params):
+                _local(p.detach()).copy_(r)
+
+    def state_dict(self) -> dict:
+        return {"reference": [r.clone() for r in self.reference], "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict):
+        with torch.no_grad():
+            for r, received in zip(self.reference, state["reference"]):
+                r.copy_(received)
+        self.outer.load_state_dict(state["outer"])
+
+    def save(self, step: int):
+        """With the trainer's checkpoint of this step (checkpoint.interval, the last step): this rank's reference
+        weights and outer state; the files of checkpoints no longer kept are removed."""
+        t = self.trainer
+        if self.folder is None or not t.checkpointer.should_save(step, t.cfg.training.steps):
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        torch.save(self.state_dict(), self._path(step) + ".partial")
+        os.replace(self._path(step) + ".partial", self._path(step))
+        self.prune(step)
+
+    def prune(self, newest: int):
+        suffix = f"-rank-{self.trainer.rank}.pt"
+        for name in os.listdir(self.folder):
+            if name.startswith("step-") and name.endswith(suffix):
+                step = int(name[5:-len(suffix)])
+                if step < newest and not os.path.isdir(self.trainer.checkpointer.folder.step(step)):
+                    os.remove(os.path.join(self.folder, name))
+
+
 class ReplicaGroups:
     """This rank's side of the replica groups; every method does nothing when fault tolerance is off, so the
     trainer calls them unconditionally: start_step before the forward, average after the backward,
@@ -83,6 +160,7 @@ class ReplicaGroups:
         self.cfg, self.manager, self.store, self.trainer = cfg, None, None, trainer
         self.participants, self.waiting = 1, start_step == 0
         self.last_step, self.healed_step, self.joined = start_step, None, False
+        self.diloco = None
         if not cfg.enabled:
             return
         # torchft's own logs are off (a line per quorum and commit from its Rust server; a traceback for a peer's
@@ -111,27 +189,68 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": start_step, "batches_committed": start_step * cfg.group_count})
         # What a group that restarts behind the others heals from (state_dict, heal).
         self.manager.register_state_dict_fn("trainer", self.heal, self.state_dict)
+        if cfg.sync == "diloco":
+            self.diloco = DiLoCo(cfg, trainer, start_step)
         logger.info(f"fault tolerance: replica group {cfg.group_id} of {cfg.group_count} (at least {cfg.min_groups} "
-                    f"to commit a step), lighthouse {cfg.lighthouse}")
+                    f"to commit a step), lighthouse {cfg.lighthouse}" + (
+                        f"; DiLoCo: the weight deltas averaged every {cfg.sync_every} step(s), outer SGD lr "
+                        f"{cfg.outer_lr}, momentum {cfg.outer_momentum}{', Nesterov' if cfg.outer_nesterov else ''}"
+                        if self.diloco else "; gradients averaged at every step"))
 
     def join(self, start_step: int) -> int:
         """The first quorum, before the loop: a fresh run waits for all groups; a group behind the live ones (one
-        restarted after it was lost) heals from one of them. Returns the step this run continues after."""
+        restarted after it was lost) heals from one of them. Returns the step this run continues after. Called
+        in every run: one resumed across data layouts (continue_data) starts its lanes at the checkpoint's step."""
+        self.continue_data(start_step)
         if self.manager is None:
             return start_step
-        self.start_step(start_step + 1)
-        self.joined = True  # that quorum is the first step's: every group in it goes on to the same step
+        if self.diloco is not None:
+            # A quorum at this group's step: groups starting (or resuming) together only wait for each other here;
+            # a group behind the live ones heals in their sync's quorum and takes part in the rest of that sync.
+            self.manager.load_state_dict({"step": start_step, "batches_committed": start_step * self.cfg.group_count})
+            self._quorum(start_step)
+            if self.healed_step is not None:
+                self.sync(self.healed_step, quorum=False)
+        else:
+            self.start_step(start_step + 1)
+            self.joined = True  # that quorum is the first step's: every group in it goes on to the same step
         if self.healed_step is None:
             return start_step
         # The data position: this group's own lanes, advanced past the batches of the steps the others took.
-        t = self.trainer
-        batches = iter(t.dataloader)
-        for _ in range((self.healed_step - start_step) * t.plan.grad_accum_steps):
-            next(batches)
-        t.dataloader.load_state_dict(t.dataloader.state_dict())
+        self._advance_lanes(self.healed_step - start_step)
         logger.info(f"fault tolerance: healed from a live replica group at step {self.healed_step} (weights, "
                     f"optimizer state, learning-rate schedule; data lanes advanced)")
         return self.healed_step
+
+    def _advance_lanes(self, steps: int):
+        """Read (and drop) this rank's batches of `steps` steps: its lanes then stand where a run of this layout
+        stands after them."""
+        t = self.trainer
+        batches = iter(t.dataloader)
+        for _ in range(steps * t.plan.grad_accum_steps):
+            next(batches)
+        t.dataloader.load_state_dict(t.dataloader.state_dict())
+
+    def continue_data(self, start_step: int):
+        """The data position across layouts. A checkpoint's counters say how many replica groups wrote it
+        (replica_groups; none: a normal run). Resumed by a run of another data layout (a normal run from a
+        fault-tolerant one, a group from a normal run's checkpoint, or another group_count), its data state does
+        not apply (checkpoint.exclude_from_loading = ['dataloader'], asked for before launch): each lane of this
+        run is advanced past the checkpoint's steps, so the run reads from the next step on what its layout reads
+        there, and no sample of its lanes twice. Within one layout, exclude_from_loading keeps its meaning (the
+        data from the beginning)."""
+        t, cfg = self.trainer, self.cfg
+        counters = t.checkpointer.counters
+        wrote = counters.pop("replica_groups", 0)
+        reads = cfg.group_count if cfg.enabled else 0
+        if cfg.enabled:
+            counters["replica_groups"] = reads
+        excluded = t.cfg.checkpoint.exclude_from_loading
+        if start_step > 0 and wrote != reads and "dataloader" in excluded and "train_state" not in excluded:
+            self._advance_lanes(start_step)
+            logger.info(f"the checkpoint of step {start_step} was written by "
+                        f"{f'{wrote} replica group(s)' if wrote else 'a run without replica groups'}, another data "
+                        f"layout: this run's lanes start at its step (advanced past {start_step} steps)")
 
     def state_dict(self) -> dict:
         """What a live group sends to one that heals (torchft's checkpoint transport, rank r to rank r): this rank's
@@ -141,7 +260,8 @@ class ReplicaGroups:
                 "model": [_tree_local(part.state_dict()) for part in t.parts],
                 "optimizers": [_tree_local(opt.state_dict()) for opt in t.optim.optimizers],
                 "schedulers": [sched.state_dict() for sched in t.optim.schedulers],
-                "counters": dict(t.checkpointer.counters)}
+                "counters": dict(t.checkpointer.counters),
+                **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})}
 
     def heal(self, state: dict):
         """Load a live group's state_dict (in start_quorum, before the step's forward)."""
@@ -163,6 +283,8 @@ class ReplicaGroups:
             sched.load_state_dict(received)
         t.optim.steps_taken = state["steps_taken"]
         t.checkpointer.counters.update(state["counters"])
+        if self.diloco is not None:
+            self.diloco.load_state_dict(state["diloco"])
         self.healed_step = self.last_step = state["step"]
 
     def start_step(self, step: int):
@@ -201,7 +323,7 @@ class ReplicaGroups:
     def average(self, params: list[torch.Tensor], loss_sum: torch.Tensor):
         """Average this rank's gradients (local shards) and its summed loss over the live groups, in place: one
         flat all-reduce per dtype. A group lost during it leaves the step uncommitted (should_commit)."""
-        if self.manager is None:
+        if self.manager is None or self.diloco is not None:  # diloco: each group's own gradients
             return
         from torch.distributed import ReduceOp
 
@@ -221,11 +343,18 @@ class ReplicaGroups:
                 offset += t.numel()
 
     def should_commit(self, step: int) -> bool:
-        """Whether every rank of every live group got through the step: then its optimizer step is taken."""
-        if self.manager is None:
+        """Whether every rank of every live group got through the step: then its optimizer step is taken. A step
+        not committed is dropped like a skipped step: its batches are not trained and its learning rate is spent
+        (the schedules advance, so that step N always trains at step N's rate); uncommitted_steps counts them. Under
+        diloco every step is the group's own (the groups vote on each sync instead, end_step)."""
+        if self.manager is None or self.diloco is not None:
             return True
         if self.manager.should_commit():
             return True
+        t = self.trainer
+        t.optim.zero_grad()
+        t.optim.step_schedulers()
+        t.checkpointer.counters["uncommitted_steps"] = t.checkpointer.counters.get("uncommitted_steps", 0) + 1
         for part in self.trainer.parts:  # the dropped step's expert loads move no expert bias
             for _, m in moe_layers(part):
                 m.tokens_per_expert.zero_()
@@ -236,9 +365,60 @@ class ReplicaGroups:
         logger.warning(f"step {step}: not committed ({why}); its update is dropped")
         return False
 
+    def end_step(self, step: int):
+        """After the step's update. Under diloco, every sync_every steps and at the last step: the sync."""
+        if self.diloco is None:
+            return
+        if step % self.cfg.sync_every == 0 or step == self.trainer.cfg.training.steps:
+            self.sync(step)
+        self.diloco.save(step)  # with the trainer's checkpoint of this step, if one is due
+
+    def sync(self, step: int, quorum: bool = True):
+        """DiLoCo's outer step after step `step`, through the Manager as a step is under every_step: a quorum of the
+        live groups (a group behind heals in it, outer state included), the average of the weight deltas since the
+        last sync, a commit vote; committed, the outer optimizer applies the average to the reference weights,
+        otherwise the local steps since the last sync are dropped. The weights are then the reference weights.
+        A group that heals in the quorum takes part with the state it received, so that the sender's delta counts
+        twice in that sync (as in torchft's DiLoCo, whose healed replicas take part too)."""
+        if quorum:
+            # The Manager's step is the trainer's: a group that restarted behind the others (a lower step) heals.
+            self.manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.group_count})
+            self._quorum(step)
+        deltas = self.diloco.deltas()
+        self._allreduce(deltas)
+        committed = self.manager.should_commit()
+        self.diloco.outer_step(deltas if committed else None)
+        if not committed:
+            counters = self.trainer.checkpointer.counters
+            counters["uncommitted_syncs"] = counters.get("uncommitted_syncs", 0) + 1
+            logger.warning(f"step {step}: the DiLoCo sync is not committed ({self._why()}); the weights go back to "
+                           f"those of the last sync")
+
+    def _allreduce(self, tensors: list[torch.Tensor]):
+        """Average `tensors` in place over the live groups: one flat all-reduce per dtype."""
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _why(self) -> str:
+        error = self.manager.errored()
+        reason = error and (str(error.original_exception) or type(error.original_exception).__name__)
+        return (f"a replica group failed during it: {reason.splitlines()[0][:300]}" if error
+                else f"fewer than fault_tolerance.min_groups = {self.cfg.min_groups} groups took part")
+
     def fields(self) -> dict:
-        """What a metrics record says of the groups: how many took part in the last step."""
-        return {} if self.manager is None else {"replica_groups": self.participants}
+        """What a metrics record says of the groups: how many took part in the last step (the last sync under
+        diloco), and how many steps (syncs) were not committed so far."""
+        if self.manager is None:
+            return {}
+        counters = self.trainer.checkpointer.counters
+        key = "uncommitted_syncs" if self.diloco is not None else "uncommitted_steps"
+        return {"replica_groups": self.participants, key: counters.get(key, 0)}
 
     def close(self):
         if self.manager is not None:

@@ -218,15 +218,46 @@ class FaultTolerance:
         120, "How long a step waits for a quorum of at least min_groups groups (a fresh run's first step: of all "
              "group_count groups, then it starts with those present).",
     )
+    sync: Literal["every_step", "diloco"] = opt(
+        "every_step",
+        "How the groups train as one: every_step averages the gradients over the live groups at every step; diloco "
+        "(semi-synchronous) trains each group alone for sync_every steps, then averages the groups' weight deltas "
+        "and applies them with an outer SGD optimizer (outer_lr, outer_momentum, outer_nesterov).",
+    )
+    sync_every: int = opt(100, "diloco: local steps between two averages of the weight deltas (H); only read under "
+                               "sync = 'diloco' (another value is refused under every_step).")
+    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate on the averaged weight delta (1 with no "
+                               "momentum: the groups' average weights); only read under sync = 'diloco'.")
+    outer_momentum: float = opt(0.9, "diloco: the outer SGD's momentum, 0 <= m < 1; only read under sync = 'diloco'.")
+    outer_nesterov: bool = opt(True, "diloco: Nesterov momentum in the outer SGD (needs outer_momentum > 0); only "
+                                     "read under sync = 'diloco'.")
 
     def check(self) -> list[str]:
         if not self.enabled:
             return []
         problems = [
             f"fault_tolerance.{key} must be a positive integer, got {getattr(self, key)}; set it to 1 or more"
-            for key in ("group_count", "min_groups", "timeout_seconds", "quorum_timeout_seconds")
+            for key in ("group_count", "min_groups", "timeout_seconds", "quorum_timeout_seconds", "sync_every")
             if not getattr(self, key) > 0
         ]
+        if self.sync == "every_step":
+            defaults = FaultTolerance()
+            problems += [
+                f"fault_tolerance.{key} = {getattr(self, key)} is only read under fault_tolerance.sync = 'diloco' "
+                f"(sync is 'every_step'); remove it or set sync = 'diloco'"
+                for key in ("sync_every", "outer_lr", "outer_momentum", "outer_nesterov")
+                if getattr(self, key) != getattr(defaults, key)
+            ]
+        else:
+            problems += failed(
+                (0 < self.outer_lr < float("inf"), f"fault_tolerance.outer_lr must be a positive number, got "
+                                                   f"{self.outer_lr}"),
+                (0 <= self.outer_momentum < 1, f"fault_tolerance.outer_momentum must be in [0, 1), got "
+                                               f"{self.outer_momentum}"),
+                (self.outer_momentum > 0 or not self.outer_nesterov,
+                 "fault_tolerance.outer_nesterov needs fault_tolerance.outer_momentum > 0; set "
+                 "--fault_tolerance.no-outer_nesterov for an outer SGD without momentum"),
+            )
         return problems + failed(
             (0 <= self.group_id < self.group_count,
              f"fault_tolerance.group_id = {self.group_id} is outside 0..group_count-1 "

@@ -52,7 +52,8 @@ def preflight_checkpoint(
             f"{folder}/step-{steps[-1]} --checkpoint.no-initial_load_model_only (exclude_from_loading applies there too)"
         )
     resume_state = _resume_state(folder, cfg.load_step, steps)
-    if resume_state is not None:
+    # Global sample positions depend on these; a data state that is not loaded holds none.
+    if resume_state is not None and "dataloader" not in cfg.exclude_from_loading:
         resume_step = resume_state.get("step")
         saved = resume_state.get("dataloader", {}).get("dataset_state", {})
         for key, now in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
@@ -61,6 +62,11 @@ def preflight_checkpoint(
                     f"the run resumes from {folder}/step-{resume_step}, saved with training.{key} = {saved[key]}, "
                     f"but this job has {now}; global sample positions depend on it, so keep {key} = {saved[key]} "
                     f"(with a new data-parallel degree, adjust local_batch_size so the global batch stays the same)"
+                    + ("" if key == "seq_len" else
+                       ". Replica groups (fault_tolerance) read group_count x the group's global batch: between a "
+                       "fault-tolerant run and a normal one, or another group_count, resume with "
+                       "--checkpoint.exclude_from_loading dataloader (the lanes then start at the checkpoint's step; "
+                       "docs/launching.md)")
                 )
 
 
