@@ -495,6 +495,8 @@ def test_a_group_killed_at_many_points_of_a_step_leaves_the_other_training_to_th
     assert [r["lr"] for r in steps] == pytest.approx(expected, rel=1e-6)
     assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-6)
     dropped = records[-1]["uncommitted_steps"]
+    print(f"{len(kills)} kills; the survivor dropped {dropped} step(s): "
+          f"{[r['step'] for r in steps if not r['taken']]}")
     assert sum(r["taken"] for r in steps) == KILL_STEPS - dropped
     # The kills inside the step's all-reduce drop the survivor's step; the others need not.
     assert 1 <= dropped <= len(kills), dropped
@@ -631,3 +633,40 @@ def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
         assert [r["step"] for r in records] == [4, 5] and [r["lr"] for r in records] == pytest.approx(lrs[3:])
     assert _lanes_at(tmp_path / "to_normal" / "checkpoint" / "step-5") == {lane: 5 for lane in range(4)}
     assert _lanes_at(tmp_path / "to_ft" / "checkpoint" / "step-5") == {lane: 5 for lane in range(4)}
+
+
+@pytest.mark.slow
+def test_under_diloco_a_restarted_group_heals_in_a_sync_and_holds_the_same_weights(tmp_path):
+    """sync_every 2, min_groups 2 (group 0 waits at its sync instead of syncing alone): group 1 is SIGKILLed after
+    its step 3 and restarted with the same command; it heals in group 0's sync at step 4 (weights, optimizer,
+    reference weights and outer momentum, step, data position), and both groups end with bit-identical weights."""
+    import hashlib
+
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
+    folders = [tmp_path / "group0", tmp_path / "group1"]
+    args = ["--training.steps", "6", *DILOCO[:2], "--fault_tolerance.sync_every", "2", "--fault_tolerance.min_groups",
+            "2", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "6", "--checkpoint.keep_latest_k", "0"]
+    procs = []
+    try:
+        procs = [_start_group(g, folders[g], address, *args) for g in range(2)]
+        deadline = time.monotonic() + 300
+        while _logged_steps(folders[1]) < 3:
+            assert procs[0].poll() is None and procs[1].poll() is None, "a group ended before the kill"
+            assert time.monotonic() < deadline, "group 1 did not reach the kill step"
+            time.sleep(0.05)
+        _kill_group(folders[1])
+        procs[1].wait()
+        procs[1] = _start_group(1, folders[1], address, *args, log=tmp_path / "group1-restarted.log")
+        for g, proc in enumerate(procs):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"group{g}.log").read_text()[-5000:]
+    finally:
+        _stop(procs, folders, lighthouse)
+    out = (tmp_path / "group1-restarted.log").read_text()
+    assert "healed from a live replica group at step 4" in out and "Traceback" not in out, out[-5000:]
+    assert [r["step"] for r in read_metrics(folders[0])] == list(range(1, 7))
+    weights = [_weights(folder / "checkpoint" / "step-6", tmp_path) for folder in folders]
+
+    def checksum(state: dict) -> str:
+        return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+
+    assert len(weights[0]) > 10 and checksum(weights[0]) == checksum(weights[1])
