@@ -12,7 +12,8 @@ from conftest import materialized
 from torchtitan.config.errors import UserError
 from torchtitan.models.registry import get_model_spec
 
-CASES = [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_tied"), ("qwen3", "debugmodel_moe")]
+CASES = [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_tied"), ("qwen3", "debugmodel_moe"),
+         ("qwen3_5", "debugmodel_moe")]
 IDS = [f"{family}-{flavor}" for family, flavor in CASES]
 
 
