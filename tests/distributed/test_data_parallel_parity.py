@@ -34,8 +34,8 @@ within BF16_TOL of the fp32 single-process run:
   and Qwen3 with sliding windows of 8 under TP 2, PP 2 and CP 2, and gpt-oss's debug flavor (sinks,
   windows of 16 on alternate layers, biased experts) under FSDP 2, TP 2, PP 2, CP 2 (ring), EP 2,
   EP 2 x FSDP 2 and EP 2 x TP 2, and Qwen3.5's debug flavor (gated DeltaNet + gated attention) under
-  FSDP 2, TP 2 and PP 2, and its MoE flavor (a sigmoid-gated shared expert) under EP 2 and EP 2 x FSDP 2,
-  each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
+  FSDP 2, TP 2 and PP 2, and its MoE flavor (a sigmoid-gated shared expert) under EP 2, EP 2 x FSDP 2
+  and TP 2, each within 1e-5 of its one process; the step-1 loss of FSDP 2 x
   accumulation 2 and of CP 2 equals a loss computed by hand
   (per-token log-softmax over the documents alone, labels after an EOS left out);
 - all-to-all (Ulysses) context parallel with block-causal masks: llama3, DeepSeek-V3 (MLA, MTP),
@@ -97,7 +97,8 @@ GPT_OSS_LAYOUTS = ["bc_gpt_oss_fsdp2", "bc_gpt_oss_tp2", "bc_gpt_oss_pp2", "bc_g
 # full-attention layers; TP splits the DeltaNet by head (projections column-wise, conv weights by channel).
 QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
 QWEN3_5_LAYOUTS = ["bc_qwen3_5_fsdp2", "bc_qwen3_5_tp2", "bc_qwen3_5_pp2", "bc_qwen3_5_cp2", "bc_qwen3_5_cp2_ulysses",
-                   "bc_qwen3_5_cp4", "bc_qwen3_5_tp2_cp2", "bc_qwen3_5_moe_ep2", "bc_qwen3_5_moe_ep2_fsdp2"]
+                   "bc_qwen3_5_cp4", "bc_qwen3_5_tp2_cp2", "bc_qwen3_5_moe_ep2", "bc_qwen3_5_moe_ep2_fsdp2",
+                   "bc_qwen3_5_moe_tp2"]
 # Qwen3.5-MoE's debug flavor: the same mixers, every feed-forward 8 experts top-2 plus a shared expert scaled by
 # its sigmoid gate; compared with its own single process (bc_qwen3_5_moe_single).
 QWEN3_5_MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe"]
@@ -363,7 +364,9 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
              "bc_qwen3_5_cp2": bc + QWEN3_5 + lb(8) + CP2,
              "bc_qwen3_5_cp2_ulysses": bc + QWEN3_5 + lb(8) + CP2 + ULYSSES,
              # Qwen3.5-MoE under expert parallel (measured: EP 2 3.3e-6 from its one process over 6 steps).
-             "bc_qwen3_5_moe_ep2": bc + QWEN3_5_MOE + lb(4) + EP2},
+             "bc_qwen3_5_moe_ep2": bc + QWEN3_5_MOE + lb(4) + EP2,
+             # TP 2: the MoE blocks token-local, the shared gate's gradient summed over the ranks (3.8e-6).
+             "bc_qwen3_5_moe_tp2": bc + QWEN3_5_MOE + lb(8) + ["--parallelism.tensor_parallel_degree", "2"]},
             {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4),
              "bc_qwen3_5_cp4": bc + QWEN3_5 + lb(8) + ["--parallelism.context_parallel_degree", "4",
                                                        "--parallelism.context_parallel_rotate_method", "alltoall"],
