@@ -90,7 +90,12 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     from torchtitan.components.checkpoint import HF_CONFIG, read_hf_config
 
     where = os.path.join(cfg.checkpoint.initial_load_path, HF_CONFIG)
-    hf_vocab = read_hf_config(cfg.checkpoint.initial_load_path).get("vocab_size")
+    config = read_hf_config(cfg.checkpoint.initial_load_path)
+    # A multimodal folder (Qwen3.5, Llama 4, Gemma 3) nests its language model's settings in text_config.
+    hf_vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if "vision_config" in config and "text_config" not in config and hf_vocab is None:
+        raise UserError(f"{where} describes a vision tower only (vision_config, no text_config): this trainer "
+                        "trains a text model; give a folder that holds one")
     if not isinstance(hf_vocab, int) or isinstance(hf_vocab, bool) or hf_vocab < 1:
         raise UserError(f"{where} has no positive integer vocab_size (got {hf_vocab!r}); is it a model's config.json?")
     if hf_vocab < tokenizer_vocab:
@@ -103,7 +108,7 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     # scale theirs), norm epsilon, tied embeddings, and attention windows (unless [model] sets them),
     # so that the model computes what the weights were trained for. Shapes are checked against the
     # flavor's (check_hf_folder).
-    hf_args = spec.hf.args_from_config(read_hf_config(cfg.checkpoint.initial_load_path))
+    hf_args = spec.hf.args_from_config(config)
     adopted = {name: getattr(hf_args, name) for name in HF_ADOPTED_FIELDS
                if not spec.missing_fields([name]) and getattr(cfg.model, name, None) is None}
     changed = {name: value for name, value in adopted.items() if getattr(args, name) != value}

@@ -218,3 +218,21 @@ def test_trainer_imports_and_exports_transformers_folders_under_fsdp(tmp_path):
     start = load_file(next((tmp_path / "hf").glob("*.safetensors")))
     assert not torch.equal(start["model.layers.0.linear_attn.in_proj_qkv.weight"],
                            sd["model.layers.0.linear_attn.in_proj_qkv.weight"])
+
+
+def test_a_folder_with_the_vision_tower_only_is_refused_before_launch(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from conftest import debug_config
+    from torchtitan.config import UserError
+    from torchtitan.preflight import model_args_for_run
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5VisionModel"], "model_type": "qwen3_5",
+                                                      "vision_config": {"depth": 2, "hidden_size": 64}}))
+    save_file({"model.visual.patch_embed.proj.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    cfg = debug_config("--model.name", "qwen3_5", "--checkpoint.initial_load_path", str(tmp_path),
+                       "--checkpoint.initial_load_in_hf")
+    with pytest.raises(UserError, match=r"config\.json describes a vision tower only \(vision_config, no text_config\)"):
+        model_args_for_run(SPEC, cfg, 4096)
