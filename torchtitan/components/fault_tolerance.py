@@ -5,12 +5,15 @@ holds the same part of the model, so across groups each rank averages its own gr
 after the group's backward) with rank r of the other groups alive at that step, through torchft's Manager (one
 per rank; replica id = the group id) over a reconfigurable gloo process group; the quorum of live groups is
 formed by the torchft lighthouse. A step is taken only where the Manager's should_commit() agrees: when a group
-dies inside a step, the survivors drop that step (its gradients, not its batches) and go on without it from the
-next quorum.
+dies inside a step, the survivors drop that step (its gradients, not its batches; its learning rate is spent, so
+that step N trains at step N's rate) and go on without it from the next quorum. Under sync = "diloco" (class
+DiLoCo) the groups train alone and meet every sync_every steps to average their weight deltas instead.
 
 Data: group g is data-parallel replica g of a data-parallel degree group_count x dp, so each group reads its own
 lanes and the groups together read what one run of that degree would. The lanes of a dead group are skipped while
-it is away (no survivor reads them, so no sample is trained twice).
+it is away (no survivor reads them, so no sample is trained twice); a group that heals advances its lanes to the
+live groups' step. A checkpoint crosses between layouts (a normal run, another group_count) by the step
+(ReplicaGroups.continue_data).
 
 torchft is optional: it is imported only when fault_tolerance.enabled.
 """
@@ -121,6 +124,11 @@ class DiLoCo:
         with torch.no_grad():
             for r, p in zip(self.reference, self.params):
                 _local(p.detach()).copy_(r)
+        if getattr(self.trainer, "precompute_float8", False):  # the scales of the weights just written
+            from torchtitan.components.float8 import precompute_float8_scales
+
+            for part in self.trainer.parts:
+                precompute_float8_scales(part)
 
     def state_dict(self) -> dict:
         return {"reference": [r.clone() for r in self.reference], "outer": self.outer.state_dict()}
@@ -153,8 +161,9 @@ class DiLoCo:
 
 class ReplicaGroups:
     """This rank's side of the replica groups; every method does nothing when fault tolerance is off, so the
-    trainer calls them unconditionally: start_step before the forward, average after the backward,
-    should_commit before the optimizer step, fields in each metrics record, close at the end."""
+    trainer calls them unconditionally: join before the loop, start_step before the forward, average after the
+    backward, should_commit before the optimizer step, end_step after it, fields in each metrics record, close at
+    the end."""
 
     def __init__(self, cfg: FaultTolerance, start_step: int, trainer):
         self.cfg, self.manager, self.store, self.trainer = cfg, None, None, trainer
