@@ -608,7 +608,7 @@ def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
     the new run's lanes start at the checkpoint's step (3): after its steps 4-5 each lane has read 5 samples."""
     import shutil
 
-    lighthouse, address = start_lighthouse()
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
     group = [*FT, "--fault_tolerance.lighthouse", address, "--fault_tolerance.quorum_timeout_seconds", "1",
              "--training.global_batch_size", "4"]  # group 0 of 2, alone
     save = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
@@ -623,6 +623,14 @@ def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
         line = refused("--training.global_batch_size", "4", *save, "--training.steps", "5", "--job.dump_folder",
                        str(tmp_path / "to_normal"))
         assert "saved with training.global_batch_size = 8" in line and "exclude_from_loading dataloader" in line
+        # Within one layout the data state carries over: the group resumes its own checkpoint through run_train.sh
+        # (whose preflight compares the data state's global batch with the groups' together).
+        proc = subprocess.run(["./run_train.sh", *TINY, *group, *save, "--training.steps", "4",
+                               "--fault_tolerance.quorum_timeout_seconds", "10", "--job.dump_folder",
+                               str(tmp_path / "ft")], cwd=REPO, env=env_of(NGPU="1"), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-3000:]
+        assert [r["step"] for r in read_metrics(tmp_path / "ft")] == [1, 2, 3, 4]
         to_normal = train_in_process(tmp_path / "to_normal", "--training.global_batch_size", "4", *save, *cross)
         to_ft = train_in_process(tmp_path / "to_ft", *group, *save, *cross)
     finally:
