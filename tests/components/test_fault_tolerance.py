@@ -59,7 +59,8 @@ def test_bad_input_is_refused_before_launch(tmp_path):
 
 def test_diloco_keys_are_checked_before_launch(tmp_path):
     """fault_tolerance.sync and DiLoCo's keys: bad values end the job before launch (exit 2, one line); DiLoCo's
-    keys set under sync = 'every_step', where nothing reads them, are refused rather than ignored."""
+    keys set under sync = 'every_step' or without fault_tolerance.enabled, where nothing reads them, are refused
+    rather than ignored."""
     from torchtitan.config import UserError, load_config
 
     line = refused(*FT, "--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "0",
@@ -81,6 +82,8 @@ def test_diloco_keys_are_checked_before_launch(tmp_path):
     assert "outer_momentum must be in [0, 1), got 1.0" in error_of(*diloco, "--fault_tolerance.outer_momentum", "1")
     assert "outer_nesterov needs fault_tolerance.outer_momentum > 0" in error_of(
         *diloco, "--fault_tolerance.outer_momentum", "0")
+    with pytest.raises(UserError, match=r"fault_tolerance.sync = 'diloco' is only read with fault_tolerance.enabled"):
+        load_config([*TINY, *diloco])
     ft = load_config([*TINY, *FT, "--fault_tolerance.lighthouse", "http://h:1", *DILOCO_H1]).fault_tolerance
     assert (ft.sync, ft.sync_every, ft.outer_lr, ft.outer_momentum, ft.outer_nesterov) == ("diloco", 1, 1, 0, False)
 

@@ -233,8 +233,12 @@ class FaultTolerance:
                                      "read under sync = 'diloco'.")
 
     def check(self) -> list[str]:
-        if not self.enabled:
-            return []
+        if not self.enabled:  # DiLoCo's keys are new: set without replica groups, they would be ignored
+            defaults = FaultTolerance()
+            return [f"fault_tolerance.{key} = {getattr(self, key)!r} is only read with fault_tolerance.enabled; "
+                    f"remove it or enable fault tolerance"
+                    for key in ("sync", "sync_every", "outer_lr", "outer_momentum", "outer_nesterov")
+                    if getattr(self, key) != getattr(defaults, key)]
         problems = [
             f"fault_tolerance.{key} must be a positive integer, got {getattr(self, key)}; set it to 1 or more"
             for key in ("group_count", "min_groups", "timeout_seconds", "quorum_timeout_seconds", "sync_every")
