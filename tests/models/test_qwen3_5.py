@@ -236,3 +236,37 @@ def test_a_folder_with_the_vision_tower_only_is_refused_before_launch(tmp_path):
                        "--checkpoint.initial_load_in_hf")
     with pytest.raises(UserError, match=r"config\.json describes a vision tower only \(vision_config, no text_config\)"):
         model_args_for_run(SPEC, cfg, 4096)
+
+
+def test_the_language_model_of_a_multimodal_folder_gives_transformers_logits(tmp_path):
+    """A published Qwen3.5 folder is transformers' Qwen3_5ForConditionalGeneration: its language model under
+    model.language_model., a vision tower beside it, the text settings in text_config with multimodal rotary
+    (mrope_section, interleaved). The import reads the language model alone; on text its logits are
+    transformers'."""
+    import json
+
+    from torchtitan.components.checkpoint.hf import check_hf_folder, load_hf, meta_shapes
+
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5")
+    args = dataclasses.replace(DEBUG, vocab_size=512, max_seq_len=80, delta_chunk=32)
+    text = SPEC.hf.config(args)
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True, "mrope_section": [3, 3, 2]}
+    vision = qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(depth=1, hidden_size=32, num_heads=2,
+                                                               intermediate_size=64, out_hidden_size=args.dim)
+    torch.manual_seed(0)
+    theirs = qwen3_5.Qwen3_5ForConditionalGeneration(
+        qwen3_5.Qwen3_5Config(text_config=text, vision_config=vision.to_dict())).float().eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
+    theirs.save_pretrained(tmp_path, safe_serialization=True)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
+    check_hf_folder(tmp_path, SPEC.hf, meta_shapes(SPEC, args))
+    sd, loaded = load_hf(tmp_path, SPEC.hf)
+    assert loaded == dataclasses.replace(args, delta_chunk=64)
+    ours = SPEC.model_cls(args)
+    ours.init_weights(seed=0)
+    ours.load_state_dict(sd)
+    tokens = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max() < 1e-4

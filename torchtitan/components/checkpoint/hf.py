@@ -25,6 +25,7 @@ from torchtitan.models.common.spec import HFAdapter, ModelSpec
 HF_CONFIG = "config.json"
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+LANGUAGE_MODEL = "model.language_model."  # where a multimodal folder keeps its language model
 
 
 def save_hf(
@@ -143,6 +144,24 @@ class HFFolder:
                     f"{index} lists tensors missing from their files: {', '.join(absent[:5])}; is the download "
                     "complete?"
                 )
+        self.stored = {name: name for name in self.file_of}  # the name a tensor is read by -> its name in the file
+        if any(name.startswith(LANGUAGE_MODEL) for name in self.file_of):
+            self._language_model_only()
+
+    def _language_model_only(self):
+        """A multimodal folder (transformers' *ForConditionalGeneration, e.g. Qwen3.5's) keeps its language model
+        under model.language_model.: present those tensors as a text model's (model.X) with the ones outside
+        model. (lm_head.weight), and leave the rest (the vision tower) unread."""
+        kept = {}
+        for name in self.file_of:
+            if name.startswith(LANGUAGE_MODEL):
+                kept["model." + name[len(LANGUAGE_MODEL):]] = name
+            elif not name.startswith("model."):
+                kept[name] = name
+        self.stored = kept
+        self.file_of = {n: self.file_of[s] for n, s in kept.items()}
+        self.shapes = {n: self.shapes[s] for n, s in kept.items()}
+        self.dtypes = {n: self.dtypes[s] for n, s in kept.items()}
 
     @property
     def nbytes(self) -> int:
@@ -156,8 +175,8 @@ class HFFolder:
         """Tensor `name`, or its block of `shape` starting at `offset` (only those bytes are read)."""
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
             if offset is None:
-                return f.get_tensor(name)
-            return f.get_slice(name)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                return f.get_tensor(self.stored[name])
+            return f.get_slice(self.stored[name])[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def load_hf(
@@ -178,9 +197,10 @@ def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shap
     dtypes, the tensor names and shapes (the adapter's conversion for `args`, default the config's,
     run on meta tensors) against `expected_shapes` (our name -> shape). Returns the args of its config.json."""
     config = read_hf_config(folder)
-    if config.get("model_type", adapter.model_types[0]) not in adapter.model_types:
+    text = config.get("text_config") or config  # a multimodal folder: its language model's
+    if text.get("model_type", adapter.model_types[0]) not in adapter.model_types:
         raise UserError(
-            f"{Path(folder) / HF_CONFIG} describes model_type {config.get('model_type')!r}, but this model reads "
+            f"{Path(folder) / HF_CONFIG} describes model_type {text.get('model_type')!r}, but this model reads "
             f"{' or '.join(map(repr, adapter.model_types))}; choose the matching model.name"
         )
     hf_args = adapter.args_from_config(config)

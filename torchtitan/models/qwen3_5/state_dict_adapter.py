@@ -251,12 +251,17 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
 
 def args_from_config(config: dict) -> ModelArgs:
     if config.get("model_type") in ("qwen3_5", "qwen3_5_moe") and "text_config" in config:
-        config = config["text_config"]  # the multimodal folder: its text model
+        # The multimodal folder (the published checkpoints): its text model; whether the output layer is tied is
+        # the outer config's.
+        text = config["text_config"]
+        config = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
     if config.get("model_type") not in MODEL_TYPES:
         raise UserError(f"config.json model_type {config.get('model_type')!r} is not a Qwen3.5 text model")
     moe = _moe_args_from_config(config) if config["model_type"] == MODEL_TYPES[1] else None
     rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or rope.get("mrope_interleaved"):
+    # Multimodal rotary (mrope_section, mrope_interleaved) gives each frequency a time, height or width position;
+    # a text token has the same three, so on text it is plain rotary.
+    if rope.get("rope_type", "default") != "default":
         raise UserError(f"Hugging Face config has rope_parameters = {rope!r}: only plain rotary is supported")
     if config.get("attention_bias"):
         raise UserError("Hugging Face config has attention_bias = true: Qwen3.5 here has no attention biases")
