@@ -130,7 +130,8 @@ def vocab_note(tokenizer: Tokenizer, vocab: int, from_hf: bool) -> str:
 
 # Model args that [model] may set, and what a family without that field lacks.
 MODEL_OVERRIDES = {"sliding_window": "sliding-window attention", "max_window_layers": "sliding-window attention",
-                   "mtp_depth": "multi-token prediction", "mtp_loss_weight": "multi-token prediction"}
+                   "mtp_depth": "multi-token prediction", "mtp_loss_weight": "multi-token prediction",
+                   "delta_rule_kernel": "gated delta rule"}
 
 
 def attention_overrides(model) -> dict:
@@ -196,6 +197,21 @@ def check_mtp_window(cfg: JobConfig, spec: ModelSpec, model_args) -> None:
         )
 
 
+def check_delta_rule_kernel(model_args) -> None:
+    """flash-linear-attention's gated delta rule (delta_rule_kernel = "fla") is a Triton kernel for CUDA, from an
+    optional package."""
+    if getattr(model_args, "delta_rule_kernel", "torch") != "fla":
+        return
+    from torchtitan.models.common.delta_rule import FLA_INSTALL
+
+    if dist_utils.device_type() != "cuda":
+        raise UserError(f"model.delta_rule_kernel = 'fla' runs flash-linear-attention's Triton kernel, which needs "
+                        f"CUDA (this is {dist_utils.device_type()}); use model.delta_rule_kernel = 'torch'")
+    if importlib.util.find_spec("fla") is None:
+        raise UserError(f"model.delta_rule_kernel = 'fla' needs the flash-linear-attention package: {FLA_INSTALL} "
+                        "(or model.delta_rule_kernel = 'torch')")
+
+
 def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDims) -> None:
     """training.compile with what torch 2.13 cannot compile here (measured: each crashed at step 1)."""
     if spec.expert_layers is not None and spec.expert_layers(meta_model(spec, model_args)):
@@ -246,6 +262,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides,
                                         attention_overrides(cfg.model))
     check_mtp_window(cfg, spec, model_args)
+    check_delta_rule_kernel(model_args)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     # The model as built: the tokenizer's vocabulary, padded (TP splits it; Hugging Face weights must
     # have a row for every token), and the settings an initial Hugging Face folder brings.

@@ -270,3 +270,27 @@ def test_the_language_model_of_a_multimodal_folder_gives_transformers_logits(tmp
     tokens = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max() < 1e-4
+
+
+def test_the_fla_kernel_is_refused_where_it_cannot_run():
+    """model.delta_rule_kernel = "fla" on this CPU, for a family without a delta rule, and a bad value: refused
+    before launch with exit 2 and one line."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, TINY
+
+    env = dict(os.environ, NGPU="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+
+    def refused(*args: str) -> str:
+        proc = subprocess.run(["./run_train.sh", *TINY, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+        return proc.stderr
+
+    assert "model.delta_rule_kernel = 'fla' runs flash-linear-attention's Triton kernel, which needs CUDA" in refused(
+        "--model.name", "qwen3_5", "--model.delta_rule_kernel", "fla")
+    assert "model.delta_rule_kernel is set, but model 'llama3' has no gated delta rule" in refused(
+        "--model.delta_rule_kernel", "torch")
+    assert "delta_rule_kernel" in refused("--model.name", "qwen3_5", "--model.delta_rule_kernel", "triton")

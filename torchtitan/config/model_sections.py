@@ -55,6 +55,12 @@ class Model:
         "Multi-token prediction for families that have it (deepseek_v3): this many modules after the last layer, "
         "module k predicting the token k + 1 positions ahead. 0: off. Unset: the flavor's (0).",
     )
+    delta_rule_kernel: Literal["torch", "fla"] | None = opt(
+        None,
+        "The gated delta rule's kernel for families that have it (qwen3_5): torch, the project's chunked rule in "
+        "PyTorch (every device; the reference); fla, flash-linear-attention's Triton kernel (training on CUDA; needs "
+        "pip install flash-linear-attention). Unset: the flavor's (torch).",
+    )
     mtp_loss_weight: float | None = opt(
         None, "The weight of the multi-token-prediction modules' mean loss in the gradient. Unset: the flavor's (0.3)."
     )

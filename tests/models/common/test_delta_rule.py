@@ -82,3 +82,36 @@ def test_the_causal_convolution_restarts_at_each_document():
     expect = torch.cat([F.conv1d(F.pad(part.transpose(1, 2), (3, 0)), weight[:, None], groups=5).transpose(1, 2)
                         for part in (x[:, :7], x[:, 7:])], dim=1)
     torch.testing.assert_close(out, expect, atol=1e-6, rtol=0)
+
+
+def _fla_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """flash-linear-attention's chunk_gated_delta_rule as its documentation states it, computed by the token-by-token
+    rule: q, k, v, g, beta of one row [1, T, ...] holding the sequences cu_seqlens cuts it into, each from a zero
+    state; q scaled by `scale` (default dk^-0.5); q, k, v in one dtype."""
+    assert q.shape[0] == 1 and cu_seqlens is not None and initial_state is None and not output_final_state
+    assert q.dtype == k.dtype == v.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bounds = cu_seqlens.tolist()
+    pieces = [delta_rule.recurrent(q[:, a:b] * scale, k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])[0]
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(pieces, dim=1), None
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_the_fla_kernel_gets_the_batch_and_documents_it_should(monkeypatch, with_docs):
+    """model.delta_rule_kernel = "fla" (CUDA only, not run here): the glue to flash-linear-attention's varlen kernel
+    (rows joined, cut at row and document starts, scale 1 for the already scaled q) against a stand-in that computes
+    what the kernel is documented to compute; its result equals the project's chunked rule."""
+    import sys
+    import types
+
+    fla = types.ModuleType("fla.ops.gated_delta_rule")
+    fla.chunk_gated_delta_rule = _fla_stand_in
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.ops", types.ModuleType("fla.ops"))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fla)
+    x = inputs(seq=70)
+    docs = documents(2, 70, [[20, 30, 70], [1, 70]]) if with_docs else None
+    got, _ = delta_rule.fla_chunked(*x, doc_ids=docs)
+    ref, _ = delta_rule.chunked(*x, chunk=32, doc_ids=docs)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -100,6 +100,31 @@ def chunked(q, k, v, g, beta, chunk: int = 64, state=None, doc_ids=None):
     return o[:, :t].to(dtype), s
 
 
+FLA_INSTALL = "pip install flash-linear-attention"
+
+
+def fla_chunked(q, k, v, g, beta, doc_ids=None):
+    """`chunked` (no carried state) through flash-linear-attention's Triton kernel (CUDA only; optional:
+    model.delta_rule_kernel = "fla"). q arrives normalized and scaled, so the kernel's own scale is 1. Its
+    varlen form takes one row of concatenated sequences with their boundaries (cu_seqlens): the batch's rows
+    are joined, cut at every row start and, under block-causal masks, at every document start, which
+    restarts the state as the project's kernel does. Returns (o in v's dtype, None: no final state)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    b, t = k.shape[:2]
+    starts = torch.zeros(b, t, dtype=torch.bool, device=k.device)
+    starts[:, 0] = True
+    if doc_ids is not None:
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    flat = starts.reshape(-1)
+    cu_seqlens = torch.cat([flat.nonzero().squeeze(1), flat.new_tensor([b * t], dtype=torch.long)])
+    q, k = q.to(v.dtype), k.to(v.dtype)  # the kernel takes q, k and v in one dtype
+    joined = [x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, _ = chunk_gated_delta_rule(*joined, scale=1.0, initial_state=None, output_final_state=False,
+                                  cu_seqlens=cu_seqlens)
+    return o.reshape(v.shape).to(v.dtype), None
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids=None) -> torch.Tensor:
     """Depthwise causal convolution: x [batch, seq, channels], weight [channels, kernel]; out_t =
     sum_s weight[:, -1 - s] * x_{t-s} over the earlier tokens of the same document (zeros before

@@ -40,6 +40,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     depth_init: bool = True
     delta_chunk: int = 64  # the chunk of the chunked gated delta rule (models/common/delta_rule.py)
+    # "torch": that chunked rule (every device, the reference); "fla": flash-linear-attention's Triton kernel for
+    # training on CUDA (model.delta_rule_kernel; an optional package). Decoding with a cache runs "torch".
+    delta_rule_kernel: str = "torch"
     # Qwen3.5-MoE: every block's feed-forward is a mixture of experts (models/common/moe.py; hidden_dim is
     # then unused): softmax top-k with renormalized weights, plus one shared expert of its own width whose
     # output is scaled by a sigmoid gate (shared_gate).
@@ -122,6 +125,8 @@ def validate(args: ModelArgs, parallel_dims) -> None:
             f"linear_num_value_heads = {args.linear_num_value_heads} is not a multiple of linear_num_key_heads = "
             f"{args.linear_num_key_heads} (each key head serves a whole number of value heads)"
         )
+    if args.delta_rule_kernel not in ("torch", "fla"):
+        problems.append(f"delta_rule_kernel = {args.delta_rule_kernel!r} must be 'torch' or 'fla'")
     if args.conv_kernel < 1:
         problems.append(f"conv_kernel = {args.conv_kernel}: the causal convolution needs a kernel of at least 1")
     if args.full_attention_interval < 1:

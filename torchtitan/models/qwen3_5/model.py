@@ -93,7 +93,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
         self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
-        self.chunk = args.delta_chunk
+        self.chunk, self.kernel = args.delta_chunk, args.delta_rule_kernel
         self.per_key = nv // nk  # value heads per key head
         group = 2 * self.dk + self.per_key * self.dv  # one key head's rows: q, k, its values
         self.in_proj_qkv = nn.Linear(args.dim, nk * group, bias=False)
@@ -156,7 +156,10 @@ class GatedDeltaNet(nn.Module):
         if self.per_key > 1:
             q, k = q.repeat_interleave(self.per_key, dim=2), k.repeat_interleave(self.per_key, dim=2)
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-        out, state = delta_rule.chunked(q, k, v, g, torch.sigmoid(b), chunk=self.chunk, state=state, doc_ids=docs)
+        if self.kernel == "fla" and cache is None:  # training on CUDA with flash-linear-attention's kernel
+            out, state = delta_rule.fla_chunked(q, k, v, g, torch.sigmoid(b), doc_ids=docs)
+        else:
+            out, state = delta_rule.chunked(q, k, v, g, torch.sigmoid(b), chunk=self.chunk, state=state, doc_ids=docs)
         if cache is not None:
             cache.states["state"] = state
         out = self.norm(out.to(x.dtype))  # per head: the same before or after the exchange back
