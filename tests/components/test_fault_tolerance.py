@@ -532,6 +532,32 @@ def test_no_sample_is_trained_twice_when_a_group_dies_and_comes_back(kill_points
 
 # --- DiLoCo: a lost group, checkpoints ------------------------------------------------------------
 
+@pytest.mark.slow
+def test_after_a_diloco_sync_moe_groups_hold_the_same_weights_and_expert_biases(tmp_path):
+    """Qwen3-MoE, sync_every 2: between syncs each group moves its expert biases by its own loads; a sync makes them
+    their mean, with the weights, so that at the last step (a sync) both groups hold the same model, biases included."""
+    save = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+    lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "2000")
+    folders = [tmp_path / "group0", tmp_path / "group1"]
+    procs = []
+    try:
+        procs = [_start_group(g, folders[g], address, "--training.steps", "4", *moe, "--fault_tolerance.sync",
+                              "diloco", "--fault_tolerance.sync_every", "2", *save) for g in range(2)]
+        for g, proc in enumerate(procs):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"group{g}.log").read_text()[-5000:]
+    finally:
+        _stop(procs, folders, lighthouse)
+    import torch
+
+    weights = [_weights(folder / "checkpoint" / "step-4", tmp_path) for folder in folders]
+    biases = [k for k in weights[0] if k.endswith("expert_bias")]
+    assert biases and any(weights[0][k].abs().sum() > 0 for k in biases)  # balancing moved them
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), \
+        [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])][:5]
+
+
 DILOCO = ["--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "3"]  # outer SGD 0.7, Nesterov 0.9
 
 

@@ -394,10 +394,17 @@ class ReplicaGroups:
             self.manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.group_count})
             self._quorum(step)
         deltas = self.diloco.deltas()
-        self._allreduce(deltas)
+        # An MoE model's expert biases (its balancing state, a buffer each group moves by its own loads between
+        # syncs) become their mean, so that after a sync every group routes alike.
+        biases = [m.expert_bias for part in self.trainer.parts for _, m in moe_layers(part)]
+        mean_biases = [b.clone() for b in biases]
+        self._allreduce(deltas + mean_biases)
         committed = self.manager.should_commit()
         self.diloco.outer_step(deltas if committed else None)
-        if not committed:
+        if committed:
+            for b, mean in zip(biases, mean_biases):
+                b.copy_(mean)
+        else:
             counters = self.trainer.checkpointer.counters
             counters["uncommitted_syncs"] = counters.get("uncommitted_syncs", 0) + 1
             logger.warning(f"step {step}: the DiLoCo sync is not committed ({self._why()}); the weights go back to "
