@@ -16,9 +16,10 @@
 #   WORKER_START   fork (workers forked from the launcher: no second torch import; the default without
 #                  CUDA) or exec (python -m torchtitan.train; the default with CUDA)
 # Fault tolerance (replica groups, [fault_tolerance]; docs/launching.md):
-#   LIGHTHOUSE_PORT  for a test on one machine: start a torchft lighthouse on 127.0.0.1:PORT unless one answers
-#                  there already (it keeps running for the other groups and for restarts: stop it with kill, its pid
-#                  is printed) and pass --fault_tolerance.lighthouse http://127.0.0.1:PORT
+#   LIGHTHOUSE_PORT  for replica groups on one machine: once the job is checked, start a torchft lighthouse on
+#                  127.0.0.1:PORT unless one answers there already (groups launched together start one between
+#                  them; it keeps running for the other groups and for restarts: stop it with kill, its pid is
+#                  printed) and pass --fault_tolerance.lighthouse http://127.0.0.1:PORT
 # Extra arguments are config overrides, e.g. ./run_train.sh --training.steps 50
 set -euo pipefail
 
@@ -49,25 +50,7 @@ if [ "${NNODES}" -gt 1 ] && [ -z "${RDZV_ENDPOINT}" ]; then
     exit 2
 fi
 
-ft_opts=()
-if [ -n "${LIGHTHOUSE_PORT:-}" ]; then
-    need_int LIGHTHOUSE_PORT "${LIGHTHOUSE_PORT}" 1
-    lighthouse="http://127.0.0.1:${LIGHTHOUSE_PORT}"
-    answers() { ${PYTHON} -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/status', timeout=2)" \
-                "${lighthouse}" 2>/dev/null; }
-    if ! answers; then
-        bin="$(dirname "$(${PYTHON} -c 'import sys; print(sys.executable)')")/torchft_lighthouse"
-        if [ ! -x "${bin}" ]; then
-            echo "error: LIGHTHOUSE_PORT needs torchft's torchft_lighthouse: pip install torchft==0.2.0" >&2
-            exit 2
-        fi
-        setsid nohup "${bin}" --min_replicas 1 --bind "127.0.0.1:${LIGHTHOUSE_PORT}" \
-            > "${TMPDIR:-/tmp}/torchft_lighthouse_${LIGHTHOUSE_PORT}.log" 2>&1 < /dev/null &
-        echo "started a torchft lighthouse at ${lighthouse} (pid $!; log ${TMPDIR:-/tmp}/torchft_lighthouse_${LIGHTHOUSE_PORT}.log)" >&2
-        for _ in $(seq 50); do answers && break; sleep 0.2; done
-    fi
-    ft_opts=(--fault_tolerance.lighthouse "${lighthouse}")
-fi
+if [ -n "${LIGHTHOUSE_PORT:-}" ]; then need_int LIGHTHOUSE_PORT "${LIGHTHOUSE_PORT}" 1; fi
 
 # One Python process checks the job (a mistake is one message and exit status 2 before any worker
 # starts), then runs torchrun, whose workers on a CPU machine are forked from it.
@@ -77,5 +60,6 @@ if [ -n "${NODE_RANK}" ]; then opts+=(--node-rank "${NODE_RANK}"); fi
 if [ -n "${RDZV_ENDPOINT}" ]; then opts+=(--rdzv-endpoint "${RDZV_ENDPOINT}"); fi
 if [ -n "${LOG_DIR:-}" ]; then opts+=(--log-dir "${LOG_DIR}"); fi
 if [ -n "${WORKER_START:-}" ]; then opts+=(--worker-start "${WORKER_START}"); fi
+if [ -n "${LIGHTHOUSE_PORT:-}" ]; then opts+=(--lighthouse-port "${LIGHTHOUSE_PORT}"); fi
 
-exec ${PYTHON} -m torchtitan.launch "${opts[@]}" -- --job.config_file "${CONFIG_FILE}" "${ft_opts[@]}" "$@"
+exec ${PYTHON} -m torchtitan.launch "${opts[@]}" -- --job.config_file "${CONFIG_FILE}" "$@"

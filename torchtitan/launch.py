@@ -55,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
     p.add_argument("--log-rank", default="0", help="comma list of local ranks whose output is shown")
     p.add_argument("--log-dir", default=None, help="folder for every worker's stdout/stderr (default: a temp folder)")
+    p.add_argument("--lighthouse-port", type=int, default=None,
+                   help="replica groups on one machine: start a torchft lighthouse on 127.0.0.1:PORT unless one "
+                        "answers there, once the job is checked, and pass it as fault_tolerance.lighthouse")
     p.add_argument("--worker-start", choices=("auto", "fork", "exec"), default="auto",
                    help="fork workers from this process (fast; CPU) or exec python -m torchtitan.train (CUDA); "
                         "auto: fork unless CUDA is available")
@@ -86,6 +89,9 @@ def check_options(opts: argparse.Namespace):
         host, _, port = opts.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise UserError(f"--rdzv-endpoint {opts.rdzv_endpoint!r} is not HOST:PORT")
+    if opts.lighthouse_port is not None and not 1 <= opts.lighthouse_port <= 65535:
+        raise UserError(f"LIGHTHOUSE_PORT (--lighthouse-port) must be a port number, 1..65535, got "
+                        f"{opts.lighthouse_port}")
     try:
         ranks = [int(r) for r in opts.log_rank.split(",")]
     except ValueError:
@@ -433,6 +439,9 @@ def check_job(opts, train_argv: list[str]) -> tuple["StoreProbe", object]:
     probe = StoreProbe(opts)
     from torchtitan.config import load_config
 
+    if opts.lighthouse_port is not None:
+        check_lighthouse_port(opts.lighthouse_port, train_argv)
+    train_argv = lighthouse_argv(opts, train_argv)
     try:
         load_config(train_argv)  # a mistake in the arguments or the recipe is found before torch is imported
     except HelpRequested as h:
@@ -450,7 +459,42 @@ def check_job(opts, train_argv: list[str]) -> tuple["StoreProbe", object]:
     # Several nodes share the dump folder: only node 0 (which no worker of this job can precede)
     # checks that no other run holds it; rank 0 takes the lock when the workers start.
     check_lock = opts.nnodes == 1 or opts.node_rank == 0
-    return probe, check(train_argv, opts.nproc_per_node * opts.nnodes, check_lock=check_lock)
+    # The lighthouse is asked last: LIGHTHOUSE_PORT starts one only for a job that passed every other check.
+    cfg = check(train_argv, opts.nproc_per_node * opts.nnodes, check_lock=check_lock, services=False)
+    from torchtitan.components import fault_tolerance
+
+    if opts.lighthouse_port is not None:
+        started = fault_tolerance.start_local_lighthouse(opts.lighthouse_port)
+        if started:
+            print(started, file=sys.stderr, flush=True)
+    fault_tolerance.check(cfg.fault_tolerance)
+    return probe, cfg
+
+
+def lighthouse_argv(opts, train_argv: list[str]) -> list[str]:
+    """The training arguments with LIGHTHOUSE_PORT's lighthouse as fault_tolerance.lighthouse."""
+    if opts.lighthouse_port is None:
+        return train_argv
+    return [*train_argv, "--fault_tolerance.lighthouse", f"http://127.0.0.1:{opts.lighthouse_port}"]
+
+
+def check_lighthouse_port(port: int, train_argv: list[str]) -> None:
+    """LIGHTHOUSE_PORT serves replica groups: refused, before anything starts, for a job that is not one, or that
+    names another lighthouse. Judged on the job's own arguments where they load without the lighthouse (a
+    fault-tolerant job without one does not: the full check then says what else is wrong)."""
+    from torchtitan.config import load_config
+
+    try:
+        ft = load_config(train_argv).fault_tolerance
+    except (UserError, HelpRequested):
+        return
+    if not ft.enabled:
+        raise UserError(f"LIGHTHOUSE_PORT={port} starts a torchft lighthouse for replica groups, but "
+                        f"fault_tolerance.enabled is false; add --fault_tolerance.enabled (with group_count and "
+                        f"group_id) or unset LIGHTHOUSE_PORT")
+    if ft.lighthouse.rstrip("/") != f"http://127.0.0.1:{port}":
+        raise UserError(f"LIGHTHOUSE_PORT={port} starts a lighthouse at http://127.0.0.1:{port}, but "
+                        f"fault_tolerance.lighthouse = {ft.lighthouse}; unset one of them")
 
 
 def main(argv: list[str]) -> int:
@@ -461,6 +505,7 @@ def main(argv: list[str]) -> int:
     if not checked:  # a mistake, or --help (printed, exit 0)
         return code
     probe, cfg = checked[0]
+    train_argv = lighthouse_argv(opts, train_argv)
     gc.collect()  # the preflight's model and data objects are not worth forking
     # What the launcher imported is the workers' too: kept out of their garbage collections, which would
     # otherwise scan it (~0.2 s per full collection) and copy every page it touches.

@@ -231,11 +231,17 @@ def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDim
         )
 
 
-def preflight(cfg: JobConfig, world_size: int) -> Plan:
+def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     """Checks that need no collectives: degrees against the world size, batch arithmetic, the model
     name and flavor against the parallelisms, the tokenizer file, the dump and checkpoint folders.
-    Raises UserError; run identically on every rank (and once by run_train.sh before launch)."""
+    Raises UserError; run identically on every rank (and once by run_train.sh before launch).
+    `services`: also ask the services the job meets over the network (the replica groups' lighthouse)
+    whether they answer; the layout planner does not (a layout's fit does not depend on them), nor the
+    launcher, which may start the lighthouse itself once the rest is checked."""
     import_custom_module(cfg.experimental.custom_import)
+    unread = cfg.parallelism.unread_keys()
+    if unread:
+        raise UserError(unread[0])
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     t = cfg.training
     global_batch, accum = dims.batch(t.local_batch_size, t.global_batch_size)
@@ -331,7 +337,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         check_param_groups(meta_model(spec, model_args), cfg.optimizer)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise UserError("metrics.enable_wandb needs the wandb package: pip install wandb (or turn it off)")
-    fault_tolerance.check(cfg.fault_tolerance)  # torchft installed, the lighthouse answers
+    fault_tolerance.check(cfg.fault_tolerance, probe=services)  # torchft installed, the lighthouse answers
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(  # a replica group's data state spans all groups' lanes (fault_tolerance.data_lanes)
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len,
@@ -378,11 +384,11 @@ def load_tokenizer(path: str) -> Tokenizer:
     return _TOKENIZER[key]
 
 
-def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfig:
+def check(argv: list[str], world_size: int, check_lock: bool = True, services: bool = True) -> JobConfig:
     """The resolved config of a job that can start on `world_size` processes. Raises UserError (a
     mistake) or HelpRequested. `check_lock`: refuse a dump folder that a live run holds; only where
     no worker of this job can hold it yet (one node, or node rank 0 of several: the others may start
-    after this job's rank 0 took the lock)."""
+    after this job's rank 0 took the lock). `services`: as preflight's."""
     try:
         cfg = load_config(argv)
     except HelpRequested as h:
@@ -392,7 +398,7 @@ def check(argv: list[str], world_size: int, check_lock: bool = True) -> JobConfi
     from torchtitan.components.data import build_dataloader
     from torchtitan.components.run_lock import refuse_if_locked
 
-    plan = preflight(cfg, world_size)
+    plan = preflight(cfg, world_size, services)
     if plan.memory_estimate:
         print(plan.memory_estimate, flush=True)
     if check_lock:

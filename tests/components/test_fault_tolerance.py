@@ -88,6 +88,69 @@ def test_diloco_keys_are_checked_before_launch(tmp_path):
     assert (ft.sync, ft.sync_every, ft.outer_lr, ft.outer_momentum, ft.outer_nesterov) == ("diloco", 1, 1, 0, False)
 
 
+def test_replica_group_keys_without_fault_tolerance_are_refused():
+    """group_count, group_id, the lighthouse and every other key of the section say which job this is: set while
+    fault_tolerance.enabled is off, the run would train as a plain run (exit 0) instead of the group asked for."""
+    from torchtitan.config import UserError, load_config
+
+    for key, value in (("group_count", "2"), ("group_id", "1"), ("lighthouse", "http://h:1"), ("min_groups", "2"),
+                       ("timeout_seconds", "5"), ("quorum_timeout_seconds", "5")):
+        with pytest.raises(UserError, match=rf"fault_tolerance\.{key} = .* is only read with fault_tolerance\.enabled"):
+            load_config([*TINY, f"--fault_tolerance.{key}", value])
+
+
+@pytest.mark.parametrize("address, why", [
+    ("http://127.0.0.1:29x10", "Port could not be cast to integer"),
+    ("http://127.0.0.1:70000", "Port out of range"),
+    ("http://:29510", "must be the lighthouse's http://HOST:PORT"),
+    ("http://127.0.0.1:29510/status", "nothing after the port"),
+    ("127.0.0.1:29510", "must be the lighthouse's http://HOST:PORT"),
+])
+def test_a_malformed_lighthouse_address_is_one_line_before_launch(address, why):
+    """A typo in the lighthouse's port: a config error naming the key (before: a 57-line traceback once the job
+    had started)."""
+    from torchtitan.config import UserError, load_config
+
+    with pytest.raises(UserError) as e:
+        load_config([*TINY, *FT, "--fault_tolerance.lighthouse", address])
+    assert "fault_tolerance.lighthouse" in str(e.value) and why in str(e.value), str(e.value)
+
+
+def test_lighthouse_port_without_fault_tolerance_starts_nothing(tmp_path):
+    """LIGHTHOUSE_PORT for a job that is not a replica group (or that names another lighthouse) is refused before
+    anything starts: no lighthouse is left running, and the job does not train as a plain run."""
+    port = free_port()
+    for extra, message in (([], f"LIGHTHOUSE_PORT={port} starts a torchft lighthouse for replica groups, but "
+                                "fault_tolerance.enabled is false"),
+                           ([*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:1"],
+                            f"LIGHTHOUSE_PORT={port} starts a lighthouse at http://127.0.0.1:{port}, but "
+                            "fault_tolerance.lighthouse = http://127.0.0.1:1")):
+        proc = subprocess.run(["./run_train.sh", *TINY, *extra, "--job.dump_folder", str(tmp_path)], cwd=REPO,
+                              env=env_of(NGPU="1", LIGHTHOUSE_PORT=str(port)), capture_output=True, text=True,
+                              timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
+        assert not _lighthouses_on(port)
+        assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _lighthouses_on(port: int) -> list[int]:
+    """The pids of torchft lighthouses bound to 127.0.0.1:`port`."""
+    return [pid for pid in _pids_of_command(f"--bind 127.0.0.1:{port}") if "torchft_lighthouse" in
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def _pids_of_command(text: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
 def test_without_torchft_the_recipe_is_refused_with_the_install_command(monkeypatch):
     import importlib.util
 
@@ -707,3 +770,82 @@ def test_under_diloco_a_restarted_group_heals_in_a_sync_and_holds_the_same_weigh
         return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
 
     assert len(weights[0]) > 10 and checksum(weights[0]) == checksum(weights[1])
+
+
+def _launch_groups(tmp: Path, port: int, ids: list[int], *extra: str) -> list[subprocess.Popen]:
+    """One run_train.sh per group id, all with LIGHTHOUSE_PORT=`port` (the documented quick start); output in
+    tmp/group<i>.log."""
+    procs = []
+    for i, g in enumerate(ids):
+        cmd = ["./run_train.sh", *TINY, *FT, "--training.global_batch_size", "4", "--fault_tolerance.group_id", str(g),
+               "--job.dump_folder", str(tmp / f"group{i}"), *extra]
+        with open(tmp / f"group{i}.log", "w") as log:  # a file: a full pipe would stop the group
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of(NGPU="1", LIGHTHOUSE_PORT=str(port)), stdout=log,
+                                          stderr=subprocess.STDOUT))
+    return procs
+
+
+def _stop_all(procs: list[subprocess.Popen], tmp: Path, port: int) -> None:
+    for i, proc in enumerate(procs):
+        proc.kill()
+        proc.wait()
+        _kill_group(tmp / f"group{i}")
+    for pid in _lighthouses_on(port):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_two_groups_started_with_one_id_both_stop(tmp_path):
+    """Two groups launched together with fault_tolerance.group_id 0 would each read group 0's lanes: the job would
+    train them twice per step and group 1's never, and exit 0. Both stop at their first quorum with one line (exit
+    2). Launched together with LIGHTHOUSE_PORT, as the quick start does, they start one lighthouse between them (no
+    'Address already in use', no traceback in either log)."""
+    port = free_port()
+    procs = _launch_groups(tmp_path, port, [0, 0])
+    try:
+        for proc in procs:
+            proc.wait(timeout=300)
+        logs = [(tmp_path / f"group{i}.log").read_text() for i in range(2)]
+        for proc, log in zip(procs, logs):
+            assert proc.returncode == 2, log[-3000:]
+            assert "fault_tolerance.group_id = 0 is the id of 2 replica groups in this quorum" in log, log[-3000:]
+            assert "Traceback" not in log and "Address already in use" not in log, log[-3000:]
+        assert sum(log.count("started a torchft lighthouse") for log in logs) == 1, logs
+        assert len(_lighthouses_on(port)) == 1
+    finally:
+        _stop_all(procs, tmp_path, port)
+
+
+@pytest.mark.slow
+def test_a_group_that_joins_with_a_live_groups_id_stops_and_the_live_groups_train_on(tmp_path):
+    """Groups 0 and 1 train; a third launch with group_id 1 heals into their quorum, finds the id taken and stops
+    (exit 2, one line); groups 0 and 1 train on (the step in flight when it left is not committed, as when a group
+    dies) until SIGTERM stops them after a step, exit 0."""
+    port = free_port()
+    procs = _launch_groups(tmp_path, port, [0, 1], "--training.steps", "100000")
+    try:
+        def wait_for_step(step: int):
+            deadline = time.monotonic() + 300
+            while _logged_steps(tmp_path / "group1") < step:
+                assert all(p.poll() is None for p in procs[:2]), "a live group ended"
+                assert time.monotonic() < deadline, f"the groups did not reach step {step}"
+                time.sleep(0.2)
+
+        wait_for_step(2)
+        procs += _launch_groups(tmp_path, port, [0, 1, 1], "--training.steps", "100000")[2:]
+        procs[2].wait(timeout=300)
+        late = (tmp_path / "group2.log").read_text()
+        assert procs[2].returncode == 2, late[-3000:]
+        assert "fault_tolerance.group_id = 1 is the id of 2 replica groups in this quorum (1 of them already " \
+               "training)" in late, late[-3000:]
+        wait_for_step(_logged_steps(tmp_path / "group1") + 3)  # training on without it
+        for proc in procs[:2]:
+            proc.send_signal(signal.SIGTERM)
+        for i in range(2):
+            procs[i].wait(timeout=300)
+            log = (tmp_path / f"group{i}.log").read_text()
+            assert procs[i].returncode == 0 and "stopped by SIGTERM" in log and "Traceback" not in log, log[-3000:]
+            steps = [r["step"] for r in read_metrics(tmp_path / f"group{i}")]
+            assert steps == list(range(1, len(steps) + 1)), steps
+    finally:
+        _stop_all(procs, tmp_path, port)

@@ -37,23 +37,65 @@ logger = logging.getLogger("torchtitan")
 INSTALL = "pip install torchft==0.2.0"
 
 
-def check(cfg: FaultTolerance) -> None:
-    """Before launch: the torchft package is installed and the lighthouse answers within the timeout."""
+def check(cfg: FaultTolerance, probe: bool = True) -> None:
+    """Before launch: the torchft package is installed and (`probe`) the lighthouse answers within the timeout."""
     if not cfg.enabled:
         return
     if importlib.util.find_spec("torchft") is None:
         raise UserError(f"fault_tolerance.enabled needs the torchft package: {INSTALL} (or turn it off)")
-    url = cfg.lighthouse.rstrip("/") + "/status"
-    try:
-        with urllib.request.urlopen(url, timeout=cfg.timeout_seconds) as answer:
-            answer.read(1)
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
+    if not probe:
+        return
+    reason = lighthouse_silence(cfg.lighthouse, cfg.timeout_seconds)
+    if reason is not None:
         raise UserError(
             f"fault_tolerance.lighthouse = {cfg.lighthouse} does not answer within "
             f"fault_tolerance.timeout_seconds = {cfg.timeout_seconds} ({reason}); start one (torchft_lighthouse "
             f"--min_replicas 1 --bind HOST:PORT, or run_train.sh with LIGHTHOUSE_PORT) or fix the address"
-        ) from None
+        )
+
+
+def lighthouse_silence(address: str, timeout: float) -> str | None:
+    """Why the lighthouse at `address` gave no answer within `timeout` seconds, or None when it answered."""
+    try:
+        with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as answer:
+            answer.read(1)
+    except (OSError, ValueError) as e:
+        return str(getattr(e, "reason", None) or e)
+    return None
+
+
+def start_local_lighthouse(port: int) -> str | None:
+    """A torchft lighthouse answering at 127.0.0.1:`port` (run_train.sh's LIGHTHOUSE_PORT, for replica groups on one
+    machine): started unless one answers there already. It keeps running after this process, for the other groups
+    and for restarts. Launchers started together (one per group) take turns through a lock file, so that one starts
+    it and the others find it. Returns what to print when this call started it."""
+    import fcntl
+    import subprocess
+    import sys
+    import tempfile
+
+    address = f"http://127.0.0.1:{port}"
+    binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    base = os.path.join(tempfile.gettempdir(), f"torchft_lighthouse_{port}")
+    with open(base + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if lighthouse_silence(address, 2) is None:
+            return None
+        if not os.access(binary, os.X_OK):
+            raise UserError(f"LIGHTHOUSE_PORT needs torchft's torchft_lighthouse next to {sys.executable}: {INSTALL}")
+        with open(base + ".log", "w") as log:
+            proc = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"], stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while lighthouse_silence(address, 1) is not None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                with open(base + ".log", errors="replace") as log:
+                    last = (log.read().strip().splitlines() or ["(no output)"])[-1][:300]
+                raise UserError(f"LIGHTHOUSE_PORT={port}: the torchft lighthouse did not start on 127.0.0.1:{port} "
+                                f"({last}); is the port taken by another program? Choose another LIGHTHOUSE_PORT")
+            time.sleep(0.2)
+    return f"started a torchft lighthouse at {address} (pid {proc.pid}; log {base}.log; stop it with kill {proc.pid})"
 
 
 def data_lanes(cfg: FaultTolerance, dp_rank: int, dp_degree: int, global_batch: int) -> tuple[int, int, int]:
@@ -170,6 +212,8 @@ class ReplicaGroups:
         self.participants, self.waiting = 1, start_step == 0
         self.last_step, self.healed_step, self.joined = start_step, None, False
         self.diloco = None
+        # The last quorum whose group ids were checked, and whether this group's were once (_check_group_ids).
+        self.checked_quorum, self.ids_checked = None, False
         if not cfg.enabled:
             return
         # torchft's own logs are off (a line per quorum and commit from its Rust server; a traceback for a peer's
@@ -328,6 +372,40 @@ class ReplicaGroups:
             logger.info(f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
                         f"quorum (was {self.participants})")
         self.participants = self.manager.num_participants()
+        self._check_group_ids(done)
+
+    def _check_group_ids(self, done: int):
+        """Every group of a new quorum has a group_id of its own. Two groups started with one id would each read
+        that id's data lanes: the job would train those batches twice per step and another group's never, and
+        exit 0. torchft tells such groups apart (their replica ids carry a random suffix), so they meet in one
+        quorum; there each group adds its id, and whether it is new to the quorums, to one small sum. A group
+        that joins with an id a live group already has stops (exit 2), and the live group trains on (the step
+        in flight is not committed, as when a group dies); two that start together with one id both stop.
+        Every member of a quorum sees the same quorum id, so all of them (and only they) take part in the sum."""
+        quorum_id = self.manager._quorum_id  # torchft 0.2.0 has no public accessor for it
+        if quorum_id == self.checked_quorum:
+            return
+        self.checked_quorum = quorum_id
+        joining = not self.ids_checked
+        g = self.cfg.group_count
+        ids = torch.zeros(2 * g, dtype=torch.float32)
+        ids[self.cfg.group_id] = 1
+        ids[g + self.cfg.group_id] = 1 if joining else 0
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(ids, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:  # a group lost during the sum: the next quorum (a new one) checks
+            return
+        self.ids_checked = True
+        holders, newcomers = int(ids[self.cfg.group_id]), int(ids[g + self.cfg.group_id])
+        if holders > 1 and (joining or holders - newcomers > 1):
+            live = holders - newcomers
+            raise UserError(
+                f"step {done + 1}: fault_tolerance.group_id = {self.cfg.group_id} is the id of {holders} replica "
+                f"groups in this quorum" + (f" ({live} of them already training)" if live and joining else "")
+                + f"; each group reads the data lanes of its id, so they would train the same batches; start each "
+                f"group with its own fault_tolerance.group_id, 0..{g - 1}"
+            )
 
     def average(self, params: list[torch.Tensor], loss_sum: torch.Tensor):
         """Average this rank's gradients (local shards) and its summed loss over the live groups, in place: one

@@ -1,6 +1,7 @@
 """What every config section is written with: a field with its help text (`opt`), and the helpers of the
 sections' check()."""
 
+import dataclasses
 from dataclasses import field
 
 
@@ -24,3 +25,11 @@ def positive(section: str, values, *names: str) -> list[str]:
         for name in names
         if not getattr(values, name) > 0
     ]
+
+
+def changed_keys(values, *names: str) -> list[str]:
+    """The keys of a section (those named, or all) whose values differ from the section's defaults: what a recipe or
+    the command line set. A rule refuses such keys where the feature that reads them is off."""
+    defaults = type(values)()
+    names = names or tuple(f.name for f in dataclasses.fields(values))
+    return [name for name in names if getattr(values, name) != getattr(defaults, name)]

@@ -1,15 +1,29 @@
 """The sections of how a job spreads over its ranks: the parallel layout and the collectives' communication."""
 
 import os
+import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
 
-from torchtitan.config.fields import failed, opt
+from torchtitan.config.fields import changed_keys, failed, opt
 
 
 # Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
 # steps; FSDP must keep their blocks gathered between forward and backward.
 ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+
+
+# The keys that say how a parallelism splits the work (the splits themselves excepted), read only when its degree is
+# more than 1 (Parallelism.unread_keys).
+TENSOR_PARALLEL_KEYS = ("disable_loss_parallel",)
+CONTEXT_PARALLEL_KEYS = ("context_parallel_method", "context_parallel_rotate_method", "context_parallel_ring_overlap")
+PIPELINE_KEYS = ("pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                 "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
+                 "pipeline_parallel_last_stage_less_layers")
+
+
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,23 @@ class Parallelism:
     pipeline_parallel_last_stage_less_layers: int = opt(
         1, "The last stage holds this many fewer layers (it also holds the output layer and the loss)."
     )
+
+    def unread_keys(self) -> list[str]:
+        """The keys that say how a parallelism splits the work, set while its degree is 1, as messages: a job
+        would silently train without what they ask for. The trainer refuses them (preflight); the layout planner
+        reads them as the recipe's preference for the layouts that use that parallelism."""
+        problems = []
+        for keys, degree, what in (
+            (CONTEXT_PARALLEL_KEYS, "context_parallel_degree", "context parallel"),
+            (PIPELINE_KEYS, "pipeline_parallel_degree", "pipeline parallel"),
+            (TENSOR_PARALLEL_KEYS, "tensor_parallel_degree", "tensor parallel"),
+        ):
+            if getattr(self, degree) == 1:
+                problems += [
+                    f"parallelism.{k} = {_show(getattr(self, k))} is only read with {what}, and {degree} is 1; set "
+                    f"parallelism.{degree} > 1 or remove it" for k in changed_keys(self, *keys)
+                ]
+        return problems
 
     def check(self) -> list[str]:
         degrees = ("data_parallel_replicate_degree", "pipeline_parallel_degree", "pipeline_parallel_microbatch_size",
@@ -233,24 +264,22 @@ class FaultTolerance:
                                      "read under sync = 'diloco'.")
 
     def check(self) -> list[str]:
-        if not self.enabled:  # DiLoCo's keys are new: set without replica groups, they would be ignored
-            defaults = FaultTolerance()
+        if not self.enabled:
+            # Each key says which job this is (a group of several, its data lanes, how it syncs): set without
+            # replica groups, the run would train as a plain run instead, and exit 0.
             return [f"fault_tolerance.{key} = {getattr(self, key)!r} is only read with fault_tolerance.enabled; "
-                    f"remove it or enable fault tolerance"
-                    for key in ("sync", "sync_every", "outer_lr", "outer_momentum", "outer_nesterov")
-                    if getattr(self, key) != getattr(defaults, key)]
+                    f"enable fault tolerance (--fault_tolerance.enabled) or remove it"
+                    for key in changed_keys(self) if key != "enabled"]
         problems = [
             f"fault_tolerance.{key} must be a positive integer, got {getattr(self, key)}; set it to 1 or more"
             for key in ("group_count", "min_groups", "timeout_seconds", "quorum_timeout_seconds", "sync_every")
             if not getattr(self, key) > 0
         ]
         if self.sync == "every_step":
-            defaults = FaultTolerance()
             problems += [
                 f"fault_tolerance.{key} = {getattr(self, key)} is only read under fault_tolerance.sync = 'diloco' "
                 f"(sync is 'every_step'); remove it or set sync = 'diloco'"
-                for key in ("sync_every", "outer_lr", "outer_momentum", "outer_nesterov")
-                if getattr(self, key) != getattr(defaults, key)
+                for key in changed_keys(self, "sync_every", "outer_lr", "outer_momentum", "outer_nesterov")
             ]
         else:
             problems += failed(
@@ -269,6 +298,19 @@ class FaultTolerance:
             (self.min_groups <= self.group_count,
              f"fault_tolerance.min_groups = {self.min_groups} is above fault_tolerance.group_count = "
              f"{self.group_count}: no step could ever be committed"),
-            (self.lighthouse.startswith(("http://", "https://")) and ":" in self.lighthouse.split("//", 1)[1],
-             f"fault_tolerance.lighthouse = {self.lighthouse!r} must be the lighthouse's http://HOST:PORT"),
-        )
+        ) + lighthouse_address_problems(self.lighthouse)
+
+
+def lighthouse_address_problems(address: str) -> list[str]:
+    """What is wrong with a lighthouse address (it must be http://HOST:PORT), as messages; [] if nothing."""
+    fix = f"fault_tolerance.lighthouse = {address!r} must be the lighthouse's http://HOST:PORT"
+    try:
+        parts = urllib.parse.urlsplit(address)
+        port = parts.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        return [f"{fix} ({e})"]
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return [fix]
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        return [f"{fix}, with nothing after the port (got {parts.path + parts.query + parts.fragment!r})"]
+    return []

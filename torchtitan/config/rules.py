@@ -7,15 +7,39 @@ import dataclasses
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.parallelism_sections import Parallelism
 
+# The largest integer any key may hold: a 64-bit signed integer, what TOML can write and what the libraries the
+# values reach (deque lengths, tensor sizes, seeds, C timeouts) take without overflowing.
+MAX_INT = 2**63 - 1
+# The longest duration a `*_seconds` key may hold: a year. Longer ones overflow later, after launch (Python's
+# timedelta and socket timeouts, the lighthouse client), and are no limit in practice.
+MAX_SECONDS = 365 * 24 * 3600
+
 
 def check_rules(cfg: JobConfig) -> list[str]:
     problems = []
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
+        problems += _range_rules(f.name, section)
         # A section with no rule of its own (experimental) has no check().
         problems += getattr(section, "check", list)()
     for rule in (_batch_rules, _sequence_rules, _parallelism_rules, _float8_rules, _checkpoint_rules):
         problems += rule(cfg)
+    return problems
+
+
+def _range_rules(name: str, section) -> list[str]:
+    """Every integer key within MAX_INT, every duration within MAX_SECONDS: a value past them would pass the
+    section's own rules and overflow once the job has started."""
+    problems = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            problems.append(f"{name}.{f.name} = {value} does not fit a 64-bit integer (at most {MAX_INT:,} in size)")
+        elif f.name.endswith("_seconds") and value > MAX_SECONDS:
+            problems.append(f"{name}.{f.name} = {value} is more than a year ({MAX_SECONDS:,} seconds), the longest "
+                            f"duration a run takes; set a shorter one")
     return problems
 
 

@@ -26,6 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torchtitan.config import UserError
+from torchtitan.config.parallelism_sections import (
+    CONTEXT_PARALLEL_KEYS,
+    PIPELINE_KEYS,
+    TENSOR_PARALLEL_KEYS,
+    Parallelism,
+)
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.spec import meta_model
 from torchtitan.planner.estimate import FIXES, Estimate, Planning, default_hardware, estimate_layout
@@ -109,6 +115,16 @@ def cp_methods(cfg, args, cp: int, tp: int) -> list[dict]:
         return [rotating]
     heads = getattr(args, "n_heads", None)
     return [gathered, rotating] + ([ulysses] if heads is not None and (heads // tp) % cp == 0 else [])
+
+
+def unused_keys_reset(tp: int, pp: int, cp: int) -> dict:
+    """The recipe's settings of the parallelisms a layout does not use (degree 1) put back to their defaults: they
+    are its preference for the layouts that use them, and the trainer refuses them where nothing reads them
+    (Parallelism.unread_keys)."""
+    defaults = Parallelism()
+    keys = [*(TENSOR_PARALLEL_KEYS if tp == 1 else ()), *(PIPELINE_KEYS if pp == 1 else ()),
+            *(CONTEXT_PARALLEL_KEYS if cp == 1 else ())]
+    return {key: getattr(defaults, key) for key in keys}
 
 
 def _global_batch(cfg, world_size: int) -> int:
@@ -195,10 +211,11 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                         for micro in (micros if pp > 1 else [local]):
                             yield replace(
                                 cfg,
-                                parallelism={"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
+                                parallelism={**unused_keys_reset(tp, pp, cp),
+                                             "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
                                              "context_parallel_degree": cp, "data_parallel_replicate_degree": rep,
                                              "data_parallel_shard_degree": shard, "expert_parallel_degree": ep,
-                                             "pipeline_parallel_microbatch_size": micro if pp > 1 else 1,
+                                             **({"pipeline_parallel_microbatch_size": micro} if pp > 1 else {}),
                                              **method},
                                 training={"local_batch_size": local, "global_batch_size": global_batch},
                                 activation_checkpoint={"mode": mode, "selective_ac_option": option},
@@ -282,7 +299,7 @@ def refusal(cfg, world_size: int, device_type: str, read_data: bool = True) -> s
     try:
         validate(cfg)
         with _judged_on(device_type):
-            preflight(checked, world_size)
+            preflight(checked, world_size, services=False)
     except UserError as e:
         return str(e)
     return None
