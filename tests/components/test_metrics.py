@@ -35,6 +35,35 @@ def test_jsonl_and_tensorboard_written(tmp_path):
     assert {"loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= set(acc.Tags()["scalars"])
 
 
+def _tb_losses(folder) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("loss")]
+
+
+def test_a_rerun_keeps_the_earlier_runs_events_apart_and_a_resume_replaces_the_redone_steps(tmp_path):
+    """A second run from step 0 in the same dump folder: the first run's events move to tb.1, so that TensorBoard
+    shows two runs instead of one curve going back and forth. A resume from step 2 of a run that had logged to step
+    4 (a restart redoes steps 3-4): TensorBoard hides the earlier steps 3-4 and shows the redone ones."""
+    cfg = Metrics(enable_tensorboard=True, save_tb_folder="tb")
+
+    def run(losses: dict[int, float], append=False, start_step=0):
+        logger = MetricsLogger(cfg, str(tmp_path), write=True, append=append, start_step=start_step)
+        for step, loss in losses.items():
+            logger.log(record(step, loss))
+        logger.close()
+
+    run({1: 9.0, 2: 8.0})
+    run({1: 7.0, 2: 6.0, 3: 5.0, 4: 4.0})
+    assert _tb_losses(tmp_path / "tb.1") == [(1, 9.0), (2, 8.0)]
+    assert _tb_losses(tmp_path / "tb") == [(1, 7.0), (2, 6.0), (3, 5.0), (4, 4.0)]
+    run({3: 3.5, 4: 3.0}, append=True, start_step=2)
+    assert _tb_losses(tmp_path / "tb") == [(1, 7.0), (2, 6.0), (3, 3.5), (4, 3.0)]
+    assert not (tmp_path / "tb.2").exists()
+
+
 def test_non_writing_rank_writes_nothing(tmp_path):
     logger = MetricsLogger(Metrics(enable_tensorboard=True), str(tmp_path / "x"), write=False)
     logger.log(record(1, 5.0))

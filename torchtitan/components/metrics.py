@@ -273,7 +273,13 @@ class MetricsLogger:
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(dump_folder, cfg.save_tb_folder))
+                tb_folder = os.path.join(dump_folder, cfg.save_tb_folder)
+                # As metrics.jsonl: a fresh start keeps an earlier run's events as {folder}.N (TensorBoard then
+                # shows it as a run of its own instead of drawing both runs on one curve); a resume from step S
+                # hides the earlier run's events after S (a restart redoes those steps).
+                if not append and os.path.isdir(tb_folder) and os.listdir(tb_folder):
+                    keep_earlier(tb_folder, "TensorBoard events")
+                self.tb = SummaryWriter(tb_folder, purge_step=start_step + 1 if append else None)
             if cfg.enable_wandb:
                 self.wandb = start_wandb(dump_folder, run_config, resume=append)
 
