@@ -1,12 +1,13 @@
 """The checks train.py makes before any process group exists, and the shipped recipes."""
 
 import glob
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, debug_config as cfg
+from conftest import CHECKPOINT_ARGS, REPO, debug_config as cfg
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import UserError, load_config
 from torchtitan.models.registry import get_model_spec
@@ -286,3 +287,92 @@ def test_loss_chunk_tokens_is_refused_for_a_loss_the_model_does_not_compute():
     plan = preflight(cfg("--model.name", "llama3_own_loss", "--training.seq_len", "2048", "--training.local_batch_size",
                          "8"), world_size=1)
     assert plan.loss_chunk_tokens == 0  # auto, on a model that cannot chunk
+
+
+# --- what used to pass preflight and fail later ------------------------------------------------------------------
+
+
+def _csv_schedule(path: Path, split: bool) -> Path:
+    """A 2-rank, one-stage-per-rank CSV schedule of 2 microbatches; `split`: the last stage's backward as input (I)
+    and weight (W) passes."""
+    last = ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1"] if split else ["1F0", "1B0", "1F1", "1B1"]
+    path.write_text(",".join(["0F0", "0F1", "0B0", "0B1"]) + "\n" + ",".join(last) + "\n")
+    return path
+
+
+def test_a_csv_schedule_is_judged_by_its_actions(tmp_path):
+    """Chunked loss and multi-token prediction run each backward once: a CSV schedule with I and W actions is refused
+    for them before launch, as a zero-bubble schedule is by name (before: a CSV passed preflight and the run failed
+    in its first backward); the same CSV without them is accepted, and a malformed one is refused with its action."""
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]
+    split = ["--parallelism.pipeline_parallel_schedule_csv", str(_csv_schedule(tmp_path / "split.csv", True))]
+    whole = ["--parallelism.pipeline_parallel_schedule_csv", str(_csv_schedule(tmp_path / "whole.csv", False))]
+    chunk = ["--training.loss_chunk_tokens", "64"]
+    with pytest.raises(UserError, match=r"split.csv \(its I and W actions\) splits each backward into an input and "
+                                        r"a weight pass; choose 1F1B"):
+        preflight(cfg(*pp, *split, *chunk), world_size=2)
+    assert preflight(cfg(*pp, *whole, *chunk), world_size=2).loss_chunk_tokens == 64
+    mtp = ["--model.name", "deepseek_v3", "--model.mtp_depth", "1"]
+    with pytest.raises(UserError, match=r"split.csv \(its I and W actions\) splits each backward .* model.mtp_depth"):
+        preflight(cfg(*pp, *split, *mtp), world_size=2)
+    preflight(cfg(*pp, *whole, *mtp), world_size=2)
+    (tmp_path / "bad.csv").write_text("0F0,0X0\n1F0,1B0\n")
+    with pytest.raises(UserError, match=r"pipeline_parallel_schedule_csv .*bad.csv: .*0X0"):
+        preflight(cfg(*pp, "--parallelism.pipeline_parallel_schedule_csv", str(tmp_path / "bad.csv")), world_size=2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.context_parallel_method", "ulysses"], "context_parallel_method = 'ulysses' is only read with "
+                                                           "context parallel, and context_parallel_degree is 1"),
+    (["--parallelism.context_parallel_rotate_method", "alltoall"], "context_parallel_rotate_method = 'alltoall' is "
+                                                                   "only read with context parallel"),
+    (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "pipeline_parallel_schedule = 'ZBVZeroBubble' is "
+                                                                    "only read with pipeline parallel"),
+    (["--parallelism.pipeline_parallel_microbatch_size", "2"], "pipeline_parallel_microbatch_size = 2 is only read "
+                                                               "with pipeline parallel"),
+    (["--parallelism.disable_loss_parallel"], "disable_loss_parallel = true is only read with tensor parallel"),
+])
+def test_a_parallelism_setting_without_its_parallelism_is_refused(argv, message):
+    """How a parallelism splits the work, asked for while its degree is 1: the run would do without it (before:
+    ulysses without a context-parallel degree trained as a plain run)."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        preflight(cfg(*argv), world_size=1)
+
+
+def test_the_hugging_face_export_is_checked_before_the_run(tmp_path):
+    """checkpoint.last_save_in_hf writes step-N-hf after the last step: an export the format cannot hold (gpt-oss
+    with a capacity factor) and an export folder that exists are refused before launch (before: at the last step,
+    the weights lost with checkpointing off). A run that resumes at its last step exports nothing and is not
+    refused."""
+    export = ["--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path), "--training.steps", "6"]
+    with pytest.raises(UserError, match=r"last_save_in_hf exports .* cannot be: GptOssForCausalLM drops no token"):
+        preflight(cfg(*export, "--model.name", "gpt_oss", "--moe.capacity_factor", "1.5"), world_size=1)
+    preflight(cfg(*export, "--model.name", "gpt_oss"), world_size=1)
+    (tmp_path / "checkpoint" / "step-6-hf").mkdir(parents=True)
+    preflight(cfg(*export), world_size=1)  # an empty folder takes the export
+    (tmp_path / "checkpoint" / "step-6-hf" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"export the model to .*step-6-hf after step 6, and it already exists"):
+        preflight(cfg(*export), world_size=1)
+    with pytest.raises(UserError, match=r"step-6-hf after step 6, and it already exists"):
+        preflight(cfg(*export, "--checkpoint.enable_checkpoint"), world_size=1)
+
+
+def test_a_resumed_run_that_has_reached_its_last_step_exports_nothing_and_is_not_refused(straight):
+    """The straight run (tests/conftest.py) checkpointed step 6, its last: the same command again trains and exports
+    nothing, so an existing step-6-hf is no obstacle."""
+    folder = straight[0]
+    (folder / "checkpoint" / "step-6-hf").mkdir(exist_ok=True)
+    (folder / "checkpoint" / "step-6-hf" / "config.json").write_text("{}")
+    try:
+        preflight(load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(folder), "--training.steps", "6",
+                               "--checkpoint.last_save_in_hf"]), 1)
+    finally:
+        (folder / "checkpoint" / "step-6-hf" / "config.json").unlink()
+        (folder / "checkpoint" / "step-6-hf").rmdir()
+
+
+def test_a_seed_checkpoint_into_a_folder_with_checkpoints_is_refused_before_launch(straight):
+    with pytest.raises(UserError, match=r"create_seed_checkpoint writes step-0 into an empty checkpoint folder, and "
+                                        r".* already holds checkpoints \(step-6\)"):
+        preflight(load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(straight[0]),
+                               "--checkpoint.create_seed_checkpoint"]), 1)

@@ -27,11 +27,10 @@ from torchtitan.components.optimizer import check_muon_supported, check_param_gr
 from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, load_config
 from torchtitan.config.errors import run_main
-from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import check_ulysses_degree
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import plan_split
+from torchtitan.distributed.pipeline_parallel import plan_split, splits_backward
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility
 from torchtitan.models.common.attention import choose_attention_kernel
 from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
@@ -212,6 +211,18 @@ def check_delta_rule_kernel(model_args) -> None:
                         "(or model.delta_rule_kernel = 'torch')")
 
 
+def check_hf_export(cfg: JobConfig, spec: ModelSpec, model_args, tokenizer: Tokenizer) -> None:
+    """checkpoint.last_save_in_hf writes the model as a Hugging Face folder after the last step: what the format
+    cannot express is refused now (the family's config.json of these args), not once the run is over, when the
+    weights would be lost with checkpointing off. Where it goes is checked with the checkpoint folder
+    (resume.preflight_checkpoint)."""
+    try:
+        spec.hf.config(model_args, dist_utils.DTYPES[cfg.checkpoint.export_dtype], tokenizer.bos_id, tokenizer.eos_id)
+    except UserError as e:
+        raise UserError(f"checkpoint.last_save_in_hf exports the model as a Hugging Face folder after the last step, "
+                        f"and this one cannot be: {e}; or turn checkpoint.last_save_in_hf off") from None
+
+
 def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDims) -> None:
     """training.compile with what torch 2.13 cannot compile here (measured: each crashed at step 1)."""
     if spec.expert_layers is not None and spec.expert_layers(meta_model(spec, model_args)):
@@ -273,7 +284,10 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     # The model as built: the tokenizer's vocabulary, padded (TP splits it; Hugging Face weights must
     # have a row for every token), and the settings an initial Hugging Face folder brings.
     model_args = model_args_for_run(spec, cfg, tokenizer.vocab_size)
-    loss_chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, model_args.vocab_size)
+    p = cfg.parallelism
+    split_backward = dims.pp_enabled and splits_backward(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
+    loss_chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, model_args.vocab_size,
+                                             split_backward)
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise UserError(
@@ -295,17 +309,23 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
         check_ulysses_degree(heads, dims.tp, dims.cp)
     if dims.pp_enabled:
         plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
-        schedule = cfg.parallelism.pipeline_parallel_schedule
-        if schedule.lower() in ZERO_BUBBLE_SCHEDULES and spec.extra_blocks is not None:
+        schedule = (f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
+                    if p.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule}")
+        if split_backward and spec.extra_blocks is not None:
             extra = len(spec.extra_blocks(meta_model(spec, model_args)))
             if extra:
                 # Measured: their second backward pass (the weights') finds the graph already freed.
                 raise UserError(
-                    f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into an input and a "
-                    f"weight pass, which model {spec.name}'s {extra} block(s) after its layers (e.g. multi-token "
-                    f"prediction) do not support; choose 1F1B or Interleaved1F1B, or remove those blocks "
-                    f"(for deepseek_v3: model.mtp_depth = 0)"
+                    f"parallelism.{schedule} splits each backward into an input and a weight pass, which model "
+                    f"{spec.name}'s {extra} block(s) after its layers (e.g. multi-token prediction) do not support; "
+                    f"choose 1F1B or Interleaved1F1B, or remove those blocks (for deepseek_v3: model.mtp_depth = 0)"
                 )
+        if split_backward and p.fsdp_reshard_after_forward == "always" and dims.fsdp_enabled:
+            raise UserError(
+                f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with parallelism.{schedule}: its "
+                "split weight-gradient step needs the gathered block weights (resharding silently drops their "
+                "gradients); use 'default'"
+            )
     if dims.ep_enabled:
         expert_layers = spec.expert_layers(meta_model(spec, model_args)) if spec.expert_layers is not None else []
         if not expert_layers:
@@ -325,6 +345,8 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
             f"model '{spec.name}' has no Hugging Face adapter in its spec, so checkpoint.last_save_in_hf and "
             "checkpoint.initial_load_in_hf cannot be used; turn them off"
         )
+    if cfg.checkpoint.last_save_in_hf and spec.hf is not None:
+        check_hf_export(cfg, spec, model_args, tokenizer)
     if cfg.checkpoint.initial_load_in_hf and spec.hf is not None:
         from torchtitan.components.checkpoint import check_hf_folder, meta_shapes
 
@@ -341,7 +363,7 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(  # a replica group's data state spans all groups' lanes (fault_tolerance.data_lanes)
         cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len,
-        fault_tolerance.data_lanes(cfg.fault_tolerance, 0, 1, global_batch)[2]
+        fault_tolerance.data_lanes(cfg.fault_tolerance, 0, 1, global_batch)[2], t.steps
     )
     # The validation set holds a global batch.
     validate.preflight_validation(cfg.validation, t, tokenizer, dims.dp_degree)
@@ -367,6 +389,22 @@ def resolve_attention(cfg: JobConfig, spec: ModelSpec, model_args) -> AttentionP
     kernel = choose_attention_kernel("flex" if m.use_flex_attn else m.attn_backend, dist_utils.device_type(),
                                      documents or window is not None, documents, cfg.training.seq_len)
     return AttentionPlan(documents, window, kernel)
+
+
+def warn_tokenizerless_export(tokenizer_path: str) -> None:
+    """The Hugging Face export after the last step writes the weights even where the tokenizer cannot be written in
+    Hugging Face form (it says so then): said before launch too, by writing it once into a scratch folder (checked
+    once, by the launcher, rather than on every rank: a large vocabulary takes seconds)."""
+    import tempfile
+
+    from torchtitan.components.tokenizer_export import export_tokenizer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            export_tokenizer(tokenizer_path, scratch)
+        except UserError as e:
+            print(f"warning: the Hugging Face export after the last step (checkpoint.last_save_in_hf) will hold the "
+                  f"weights but no tokenizer: {e}", file=sys.stderr, flush=True)
 
 
 _TOKENIZER: dict = {}
@@ -401,6 +439,8 @@ def check(argv: list[str], world_size: int, check_lock: bool = True, services: b
     plan = preflight(cfg, world_size, services)
     if plan.memory_estimate:
         print(plan.memory_estimate, flush=True)
+    if cfg.checkpoint.last_save_in_hf:
+        warn_tokenizerless_export(cfg.model.tokenizer_path)
     if check_lock:
         refuse_if_locked(cfg.job.dump_folder)
     # Opening the data source as rank 0 finds a missing path or an empty dataset.

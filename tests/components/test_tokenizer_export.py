@@ -42,6 +42,33 @@ def test_auto_tokenizer_encodes_and_decodes_as_the_trainer(paths, kind, tmp_path
         assert ours.decode(ids) == text or (kind == SENTENCEPIECE and "\u2581" in text)
 
 
+def _family_flavors() -> list[tuple[str, str]]:
+    from torchtitan.models.registry import get_model_spec, model_names
+
+    return [(name, flavor) for name in model_names() if get_model_spec(name).hf is not None
+            for flavor in get_model_spec(name).flavors if flavor.startswith("debugmodel")]
+
+
+@pytest.mark.parametrize("name, flavor", _family_flavors())
+def test_every_familys_export_tokenizes_as_the_trainer(name, flavor, tmp_path):
+    """An export folder holds the family's config.json (what checkpoint.last_save_in_hf and convert_checkpoint
+    write first) and then the run's tokenizer: transformers' AutoTokenizer of that folder encodes and decodes as the
+    trainer, whatever class transformers binds to the model type (Qwen3.5-MoE's would rebuild the shipped
+    tokenizer as Qwen's and give other ids)."""
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec(name)
+    ours = Tokenizer(MODEL)
+    args = spec.args_for_training(flavor, ours.vocab_size, 64)
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf.config(args)))
+    export_tokenizer(MODEL, tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ids == ours.encode(text, bos=True), (type(theirs).__name__, text[:60])
+        assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+
+
 def test_a_unigram_sentencepiece_model_is_refused_with_the_reason(tmp_path):
     import sentencepiece as spm
 

@@ -760,3 +760,22 @@ def test_a_zero_pipeline_microbatch_is_reported_not_divided_by():
     message = error_of(["--parallelism.pipeline_parallel_degree", "2",
                         "--parallelism.pipeline_parallel_microbatch_size", "0"])
     assert message == "invalid config: parallelism.pipeline_parallel_microbatch_size must be 1 or more, got 0"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--metrics.straggler_windows", str(10**30)], "metrics.straggler_windows = 1000000000000000000000000000000 does "
+                                                   "not fit a 64-bit integer"),
+    (["--training.seed", str(-2**70)], "training.seed = -1180591620717411303424 does not fit a 64-bit integer"),
+    (["--comm.data_timeout_seconds", str(10**12)], "comm.data_timeout_seconds = 1000000000000 is more than a year"),
+    (["--job.stop_grace_seconds", str(400 * 24 * 3600)], "job.stop_grace_seconds = 34560000 is more than a year"),
+])
+def test_numbers_that_would_overflow_after_launch_are_refused(argv, message):
+    """Values past what the libraries that get them take (a deque's length, a C timeout, Python's timedelta) were
+    accepted and overflowed once the job had started; every integer key must fit 64 bits and every *_seconds key a
+    year, whatever the section."""
+    assert message in error_of(argv)
+
+
+def test_the_largest_numbers_that_fit_load(tmp_path):
+    cfg = load_config(["--metrics.straggler_windows", str(2**63 - 1), "--comm.data_timeout_seconds", str(365 * 86400)])
+    assert (cfg.metrics.straggler_windows, cfg.comm.data_timeout_seconds) == (2**63 - 1, 365 * 86400)

@@ -16,6 +16,7 @@ tokens to transformers, while the trainer encodes them as ordinary text; a sente
 another kind (unigram) or with other normalization is refused with the reason.
 """
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -28,8 +29,19 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "vocab.json", "merges.txt")
 
 
+# Model types whose folders transformers (5.x) tokenizes with a class of its own whatever tokenizer_config.json names
+# (its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS): Qwen3.5-MoE's Qwen3_5Tokenizer rebuilds the tokenizer from
+# tokenizer.json's vocabulary and merges with Qwen's own normalizer and pre-tokenizer, so any other tokenizer (the
+# shipped sentencepiece one: `def main` to other ids, `import os\n` decoded as `importos`) comes out wrong. An
+# `auto_map` entry in tokenizer_config.json is what makes AutoTokenizer skip that substitution and load the named
+# class with tokenizer.json as written. It names no code: for these model types transformers ignores an auto_map's
+# remote code unless asked with trust_remote_code=True, which then fails (there is no code in the folder to run).
+FIXED_TOKENIZER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def export_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> list[str]:
-    """Write the tokenizer at `tokenizer_path` into `folder` in Hugging Face form; the files written."""
+    """Write the tokenizer at `tokenizer_path` into `folder` in Hugging Face form; the files written. Where `folder`
+    already holds the model's config.json, the tokenizer is written so that transformers loads it for that model."""
     tok = Tokenizer(tokenizer_path)
     folder = Path(folder)
     if tok.kind == HF:
@@ -41,7 +53,10 @@ def export_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> list[str
         for name in names:
             if (source / name) != (folder / name):
                 shutil.copy2(source / name, folder / name)
-        return sorted(names)
+        return sorted(set(names) | _load_as_written(folder))
+    if importlib.util.find_spec("tokenizers") is None:
+        raise UserError("writing the tokenizer in Hugging Face form needs the tokenizers package: pip install "
+                        "tokenizers (or pip install 'torchtitan[tokenizers]')")
     backend = _sentencepiece_bpe(tok) if tok.kind == SENTENCEPIECE else _tiktoken_bpe(tok)
     _add_specials(backend, tok)
     backend.save(str(folder / "tokenizer.json"))
@@ -53,7 +68,26 @@ def export_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> list[str
     if unk:
         config["unk_token"] = unk
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _load_as_written(folder)
     return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _load_as_written(folder: Path) -> set[str]:
+    """For a model type in FIXED_TOKENIZER_MODEL_TYPES (folder/config.json), tokenizer_config.json names the class
+    that reads tokenizer.json as it is, with the auto_map that keeps transformers from replacing it; the files
+    changed."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return set()
+    if model_type not in FIXED_TOKENIZER_MODEL_TYPES:
+        return set()
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config.update(tokenizer_class="PreTrainedTokenizerFast",
+                  auto_map={"AutoTokenizer": [None, "PreTrainedTokenizerFast"]})
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return {"tokenizer_config.json"}
 
 
 def _add_specials(backend, tok: Tokenizer) -> None:

@@ -158,12 +158,8 @@ class Parallelism:
         ))
         if pp > 1:
             explicit = [k for k in splits if getattr(self, k)]
-            schedule, csv = self.pipeline_parallel_schedule, self.pipeline_parallel_schedule_csv
+            csv = self.pipeline_parallel_schedule_csv
             problems += failed(
-                (not (schedule.lower() in ZERO_BUBBLE_SCHEDULES and self.fsdp_reshard_after_forward == "always"),
-                 f"parallelism.fsdp_reshard_after_forward = 'always' cannot be used with pipeline_parallel_schedule "
-                 f"= {schedule!r}: its split weight-gradient step needs the gathered block weights (resharding "
-                 "silently drops their gradients); use 'default'"),
                 (len(explicit) < 2,
                  "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split "
                  "the pipeline; set one of them"),

@@ -56,6 +56,40 @@ def _schedule_class(schedule_name: str):
         raise UserError(f"parallelism.pipeline_parallel_schedule = {schedule_name!r}: {e}") from None
 
 
+def csv_schedule_actions(csv_path: str) -> list[list]:
+    """The compute actions of each pipeline rank in a CSV schedule (one row per rank, e.g. 0F0,0I0,0W0), read as
+    torch reads them; UserError for a file that cannot be read or an action it would not parse."""
+    import csv
+
+    from torch.distributed.pipelining.schedules import _Action
+
+    where = f"parallelism.pipeline_parallel_schedule_csv {csv_path}"
+    try:
+        with open(csv_path, newline="") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{where} cannot be read: {e}") from None
+    try:
+        actions = [[a for a in (_Action.from_str(text) for text in row) if a is not None] for row in rows]
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"{where}: {e}") from None
+    if not any(actions):
+        raise UserError(f"{where} holds no action; write one row of actions (e.g. 0F0,0B0) per pipeline rank")
+    return actions
+
+
+def splits_backward(schedule_name: str, csv_path: str | None) -> bool:
+    """Whether the pipeline schedule splits a backward into an input-gradient pass and a later weight-gradient pass:
+    the zero-bubble schedules, or a CSV schedule with an I or W action. Read from the schedule's actions, not its
+    name: a CSV names none."""
+    if csv_path:
+        from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
+
+        return any(a.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT)
+                   for row in csv_schedule_actions(csv_path) for a in row)
+    return schedule_name.lower() in ZERO_BUBBLE_SCHEDULES
+
+
 def is_single_stage_schedule(schedule_name: str) -> bool:
     return issubclass(_schedule_class(schedule_name), PipelineScheduleSingle)
 
@@ -479,14 +513,14 @@ def apply_fsdp_to_stage(
     which are not in the graph (the forward used the unsharded ones). The block's weights are then
     silently left out of the weight-grad step. So for those schedules blocks must stay unsharded
     between forward and backward ("always" is not honoured for them); `REDUCE_GRAD` reshards them.
-    A CSV schedule may contain split (I/W) backward steps, so it is treated the same way.
+    A CSV schedule with split (I/W) backward steps is treated the same way (splits_backward).
     Measured (pp 2 x FSDP 2, ZBVZeroBubble): blocks resharded after forward -> grad norm 0.07 instead
     of 0.54 and loss off by 1e-2 from step 2; blocks kept unsharded, or only the root sharded -> 5e-7.
     """
     from torchtitan.distributed.fsdp import apply_fsdp
 
     policy = reshard_after_forward_policy
-    if policy == "default" or csv_path or schedule_name.lower() in ZERO_BUBBLE_SCHEDULES:
+    if policy == "default" or splits_backward(schedule_name, csv_path):
         policy = "never"
     return apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, policy, cpu_offload, sharded_apart, apart_mesh)
 

@@ -41,11 +41,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torchtitan.config import UserError
 from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
 from torchtitan.distributed.pipeline_parallel import (
-    ZERO_BUBBLE_SCHEDULES,
     is_single_stage_schedule,
     num_microbatches,
     plan_split,
     schedule_style,
+    splits_backward,
     stage_ids_for_rank,
 )
 
@@ -422,7 +422,8 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
     else:
         micro, n_micro = t.local_batch_size, 1
     tokens = micro * seq
-    chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, args.vocab_size)
+    split_backward = dims.pp > 1 and splits_backward(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule_csv)
+    chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, args.vocab_size, split_backward)
     # The methods of context parallel keep different tensors in attention (cp_attention_bytes).
     attention_extra = cp_attention_bytes(args, par, dims.cp, dims.tp, tokens, t.seq_len, act_bytes,
                                          cfg.model.attn_mask_type == "block_causal") if spec.cp_attention else 0.0
@@ -472,8 +473,7 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
             blocks_gathered = [v for m, v in per_module.items() if m.startswith("layers.")]
             largest_bytes, largest = max(blocks_gathered, default=(0.0, 0))
             resharded = par.fsdp_reshard_after_forward != "never" and not (
-                dims.pp > 1 and (par.fsdp_reshard_after_forward == "default"
-                                 or par.pipeline_parallel_schedule.lower() in ZERO_BUBBLE_SCHEDULES))
+                dims.pp > 1 and (par.fsdp_reshard_after_forward == "default" or split_backward))
             gathered = 2 * largest_bytes if resharded else sum(b for b, _ in blocks_gathered)
             root = sum(b for m, (b, _) in per_module.items() if not m.startswith("layers."))
             # A pipeline stage's backward skips the gradient reduce-scatter until its last micro-batch

@@ -155,6 +155,9 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
     rank); `mesh`: the job's DeviceMesh (None: one process). Returns {files: this rank wrote}."""
     folder = Path(folder).resolve()
     check_output_folder(folder)
+    # First, on every rank: what the format cannot express (the adapter refuses it) stops the export before a byte
+    # is written and on all ranks at once (preflight checks it before launch too: check_hf_export).
+    config = adapter.config(args, dtype, bos_id, eos_id)
     rank = dist.get_rank() if dist.is_initialized() else 0
     held = _owned_tensors(parts)
     stage, stage_ranks = _stage_ranks(mesh)
@@ -202,7 +205,7 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
                 written.append(file)
     _barrier()
     if rank == 0:
-        write_json(tmp / HF_CONFIG, adapter.config(args, dtype, bos_id, eos_id))
+        write_json(tmp / HF_CONFIG, config)
         generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
         write_json(tmp / GENERATION_CONFIG, generation)
         if len(files) > 1:

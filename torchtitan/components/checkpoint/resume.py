@@ -19,9 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 def preflight_checkpoint(
-    cfg: CheckpointConfig, dump_folder: str, world_size: int, device_type: str, seq_len: int, global_batch_size: int
+    cfg: CheckpointConfig, dump_folder: str, world_size: int, device_type: str, seq_len: int, global_batch_size: int,
+    last_step: int,
 ):
-    """File-level checks that need no process group, run before launch and on every rank."""
+    """File-level checks that need no process group, run before launch and on every rank: whatever the run will
+    write to (its checkpoints, its seed checkpoint, its Hugging Face export after `last_step`) can take it without
+    replacing anything, and what it resumes from fits the job."""
     if cfg.create_seed_checkpoint and world_size != 1:
         raise UserError(
             f"checkpoint.create_seed_checkpoint runs on one process (the job has {world_size}); launch it with NGPU=1"
@@ -33,9 +36,15 @@ def preflight_checkpoint(
         )
     if cfg.initial_load_path and not os.path.isdir(cfg.initial_load_path):
         raise UserError(f"checkpoint.initial_load_path {cfg.initial_load_path} does not exist or is not a folder")
-    if not cfg.enable_checkpoint:
-        return
     folder = os.path.join(dump_folder, cfg.folder)
+    if cfg.create_seed_checkpoint and complete_checkpoints(folder):
+        raise UserError(
+            f"checkpoint.create_seed_checkpoint writes step-0 into an empty checkpoint folder, and {folder} already "
+            f"holds checkpoints (step-{complete_checkpoints(folder)[-1]}); choose another job.dump_folder"
+        )
+    if not cfg.enable_checkpoint:
+        _check_hf_export_folder(cfg, folder, last_step, resumes_at=0)
+        return
     if cfg.load_step != -1 and cfg.load_step not in complete_checkpoints(folder):
         steps = complete_checkpoints(folder)
         raise UserError(
@@ -52,6 +61,7 @@ def preflight_checkpoint(
             f"{folder}/step-{steps[-1]} --checkpoint.no-initial_load_model_only (exclude_from_loading applies there too)"
         )
     resume_state = _resume_state(folder, cfg.load_step, steps)
+    _check_hf_export_folder(cfg, folder, last_step, resumes_at=(resume_state or {}).get("step", 0))
     # Global sample positions depend on these; a data state that is not loaded holds none.
     if resume_state is not None and "dataloader" not in cfg.exclude_from_loading:
         resume_step = resume_state.get("step")
@@ -68,6 +78,22 @@ def preflight_checkpoint(
                        "--checkpoint.exclude_from_loading dataloader (the lanes then start at the checkpoint's step; "
                        "docs/launching.md)")
                 )
+
+
+def _check_hf_export_folder(cfg: CheckpointConfig, folder: str, last_step: int, resumes_at: int):
+    """checkpoint.last_save_in_hf writes {folder}/step-{last_step}-hf after the last step, into a new folder: an
+    existing one is refused now rather than after the run (a run that resumes at its last step trains and exports
+    nothing)."""
+    if not cfg.last_save_in_hf or resumes_at >= last_step:
+        return
+    export = os.path.join(folder, f"step-{last_step}-hf")
+    if os.path.exists(export) and (not os.path.isdir(export) or os.listdir(export)):
+        raise UserError(
+            f"checkpoint.last_save_in_hf would export the model to {export} after step {last_step}, and it already "
+            f"exists (an earlier run's export?); move it away, choose another job.dump_folder, or turn "
+            f"checkpoint.last_save_in_hf off"
+        )
+    check_writable(folder, "the Hugging Face export")
 
 
 def _resume_state(folder: str, load_step: int, steps: list[int]) -> dict | None:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torchtitan.config import UserError
-from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
 from torchtitan.models.common.spec import IGNORE_INDEX
 
 # training.loss_chunk_tokens = "auto": chunks of AUTO_CHUNK_TOKENS where one rank's micro-batch holds two
@@ -52,29 +51,31 @@ def auto_chunk_tokens(tokens: int, vocab_shard: int) -> int:
     return AUTO_CHUNK_TOKENS if pays else 0
 
 
-def chunking_obstacle(cfg, spec, pp: int) -> str | None:
+def chunking_obstacle(cfg, spec, pp: int, split_backward: bool) -> str | None:
     """Why this run cannot compute its loss chunk by chunk, or None: the model's forward must compute
-    its loss (spec.chunked_loss), in high precision, under a schedule that runs each backward once."""
+    its loss (spec.chunked_loss), in high precision, under a schedule that runs each backward once
+    (`split_backward`: the pipeline's schedule splits it, pipeline_parallel.splits_backward)."""
     if spec.chunked_loss is None or spec.chunked_loss is not spec.loss_sum_fn:
         return (f"model {spec.name}'s loss (its spec's loss_sum_fn) is not one its forward computes chunk by "
                 "chunk (spec.chunked_loss)")
     if "float8" in cfg.model.converters and not any(f and f in "output" for f in cfg.float8.filter_fqns):
         return (f"it computes the output layer in high precision, but float8.filter_fqns ({cfg.float8.filter_fqns}) "
                 "lets float8 convert it; add \"output\" to float8.filter_fqns")
-    schedule = cfg.parallelism.pipeline_parallel_schedule
-    if pp > 1 and schedule.lower() in ZERO_BUBBLE_SCHEDULES:
-        return (f"it computes the output layer's gradients in its forward, for one backward; "
-                f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into an input and a "
-                "weight pass; choose 1F1B or Interleaved1F1B")
+    if pp > 1 and split_backward:
+        p = cfg.parallelism
+        schedule = (f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
+                    if p.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule}")
+        return (f"it computes the output layer's gradients in its forward, for one backward; parallelism."
+                f"{schedule} splits each backward into an input and a weight pass; choose 1F1B or Interleaved1F1B")
     return None
 
 
-def resolve_chunk_tokens(cfg, spec, tp: int, cp: int, pp: int, vocab_size: int) -> int:
+def resolve_chunk_tokens(cfg, spec, tp: int, cp: int, pp: int, vocab_size: int, split_backward: bool) -> int:
     """training.loss_chunk_tokens as a number of tokens (0: the whole logits) for this layout: the
     setting, or what "auto" picks (auto_chunk_tokens; 0 where chunking_obstacle). A number set where
     chunking cannot run is a UserError."""
     t, setting = cfg.training, cfg.training.loss_chunk_tokens
-    obstacle = chunking_obstacle(cfg, spec, pp) if setting else None
+    obstacle = chunking_obstacle(cfg, spec, pp, split_backward) if setting else None
     if setting == "auto":
         if obstacle is not None:
             return 0
