@@ -4,8 +4,10 @@
     python scripts/convert_checkpoint.py from-hf Llama-3.2-1B outputs/checkpoint/step-0 [--flavor-name 1B]
 
 Any registered model family with a Hugging Face adapter: to-hf finds the family in the checkpoint's
-train_state.json, from-hf by the `model_type` of the folder's config.json (a family registered
-outside torchtitan is found after `--custom-import MODULE`, as experimental.custom_import).
+train_state.json, from-hf by the `model_type` of the folder's config.json, its language model's in a
+multimodal folder (text_config, as the trainer reads it: the published Qwen3.5 folders convert as
+they are); a family registered outside torchtitan is found after `--custom-import MODULE`, as
+experimental.custom_import.
 
 One process, no process group, one tensor at a time: the peak memory is about one output file of
 --max-shard-mb (to-hf) or one tensor (from-hf) above the interpreter, whatever the model's size.
@@ -22,7 +24,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
-from torchtitan.components.checkpoint import dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config  # noqa: E402
+from torchtitan.components.checkpoint import (  # noqa: E402
+    HF_CONFIG, dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config,
+)
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.components.tokenizer_export import export_tokenizer  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main  # noqa: E402
@@ -45,7 +49,7 @@ def to_hf(checkpoint_dir: str, output: str, dtype: str, max_shard_mb: int, token
 
 
 def from_hf(hf_folder: str, output: str, flavor: str):
-    spec = spec_for_hf_config(read_hf_config(hf_folder))
+    spec = spec_for_hf_config(read_hf_config(hf_folder), str(Path(hf_folder) / HF_CONFIG))
     count, _ = hf_to_dcp(hf_folder, output, spec, flavor)
     print(f"wrote {output}: model-only {spec.name} checkpoint, {count} tensors, flavor '{flavor}'")
 

@@ -78,7 +78,7 @@ def read_weights(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor], 
         raise UserError(f"checkpoint {folder} is a file; give a step-N checkpoint folder or a Hugging Face folder")
     if (folder / HF_CONFIG).is_file():
         config = read_hf_config(folder)
-        spec = spec_for_hf_config(config)
+        spec = spec_for_hf_config(config, str(folder / HF_CONFIG))
         sd, args = load_hf(folder, spec.hf)
         what = f"Hugging Face {'/'.join(config.get('architectures') or [config.get('model_type', '?')])} in {folder}"
         return spec, sd, args, what

@@ -622,6 +622,36 @@ def gpt_oss_mxfp4_folder(path: Path, args, bad_scales: bool = False) -> dict:
     return quantized
 
 
+def qwen3_5_multimodal_folder(path: Path, args, sd: dict):
+    """A folder laid out as the published Qwen3.5 checkpoints, written by transformers' save_pretrained:
+    a Qwen3_5ForConditionalGeneration (config.json model_type 'qwen3_5', the language model's settings in
+    text_config with multimodal rotary, a one-block vision tower beside it) whose language model holds our
+    state dict `sd` of the dense qwen3_5 `args`. Returns that transformers model, in eval mode."""
+    import torch
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5VisionConfig
+
+    from torchtitan.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3_5")
+    text = spec.hf.config(args)
+    # Multimodal rotary (a time, height and width share of the frequencies, interleaved), as published:
+    # on text the three positions are equal, so it must import as plain rotary.
+    freqs = int(args.head_dim * args.partial_rotary_factor) // 2
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True,
+                               "mrope_section": [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]}
+    vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=args.dim)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision.to_dict(),
+                                                          tie_word_embeddings=args.tie_word_embeddings))
+    # Ours as transformers names them (model.X, lm_head.weight), the language model under model.language_model.
+    hf_sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+             for k, v in spec.hf.to_hf(sd, args).items()}
+    missing, unexpected = model.float().load_state_dict(hf_sd, strict=False)
+    assert not unexpected and missing and all(k.startswith("model.visual.") for k in missing), (missing, unexpected)
+    model.save_pretrained(path, safe_serialization=True)
+    assert json.loads((path / "config.json").read_text())["text_config"]["model_type"] == "qwen3_5_text"
+    return model.eval()
+
+
 # ---- small tokenizers built offline (tests/components/test_tokenizer.py, test_tokenizer_export.py) ----
 
 BPE_SIZE = 650  # trained pieces (the 256 byte symbols included); ids 650-652 are special, 653 added by the config

@@ -90,11 +90,12 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
 
     where = os.path.join(cfg.checkpoint.initial_load_path, HF_CONFIG)
     config = read_hf_config(cfg.checkpoint.initial_load_path)
-    # A multimodal folder (Qwen3.5, Llama 4, Gemma 3) nests its language model's settings in text_config.
-    hf_vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    if "vision_config" in config and "text_config" not in config and hf_vocab is None:
-        raise UserError(f"{where} describes a vision tower only (vision_config, no text_config): this trainer "
-                        "trains a text model; give a folder that holds one")
+    # The language model's settings (a multimodal folder's text_config, a vision tower alone refused), as
+    # check_hf_folder and the scripts read them: its vocabulary and the adopted fields below come from there.
+    from torchtitan.models.common.hf_conversion import hf_text_config
+
+    config = hf_text_config(config, where)
+    hf_vocab = config.get("vocab_size")
     if not isinstance(hf_vocab, int) or isinstance(hf_vocab, bool) or hf_vocab < 1:
         raise UserError(f"{where} has no positive integer vocab_size (got {hf_vocab!r}); is it a model's config.json?")
     if hf_vocab < tokenizer_vocab:

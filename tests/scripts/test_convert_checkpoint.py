@@ -81,6 +81,36 @@ def test_qwen3_tied_to_transformers_and_back(tmp_path):
         assert torch.equal(back[k], sd[k]), k
 
 
+QWEN3_5 = get_model_spec("qwen3_5")
+# DeltaNet, attention, DeltaNet, attention.
+QWEN3_5_SMALL = QWEN3_5.args_cls(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                                 vocab_size=128, max_seq_len=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2)
+
+
+def test_from_hf_converts_a_published_qwen3_5_folder(tmp_path, script, capsys):
+    """The published Qwen3.5 layout (Qwen3_5ForConditionalGeneration: model_type 'qwen3_5', the text model in
+    text_config and under model.language_model., a vision tower beside it), which the trainer imports,
+    converts as it is: the family found by text_config's model_type, its language model's tensors as the
+    trainer's import reads them (bit for bit) and as they were written (within the round-off of the
+    norms' 1 + w form), the vision tower left out."""
+    pytest.importorskip("transformers")
+    from conftest import qwen3_5_multimodal_folder
+
+    torch.manual_seed(0)
+    sd = {k: v.normal_(0, 0.1) for k, v in QWEN3_5.model_cls(QWEN3_5_SMALL).state_dict().items()}
+    qwen3_5_multimodal_folder(tmp_path / "hf", QWEN3_5_SMALL, sd)
+    assert script.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "step-0")]) == 0, capsys.readouterr().err
+    assert "model-only qwen3_5 checkpoint" in capsys.readouterr().out
+    back, back_args, train_state = read_dcp_model(tmp_path / "step-0", QWEN3_5)
+    assert back_args == QWEN3_5_SMALL and train_state["model"]["name"] == "qwen3_5"
+    imported, _ = load_hf(tmp_path / "hf", QWEN3_5.hf, meta_shapes(QWEN3_5, QWEN3_5_SMALL))
+    assert back.keys() == imported.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], imported[k]), k
+        assert torch.allclose(back[k], sd[k], rtol=0, atol=1e-6), k
+
+
 def test_to_hf_and_back(tmp_path, checkpoint):
     folder, sd = checkpoint
     proc = run("to-hf", folder, tmp_path / "hf")
@@ -130,6 +160,17 @@ def test_user_errors(tmp_path, checkpoint, script, capsys):
 
     assert script.main(["from-hf", str(folder), str(tmp_path / "dcp")]) == 2
     assert "config.json not found" in capsys.readouterr().err
+    # A multimodal config is read by its language model's model_type: one that no family reads, and a vision
+    # tower alone, are named as such (before any weight is read).
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "mistral3", "vision_config": {},
+                                                             "text_config": {"model_type": "mistral"}}))
+    assert script.main(["from-hf", str(tmp_path / "vl"), str(tmp_path / "dcp")]) == 2
+    assert "has text_config.model_type (inside model_type 'mistral3') = 'mistral', which no registered model reads; " \
+           "supported: " in capsys.readouterr().err
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}}))
+    assert script.main(["from-hf", str(tmp_path / "vl"), str(tmp_path / "dcp")]) == 2
+    assert "describes a vision tower only (vision_config, no text_config)" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "dcp").exists()
 
 

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from torchtitan.config.errors import UserError
+from torchtitan.models.common.hf_conversion import hf_text_config
 from torchtitan.models.common.spec import ModelSpec
 
 
@@ -162,17 +163,24 @@ def get_model_args(name: str, flavor: str):
     return spec.flavors[flavor]
 
 
-def spec_for_hf_config(config: dict) -> ModelSpec:
-    """The registered family whose Hugging Face adapter reads a config.json with this model_type."""
-    model_type = config.get("model_type")
+def spec_for_hf_config(config: dict, where: str = "the Hugging Face config") -> ModelSpec:
+    """The registered family whose Hugging Face adapter reads a config.json: the one whose model_types
+    hold its language model's model_type (hf_text_config: a multimodal folder's text_config), the
+    model_type that check_hf_folder checks, so that the scripts take every folder the trainer takes.
+    `where` names the config in messages (e.g. the path of config.json)."""
+    text = hf_text_config(config, where)
+    model_type = text.get("model_type")
     for name in model_names():
         spec = get_model_spec(name)
         if spec.hf is not None and model_type in spec.hf.model_types:
             return spec
     known = sorted(t for n in model_names() if get_model_spec(n).hf is not None for t in get_model_spec(n).hf.model_types)
+    field = ("model_type" if text is config
+             else f"text_config.model_type (inside model_type {config.get('model_type')!r})")
     raise UserError(
-        f"Hugging Face config has model_type = {model_type!r}, which no registered model reads; "
-        f"supported: {', '.join(known)}"
+        f"{where} has {field} = {model_type!r}, which no registered model reads; supported: {', '.join(known)}; "
+        "a family defined outside torchtitan is found once the module named by experimental.custom_import "
+        "(--custom-import in scripts/convert_checkpoint.py) registers it"
     )
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from torchtitan.components.checkpoint.storage import existing_folder, staging, write_json
 from torchtitan.config.errors import UserError
+from torchtitan.models.common.hf_conversion import hf_text_config
 from torchtitan.models.common.spec import HFAdapter, ModelSpec
 
 HF_CONFIG = "config.json"
@@ -196,14 +197,15 @@ def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shap
     """Everything that can be refused before a weight is read: the config's family, the files, the
     dtypes, the tensor names and shapes (the adapter's conversion for `args`, default the config's,
     run on meta tensors) against `expected_shapes` (our name -> shape). Returns the args of its config.json."""
-    config = read_hf_config(folder)
-    text = config.get("text_config") or config  # a multimodal folder: its language model's
+    # The language model's settings (a multimodal folder's text_config), as spec_for_hf_config and the
+    # trainer's vocabulary read them: the adapter gets the text model's config, whatever the layout.
+    text = hf_text_config(read_hf_config(folder), str(Path(folder) / HF_CONFIG))
     if text.get("model_type", adapter.model_types[0]) not in adapter.model_types:
         raise UserError(
             f"{Path(folder) / HF_CONFIG} describes model_type {text.get('model_type')!r}, but this model reads "
             f"{' or '.join(map(repr, adapter.model_types))}; choose the matching model.name"
         )
-    hf_args = adapter.args_from_config(config)
+    hf_args = adapter.args_from_config(text)
     ours = adapter.from_hf(HFFolder(folder).meta(), args if args is not None else hf_args)
     packed = [name for name, t in ours.items() if not t.is_floating_point()]
     if packed:

@@ -75,6 +75,32 @@ def split_layer_name(ours: str, n_layers: int, model: str) -> tuple[int | None, 
     return int(layer), local
 
 
+def hf_text_config(config: dict, where: str = "the Hugging Face config") -> dict:
+    """The settings of the language model that a Hugging Face config.json describes. Every entry point
+    (the family that reads a folder, the trainer's check and vocabulary, the conversion and generation
+    scripts) reads them here, so that none accepts a layout another refuses.
+
+    A text model's config is itself. A multimodal one (transformers' *ForConditionalGeneration: the
+    published Qwen3.5 folders are model_type 'qwen3_5' around a text_config of model_type
+    'qwen3_5_text') nests them in text_config; its outer tie_word_embeddings, where present, is the one
+    transformers ties the output layer by, so it replaces the text_config's. `where` names the config in
+    messages (e.g. the path of config.json)."""
+    text = config.get("text_config")
+    if text is None:
+        # A vision tower's own config (vision_config, no text model beside it) has no vocabulary: a config
+        # with vocab_size at its top level is a text model that also has a vision tower (e.g. Qwen2-VL).
+        if "vision_config" in config and "vocab_size" not in config:
+            raise UserError(f"{where} describes a vision tower only (vision_config, no text_config): this trainer "
+                            "trains a text model; give a folder that holds one")
+        return config
+    if not isinstance(text, dict) or not text:
+        raise UserError(f"{where} has text_config = {text!r}, not the object of the language model's settings "
+                        "that transformers writes; download or export the folder's config.json again")
+    if "tie_word_embeddings" in config:
+        return {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
+    return text
+
+
 def unsupported(field: str, value, why: str, family: str) -> UserError:
     return UserError(f"Hugging Face config has {field} = {value!r}: {why}; only plain {family} models can be imported")
 

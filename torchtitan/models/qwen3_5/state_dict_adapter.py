@@ -30,7 +30,8 @@ import torch
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
     EXPERT_PROJECTIONS, HF_ATTENTION, HF_FEED_FORWARD, HF_ROUTER, HF_TOP_LEVEL, check_keys, convert_from_hf,
-    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_to_hf, split_layer_name, with_token_ids,
+    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_to_hf, hf_text_config, split_layer_name,
+    with_token_ids,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.spec import HFAdapter
@@ -250,11 +251,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
 
 
 def args_from_config(config: dict) -> ModelArgs:
-    if config.get("model_type") in ("qwen3_5", "qwen3_5_moe") and "text_config" in config:
-        # The multimodal folder (the published checkpoints): its text model; whether the output layer is tied is
-        # the outer config's.
-        text = config["text_config"]
-        config = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+    # The multimodal folder (the published checkpoints): its text model, by the rule every entry point reads.
+    config = hf_text_config(config)
     if config.get("model_type") not in MODEL_TYPES:
         raise UserError(f"config.json model_type {config.get('model_type')!r} is not a Qwen3.5 text model")
     moe = _moe_args_from_config(config) if config["model_type"] == MODEL_TYPES[1] else None
