@@ -216,27 +216,6 @@ def short_documents_corpus(path: Path, count: int = 3000) -> Path:
     return write(path, count, lines=1)
 
 
-def float8_matmul_too_slow() -> str | None:
-    """Why float8 training cannot be tested here in reasonable time, or None. Where oneDNN has no
-    float8 kernel for this CPU's instruction set it runs its reference one: a 256 x 256 float8 matmul
-    then takes ~0.27 s against ~0.002 s in bf16 (measured), and a 10-step debug-model job hours."""
-    import time
-
-    import torch
-
-    a = torch.randn(256, 256).to(torch.float8_e4m3fn)
-    b = torch.randn(256, 256).to(torch.float8_e4m3fn).t()
-    one = torch.tensor(1.0)
-    torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    start = time.perf_counter()
-    torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    seconds = time.perf_counter() - start
-    if seconds > 0.05:
-        return (f"a 256 x 256 float8 matmul takes {seconds:.2f} s on this CPU (oneDNN's reference kernel: no "
-                f"float8 kernel for its instruction set); the float8 training jobs would take hours")
-    return None
-
-
 def train_in_process(folder: Path, *extra: str) -> list[dict]:
     """One process's job (TINY + `extra`, dumping to `folder`) run in this process, on one thread
     like `launch`'s processes (OMP_NUM_THREADS=1: several threads per process slow a shared host

@@ -1,5 +1,6 @@
 """Float8 conversion in one process: which layers are swapped, that names, init and checkpoints do not
-depend on the conversion, and that the float8 layers train on CPU (torchao's float8 matmul runs there)."""
+depend on the conversion, that the float8 layers train on CPU (torchao's float8 matmul runs there), and
+that a DiLoCo sync recomputes the precomputed float8 scales of the weights it writes."""
 
 import logging
 import sys
@@ -30,6 +31,18 @@ RECIPES = {
     "rowwise": Float8(recipe_name="rowwise"),
     "rowwise_with_gw_hp": Float8(recipe_name="rowwise_with_gw_hp"),
 }
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Each test on one thread, as the trainer's ranks run under `launch` (OMP_NUM_THREADS=1). On a CPU
+    for which oneDNN has no float8 kernel, its reference kernel is far slower on two threads than on one
+    (a 64 x 64 x 64 torch._scaled_mm: 15 ms against 0.09 ms on a 2-core AVX2 host, measured): this file
+    took 31 s on two threads, 12 s on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def build(cfg: Float8 | None, seed: int = 0, args: ModelArgs = ARGS) -> Transformer:
@@ -225,3 +238,77 @@ def test_moe_router_and_experts_stay_in_high_precision():
 
     with pytest.raises(UserError, match="float8 for the MoE experts"):
         load_config(["--float8.moe_fqns_prototype", "experts"])
+
+
+def test_a_diloco_sync_recomputes_the_precomputed_float8_scales(tmp_path):
+    """With float8 all-gather and precomputed scales, the trainer computes every weight's scale after each
+    optimizer step; a DiLoCo sync then overwrites the weights with the outer step's, so it must compute
+    them again (torchtitan/components/fault_tolerance.py, DiLoCo.outer_step): else the next all-gather casts
+    the new weights with the scales of the old ones. FSDP on a process group of one rank gives the DTensor
+    weights the precompute acts on, in this process."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torchtitan.components.fault_tolerance import DiLoCo
+    from torchtitan.config.parallelism_sections import FaultTolerance
+
+    assert not dist.is_initialized(), "a process group left by an earlier test in this process"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = Float8(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
+        with torch.device("meta"):
+            model = Transformer(ARGS)
+        convert_to_float8(model, cfg)
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)
+        layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        assert len(layers) == len(ALL_BUT_OUTPUT)
+
+        def scales() -> list[torch.Tensor]:
+            # On the local tensor itself: to_local() returns a new wrapper, without the attribute.
+            return [m.weight._local_tensor._precomputed_scale for m in layers]
+
+        def scales_of_the_weights() -> list[torch.Tensor]:
+            # torchao's amax_to_scale: the float8 maximum over max |w|, in float64, as float32.
+            fmax = torch.finfo(torch.float8_e4m3fn).max
+            return [(fmax / plain(m.weight.to_local()).abs().max().double()).float() for m in layers]
+
+        # The trainer's attributes that DiLoCo reads; no checkpoint, so it keeps no diloco/ files.
+        no_checkpoint = types.SimpleNamespace(checkpoint=types.SimpleNamespace(enable_checkpoint=False))
+        trainer = types.SimpleNamespace(parts=[model], precompute_float8=True, rank=0, cfg=no_checkpoint)
+        diloco = DiLoCo(FaultTolerance(enabled=True, group_count=2, sync="diloco", sync_every=2), trainer, 0)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # this group's inner steps since the last sync
+            for p in model.parameters():
+                p.to_local().add_(0.05 * torch.randn(p.to_local().shape, generator=g))
+        precompute_float8_scales(model)  # as the trainer does after each optimizer step
+        inner = [s.clone() for s in scales()]
+        assert all(torch.equal(a, b) for a, b in zip(inner, scales_of_the_weights()))
+
+        # The other group did not move: the averaged delta is half of this group's.
+        diloco.outer_step([d / 2 for d in diloco.deltas()])
+        fresh = scales_of_the_weights()
+        # The outer step (the defaults: SGD lr 0.7, Nesterov momentum 0.9, so 0.7 x 1.9 x the averaged delta)
+        # moves every weight a third of the way back from this group's value to the reference, which raises
+        # each scale by 1.38x to 1.55x (measured in this test): a scale left from the inner steps shows.
+        assert all(not torch.allclose(a, b, rtol=0.1) for a, b in zip(inner, fresh)), (inner, fresh)
+        assert all(torch.equal(a, b) for a, b in zip(scales(), fresh)), (scales(), fresh)
+
+        # The next forward's float8 all-gather with these scales is the one with scales computed from the
+        # gathered weights themselves (no precomputed scale), bit for bit.
+        x = tokens()
+        with torch.no_grad():
+            precomputed = model(x)
+            for m in layers:
+                m.weight._local_tensor._precomputed_scale = None
+            computed = model(x)
+        assert torch.equal(precomputed, computed)
+    finally:
+        dist.destroy_process_group()
