@@ -217,7 +217,7 @@ def test_every_export_holds_the_runs_tokenizer(runs):
 
 
 @pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2",
-                                  "ds_ep2_fsdp2", "gptoss_ep2_tp2"])
+                                  "ds_ep2_fsdp2", "gptoss_ep2_tp2", "qwen35_fsdp2", "qwen35moe_ep2"])
 def test_transformers_loads_the_export(runs, name):
     tmp, models, _ = runs
     out = tmp / name / "checkpoint" / "step-1-hf"
