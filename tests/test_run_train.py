@@ -56,11 +56,62 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     assert "steps = 8" in resolved and "local_batch_size = 2" in resolved and "data_workers = 1" in resolved and 'flavor = "debugmodel"' in resolved
 
 
+def test_outside_the_projects_environment_the_launcher_says_how_to_enter_it(tmp_path):
+    """run_train.sh without the venv active: a Python without the project's packages (here a bare venv), or no
+    `python` at all, is one line saying how to activate the environment (before: an 18-line ModuleNotFoundError)."""
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)
+    bare = dict(os.environ, PATH=str(tmp_path / "bare" / "bin") + os.pathsep + "/usr/bin:/bin")
+    bare.pop("VIRTUAL_ENV", None)
+    for env, what in ((bare, "has no module 'torch'"), ({**bare, "PATH": str(tmp_path)}, "no 'python' command")):
+        proc = subprocess.run(["/bin/bash", "./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and what in lines[0], proc.stderr
+        assert "source .venv/bin/activate" in lines[0] and "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_ctrl_c_before_training_starts_is_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while the launcher imports torch, and while its preflight waits on the
+    data (a named pipe nobody writes: the launcher blocks opening it): exit status 130 and one line, no
+    KeyboardInterrupt traceback, no worker started."""
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    for moment in ("importing", "checking"):
+        proc = subprocess.Popen(["./run_train.sh", "--training.dataset", "local", "--training.dataset_path", str(fifo),
+                                 "--job.dump_folder", str(tmp_path / "out")], cwd=REPO, start_new_session=True,
+                                env=dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"]),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        if moment == "importing":
+            time.sleep(1)
+        else:
+            while Path(f"/proc/{proc.pid}/wchan").read_text() != "wait_for_partner":  # open() of the pipe
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and err.strip().splitlines() == [
+            "stopped: Ctrl-C before training started; no worker was launched"], (moment, out[-2000:], err[-3000:])
+        assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_help_lists_options():
-    proc, _ = run_train("--help")
+    """--help shows what the job would run with (the recipe's and the command line's values beside the schema's
+    defaults), the launch variables and every family's flavors."""
+    proc, _ = run_train("--help", "--training.seq_len", "128")
     assert proc.returncode == 0
     for key in ("local_batch_size", "data_parallel_shard_degree", "warmup_steps", "device_peak_tflops"):
         assert key in proc.stdout
+    recipe = "./train_configs/debug_model.toml"
+    assert f"--training.steps (int, here: 200 in {recipe}; default: 10000)" in proc.stdout
+    assert f"--lr_scheduler.warmup_steps (int, here: 20 in {recipe}; default: 200)" in proc.stdout
+    assert "--training.seq_len (int, here: 128 from the command line; default: 2048)" in proc.stdout
+    assert "--training.local_batch_size (int, here: 4 in" in proc.stdout
+    for variable in ("NGPU", "CONFIG_FILE", "LOG_RANK", "LIGHTHOUSE_PORT", "RDZV_ENDPOINT"):
+        assert f"\n    {variable} " in proc.stdout, variable
+    assert "      qwen3_5: debugmodel, 9B, debugmodel_moe, 35B-A3B" in proc.stdout and "      llama3: debugmodel, " in proc.stdout
 
 
 EMPTY = "empty.jsonl"
@@ -97,6 +148,52 @@ def test_user_mistakes_fail_fast_and_clearly(tmp_path, args, env, message):
     assert re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert seconds < 20  # checked before torchrun starts any process
+
+
+@pytest.mark.parametrize("kind", ["a corpus shorter than one sequence", "a binary file among the data"])
+def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_starts(tmp_path, monkeypatch, capsys,
+                                                                                    kind):
+    """run_train.sh's launcher in this process (torchtitan.launch.main), with the step that starts the workers
+    (launch.run: torchrun, the trainers, their models) replaced by a failure: the preflight refuses the data,
+    exit status 2 and one line, before any worker or model exists."""
+    import gc
+
+    import torch
+
+    from conftest import MODEL, RECIPE
+    from torchtitan import launch
+
+    data = tmp_path / "data"
+    data.mkdir()
+    if kind == "a corpus shorter than one sequence":
+        # 2 ranks x local batch 4: 8 lanes of the recipe's seq_len 256; each lane would read all of the corpus
+        # in 8 epochs before finding it cannot fill one sequence, after launch and the model build.
+        (data / "one.jsonl").write_text(json.dumps({"text": "def f():\n    return 1\n"}) + "\n")
+        expected = (rf"error: dataset local at {re.escape(str(data))} is too small: its documents tokenize to \d+ "
+                    r"tokens in all, fewer than one sequence of training.seq_len \+ 1 = 257, so no sample")
+    else:
+        # Enough good text first (the source was checked by its first document), then the tokenizer's model
+        # file copied in by mistake as text: it used to be decoded with replacement characters and trained on.
+        (data / "a.jsonl").write_text(json.dumps({"text": "def f():\n    return 1\n" * 400}) + "\n")
+        (data / "b.txt").write_bytes(MODEL.read_bytes())
+        expected = rf"error: {re.escape(str(data / 'b.txt'))} is not UTF-8 text: at byte \d+ of the file"
+
+    def start_workers(*args, **kwargs):
+        raise AssertionError("the job was launched: the data passed the preflight")
+
+    monkeypatch.setattr(launch, "run", start_workers)
+    threads = torch.get_num_threads()  # the launcher limits itself to one thread
+    try:
+        code = launch.main(["--nproc-per-node", "2", "--", *RECIPE, "--job.dump_folder", str(tmp_path / "out"),
+                            "--training.dataset", "local", "--training.dataset_path", str(data)])
+    finally:
+        torch.set_num_threads(threads)
+        gc.unfreeze()
+    err = capsys.readouterr().err
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.match(expected, errors[0]), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -106,10 +106,12 @@ class _StdlibTestSource:
 
 
 class Mixture:
-    """validation.dataset_mix: sources (text, or token folders) with integer weights (mixing.integer_weights)."""
+    """validation.dataset_mix: sources (text, or token folders) with integer weights (mixing.integer_weights),
+    and the entries (SOURCE) that name them."""
 
-    def __init__(self, sources: list, weights: list[int]):
+    def __init__(self, sources: list, weights: list[int], specs: list[str] | None = None):
         self.sources, self.weights = sources, weights
+        self.specs = specs if specs is not None else [f"source {i}" for i in range(len(sources))]
 
     def documents(self, start: int):
         # Only asked whether the set holds any document at all (preflight's message).
@@ -124,7 +126,8 @@ def build_source(cfg: Validation, training: Training | None = None, tokenizer: T
     `tokenizer`."""
     if cfg.dataset_mix:
         fractions, specs = parse_mix(cfg.dataset_mix, "validation.dataset_mix")
-        return Mixture([_mix_source(cfg, training, tokenizer, spec) for spec in specs], integer_weights(fractions))
+        mixed = [_mix_source(cfg, training, tokenizer, spec) for spec in specs]
+        return Mixture(mixed, integer_weights(fractions), specs)
     if cfg.dataset == "python_stdlib_test":
         return _StdlibTestSource()
     if cfg.dataset == "python_stdlib":
@@ -246,6 +249,20 @@ def preflight_validation(v: Validation, training: Training, tokenizer: Tokenizer
     source = build_source(v, training, tokenizer)
     need = v.local_batch_size * dp_degree
     seq_len = validation_seq_len(v, training)
+    if isinstance(source, Mixture):
+        # The set ends where the schedule first asks a source past its end (_windows): a source without one
+        # window would end it at that source's first turn, measuring none of it (and the set would hold a
+        # batch or two, or none, depending on where the schedule puts that turn). Named here, by its entry.
+        for spec, part in zip(source.specs, source.sources):
+            first = _windows(part, tokenizer, seq_len + 1)
+            if next(first, None) is None:
+                raise UserError(
+                    f"validation.dataset_mix source {spec!r} is too small: its documents tokenize to fewer than one "
+                    f"sequence of validation.seq_len + 1 = {seq_len + 1} tokens, so the validation set would end at "
+                    "its first turn without a sample of it; add data to it, remove it from validation.dataset_mix, "
+                    "or lower validation.seq_len"
+                )
+            first.close()
     windows = _windows(source, tokenizer, seq_len + 1)
     found = sum(1 for _ in zip(range(need), windows))
     if found < need:

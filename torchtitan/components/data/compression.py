@@ -1,7 +1,8 @@
-"""A data file's bytes: plain, gzip or zstd (files of several members or frames), in chunks or lines.
-A file corrupt in the middle is a UserError naming the file and where it failed."""
+"""A data file's bytes: plain, gzip or zstd (files of several members or frames), in chunks or lines,
+and its text. A file corrupt in the middle is a UserError naming the file and where it failed; so is
+text that is not UTF-8 (a binary file, or text in another encoding), where it starts."""
 
-import io
+import codecs
 import os
 import zlib
 from collections.abc import Callable, Iterator
@@ -13,6 +14,9 @@ INSTALL_DATA = "pip install 'torchtitan[data]'"
 
 
 def read_text(path: Path) -> str:
+    """A file of the embedded python_stdlib corpus (sources.StdlibSource, and validation's stdlib tests),
+    decoded with errors="replace" as that corpus is documented to be: a user's data goes through
+    `decode` / `whole_text`, which refuse bytes that are not UTF-8 text."""
     return path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -62,6 +66,19 @@ def _stream_where(compression: str, start: int, end: int, size: int, unit_start:
 def open_raw(path: Path):
     try:
         return open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def read_head(path: Path, size: int) -> bytes:
+    """Up to the first `size` bytes of an uncompressed file. os.read costs half of open() and a buffered read:
+    the first bytes of every file of a folder are read at start (formats.py checks that they are text)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.read(fd, size)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
 
@@ -152,13 +169,67 @@ def byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
-def decode(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
+# --- text: UTF-8, refused where it is not -----------------------------------------------------------
+# A user's data is decoded strictly: bytes that are not UTF-8 are a binary file or text in another
+# encoding, and decoding them with replacement characters would train on garbage without a word. A NUL
+# byte is refused too, though it is valid UTF-8: text never holds one (grep, git and diff take a file
+# with one for binary), while a binary file of mostly zeros, or UTF-16/UTF-32 text of ASCII characters
+# (every other byte NUL, and valid UTF-8 byte by byte without a BOM), would otherwise be read as text.
+# A NUL that JSON writes as the escape \u0000 is a character of the record's text, not a NUL byte: kept.
+
+
+def text_problem(data: bytes, final: bool = True) -> tuple[int, str] | None:
+    """(byte offset, what) of the first bytes of `data` that text cannot hold (bytes that are not UTF-8,
+    or a NUL byte); None if there are none. `final`: `data` is complete (else the start of a file, where
+    a character cut by its end is not an error)."""
+    nul = data.find(b"\0")
+    try:
+        codecs.utf_8_decode(data, "strict", final)
+    except UnicodeDecodeError as e:
+        if nul < 0 or e.start < nul:
+            return e.start, f"0x{data[e.start]:02x} is not UTF-8 ({e.reason})"
+    return (nul, "a NUL byte (text holds none; UTF-16 and UTF-32 text does)") if nul >= 0 else None
+
+
+def not_text(path: Path, compression: str | None, offset: int, what: str, line: int | None = None) -> UserError:
+    """The error of a data file whose text is not UTF-8 at byte `offset` (of its decompressed data, for a
+    compressed file), in line `line` if known."""
+    of = "of its decompressed data" if compression else "of the file"
+    at = f" (line {line})" if line is not None else ""
+    return UserError(
+        f"{path} is not UTF-8 text: at byte {offset} {of}{at}, {what}; is it a binary file, or text in another "
+        "encoding (UTF-16, Latin-1)? convert it to UTF-8 (e.g. iconv -f ENCODING -t UTF-8) or remove it from "
+        "the dataset"
+    )
+
+
+def check_text(data: bytes, path: Path, compression: str | None, start: int = 0, line: int | None = None,
+               final: bool = True):
+    """Refuse `data`, bytes `start`.. of the file, where it is not text (text_problem). The error names the
+    line: `line` where the data is one line of the file, else counted in `data` (from `start` = 0)."""
+    problem = text_problem(data, final)
+    if problem is not None:
+        offset, what = problem
+        if line is None and start == 0:
+            line = data.count(b"\n", 0, offset) + 1
+        raise not_text(path, compression, start + offset, what, line)
+
+
+def decode(data: bytes, path: Path, compression: str | None, start: int = 0, line: int | None = None) -> str:
+    """`data` (bytes `start`.. of the file, line `line` if it is one line) as text; a UserError naming the
+    file and where if it is not UTF-8 or holds a NUL byte (check_text)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\0" in text:
+        check_text(data, path, compression, start, line)
+    return text
 
 
 def whole_text(path: Path, compression: str | None) -> str:
-    if compression is None:
-        return read_text(path)
-    # Decoded as Path.read_text does: UTF-8 with replacement, universal newlines.
+    """A file's text, as Path.read_text reads it (universal newlines: \\r\\n and \\r become \\n), where it is
+    UTF-8 text; else a UserError naming where it is not."""
     data = b"".join(byte_chunks(path, compression))
-    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace").read()
+    text = decode(data, path, compression)
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text

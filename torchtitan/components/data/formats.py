@@ -5,6 +5,11 @@ field), .txt (one document per file), each optionally compressed (.gz, .zst); .p
 (a text column); and `datasets.save_to_disk` folders (their .arrow shards, in state.json order). A
 folder is read recursively in sorted relative path order.
 
+Text is UTF-8: a .txt or JSON file whose bytes are not UTF-8, or hold a NUL byte, is a binary file or
+text in another encoding, refused with its file and byte offset (compression.py); its first bytes when
+it is opened (before launch), the rest when read. So is a parquet or Arrow text column holding bytes
+that are not UTF-8, by row.
+
 A file splits into pieces (for files.FilesSource's units, components/data/lanes.py): a parquet file
 into its row groups, an uncompressed JSON lines file into byte ranges (a line belongs to the piece its
 first byte is in), an Arrow file into ranges of rows. A compressed file, a JSON array and a .txt file
@@ -17,7 +22,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from torchtitan.components.data.compression import INSTALL_DATA, byte_chunks, byte_lines, decode, open_raw, whole_text
+from torchtitan.components.data.compression import (INSTALL_DATA, byte_chunks, byte_lines, check_text, decode,
+                                                    open_raw, read_head, whole_text)
 from torchtitan.config.errors import UserError
 
 
@@ -44,6 +50,12 @@ def _import_pyarrow(path: Path, what: str):
     return pyarrow
 
 
+
+
+def _check_text_start(path: Path, compression: str | None, chunks: list[bytes]):
+    """Refuse a text file whose first bytes (`chunks`, read from its start) are not UTF-8 text: a binary file
+    is refused when it is opened (before launch: the preflight opens every file), not when a lane reaches it."""
+    check_text(b"".join(chunks), path, compression, final=False)  # a character may be cut by the end of them
 
 
 def file_format(name: str) -> tuple[str, str | None] | None:
@@ -74,8 +86,14 @@ class _TxtFile:
 
     def __init__(self, path: Path, compression: str | None):
         self.path, self.compression = path, compression
-        if compression:  # check the header now: a corrupt file is reported before launch
-            next(byte_chunks(path, compression, size=1), None)
+        # The first bytes now (and a compressed file's header): a corrupt or binary file is reported before launch.
+        if compression:
+            chunks = byte_chunks(path, compression)
+            head = next(chunks, b"")
+            chunks.close()
+        else:
+            head = read_head(path, 4096)
+        _check_text_start(path, compression, [head])
 
     def max_pieces(self, k: int) -> int:
         return 1
@@ -110,9 +128,9 @@ def _record_text(record, field: str, where: str) -> str:
     return text
 
 
-def _parse_json_line(line: bytes, field: str, where: str) -> str:
+def _parse_json_line(text: str, field: str, where: str) -> str:
     try:
-        record = json.loads(decode(line))
+        record = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(
             f"{where}: invalid JSON ({e.msg}); each line must be a JSON object with a {field!r} string field"
@@ -129,11 +147,13 @@ class _JsonFile:
 
     def __init__(self, path: Path, ext: str, compression: str | None, field: str):
         self.path, self.compression, self.field = path, compression, field
-        first = b""
+        first, head = b"", []
         for chunk in byte_chunks(path, compression, size=4096):  # also checks a compressed header now
+            head.append(chunk)
             first = chunk.lstrip()
             if first:
                 break
+        _check_text_start(path, compression, head)
         self.array = ext == ".json" and first[:1] == b"["
         self.size = path.stat().st_size
         self._records: list[str] | None = None  # arrays: the texts
@@ -156,8 +176,9 @@ class _JsonFile:
     def _array_texts(self) -> list[str]:
         if self._records is None:
             data = b"".join(byte_chunks(self.path, self.compression))
+            text = decode(data, self.path, self.compression)
             try:
-                records = json.loads(decode(data))
+                records = json.loads(text)
             except json.JSONDecodeError as e:
                 raise UserError(
                     f"{self.path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); a .json file holds "
@@ -166,12 +187,15 @@ class _JsonFile:
             self._records = [_record_text(r, self.field, f"{self.path} record {i}") for i, r in enumerate(records)]
         return self._records
 
-    def _lines(self, piece: int, pieces: int) -> Iterator[tuple[str, bytes]]:
-        """(where, line) of the piece's non-blank lines; where names the line or its byte offset."""
+    def _lines(self, piece: int, pieces: int) -> Iterator[tuple[str, bytes, int, int | None]]:
+        """(where, line, its byte offset, its number if known) of the piece's non-blank lines; where names
+        the line or its byte offset. Offsets are in the decompressed data of a compressed file."""
         if pieces == 1:
+            position = 0
             for lineno, line in enumerate(byte_lines(self.path, self.compression), start=1):
                 if line.strip():
-                    yield f"{self.path} line {lineno}", line
+                    yield f"{self.path} line {lineno}", line, position, lineno
+                position += len(line) + 1
             return
         lo, hi = piece * self.size // pieces, (piece + 1) * self.size // pieces
         with open_raw(self.path) as f:
@@ -185,7 +209,7 @@ class _JsonFile:
                 if not line:
                     return
                 if line.strip():
-                    yield f"{self.path} line at byte {position}", line
+                    yield f"{self.path} line at byte {position}", line, position, None
                 position += len(line)
 
     def known_count(self, piece: int = 0, pieces: int = 1) -> int | None:
@@ -197,10 +221,10 @@ class _JsonFile:
             yield from texts[start:]
             return len(texts)
         n = 0
-        for where, line in self._lines(piece, pieces):
+        for where, line, position, lineno in self._lines(piece, pieces):
             # Skipped lines are counted, not parsed: resuming deep into a file stays cheap.
             if n >= start:
-                yield _parse_json_line(line, self.field, where)
+                yield _parse_json_line(decode(line, self.path, self.compression, position, lineno), self.field, where)
             n += 1
         return n
 
@@ -248,6 +272,29 @@ def _holds_a_line(f, lo: int, hi: int) -> bool:
 def _one_line(error: BaseException) -> str:
     """An Arrow error's text on one line (parquet's thrift errors span several)."""
     return " ".join(str(error).split())
+
+
+def _not_utf8_value(path: Path, field: str, values, first_row: int) -> UserError:
+    """The error of a string column that holds bytes that are not UTF-8 (Arrow does not check them when
+    reading, and Python's str of them fails): names the first such row of `values`, whose first row is row
+    `first_row` of the file."""
+    # A NUL is left alone here: a string column declares text, so a NUL in one is its writer's text, not a
+    # binary file or UTF-16 read as UTF-8 (compression.py).
+    for k in range(len(values)):
+        value = values[k]
+        if not value.is_valid:
+            continue
+        data = value.as_buffer().to_pybytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return UserError(
+                f"{path}: column {field!r} of row {first_row + k} (counted from 0) is not UTF-8 text: at byte "
+                f"{e.start} of the value, 0x{data[e.start]:02x} is not UTF-8 ({e.reason}); the file was written "
+                "with bytes that are not text in a string column (binary data, or text in another encoding): write it "
+                "again with the text as UTF-8, or remove it from the dataset"
+            )
+    raise ValueError(f"{path}: no value of rows {first_row}.. that fails to decode")  # the caller saw one fail
 
 
 def _check_column(pa, path: Path, schema, field: str, fix: str):
@@ -321,6 +368,8 @@ class _ParquetFile:
                 if batch is None:
                     return
                 values = batch.column(0).to_pylist()
+            except UnicodeDecodeError:
+                raise _not_utf8_value(self.path, self.field, batch.column(0), row) from None
             except (OSError, self.pa.ArrowException) as e:
                 # Numbered from 0, as pyarrow's ParquetFile.read_row_group and metadata.row_group number them.
                 last = first + self.row_groups[group] - 1
@@ -419,7 +468,11 @@ class _ArrowFile:
     def text(self, index: int) -> str:
         chunks, ends = self._chunks()
         c = bisect.bisect_right(ends, index)
-        return chunks[c][index - (ends[c - 1] if c else 0)].as_py() or ""
+        value = chunks[c][index - (ends[c - 1] if c else 0)]
+        try:
+            return value.as_py() or ""
+        except UnicodeDecodeError:
+            raise _not_utf8_value(self.path, self.field, [value], index) from None
 
 
 def open_file(path: Path, ext: str, compression: str | None, field: str):

@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.data.lanes import LaneView, SharedUnits
 from torchtitan.components.data.mixing import counts_at, integer_weights, schedule, source_at, source_kind
-from torchtitan.components.data.packing import TokenStream, encode_document
+from torchtitan.components.data.packing import TokenStream, encode_document, too_small
 from torchtitan.components.data.sources import build_source
 from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
@@ -62,6 +62,27 @@ class Part:
         stream = TokenStream(view, seq_len + 1)
         stream.on_new_epoch = self._log_epoch
         return stream
+
+    def check_fills_a_window(self, window_len: int, label: str, fix: str = "add data"):
+        """Refuse now a source whose tokens do not fill one window of `window_len`. Every lane reads the whole
+        source once in each cycle of `lanes` epochs (lanes.lane_share), shuffled or not, so such a source leaves
+        every lane without its first sample, for any global batch; packing finds that only after a lane has read
+        `lanes` epochs, after launch. This reads documents in stored order only until they fill a window: a
+        few documents of a large corpus (a token folder knows its count)."""
+        tokens = getattr(self.source, "num_tokens", None)
+        if tokens is None:
+            encode = _as_tokens if self.tokenizer is None else functools.partial(encode_document, self.tokenizer)
+            tokens, documents = 0, self.source.documents(0)
+            try:
+                for document in documents:
+                    tokens += len(encode(document))
+                    if tokens >= window_len:
+                        return
+            finally:
+                if hasattr(documents, "close"):
+                    documents.close()  # releases an open file
+        if tokens < window_len:
+            raise too_small(label, tokens, window_len, fix)
 
     def check_window(self, window: torch.Tensor):
         check = getattr(self.source, "check_window", None)  # a token file's id check
@@ -166,6 +187,15 @@ class PackedDataset(IterableDataset):
                 share = f" ({weights[i] / sum(weights):.1%} of the samples)" if weights is not None else ""
                 logger.info("data: %s%s: %s%s", part.name, share, documents,
                             part.units(global_batch_size, seq_len).describe())
+            # Data-parallel rank 0, and run_train.sh's preflight (which builds rank 0's loader before launch),
+            # refuse a source that cannot fill one sequence before any model is built, each of a mixture.
+            for part in parts:
+                if weights is not None:
+                    part.check_fills_a_window(seq_len + 1, f"training.dataset_mix source {part.name!r}",
+                                              "add data to it, remove it from training.dataset_mix")
+                else:
+                    at = f" at {part.path}" if part.path else ""
+                    part.check_fills_a_window(seq_len + 1, f"dataset {part.name}{at}")
         self._pool: LaneWorkers | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:

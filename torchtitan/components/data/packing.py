@@ -21,6 +21,17 @@ def encode_document(tokenizer, text: str | None) -> list[int]:
     return tokenizer.encode(text, bos=True, eos=True) if text else []
 
 
+def too_small(name: str, tokens: int, window_len: int, fix: str = "add data") -> UserError:
+    """The error of a source (`name`: how the config names it) whose documents tokenize to `tokens` < window_len
+    in all: no lane can cut a sample from it (every lane reads all of it once per cycle of epochs, lanes.py)."""
+    if tokens == 0:
+        return UserError(f"{name} is empty: its documents hold no tokens; {fix}")
+    return UserError(
+        f"{name} is too small: its documents tokenize to {tokens} tokens in all, fewer than one sequence of "
+        f"training.seq_len + 1 = {window_len}, so no sample can be cut from it; {fix}, or lower training.seq_len"
+    )
+
+
 class TokenStream:
     """Windows of window_len tokens cut from one lane's token stream of one source, one after another.
 
@@ -77,8 +88,9 @@ class TokenStream:
             raise UserError(
                 f"dataset {self.source.name} is too small: one lane's share of {self.epoch + 1} epochs tokenizes to "
                 f"{tokens_read} tokens, fewer than one sequence of seq_len + 1 = {self.window_len} (the source is "
-                f"split into {self.source.lanes} lanes, one per sample of the global batch); add data, or lower "
-                "training.seq_len or the global batch size"
+                f"split into {self.source.lanes} lanes, one per sample of the global batch, and a lane reads all of it "
+                f"in {self.source.lanes} epochs: a smaller global batch does not help); add data, or lower "
+                "training.seq_len"
             )
         documents = self.doc_index
         self._close_documents()
