@@ -51,6 +51,11 @@ if [ "${NNODES}" -gt 1 ] && [ -z "${RDZV_ENDPOINT}" ]; then
 fi
 
 if [ -n "${LIGHTHOUSE_PORT:-}" ]; then need_int LIGHTHOUSE_PORT "${LIGHTHOUSE_PORT}" 1; fi
+if ! command -v "${PYTHON}" > /dev/null 2>&1; then
+    echo "error: no '${PYTHON}' command: activate the project's environment (source .venv/bin/activate; bash" \
+         "scripts/setup.sh creates it)" >&2
+    exit 2
+fi
 
 # One Python process checks the job (a mistake is one message and exit status 2 before any worker
 # starts), then runs torchrun, whose workers on a CPU machine are forked from it.

@@ -19,16 +19,30 @@ runs it; so does scripts/multinode_trainer.slurm on every node).
    --rdzv-timeout seconds.
 """
 
-import argparse
-import gc
 import os
 import signal
 import sys
-import threading
-import traceback
 
-from torchtitan.config import HelpRequested, UserError
-from torchtitan.config.errors import run_main
+STOPPED_EARLY = "stopped: Ctrl-C before training started; no worker was launched"
+
+
+def _stopped_early(signum, frame):
+    print(STOPPED_EARLY, file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)
+
+
+if __name__ == "__main__":
+    # Ctrl-C while the launcher imports and checks the job (seconds): one line, not a KeyboardInterrupt traceback
+    # from wherever the import was. Set before the imports below; main() hands SIGINT back before the workers start.
+    signal.signal(signal.SIGINT, _stopped_early)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+
+from torchtitan.config import HelpRequested, UserError  # noqa: E402
+from torchtitan.config.errors import run_main  # noqa: E402
 
 # Threads a fresh process would use (torch's default intra-op count), read before the launcher
 # limits itself to one; a forked worker without OMP_NUM_THREADS restores it.
@@ -447,7 +461,7 @@ def check_job(opts, train_argv: list[str]) -> tuple["StoreProbe", object]:
     except HelpRequested as h:
         from torchtitan.models.registry import help_with_families
 
-        raise HelpRequested(help_with_families(h.text)) from None
+        raise HelpRequested(help_with_families(h.text) + launcher_help()) from None
     import torch
 
     # The launcher itself computes nothing; one thread keeps it from creating an OpenMP pool, which
@@ -469,6 +483,20 @@ def check_job(opts, train_argv: list[str]) -> tuple["StoreProbe", object]:
             print(started, file=sys.stderr, flush=True)
     fault_tolerance.check(cfg.fault_tolerance)
     return probe, cfg
+
+
+def launcher_help() -> str:
+    """The launch variables of run_train.sh (NGPU, CONFIG_FILE, LOG_RANK, LIGHTHOUSE_PORT, ...), for --help: its own
+    header, where they are documented, when this is a checkout that has it."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run_train.sh")
+    try:
+        with open(script) as f:
+            header = f.read().split("\nset -euo pipefail", 1)[0].splitlines()
+    except OSError:
+        return ""
+    body = [line[2:] if line.startswith("# ") else line.lstrip("#") for line in header if line.startswith("#")]
+    return "\n[run_train.sh: the launch, set as environment variables]\n" + "\n".join(
+        "  " + line for line in body if not line.startswith("!")) + "\n"
 
 
 def lighthouse_argv(opts, train_argv: list[str]) -> list[str]:
@@ -501,17 +529,22 @@ def main(argv: list[str]) -> int:
     launcher_argv, train_argv = split_argv(argv)
     opts = parser().parse_args(launcher_argv)
     checked = []
-    code = run_main(lambda: checked.append(check_job(opts, train_argv)))  # a mistake: one line, exit 2
-    if not checked:  # a mistake, or --help (printed, exit 0)
-        return code
-    probe, cfg = checked[0]
-    train_argv = lighthouse_argv(opts, train_argv)
-    gc.collect()  # the preflight's model and data objects are not worth forking
-    # What the launcher imported is the workers' too: kept out of their garbage collections, which would
-    # otherwise scan it (~0.2 s per full collection) and copy every page it touches.
-    gc.freeze()
-    if not probe.ok():
-        return 1
+    try:
+        code = run_main(lambda: checked.append(check_job(opts, train_argv)))  # a mistake: one line, exit 2
+        if not checked:  # a mistake, or --help (printed, exit 0)
+            return code
+        probe, cfg = checked[0]
+        train_argv = lighthouse_argv(opts, train_argv)
+        gc.collect()  # the preflight's model and data objects are not worth forking
+        # What the launcher imported is the workers' too: kept out of their garbage collections, which would
+        # otherwise scan it (~0.2 s per full collection) and copy every page it touches.
+        gc.freeze()
+        if not probe.ok():
+            return 1
+    except KeyboardInterrupt:  # in-process callers (the command line has _stopped_early)
+        print(STOPPED_EARLY, file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here torchrun and StopForwarder handle it
     return run(opts, train_argv, cfg)
 
 

@@ -192,8 +192,13 @@ def test_help_and_docs_name_every_shipped_family(monkeypatch):
         at = next(i for i, line in enumerate(lines) if line.startswith("  --model.name "))
         assert lines[at + 2] == f"      Shipped: {', '.join(shipped)}.", (command, lines[at:at + 3])
     monkeypatch.setitem(registry._BUILTIN, "later_family", "torchtitan.models.later_family")
-    assert "later_family." in registry.help_with_families(help_text())
+    # Its spec as if its module had been imported (flavors are listed under model.flavor).
+    monkeypatch.setitem(registry._BUILT, "later_family", dataclasses.replace(registry.get_model_spec("llama3"),
+                                                                            name="later_family"))
+    shown = registry.help_with_families(help_text())
+    assert "later_family." in shown and "      later_family: debugmodel, " in shown
     monkeypatch.delitem(registry._BUILTIN, "later_family")
+    monkeypatch.delitem(registry._BUILT, "later_family")
     docs = (REPO / "docs" / "models.md").read_text()
     families = docs.split("## Families and flavors", 1)[1].split("\n- ", 1)[0]
     readme = (REPO / "README.md").read_text()

@@ -40,6 +40,15 @@ def run_main(main: Callable[..., "int | None"], *args, help_status: int = 0) -> 
         sys.stdout.flush()  # what the command printed before the mistake comes first
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.split(".")[0] == "torchtitan":
+            raise  # a module of the project itself: a bug
+        # The optional packages are asked for by name where they are used; a missing one here is the environment.
+        sys.stdout.flush()
+        print(f"error: this Python ({sys.executable}) has no module '{e.name}': activate the project's environment "
+              f"(source .venv/bin/activate; bash scripts/setup.sh creates it) or install the package", file=sys.stderr,
+              flush=True)
+        return 2
     return 0 if code is None else code
 
 

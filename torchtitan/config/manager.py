@@ -460,7 +460,7 @@ def _build(merged: dict[tuple[str, str], tuple], recipe: str | None) -> JobConfi
 def load_config(argv: list[str]) -> JobConfig:
     """The JobConfig of defaults < TOML recipe (--job.config_file) < command-line overrides."""
     if "--help" in argv or "-h" in argv:
-        raise HelpRequested(help_text())
+        raise HelpRequested(help_text(*_values_for_help([a for a in argv if a not in ("--help", "-h")])))
     overrides = _parse_cli(list(argv))
     recipe = overrides.pop(("job", "config_file"), None)
     merged = {}
@@ -563,8 +563,23 @@ def _help_default(value: object) -> str:
     return "unset" if value is None else _toml_value(value)
 
 
-def help_text() -> str:
-    """The --help text, generated from the schema."""
+def _values_for_help(argv: list[str]) -> tuple[dict, str | None, str | None]:
+    """What the recipe and the other arguments given with --help set, for help_text: ({(section, key): (value,
+    origin)}, the recipe's path, why they could not be read (help then shows the defaults alone))."""
+    try:
+        overrides = _parse_cli(argv)
+        recipe = overrides.pop(("job", "config_file"), None)
+        merged = _load_recipe(recipe, "recipe file (--job.config_file)", ()) if recipe is not None else {}
+    except UserError as e:
+        return {}, None, str(e)
+    merged.update({k: (v, _CLI) for k, v in overrides.items()})
+    return merged, recipe, None
+
+
+def help_text(values: dict | None = None, recipe: str | None = None, unread: str | None = None) -> str:
+    """The --help text, generated from the schema: each key with its default and, where the recipe or the command
+    line set it (`values`: {(section, key): (value, origin)}), the value this job would run with."""
+    values = values or {}
     lines = [
         "usage: [--job.config_file RECIPE.toml] [--section.key VALUE ...]",
         "",
@@ -572,12 +587,21 @@ def help_text() -> str:
         "--section.key=VALUE; booleans: --section.key (true), --section.key false, --section.no-key;",
         "lists: a,b,c; optional values: none or null to unset; '-' may replace '_' in names.",
     ]
+    if recipe is not None:
+        lines += ["", f"Values marked 'here' are what this job sets: recipe {recipe} (and its base recipes) and the "
+                      "command line."]
+    if unread is not None:
+        lines += ["", f"(The defaults alone: the recipe or the arguments given with --help could not be read: {unread})"]
     for section, cls in _section_classes().items():
         lines += ["", f"[{section}]"]
         types = _field_types(section)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            lines.append(f"  --{section}.{f.name} ({_type_name(types[f.name])}, default: {_help_default(default)})")
+            shown = f"default: {_help_default(default)}"
+            if (section, f.name) in values and f.name != "base_config":
+                value, origin = values[(section, f.name)]
+                shown = f"here: {_help_default(value)} {_from(origin)}; {shown}"
+            lines.append(f"  --{section}.{f.name} ({_type_name(types[f.name])}, {shown})")
             lines.append(f"      {f.metadata.get('help', '')}")
     lines += [
         "",

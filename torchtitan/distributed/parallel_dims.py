@@ -4,6 +4,7 @@ then turned into a DeviceMesh with named dimensions."""
 from dataclasses import dataclass
 
 from torchtitan.config import Parallelism, UserError
+from torchtitan.models.common.spec import submesh  # noqa: F401  (the mesh's flattened dims: read here by the rest)
 
 
 @dataclass(frozen=True)
@@ -184,12 +185,3 @@ def _kept(layout: tuple, build):
         mesh = build()
         _MESHES[layout] = (dist.group.WORLD, mesh)
     return mesh
-
-
-def submesh(mesh, *names: str):
-    """mesh[names] of a ParallelDims.build_mesh mesh, where names may be one flattened dim ('dp',
-    'dp_shard_cp', 'dp_cp', 'dp_cp_tp') or HSDP's ('dp_replicate', 'dp_shard_cp'): the mesh kept when
-    it was built."""
-    key = names[0] if len(names) == 1 else names
-    kept = getattr(mesh, "titan_flattened", {})
-    return kept[key] if key in kept else mesh[key]

@@ -117,13 +117,14 @@ def builtin_model_names() -> list[str]:
 
 
 def help_with_families(text: str) -> str:
-    """The config's --help text with the shipped families under model.name (the config layer, below
-    the models, cannot read them itself)."""
+    """The config's --help text with the shipped families under model.name and every registered family's
+    flavors under model.flavor (the config layer, below the models, cannot read them itself)."""
     lines = text.split("\n")
     for i, line in enumerate(lines):
         if line.startswith("  --model.name "):
             lines.insert(i + 2, f"      Shipped: {', '.join(builtin_model_names())}.")
-            break
+        elif line.startswith("  --model.flavor "):
+            lines[i + 2:i + 2] = [f"      {name}: {', '.join(get_model_spec(name).flavors)}" for name in model_names()]
     return "\n".join(lines)
 
 

@@ -104,6 +104,19 @@ class AttentionBase(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
+def rms_norm_as_weight(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """RMS norm of x over its last dim, computed in the dtype of `weight` and returned in x's: under autocast a bf16
+    projection meets a float32 norm weight, which torch's rms_norm takes only through its unfused path, with a
+    warning at every call; this gives the same values (that path computes in float32 and rounds to bf16 too)
+    through the fused one."""
+    return F.rms_norm(x.to(weight.dtype), x.shape[-1:], weight, eps).to(x.dtype)
+
+
+def norm_as_weight(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x) as rms_norm_as_weight computes it."""
+    return rms_norm_as_weight(x, norm.weight, norm.eps)
+
+
 class Attention(AttentionBase):
     """Grouped-query attention with Meta's names (wq, wk, wv, wo) and the knobs the families use:
     - `rotary`: the layout of the rotary embedding (rotary.PAIRS or rotary.HALVES);
@@ -131,7 +144,7 @@ class Attention(AttentionBase):
         bs, seq, _ = x.shape
         q, k, v = (w(x).view(bs, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = norm_as_weight(self.q_norm, q), norm_as_weight(self.k_norm, k)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         return self.wo(self.attend(q, k, v, cache, start_pos, doc_ids))
 

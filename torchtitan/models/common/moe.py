@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.layers import FeedForward, scale_gradient
+from torchtitan.models.common.spec import submesh
 
 logger = logging.getLogger(__name__)
 
@@ -462,7 +463,7 @@ def overrides_from_config(section) -> dict:
 
 def _batch_group(inputs):
     """The ranks that hold shares of the same batch for the same layers: all but the pipeline's."""
-    return inputs.mesh["dp_cp_tp"].get_group() if inputs.mesh is not None else None
+    return submesh(inputs.mesh, "dp_cp_tp").get_group() if inputs.mesh is not None else None
 
 
 def configure_moe(model: nn.Module, inputs) -> None:

@@ -104,6 +104,15 @@ class HFAdapter:
     block_from_hf: Callable[..., torch.Tensor | None] | None = None
 
 
+def submesh(mesh, *names: str):
+    """mesh[names] of a ParallelDims.build_mesh mesh, where names may be one flattened dim ('dp',
+    'dp_shard_cp', 'dp_cp', 'dp_cp_tp') or HSDP's ('dp_replicate', 'dp_shard_cp'): the mesh kept when
+    it was built (torch deprecates slicing a flattened dim from the root mesh)."""
+    key = names[0] if len(names) == 1 else names
+    kept = getattr(mesh, "titan_flattened", {})
+    return kept[key] if key in kept else mesh[key]
+
+
 @dataclass(frozen=True)
 class ParallelizeInputs:
     """What the parallelization of a model (and a family's hooks) gets besides the model: the

@@ -18,7 +18,8 @@ from torch import nn
 
 from torchtitan.models.common import decoder
 from torchtitan.models.common.decoder import matmul_parameters
-from torchtitan.models.common.layers import AttentionBase, FeedForward, KVCache, TransformerBlock, scale_gradient
+from torchtitan.models.common.layers import (AttentionBase, FeedForward, KVCache, TransformerBlock, rms_norm_as_weight,
+                                            scale_gradient)
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rotary import complex_table, rotate_pairs, yarn_softmax_factor
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum, transformer_flops_per_token
@@ -50,7 +51,7 @@ class MLA(AttentionBase):
         # wkv_b, wo) are split by heads. -1 heads: under TP the projections hold this rank's heads.
         if hasattr(self, "wq_a"):
             q_latent = F.linear(x, replicated(self.wq_a.weight))
-            q = self.wq_b(F.rms_norm(q_latent, q_latent.shape[-1:], replicated(self.q_norm.weight), self.q_norm.eps))
+            q = self.wq_b(rms_norm_as_weight(q_latent, replicated(self.q_norm.weight), self.q_norm.eps))
         else:
             q = self.wq(x)
         q_nope, q_rope = q.view(bs, seq, -1, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
@@ -58,7 +59,7 @@ class MLA(AttentionBase):
         latent = F.linear(x, kv_a[: self.kv_lora])
         # The rotary key is shared by all heads: under TP each rank's heads give it a part of its gradient.
         k_rope = grad_summed(F.linear(x, kv_a[self.kv_lora:]), self.wkv_a.weight)
-        latent = F.rms_norm(latent, latent.shape[-1:], replicated(self.kv_norm.weight), self.kv_norm.eps)
+        latent = rms_norm_as_weight(latent, replicated(self.kv_norm.weight), self.kv_norm.eps)
         kv = self.wkv_b(latent).view(bs, seq, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
