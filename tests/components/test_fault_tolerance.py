@@ -849,3 +849,78 @@ def test_a_group_that_joins_with_a_live_groups_id_stops_and_the_live_groups_trai
             assert steps == list(range(1, len(steps) + 1)), steps
     finally:
         _stop_all(procs, tmp_path, port)
+
+
+class _RunsCode:
+    """A payload whose unpickling would run a command (a peer, or anything reaching the healing port, sending it)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_healing_group_reads_only_weights_from_its_peer(tmp_path):
+    """The state a healing group receives over HTTP (torchft's checkpoint transport) is read with torch's
+    weights-only unpickler: tensors, numbers and containers load, without the 'buffer is not writable' warning
+    of every heal; a payload that would run code is refused and runs nothing (torchft's own transport unpickles
+    it with weights_only=False)."""
+    import http.server
+    import io
+    import threading
+    import warnings
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed._serialization import _streaming_save
+
+    from torchtitan.components.fault_tolerance import weights_only_transport
+
+    payloads = {}
+
+    class Serve(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = payloads[self.path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    def payload(name, obj):
+        buf = io.BytesIO()
+        _streaming_save(obj, buf)
+        payloads[f"/{name}"] = buf.getvalue()
+
+    state = {"step": 3, "model": [{"w": torch.arange(6.0).view(2, 3)}], "schedulers": [{"last_epoch": 3}],
+             "counters": {"skipped_steps": 0}, "lr": 0.5, "nesterov": True, "name": "x"}
+    payload("state", state)
+    marker = tmp_path / "ran"
+    payload("evil", {"step": 1, "x": _RunsCode(marker)})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        transport = type(weights_only_transport(timedelta(seconds=10)))
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = transport._load_from_address(f"{base}/state", timedelta(seconds=10))
+        assert not caught, [str(w.message) for w in caught]
+        assert torch.equal(got["model"][0]["w"], state["model"][0]["w"]) and got["schedulers"] == state["schedulers"]
+        with pytest.raises(Exception, match="unsupported GLOBAL posix.system"):
+            transport._load_from_address(f"{base}/evil", timedelta(seconds=10))
+        assert not marker.exists()
+    finally:
+        server.shutdown()
+
+
+def test_an_uncommitted_step_names_the_failure_in_plain_words():
+    from torchtitan.components.fault_tolerance import collective_error
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:43213: "
+                        "Connection reset by peer\nmore lines")
+    assert collective_error(gloo) == "read error from 127.0.0.1:43213: Connection reset by peer"
+    assert collective_error(TimeoutError()) == "TimeoutError"

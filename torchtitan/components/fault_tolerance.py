@@ -21,6 +21,7 @@ torchft is optional: it is imported only when fault_tolerance.enabled.
 import importlib.util
 import logging
 import os
+import re
 import time
 import urllib.request
 from datetime import timedelta
@@ -106,6 +107,28 @@ def data_lanes(cfg: FaultTolerance, dp_rank: int, dp_degree: int, global_batch: 
     return cfg.group_id * dp_degree + dp_rank, cfg.group_count * dp_degree, cfg.group_count * global_batch
 
 
+def weights_only_transport(timeout: timedelta):
+    """torchft's HTTP checkpoint transport (what a healing group receives from a live one), reading with torch's
+    weights-only unpickler: torchft's own unpickles whatever a peer sends with weights_only=False, so anything that
+    reaches its port could run code in a healing process. What is sent (ReplicaGroups.state_dict: tensors, numbers,
+    strings, lists and dicts, torchft's counters) needs nothing more."""
+    import warnings
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f, warnings.catch_warnings():
+                # The stream's bytes become tensors through torch.frombuffer, which warns that the buffer is
+                # read-only: they are copied into this rank's own tensors (heal) and never written.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -117,6 +140,17 @@ def _tree_local(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_tree_local(v) for v in value)
     return _local(value) if isinstance(value, torch.Tensor) else value
+
+
+def collective_error(e: BaseException) -> str:
+    """A failed cross-group collective's error in a line: gloo's text without the source position it starts with
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:43213: Connection reset by peer"
+    reads "read error from 127.0.0.1:43213: connection reset by peer"), or the error's type."""
+    text = (str(e) or type(e).__name__).strip().splitlines()[0]
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)  # gloo's [file:line]
+    text = re.sub(r"^(Read|Write) error \[([^\]]+)\]:(\d+):\s*", lambda m: f"{m[1].lower()} error from {m[2]}:{m[3]}: ",
+                  text)
+    return text[:300]
 
 
 class DiLoCo:
@@ -236,6 +270,7 @@ class ReplicaGroups:
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds), connect_timeout=timeout,
             rank=trainer.rank, world_size=trainer.dims.world_size, store_addr=addr, store_port=int(port),
             lighthouse_addr=cfg.lighthouse, replica_id=f"group{cfg.group_id}",
+            checkpoint_transport=weights_only_transport(timeout),
             # Every group initializes the same weights from training.seed (and loads the same checkpoint).
             init_sync=False,
         )
@@ -445,11 +480,7 @@ class ReplicaGroups:
         for part in self.trainer.parts:  # the dropped step's expert loads move no expert bias
             for _, m in moe_layers(part):
                 m.tokens_per_expert.zero_()
-        error = self.manager.errored()
-        reason = error and (str(error.original_exception) or type(error.original_exception).__name__)
-        why = (f"a replica group failed during it: {reason.splitlines()[0][:300]}" if error
-               else f"fewer than fault_tolerance.min_groups = {self.cfg.min_groups} groups took part")
-        logger.warning(f"step {step}: not committed ({why}); its update is dropped")
+        logger.warning(f"step {step}: not committed ({self._why()}); its update is dropped")
         return False
 
     def end_step(self, step: int):
@@ -500,10 +531,11 @@ class ReplicaGroups:
                 offset += t.numel()
 
     def _why(self) -> str:
+        """Why the step (or sync) is not committed, in a line."""
         error = self.manager.errored()
-        reason = error and (str(error.original_exception) or type(error.original_exception).__name__)
-        return (f"a replica group failed during it: {reason.splitlines()[0][:300]}" if error
-                else f"fewer than fault_tolerance.min_groups = {self.cfg.min_groups} groups took part")
+        if error is None:
+            return f"fewer than fault_tolerance.min_groups = {self.cfg.min_groups} groups took part"
+        return f"a replica group failed during it: {collective_error(error.original_exception)}"
 
     def fields(self) -> dict:
         """What a metrics record says of the groups: how many took part in the last step (the last sync under
