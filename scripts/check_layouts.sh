@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run every layout command of docs/parallelism.md's layout table for a few steps and print each one's
 # last logged loss; exit non-zero if any fails. The table is the single list of layouts.
-#   bash scripts/check_layouts.sh [extra overrides, default: --training.steps 4]
+#   bash scripts/check_layouts.sh [extra overrides, default: --training.steps 4 --lr_scheduler.warmup_steps 1]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 extra=("$@")
-if [ ${#extra[@]} -eq 0 ]; then extra=(--training.steps 4 --metrics.log_freq 2); fi
+if [ ${#extra[@]} -eq 0 ]; then extra=(--training.steps 4 --lr_scheduler.warmup_steps 1 --metrics.log_freq 2); fi
 out=$(mktemp -d)
 failed=0
 n=0
