@@ -337,3 +337,37 @@ def test_the_published_405B_layout_fits_80_GiB():
         989e12, 0.4, 450e9, 50e9, 8))
     assert e.layout() == "pp16xfsdp4xtp8" and e.ac() == "full"
     assert 10 * GiB < e.memory.total < 80 * GiB
+
+
+def test_a_replica_group_recipe_is_planned_without_asking_its_lighthouse():
+    """The lighthouse is a service of the run, not of a layout: the planner checks every layout with the trainer's
+    preflight but never contacts it (before: preflight asked it once per candidate, and a lighthouse that accepts
+    connections but never answers held each one fault_tolerance.timeout_seconds, hours for a plan)."""
+    import socket
+    import threading
+
+    from torchtitan.planner.plan import plan
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    accepted = []
+
+    def accept():
+        while True:
+            try:
+                accepted.append(silent.accept()[0])  # held open, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        cfg = load_config([*DEBUG, "--fault_tolerance.enabled", "--fault_tolerance.group_count", "2",
+                           "--fault_tolerance.lighthouse", f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           "--fault_tolerance.timeout_seconds", "1", "--training.global_batch_size", "8"])
+        ranking = plan(cfg, 4, 4, 80 * 2**30, "cpu", keep=3)
+        assert ranking.fits and not accepted
+    finally:
+        silent.close()
+        for connection in accepted:
+            connection.close()
