@@ -28,6 +28,23 @@ def test_traces_every_profile_freq_steps(tmp_path):
     assert any("aten::mm" in n or "aten::addmm" in n for n in names)  # the step's matmuls were recorded
 
 
+def test_a_rerun_keeps_the_earlier_runs_traces(tmp_path):
+    """A second run in the same dump folder writes its own traces without overwriting the first's: a fresh start
+    keeps the earlier folder as traces.1; a run resumed from step 2 keeps the earlier traces of later steps."""
+    profile = ["--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.save_traces_folder",
+               "traces"]
+    short_run(tmp_path, *profile, steps=4)
+    first = (tmp_path / "traces" / "iteration_4" / "rank0_trace.json").read_bytes()
+    short_run(tmp_path, *profile, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", steps=4)
+    assert (tmp_path / "traces.1" / "iteration_4" / "rank0_trace.json").read_bytes() == first
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["iteration_2", "iteration_4"]
+    second = (tmp_path / "traces" / "iteration_4" / "rank0_trace.json").read_bytes()
+    (tmp_path / "checkpoint" / "step-4").rename(tmp_path / "step-4-aside")  # resume from step 2, redo 3-4
+    short_run(tmp_path, *profile, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", steps=4)
+    assert (tmp_path / "traces" / "iteration_4.1" / "rank0_trace.json").read_bytes() == second
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["iteration_2", "iteration_4", "iteration_4.1"]
+
+
 def test_cpu_memory_timeline(tmp_path):
     short_run(tmp_path, "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "3", steps=3)
     path = tmp_path / "memory_snapshot" / "iteration_3" / "rank0_memory_timeline.json"

@@ -14,9 +14,25 @@ from contextlib import contextmanager
 
 import torch
 
+from torchtitan.components.metrics import keep_earlier
 from torchtitan.config import Profiling
 
 logger = logging.getLogger(__name__)
+
+
+def keep_earlier_steps(root: str, start_step: int):
+    """Before a run writes into `root`: an earlier run's records are kept, not overwritten, as metrics.jsonl's are
+    (metrics.keep_earlier): a fresh start keeps the whole folder as {root}.N; a resume from step S keeps the
+    iteration_K folders of steps after S (a restart redoes those steps) as iteration_K.N."""
+    if not os.path.isdir(root) or not os.listdir(root):
+        return
+    if start_step == 0:
+        keep_earlier(root, "profiler records")
+        return
+    for name in sorted(os.listdir(root)):
+        step = name.removeprefix("iteration_")
+        if step.isdigit() and int(step) > start_step:
+            keep_earlier(os.path.join(root, name), "profiler records")
 
 
 class StepProfiler:
@@ -27,6 +43,10 @@ class StepProfiler:
         self.step = start_step
         self.cuda_history = cfg.enable_memory_snapshot and device.type == "cuda"
         cpu_memory = cfg.enable_memory_snapshot and device.type != "cuda"
+        if rank == 0:
+            for root, on in ((self.traces, cfg.enable_profiling), (self.memory, cfg.enable_memory_snapshot)):
+                if on:
+                    keep_earlier_steps(root, start_step)
         self.prof = None
         self.stopping = False
         if cfg.enable_profiling or cpu_memory:
