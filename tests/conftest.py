@@ -1,6 +1,7 @@
 import base64
 import gzip
 import json
+import logging
 import os
 import random
 import shutil
@@ -296,6 +297,17 @@ def checkpoint_run(folder, *overrides, steps=6) -> list[dict]:
 
     return train(load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(folder), "--training.steps", str(steps),
                               *overrides]))
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_on_a_closed_stream():
+    """An in-process run's setup_logging binds the root logger to the sys.stderr of its test, which pytest
+    closes after that test; a later in-process run would log into it ("I/O operation on closed file")."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            root.removeHandler(handler)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -7,20 +7,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.layers import norm_as_weight
+from torchtitan.models.common.layers import HeadNorm
 from torchtitan.models.registry import get_model_spec, model_names
 
 
 def test_a_bf16_input_to_a_float32_norm_gives_the_unfused_values():
     torch.manual_seed(0)
-    norm = nn.RMSNorm(64, eps=1e-6)
+    norm, ours = nn.RMSNorm(64, eps=1e-6), HeadNorm(64, eps=1e-6)
     with torch.no_grad():
         norm.weight.normal_()
+    ours.load_state_dict(norm.state_dict())
     x = torch.randn(3, 32, 8, 64).to(torch.bfloat16)
-    ours = norm_as_weight(norm, x)
-    assert ours.dtype == torch.bfloat16 and torch.equal(ours, norm(x))  # norm(x): torch's mixed-dtype path
+    assert ours(x).dtype == torch.bfloat16 and torch.equal(ours(x), norm(x))  # norm(x): torch's mixed-dtype path
     same = nn.RMSNorm(64, eps=1e-6).to(torch.bfloat16)  # FSDP's bf16 parameters: nothing to cast
-    assert torch.equal(norm_as_weight(same, x), same(x))
+    assert torch.equal(HeadNorm(64, eps=1e-6).to(torch.bfloat16)(x), same(x))
 
 
 @pytest.mark.parametrize("name, flavor", [(name, flavor) for name in model_names()

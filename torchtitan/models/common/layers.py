@@ -112,9 +112,12 @@ def rms_norm_as_weight(x: torch.Tensor, weight: torch.Tensor, eps: float | None)
     return F.rms_norm(x.to(weight.dtype), x.shape[-1:], weight, eps).to(x.dtype)
 
 
-def norm_as_weight(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """norm(x) as rms_norm_as_weight computes it."""
-    return rms_norm_as_weight(x, norm.weight, norm.eps)
+class HeadNorm(nn.RMSNorm):
+    """An RMSNorm computed as rms_norm_as_weight computes it: the per-head query and key norms, which meet a bf16
+    projection under autocast. A module, not a function call, so a tensor-parallel plan's hooks on it still run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_as_weight(x, self.weight, self.eps)
 
 
 class Attention(AttentionBase):
@@ -135,8 +138,8 @@ class Attention(AttentionBase):
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         norms = qk_norm_eps is not None
-        self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if norms else None
-        self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if norms else None
+        self.q_norm = HeadNorm(head_dim, eps=qk_norm_eps) if norms else None
+        self.k_norm = HeadNorm(head_dim, eps=qk_norm_eps) if norms else None
         self.rotate = rotary.rotate
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
@@ -144,7 +147,7 @@ class Attention(AttentionBase):
         bs, seq, _ = x.shape
         q, k, v = (w(x).view(bs, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
-            q, k = norm_as_weight(self.q_norm, q), norm_as_weight(self.k_norm, k)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         return self.wo(self.attend(q, k, v, cache, start_pos, doc_ids))
 

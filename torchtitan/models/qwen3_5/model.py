@@ -37,7 +37,7 @@ from torch import nn
 
 from torchtitan.models.common import decoder, delta_rule
 from torchtitan.models.common.init import local_part
-from torchtitan.models.common.layers import Attention, TransformerBlock, norm_as_weight
+from torchtitan.models.common.layers import Attention, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import transformer_flops_per_token
 
@@ -63,7 +63,7 @@ class GatedAttention(Attention):
         q, gate = self.wq(x).view(bs, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        q, k = norm_as_weight(self.q_norm, q), norm_as_weight(self.k_norm, k)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate_part(q, rope), self.rotate_part(k, rope)
         out = self.attend(q, k, v, cache, start_pos, doc_ids)
         return self.wo(out * torch.sigmoid(gate.reshape(bs, seq, -1)))
