@@ -2,6 +2,9 @@
 
     python scripts/validate_memory_estimate.py [--only NAME,...] [--terms] [--allocated-only] [--section.key value ...]
 
+(--section.key value: a training option for every layout, after the layout's own; e.g.
+--training.mixed_precision_param float32 runs every row in float32, for a CPU without native bf16.)
+
 For each layout of LAYOUTS (small flavors, up to 4 processes) it trains 6 steps with torchrun twice:
 - under PyTorch's profiler, whose allocation events give the most bytes the CPU allocator held at
   once on each rank (what torch.cuda.max_memory_allocated counts on GPU);
@@ -25,7 +28,7 @@ sys.path.insert(0, REPO)
 from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa: E402
 
 BASE = ["--training.steps", "6", "--metrics.log_freq", "1", "--training.seq_len", "512", "--training.local_batch_size",
-        "4", "--checkpoint.no-enable_checkpoint", "--validation.no-enabled"]
+        "4", "--checkpoint.no-enable_checkpoint", "--validation.no-enabled", "--training.mixed_precision_param", "bfloat16"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]

@@ -29,7 +29,7 @@ from torchtitan.components import fault_tolerance, validate, watchdog
 from torchtitan.components.batch import BatchRule, LossRanks, document_end_of
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.metrics import (MetricsLogger, MfuPeak, left_behind, peak_memory_gib, rewind_metrics,
+from torchtitan.components.metrics import (MetricsLogger, MfuPeak, left_behind, slow_cpu_bfloat16, peak_memory_gib, rewind_metrics,
                                            setup_logging, startup_line, startup_phase, write_run_file)
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
@@ -393,6 +393,8 @@ class Trainer:
                     f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s)); loss "
                     + (f"in chunks of {self.plan.loss_chunk_tokens} tokens" if self.plan.loss_chunk_tokens else "on the whole logits"))
         logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
+        if self.device.type == "cpu" and t.mixed_precision_param == "bfloat16" and (slow := slow_cpu_bfloat16()):
+            logger.warning(slow)
         if self.plan.memory_estimate:
             logger.info(self.plan.memory_estimate)
         if cfg.lr_scheduler.warmup_steps >= t.steps:

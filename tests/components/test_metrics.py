@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchtitan.components.metrics import (ROUGH_MFU_NOTE, MetricsLogger, device_peak_tflops, duration,
-                                           measure_matmul_tflops)
+                                           measure_matmul_tflops, slow_cpu_bfloat16)
 from torchtitan.config import Metrics
 
 
@@ -79,11 +79,11 @@ def test_peak_sources():
     assert 0.5 * reference < peak < 3 * reference, (peak, reference)
 
 
-def _timed_matmul_tflops(n: int = 1024, reps: int = 8) -> float:
+def _timed_matmul_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, reps: int = 8) -> float:
     """An independent count: reps n x n matmuls of 2 n^3 FLOPs each, timed as a whole."""
     import time
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     start = time.perf_counter()
     for _ in range(reps):
@@ -97,6 +97,17 @@ def test_measured_matmul_rate_counts_flops_like_an_independent_timing():
     # moment apart, once differed by 2.7x (0.027 against 0.074 TFLOP/s in a CI run).
     reference = _timed_matmul_tflops()
     assert 0.1 * reference < measure_matmul_tflops(torch.float32, seconds=0.3) < 10 * reference
+
+
+def test_a_cpu_without_native_bfloat16_is_named_with_the_fix():
+    """Against independent timings of both dtypes: a CPU whose bf16 matmul is several times slower than its
+    float32 one gets the warning, with its fix; one where bf16 is at least as fast gets none."""
+    ratio = _timed_matmul_tflops(torch.float32, n=256) / _timed_matmul_tflops(torch.bfloat16, n=256)
+    warning = slow_cpu_bfloat16()
+    if ratio > 8:
+        assert warning and "--training.mixed_precision_param float32" in warning, (ratio, warning)
+    elif ratio < 1:
+        assert warning is None, (ratio, warning)
 
 
 def test_peak_memory_is_resident_set_on_cpu():

@@ -40,18 +40,31 @@ GPU_PEAK_TFLOPS = {
 
 
 def measure_matmul_tflops(dtype: torch.dtype, seconds: float = 1.0, n: int = 1024) -> float:
-    """Best rate over short trials, so that a moment of contention does not lower the peak."""
+    """Best rate over short trials of one matmul each, so that a moment of contention does not lower the peak;
+    at least one trial, however slow the matmul (bfloat16 on a CPU without it takes seconds)."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
-    for _ in range(3):  # warm-up: thread pool, kernel selection, clock ramp
+    for _ in range(2):  # warm-up: thread pool, kernel selection, clock ramp
         torch.mm(a, b)
     best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    while best == 0.0 or time.perf_counter() < deadline:
         start = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
+        torch.mm(a, b)
+        best = max(best, 2 * n**3 / (time.perf_counter() - start))
     return best / 1e12
+
+
+def slow_cpu_bfloat16() -> str | None:
+    """A warning when this CPU multiplies bfloat16 matrices far slower than float32 ones (no native bf16
+    instructions: the kernel converts element by element, tens of times slower), else None. Measured on
+    small matrices: a fraction of a second."""
+    bf16 = measure_matmul_tflops(torch.bfloat16, seconds=0.2, n=256)
+    fp32 = measure_matmul_tflops(torch.float32, seconds=0.2, n=256)
+    if bf16 * 2 >= fp32:
+        return None
+    return (f"this CPU multiplies bfloat16 matrices at {bf16 * 1e3:.1f} GFLOP/s and float32 ones at {fp32 * 1e3:.1f}: "
+            f"it has no native bfloat16 arithmetic, and training.mixed_precision_param = bfloat16 makes the model's "
+            f"matmuls about {fp32 / bf16:.0f}x slower here; --training.mixed_precision_param float32 trains faster on it")
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
