@@ -8,7 +8,9 @@
 name; a folder of step-N folders means its newest) or a Hugging Face folder (config.json +
 *.safetensors, as checkpoint.last_save_in_hf or transformers' save_pretrained write it). The recipe
 and its overrides name the model (model.name, model.flavor) and the tokenizer (model.tokenizer_path);
-the checkpoint must hold that model (same family and tensor shapes). The model runs with the
+the checkpoint must hold that model (same family and tensor shapes). With none of --job.config_file,
+--model.name and --model.flavor, the model is the checkpoint's own, whatever its family; and a Hugging
+Face folder that holds a tokenizer gives it, unless --model.tokenizer_path names one. The model runs with the
 checkpoint's own hyper-parameters (rotary theta, norm eps, routing, ...), and its context is the
 checkpoint's max_seq_len (ours: the training seq_len; Hugging Face: max_position_embeddings).
 
@@ -234,19 +236,41 @@ def cpu_threads() -> tuple[int, str]:
     return free, f"{default} core(s), about {busy} busy with other processes (OMP_NUM_THREADS sets it)"
 
 
+def named_on_the_command_line(config_argv: list[str], *keys: str) -> bool:
+    """Whether the command line gives any of these options (--key value or --key=value)."""
+    return any(arg.split("=", 1)[0] in keys for arg in config_argv)
+
+
 def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
     """The continuation of opts.prompt."""
     cfg = load_config(config_argv)
     import_custom_module(cfg.experimental.custom_import)
-    want_spec = get_model_spec(cfg.model.name)
-    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    overrides = moe_overrides(cfg.moe) if getattr(flavor_args, "moe", None) is not None else None
-    want_args = want_spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, cfg.training.seq_len, overrides)
+    model_named = named_on_the_command_line(config_argv, "--job.config_file", "--model.name", "--model.flavor")
+    tokenizer_path = cfg.model.tokenizer_path
+    hf_folder = (Path(opts.checkpoint) / HF_CONFIG).is_file()
+    if hf_folder and not named_on_the_command_line(config_argv, "--job.config_file", "--model.tokenizer_path"):
+        if any((Path(opts.checkpoint) / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            tokenizer_path = opts.checkpoint
+    tokenizer = Tokenizer(tokenizer_path)
+    if model_named:
+        want_spec = get_model_spec(cfg.model.name)
+        flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
+        overrides = moe_overrides(cfg.moe) if getattr(flavor_args, "moe", None) is not None else None
+        want_args = want_spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, cfg.training.seq_len,
+                                                overrides)
 
     spec, sd, args, where = read_weights(opts.checkpoint)
-    check_same_model(spec, args, where, want_spec, want_args,
-                     f"{describe(want_spec.name, want_args)}, flavor {cfg.model.flavor!r}")
+    if model_named:
+        check_same_model(spec, args, where, want_spec, want_args,
+                         f"{describe(want_spec.name, want_args)}, flavor {cfg.model.flavor!r}")
+    else:
+        logger.info(f"the checkpoint's own model, {describe(spec.name, args)} (--model.name, --model.flavor or a "
+                    f"recipe would name the one to check it against); tokenizer {tokenizer_path}")
+    if tokenizer.vocab_size > args.vocab_size:
+        raise UserError(
+            f"the tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, more than the vocabulary of "
+            f"{describe(spec.name, args)} ({where}); give the tokenizer it was trained with: --model.tokenizer_path"
+        )
     prompt = tokenizer.encode(opts.prompt, bos=True, eos=False)
     context = args.max_seq_len
     if len(prompt) > context:

@@ -2,6 +2,7 @@
 imported Hugging Face model gives transformers' own tokens, the command line prints the same text from
 a step-N folder and from its Hugging Face export, and mistakes end with one line and exit status 2."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 from conftest import MODEL, RECIPE, REPO, launch, load_script, small_llama3_args
 from torchtitan.components.checkpoint import save_hf, write_dcp_model
 from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer_export import export_tokenizer
 from torchtitan.models.common.layers import kv_caches
 from torchtitan.models.common.moe import MoEArgs, moe_layers
 from torchtitan.models.registry import get_model_spec
@@ -237,7 +239,7 @@ def test_cli_prints_the_same_continuation_from_dcp_and_hf(gen, debug_checkpoints
     assert capsys.readouterr().out == continuation("x", 4)
 
 
-def test_cli_generates_from_a_published_qwen3_5_folder(gen, tmp_path, capsys):
+def test_cli_generates_from_a_published_qwen3_5_folder(gen, tmp_path, capsys, caplog):
     """The published Qwen3.5 layout as --checkpoint (Qwen3_5ForConditionalGeneration: model_type 'qwen3_5',
     the text model in text_config and under model.language_model., a vision tower beside it), which the
     trainer imports: read as the family of text_config's model_type, the model holds the weights written
@@ -262,10 +264,31 @@ def test_cli_generates_from_a_published_qwen3_5_folder(gen, tmp_path, capsys):
         assert_close(theirs(input_ids=x).logits, ours, rtol=1e-4)
     tokenizer = Tokenizer(MODEL)
     new = gen.generate(model, tokenizer.encode("def main(argv):\n", True, False), 8, eos_id=tokenizer.eos_id)
-    argv = [*RECIPE, "--model.name", "qwen3_5", "--checkpoint", str(tmp_path / "hf"), "--prompt", "def main(argv):\n",
-            "--max_new_tokens", "8"]
-    assert gen.main(argv) == 0, capsys.readouterr().err
-    assert capsys.readouterr().out == tokenizer.decode([t for t in new if t != tokenizer.eos_id]) + "\n"
+    expected = tokenizer.decode([t for t in new if t != tokenizer.eos_id]) + "\n"
+    prompt = ["--checkpoint", str(tmp_path / "hf"), "--prompt", "def main(argv):\n", "--max_new_tokens", "8"]
+    assert gen.main([*RECIPE, "--model.name", "qwen3_5", *prompt]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == expected
+    # No recipe and no --model.name: the folder's own model (the recipe's default family is llama3), the default
+    # tokenizer; then the tokenizer written into the folder, which gives the same ids.
+    assert gen.main(prompt) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == expected
+    export_tokenizer(MODEL, tmp_path / "hf")
+    assert gen.main([*prompt, "--model.tokenizer_path", str(tmp_path / "nowhere")]) == 2  # a named one is read
+    assert "nowhere" in capsys.readouterr().err
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="generate"):
+        assert gen.main(prompt) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == expected and f"tokenizer {tmp_path / 'hf'}" in caplog.text
+
+
+def test_without_a_recipe_the_checkpoint_is_read_with_a_tokenizer_it_can_take(gen, debug_checkpoints, capsys):
+    """No recipe: the checkpoint's own model (Qwen3 here, of 128 tokens), and the default tokenizer (4,096) is refused
+    in one line, before decoding ids the model cannot give."""
+    tmp, _ = debug_checkpoints
+    assert gen.main(["--checkpoint", str(tmp / "qwen"), "--prompt", "x", "--max_new_tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the tokenizer") and "has 4096 tokens, more than the vocabulary of qwen3" in err[-1]
+    assert not any("Traceback" in line for line in err)
 
 
 @pytest.mark.parametrize(
