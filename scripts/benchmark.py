@@ -68,10 +68,28 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 from torchtitan.config.errors import UserError, run_main  # noqa: E402
 
 # Options of this script; everything else is a trainer override.
-OWN_OPTIONS = {"--nproc": int, "--steps": int, "--warmup": int, "--threads": int, "--repeat": int, "--worker": str,
-               "--result": str, "--attention": int, "--optimizers": int}
-DEFAULTS = {"nproc": 1, "steps": 30, "warmup": 10, "threads": None, "repeat": 1, "worker": None, "result": None,
-            "attention": 0, "optimizers": 0}
+OWN_OPTIONS = {
+    "--nproc": int,
+    "--steps": int,
+    "--warmup": int,
+    "--threads": int,
+    "--repeat": int,
+    "--worker": str,
+    "--result": str,
+    "--attention": int,
+    "--optimizers": int,
+}
+DEFAULTS = {
+    "nproc": 1,
+    "steps": 30,
+    "warmup": 10,
+    "threads": None,
+    "repeat": 1,
+    "worker": None,
+    "result": None,
+    "attention": 0,
+    "optimizers": 0,
+}
 PARTS = ("framework", "bare")
 
 
@@ -102,39 +120,56 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
 def framework_argv(overrides: list[str], steps: int, dump_folder: str) -> list[str]:
     # Appended last: the trainer's command line lets the last occurrence of a key win.
     return overrides + [
-        "--metrics.log_freq", "1",
-        "--training.steps", str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--training.steps",
+        str(steps),
         "--checkpoint.no-enable_checkpoint",
-        "--job.dump_folder", dump_folder,
+        "--job.dump_folder",
+        dump_folder,
     ]
 
 
 def check_supported(cfg) -> None:
     """Options the bare loop does not reproduce: refuse rather than compare unlike things."""
     p = cfg.parallelism
-    others = {"data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-              "tensor_parallel_degree": p.tensor_parallel_degree,
-              "pipeline_parallel_degree": p.pipeline_parallel_degree,
-              "context_parallel_degree": p.context_parallel_degree,
-              "expert_parallel_degree": p.expert_parallel_degree}
+    others = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "expert_parallel_degree": p.expert_parallel_degree,
+    }
     for key, degree in others.items():
         if degree != 1:
-            raise UserError(f"the bare loop shards over all processes with FSDP on a 1D mesh and nothing else: "
-                            f"set parallelism.{key} = 1 (it is {degree})")
+            raise UserError(
+                f"the bare loop shards over all processes with FSDP on a 1D mesh and nothing else: "
+                f"set parallelism.{key} = 1 (it is {degree})"
+            )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and not str(ac.selective_ac_option).strip().isdigit():
-        raise UserError("the bare loop checkpoints whole blocks only: use activation_checkpoint.mode full, "
-                        "or selective with an integer selective_ac_option")
+        raise UserError(
+            "the bare loop checkpoints whole blocks only: use activation_checkpoint.mode full, "
+            "or selective with an integer selective_ac_option"
+        )
     if cfg.model.converters:
         raise UserError("the bare loop applies no model converters (model.converters must be empty)")
     m = cfg.model
     if (m.attn_mask_type, m.attn_backend, m.use_flex_attn, cfg.training.ignore_cross_document_labels) != (
-            "causal", "auto", False, False):
-        raise UserError("the bare loop attends causally with the model's default kernel and counts every label: "
-                        "compare masks and kernels with --attention 1")
+        "causal",
+        "auto",
+        False,
+        False,
+    ):
+        raise UserError(
+            "the bare loop attends causally with the model's default kernel and counts every label: "
+            "compare masks and kernels with --attention 1"
+        )
     if cfg.optimizer.name == "Muon" or cfg.optimizer.state_dtype != "float32":
-        raise UserError("the bare loop steps torch's AdamW or Adam with float32 state: compare Muon with AdamW in "
-                        "the trainer with --optimizers 1")
+        raise UserError(
+            "the bare loop steps torch's AdamW or Adam with float32 state: compare Muon with AdamW in "
+            "the trainer with --optimizers 1"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,7 +249,11 @@ def run_bare(cfg, steps: int) -> dict:
         tune_host_allocator()  # as the trainer does on CPU: the comparison is of the loops, not of malloc
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
@@ -251,9 +290,15 @@ def run_bare(cfg, steps: int) -> dict:
     model.train()
 
     optim_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
-    optimizer = optim_cls(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                          weight_decay=o.weight_decay, fused=o.implementation == "fused",
-                          foreach=o.implementation == "foreach")
+    optimizer = optim_cls(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=o.implementation == "fused",
+        foreach=o.implementation == "foreach",
+    )
     # As the trainer: bf16 without FSDP is autocast; with FSDP the policy above casts the parameters.
     use_autocast = mesh is None and compute_dtype == torch.bfloat16
     peak_tflops, _ = device_peak_tflops(device, compute_dtype, cfg.metrics.device_peak_tflops)
@@ -282,8 +327,15 @@ def run_bare(cfg, steps: int) -> dict:
         now = time.perf_counter()
         tps = accum * t.local_batch_size * t.seq_len / (now - last)
         tflops = flops_tok * tps / 1e12
-        records.append({"step": step + 1, "tps": tps, "tflops": tflops, "mfu": 100 * tflops / peak_tflops,
-                        "memory_gib": peak_memory_gib(device)})
+        records.append(
+            {
+                "step": step + 1,
+                "tps": tps,
+                "tflops": tflops,
+                "mfu": 100 * tflops / peak_tflops,
+                "memory_gib": peak_memory_gib(device),
+            }
+        )
         print(f"bare step {step + 1}: {tps:,.0f} tokens/s", flush=True)
         last = time.perf_counter()  # the bookkeeping above is not part of the loop being measured
     if mesh is not None:
@@ -291,8 +343,13 @@ def run_bare(cfg, steps: int) -> dict:
         first_loss /= world
         dist.barrier()  # no rank tears down gloo while another still talks to it
         dist.destroy_process_group()
-    return {"steps": records, "peak_tflops": peak_tflops, "threads": torch.get_num_threads(),
-            "n_params": n_params, "first_loss": first_loss.item()}
+    return {
+        "steps": records,
+        "peak_tflops": peak_tflops,
+        "threads": torch.get_num_threads(),
+        "n_params": n_params,
+        "first_loss": first_loss.item(),
+    }
 
 
 def run_moe_layer(cfg, repeats: int = 20) -> dict:
@@ -335,8 +392,13 @@ def run_moe_layer(cfg, repeats: int = 20) -> dict:
 
     t_dense, t_moe = timed(dense), timed(moe)
     flops = 6 * x.shape[0] * x.shape[1] * 3 * args.dim * m.top_k * m.hidden_dim
-    return {"steps": [], "dense_tflops": flops / t_dense / 1e12, "moe_tflops": flops / t_moe / 1e12,
-            "grouped_mm": grouped_mm_works(x.device, dtype), "threads": torch.get_num_threads()}
+    return {
+        "steps": [],
+        "dense_tflops": flops / t_dense / 1e12,
+        "moe_tflops": flops / t_moe / 1e12,
+        "grouped_mm": grouped_mm_works(x.device, dtype),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def worker(opts: dict, overrides: list[str]) -> int:
@@ -363,12 +425,27 @@ def worker(opts: dict, overrides: list[str]) -> int:
 
 
 def worker_command(part: str, opts: dict, overrides: list[str], result: Path) -> list[str]:
-    script = [str(Path(__file__).resolve()), "--worker", part, "--result", str(result),
-              "--steps", str(opts["steps"]), *overrides]
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        part,
+        "--result",
+        str(result),
+        "--steps",
+        str(opts["steps"]),
+        *overrides,
+    ]
     if opts["nproc"] == 1:
         return [sys.executable, *script]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={opts['nproc']}",
-            "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", *script]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={opts['nproc']}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        *script,
+    ]
 
 
 def summarize(results: list[dict], warmup: int) -> dict:
@@ -415,34 +492,53 @@ def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -
     from torchtitan.models.registry import get_model_args
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    windowed = getattr(get_model_args(cfg.model.name, cfg.model.flavor), "sliding_window", None) is not None or \
-        cfg.model.sliding_window is not None
+    windowed = (
+        getattr(get_model_args(cfg.model.name, cfg.model.flavor), "sliding_window", None) is not None
+        or cfg.model.sliding_window is not None
+    )
     rows = []
     for label, extra in attention_variants(cfg, device_type):
         masked = "block_causal" in label or windowed
-        kernel = choose_attention_kernel(extra[-1], device_type, masked, "block_causal" in label, cfg.training.seq_len) \
-            if cfg.parallelism.context_parallel_degree == 1 else "ring"
+        kernel = (
+            choose_attention_kernel(extra[-1], device_type, masked, "block_causal" in label, cfg.training.seq_len)
+            if cfg.parallelism.context_parallel_degree == 1
+            else "ring"
+        )
         results = []
         for repeat in range(opts["repeat"]):
-            result, log = tmp / f"{label.replace(' ', '_')}_{repeat}.json", tmp / f"{label.replace(' ', '_')}_{repeat}.log"
+            result, log = (
+                tmp / f"{label.replace(' ', '_')}_{repeat}.json",
+                tmp / f"{label.replace(' ', '_')}_{repeat}.log",
+            )
             with open(log, "w") as f:
-                subprocess.run(worker_command("framework", opts, overrides + extra, result), env=env, stdout=f,
-                               stderr=subprocess.STDOUT)
+                subprocess.run(
+                    worker_command("framework", opts, overrides + extra, result),
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
             if not result.exists():
                 print(f"error: the {label} run failed; log {log}:\n{log.read_text()[-6000:]}", file=sys.stderr)
                 return 1
             results.append(json.loads(result.read_text()))
         summary = summarize(results, opts["warmup"])
-        summary.update(kernel=kernel, first_loss=results[0]["first_loss"],
-                       first_step_s=statistics.median(r["first_step_s"] for r in results))
+        summary.update(
+            kernel=kernel,
+            first_loss=results[0]["first_loss"],
+            first_step_s=statistics.median(r["first_step_s"] for r in results),
+        )
         rows.append((label, summary))
         print(f"{label}: {summary['tps']:,.0f} tokens/s ({kernel} kernel), log {log}", flush=True)
     causal = rows[0][1]["tps"]
-    print(f"{'mask and kernel':<22}{'ran':>7}{'tokens/s':>11}{'x causal':>10}{'TFLOP/s':>10}{'MFU %':>7}"
-          f"{'step 1 s':>10}{'loss 1':>9}")
+    print(
+        f"{'mask and kernel':<22}{'ran':>7}{'tokens/s':>11}{'x causal':>10}{'TFLOP/s':>10}{'MFU %':>7}"
+        f"{'step 1 s':>10}{'loss 1':>9}"
+    )
     for label, r in rows:
-        print(f"{label:<22}{r['kernel']:>7}{r['tps']:>11,.0f}{r['tps'] / causal:>10.2f}{r['tflops']:>10.4f}"
-              f"{r['mfu']:>7.1f}{r['first_step_s']:>10.1f}{r['first_loss']:>9.4f}")
+        print(
+            f"{label:<22}{r['kernel']:>7}{r['tps']:>11,.0f}{r['tps'] / causal:>10.2f}{r['tflops']:>10.4f}"
+            f"{r['mfu']:>7.1f}{r['first_step_s']:>10.1f}{r['first_loss']:>9.4f}"
+        )
     return 0
 
 
@@ -460,15 +556,18 @@ def without_muon_keys(overrides: list[str]) -> list[str]:
 
 
 def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path) -> int:
-    variants = [("AdamW", without_muon_keys(overrides) + ["--optimizer.name", "AdamW"]),
-                ("Muon", overrides + ["--optimizer.name", "Muon"])]
+    variants = [
+        ("AdamW", without_muon_keys(overrides) + ["--optimizer.name", "AdamW"]),
+        ("Muon", overrides + ["--optimizer.name", "Muon"]),
+    ]
     runs = {label: [] for label, _ in variants}
     for repeat in range(opts["repeat"]):
         for label, argv in variants if repeat % 2 == 0 else variants[::-1]:
             result, log = tmp / f"{label}_{repeat}.json", tmp / f"{label}_{repeat}.log"
             with open(log, "w") as f:
-                subprocess.run(worker_command("framework", opts, argv, result), env=env, stdout=f,
-                               stderr=subprocess.STDOUT)
+                subprocess.run(
+                    worker_command("framework", opts, argv, result), env=env, stdout=f, stderr=subprocess.STDOUT
+                )
             if not result.exists():
                 print(f"error: the {label} run failed; log {log}:\n{log.read_text()[-6000:]}", file=sys.stderr)
                 return 1
@@ -480,8 +579,11 @@ def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path) -> in
         summary = summarize(results, opts["warmup"])
         # "time" is the seconds since the run started, logged every step: a step's time is the difference.
         summary["step_ms"] = 1000 * statistics.median(
-            b["time"] - a["time"] for result in results for a, b in zip(result["steps"], result["steps"][1:])
-            if b["step"] > opts["warmup"])
+            b["time"] - a["time"]
+            for result in results
+            for a, b in zip(result["steps"], result["steps"][1:])
+            if b["step"] > opts["warmup"]
+        )
         summary["first_loss"] = results[0]["first_loss"]
         rows[label] = summary
     print(f"{'optimizer':<12}{'step ms':>10}{'tokens/s':>11}{'peak GiB':>10}{'loss 1':>9}")
@@ -499,8 +601,10 @@ def launch(opts: dict, overrides: list[str]) -> int:
     from torchtitan.preflight import check
 
     if opts["nproc"] < 1 or opts["repeat"] < 1 or opts["warmup"] < 0 or opts["steps"] <= opts["warmup"]:
-        raise UserError(f"need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0 (got --nproc {opts['nproc']}, "
-                        f"--repeat {opts['repeat']}, --steps {opts['steps']}, --warmup {opts['warmup']})")
+        raise UserError(
+            f"need --nproc >= 1, --repeat >= 1 and --steps > --warmup >= 0 (got --nproc {opts['nproc']}, "
+            f"--repeat {opts['repeat']}, --steps {opts['steps']}, --warmup {opts['warmup']})"
+        )
     try:
         # --optimizers 1 runs Muon too: Muon's keys must load (the AdamW run leaves them out).
         cfg = load_config(overrides + (["--optimizer.name", "Muon"] if opts["optimizers"] else []))
@@ -522,16 +626,22 @@ def launch(opts: dict, overrides: list[str]) -> int:
     else:
         runs = [overrides]
     for argv in runs:
-        check(framework_argv(argv, opts["steps"], os.path.join(tempfile.gettempdir(), "benchmark")), opts["nproc"],
-              check_lock=False)
+        check(
+            framework_argv(argv, opts["steps"], os.path.join(tempfile.gettempdir(), "benchmark")),
+            opts["nproc"],
+            check_lock=False,
+        )
     env = dict(os.environ)
     if opts["threads"] is not None:
         env["OMP_NUM_THREADS"] = str(opts["threads"])
 
-    print(f"{cfg.model.name} {cfg.model.flavor}, seq {t.seq_len}, global batch {global_batch} "
-          f"(local {t.local_batch_size}), params {t.mixed_precision_param}, {opts['nproc']} process(es), "
-          f"compile {t.compile}, activation checkpointing {cfg.activation_checkpoint.mode}, "
-          f"{opts['steps']} steps, median after {opts['warmup']}, {opts['repeat']} repeat(s)", flush=True)
+    print(
+        f"{cfg.model.name} {cfg.model.flavor}, seq {t.seq_len}, global batch {global_batch} "
+        f"(local {t.local_batch_size}), params {t.mixed_precision_param}, {opts['nproc']} process(es), "
+        f"compile {t.compile}, activation checkpointing {cfg.activation_checkpoint.mode}, "
+        f"{opts['steps']} steps, median after {opts['warmup']}, {opts['repeat']} repeat(s)",
+        flush=True,
+    )
 
     tmp = Path(tempfile.mkdtemp(prefix="benchmark_"))
     if opts["attention"]:
@@ -545,8 +655,9 @@ def launch(opts: dict, overrides: list[str]) -> int:
             result, log = tmp / f"{part}_{repeat}.json", tmp / f"{part}_{repeat}.log"
             start = time.perf_counter()
             with open(log, "w") as f:
-                proc = subprocess.run(worker_command(part, opts, overrides, result), env=env, stdout=f,
-                                      stderr=subprocess.STDOUT)
+                proc = subprocess.run(
+                    worker_command(part, opts, overrides, result), env=env, stdout=f, stderr=subprocess.STDOUT
+                )
             if not result.exists():
                 tail = log.read_text()[-6000:]
                 print(f"error: the {part} run failed (exit {proc.returncode}); log {log}:\n{tail}", file=sys.stderr)
@@ -554,28 +665,44 @@ def launch(opts: dict, overrides: list[str]) -> int:
             if proc.returncode != 0:
                 # gloo on CPU now and then aborts a rank at interpreter exit ("terminate called
                 # without an active exception") after all work is done; the measurement stands.
-                print(f"warning: the {part} run exited with status {proc.returncode} after writing its "
-                      f"results; see {log}", flush=True)
+                print(
+                    f"warning: the {part} run exited with status {proc.returncode} after writing its "
+                    f"results; see {log}",
+                    flush=True,
+                )
             data = json.loads(result.read_text())
             runs[part].append(data)
-            print(f"{part}: {summarize([data], opts['warmup'])['tps']:,.0f} tokens/s, step-1 loss "
-                  f"{data['first_loss']:.4f}, {time.perf_counter() - start:.0f}s, log {log}", flush=True)
+            print(
+                f"{part}: {summarize([data], opts['warmup'])['tps']:,.0f} tokens/s, step-1 loss "
+                f"{data['first_loss']:.4f}, {time.perf_counter() - start:.0f}s, log {log}",
+                flush=True,
+            )
     print(f"model: {runs['bare'][0]['n_params']:,} parameters", flush=True)
     losses = {part: runs[part][0]["first_loss"] for part in PARTS}
     fw, bare = summarize(runs["framework"], opts["warmup"]), summarize(runs["bare"], opts["warmup"])
     if abs(losses["framework"] - losses["bare"]) > 1e-2:
-        print(f"warning: the step-1 losses differ ({losses['framework']:.4f} vs {losses['bare']:.4f}): "
-              "the two loops do not train the same model on the same data", flush=True)
+        print(
+            f"warning: the step-1 losses differ ({losses['framework']:.4f} vs {losses['bare']:.4f}): "
+            "the two loops do not train the same model on the same data",
+            flush=True,
+        )
     if getattr(_flavor_args(cfg), "moe", None) is not None:
         result = tmp / "moe_layer.json"
         layer_opts = dict(opts, nproc=1)
-        subprocess.run(worker_command("moe_layer", layer_opts, overrides, result), env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            worker_command("moe_layer", layer_opts, overrides, result),
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         layer = json.loads(result.read_text())
-        print(f"MoE block vs dense SwiGLU of equal active FLOPs ({layer['threads']} thread(s), "
-              f"{'grouped matmul' if layer['grouped_mm'] else 'per-expert matmuls'}): "
-              f"{layer['moe_tflops']:.4f} vs {layer['dense_tflops']:.4f} TFLOP/s, "
-              f"share {layer['moe_tflops'] / layer['dense_tflops']:.2f}")
+        print(
+            f"MoE block vs dense SwiGLU of equal active FLOPs ({layer['threads']} thread(s), "
+            f"{'grouped matmul' if layer['grouped_mm'] else 'per-expert matmuls'}): "
+            f"{layer['moe_tflops']:.4f} vs {layer['dense_tflops']:.4f} TFLOP/s, "
+            f"share {layer['moe_tflops'] / layer['dense_tflops']:.2f}"
+        )
     print("\n".join(format_table(fw, bare)))
     print(f"ratio framework/bare: {fw['tps'] / bare['tps']:.2f}")
     return 0

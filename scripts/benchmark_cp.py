@@ -28,20 +28,43 @@ REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "allgather": ["--parallelism.context_parallel_rotate_method", "allgather"],
     "alltoall": ["--parallelism.context_parallel_rotate_method", "alltoall"],
-    "alltoall_no_overlap": ["--parallelism.context_parallel_rotate_method", "alltoall",
-                            "--parallelism.no-context_parallel_ring_overlap"],
+    "alltoall_no_overlap": [
+        "--parallelism.context_parallel_rotate_method",
+        "alltoall",
+        "--parallelism.no-context_parallel_ring_overlap",
+    ],
     "ulysses": ["--parallelism.context_parallel_method", "ulysses"],
 }
-LABELS = {"allgather": "ring, gathered (allgather)", "alltoall": "ring, rotating, overlapped",
-          "alltoall_no_overlap": "ring, rotating, no overlap", "ulysses": "Ulysses (all-to-all)"}
+LABELS = {
+    "allgather": "ring, gathered (allgather)",
+    "alltoall": "ring, rotating, overlapped",
+    "alltoall_no_overlap": "ring, rotating, no overlap",
+    "ulysses": "Ulysses (all-to-all)",
+}
 
 
 def launch_argv(nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path) -> list[str]:
     """The trainer's arguments for one variant: the overrides come last, so the recipe's config file leads."""
-    return [*overrides, "--training.steps", str(steps), "--training.seq_len", str(seq), "--training.local_batch_size",
-            "1", "--training.global_batch_size", "1", "--training.mixed_precision_param", "float32",
-            "--parallelism.context_parallel_degree", str(nproc), "--metrics.log_freq", "1",
-            "--job.dump_folder", str(folder), *VARIANTS[variant]]
+    return [
+        *overrides,
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        str(seq),
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "float32",
+        "--parallelism.context_parallel_degree",
+        str(nproc),
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(folder),
+        *VARIANTS[variant],
+    ]
 
 
 def _children_cpu_s() -> float:
@@ -49,16 +72,18 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_one(nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path,
-            timeout: int) -> tuple[list[dict], float] | str:
+def run_one(
+    nproc: int, seq: int, steps: int, variant: str, overrides: list[str], folder: Path, timeout: int
+) -> tuple[list[dict], float] | str:
     """Rank 0's per-step records of one launch and the CPU seconds of all its processes, or the reason
     it failed."""
     argv = launch_argv(nproc, seq, steps, variant, overrides, folder)
     env = dict(os.environ, NGPU=str(nproc))
     cpu_before = _children_cpu_s()  # the launcher waits for its workers, so their time counts here
     try:
-        proc = subprocess.run([str(REPO / "run_train.sh"), *argv], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [str(REPO / "run_train.sh"), *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout} s"
     metrics = folder / "metrics.jsonl"
@@ -91,26 +116,39 @@ def main(argv: list[str]) -> int:
         overrides = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides]
     for seq in opts.seq.split(","):  # the trainer's own checks, before any launch: one line and exit 2
         for variant in variants:
-            check(launch_argv(opts.nproc, int(seq), opts.steps, variant, overrides, Path("/tmp/unused")),
-                  opts.nproc, check_lock=False)
-    print(f"CP {opts.nproc}, {opts.steps} steps (median after {opts.warmup}), {opts.repeat} repeat(s); "
-          f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+            check(
+                launch_argv(opts.nproc, int(seq), opts.steps, variant, overrides, Path("/tmp/unused")),
+                opts.nproc,
+                check_lock=False,
+            )
+    print(
+        f"CP {opts.nproc}, {opts.steps} steps (median after {opts.warmup}), {opts.repeat} repeat(s); "
+        f"load average before: {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seq in (int(s) for s in opts.seq.split(",")):
             pooled: dict[str, list[dict] | str] = {v: [] for v in variants}
             cpu: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(opts.repeat):
-                order = variants[r % len(variants):] + variants[:r % len(variants)]
+                order = variants[r % len(variants) :] + variants[: r % len(variants)]
                 for variant in order:
                     if isinstance(pooled[variant], str):
                         continue  # failed before: do not try again
-                    got = run_one(opts.nproc, seq, opts.steps, variant, overrides,
-                                  Path(tmp) / f"{variant}_{seq}_{r}", opts.timeout)
+                    got = run_one(
+                        opts.nproc,
+                        seq,
+                        opts.steps,
+                        variant,
+                        overrides,
+                        Path(tmp) / f"{variant}_{seq}_{r}",
+                        opts.timeout,
+                    )
                     if isinstance(got, str):
                         pooled[variant] = got
                     else:
-                        pooled[variant] += got[0][opts.warmup:]
+                        pooled[variant] += got[0][opts.warmup :]
                         cpu[variant].append(got[1])
                     done = got if isinstance(got, str) else f"ok, {got[1]:.0f} CPU s"
                     print(f"  seq {seq} {variant} repeat {r}: {done}", flush=True)
@@ -120,8 +158,17 @@ def main(argv: list[str]) -> int:
                     rows.append((seq, variant, None, None, None, None, records or "no steps"))
                     continue
                 tps = statistics.median(r["tps"] for r in records)
-                rows.append((seq, variant, tps, seq / opts.nproc / tps, max(r["memory_gib"] for r in records),
-                             statistics.median(cpu[variant]), ""))
+                rows.append(
+                    (
+                        seq,
+                        variant,
+                        tps,
+                        seq / opts.nproc / tps,
+                        max(r["memory_gib"] for r in records),
+                        statistics.median(cpu[variant]),
+                        "",
+                    )
+                )
     print("\n| seq | CP | method | tokens/s per rank | step time (s) | peak memory (GiB) | CPU s per launch |")
     print("|---|---|---|---|---|---|---|")
     for seq, variant, tps, step, mem, cpu_s, note in rows:

@@ -126,14 +126,23 @@ def generate(folder: Path, size_mb: int, tokenizer) -> dict:
     offsets.tofile(folder / token_folder.INDEX)
     fingerprint = token_folder.tokenizer_fingerprint(tokenizer)
     meta = {
-        "format": token_folder.FORMAT, "version": token_folder.FORMAT_VERSION, "dtype": "uint16",
-        "source": {"description": "benchmark: random ids"}, "tokenizer": fingerprint, "vocab_size": vocab,
-        "bos_id": fingerprint["bos_id"], "eos_id": fingerprint["eos_id"], "num_docs": len(lengths),
-        "num_tokens": num_tokens, "max_id": vocab - 1, "source_random_access": True,
+        "format": token_folder.FORMAT,
+        "version": token_folder.FORMAT_VERSION,
+        "dtype": "uint16",
+        "source": {"description": "benchmark: random ids"},
+        "tokenizer": fingerprint,
+        "vocab_size": vocab,
+        "bos_id": fingerprint["bos_id"],
+        "eos_id": fingerprint["eos_id"],
+        "num_docs": len(lengths),
+        "num_tokens": num_tokens,
+        "max_id": vocab - 1,
+        "source_random_access": True,
     }
     meta_file.write_text(json.dumps(meta))
-    print(f"generated {folder}: {num_tokens:,} tokens, {len(lengths):,} documents in "
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        f"generated {folder}: {num_tokens:,} tokens, {len(lengths):,} documents in {time.perf_counter() - start:.1f} s"
+    )
     return meta
 
 
@@ -143,14 +152,21 @@ def generate(folder: Path, size_mb: int, tokenizer) -> dict:
 def token_benchmark(args, tokenizer):
     folder = Path(args.folder)
     meta = generate(folder, args.size_mb, tokenizer)
-    print(f"token folder: {meta['num_tokens'] * 2 / (1 << 30):.2f} GiB, {meta['num_tokens']:,} tokens, "
-          f"{meta['num_docs']:,} documents; seq_len {args.seq_len}, local batch {args.local_batch}, shuffle on; "
-          "rank D - 1 of D (every rank reads only its lanes)")
+    print(
+        f"token folder: {meta['num_tokens'] * 2 / (1 << 30):.2f} GiB, {meta['num_tokens']:,} tokens, "
+        f"{meta['num_docs']:,} documents; seq_len {args.seq_len}, local batch {args.local_batch}, shuffle on; "
+        "rank D - 1 of D (every rank reads only its lanes)"
+    )
     target = 100 * DEBUG_MODEL_TOKENS_PER_S
     for dp in _ints(args.dp):
         rank = dp - 1
-        cfg = Training(dataset="tokens", dataset_path=str(folder), seq_len=args.seq_len,
-                       local_batch_size=args.local_batch, shuffle_documents=True)
+        cfg = Training(
+            dataset="tokens",
+            dataset_path=str(folder),
+            seq_len=args.seq_len,
+            local_batch_size=args.local_batch,
+            shuffle_documents=True,
+        )
         gb = args.local_batch * dp
         start = time.perf_counter()
         loader = build_dataloader(cfg, tokenizer, rank, dp, gb)
@@ -173,17 +189,20 @@ def token_benchmark(args, tokenizer):
         resumed.load_state_dict(state)
         next(iter(resumed))
         resumed_startup = time.perf_counter() - start
-        print(f"dp {dp:3d} rank {rank:3d}: start-up {startup * 1000:6.1f} ms (resumed deep: "
-              f"{resumed_startup * 1000:6.1f} ms), {rate:12,.0f} tokens/s delivered to the rank "
-              f"({rate / DEBUG_MODEL_TOKENS_PER_S:,.0f}x the debug model's ~{DEBUG_MODEL_TOKENS_PER_S:,} tokens/s; "
-              f"target {target:,}: {'met' if rate >= target else 'NOT met'})")
+        print(
+            f"dp {dp:3d} rank {rank:3d}: start-up {startup * 1000:6.1f} ms (resumed deep: "
+            f"{resumed_startup * 1000:6.1f} ms), {rate:12,.0f} tokens/s delivered to the rank "
+            f"({rate / DEBUG_MODEL_TOKENS_PER_S:,.0f}x the debug model's ~{DEBUG_MODEL_TOKENS_PER_S:,} tokens/s; "
+            f"target {target:,}: {'met' if rate >= target else 'NOT met'})"
+        )
         del it, loader, resumed
 
 
 def text_benchmark(args, tokenizer):
     for workers in _ints(args.text_workers):
-        cfg = Training(dataset="python_stdlib", seq_len=args.seq_len, local_batch_size=args.local_batch,
-                       data_workers=workers)
+        cfg = Training(
+            dataset="python_stdlib", seq_len=args.seq_len, local_batch_size=args.local_batch, data_workers=workers
+        )
         loader = build_dataloader(cfg, tokenizer, 0, 1, args.local_batch)
         it = iter(loader)
         next(it)  # the workers are started and have read ahead
@@ -192,8 +211,10 @@ def text_benchmark(args, tokenizer):
             next(it)
             batches += 1
         rate = batches * args.local_batch * args.seq_len / (time.perf_counter() - start)
-        print(f"text pipeline (python_stdlib, dp 1, {args.local_batch} lanes), data_workers {workers}: "
-              f"{rate:12,.0f} tokens/s delivered")
+        print(
+            f"text pipeline (python_stdlib, dp 1, {args.local_batch} lanes), data_workers {workers}: "
+            f"{rate:12,.0f} tokens/s delivered"
+        )
         del it, loader
         gc.collect()  # the workers stop with their loader
 
@@ -235,8 +256,11 @@ def generate_mixture(folder: Path, mb: int, lanes: int, tokenizer) -> dict:
     files = lanes // MIX_ROW_GROUPS
     rows = len(docs) // files
     for f in range(files):
-        pq.write_table(pa.table({"text": docs[f * rows : (f + 1) * rows]}), parquet / f"shard-{f:05d}.parquet",
-                       row_group_size=rows // MIX_ROW_GROUPS)
+        pq.write_table(
+            pa.table({"text": docs[f * rows : (f + 1) * rows]}),
+            parquet / f"shard-{f:05d}.parquet",
+            row_group_size=rows // MIX_ROW_GROUPS,
+        )
     compressor = zstandard.ZstdCompressor(level=3)
     for s in range(lanes):
         lines = "".join(json.dumps({"text": d}) + "\n" for d in docs[s * per_lane : (s + 1) * per_lane])
@@ -244,8 +268,10 @@ def generate_mixture(folder: Path, mb: int, lanes: int, tokenizer) -> dict:
     tokens = sum(len(encode_document(tokenizer, d)) for d in docs)
     meta = {**want, "tokens_per_source": tokens, "paths": [str(parquet), str(zst)]}
     meta_file.write_text(json.dumps(meta))
-    print(f"generated {folder}: {len(docs):,} documents, {tokens:,} tokens per source, in "
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        f"generated {folder}: {len(docs):,} documents, {tokens:,} tokens per source, in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return meta
 
 
@@ -273,16 +299,23 @@ def mixture_benchmark(args, tokenizer):
     sizes = [sum(f.stat().st_size for f in p.iterdir()) for p in paths]
     corpus, files = sum(sizes), sum(len(list(p.iterdir())) for p in paths)
     pid = os.getpid()
-    print(f"mixture 0.5:0.5 of {paths[0]} ({lanes // MIX_ROW_GROUPS} parquet files of {MIX_ROW_GROUPS} row groups, "
-          f"{sizes[0] / 1e6:.1f} MB) and {paths[1]} ({lanes} jsonl.zst shards, {sizes[1] / 1e6:.1f} MB): "
-          f"{meta['documents']:,} documents of {MIX_DOC_CHARS:,} characters each ({meta['mb']} MB), "
-          f"{meta['tokens_per_source']:,} tokens each; seq_len {args.seq_len}, local batch {args.local_batch}, "
-          f"{'shuffled' if args.mix_shuffle else 'stored order'}; rank D - 1 of D (lanes "
-          f"G - {args.local_batch} .. G - 1 of G = D x {args.local_batch}) until it has its share of one pass")
+    print(
+        f"mixture 0.5:0.5 of {paths[0]} ({lanes // MIX_ROW_GROUPS} parquet files of {MIX_ROW_GROUPS} row groups, "
+        f"{sizes[0] / 1e6:.1f} MB) and {paths[1]} ({lanes} jsonl.zst shards, {sizes[1] / 1e6:.1f} MB): "
+        f"{meta['documents']:,} documents of {MIX_DOC_CHARS:,} characters each ({meta['mb']} MB), "
+        f"{meta['tokens_per_source']:,} tokens each; seq_len {args.seq_len}, local batch {args.local_batch}, "
+        f"{'shuffled' if args.mix_shuffle else 'stored order'}; rank D - 1 of D (lanes "
+        f"G - {args.local_batch} .. G - 1 of G = D x {args.local_batch}) until it has its share of one pass"
+    )
 
     def config(workers: int) -> Training:
-        return Training(dataset_mix=[f"0.5:{paths[0]}", f"0.5:{paths[1]}"], seq_len=args.seq_len,
-                        local_batch_size=args.local_batch, data_workers=workers, shuffle_documents=args.mix_shuffle)
+        return Training(
+            dataset_mix=[f"0.5:{paths[0]}", f"0.5:{paths[1]}"],
+            seq_len=args.seq_len,
+            local_batch_size=args.local_batch,
+            data_workers=workers,
+            shuffle_documents=args.mix_shuffle,
+        )
 
     # Once, unmeasured: whatever the first loader imports or caches is not counted for the first line.
     warm = build_dataloader(config(0), tokenizer, max(dps) - 1, max(dps), lanes)
@@ -310,11 +343,13 @@ def mixture_benchmark(args, tokenizer):
                 reading = bytes_read([pid]) - before - opening
             rate = (batches - 1) * args.local_batch * args.seq_len / (end - first)
             total = opening + reading
-            print(f"dp {dp:3d} rank {dp - 1:3d}, data_workers {workers}: {rate:10,.0f} tokens/s delivered "
-                  f"(start-up {(first - start) * 1000:6.0f} ms, {batches:4d} batches in {end - start:5.1f} s); read "
-                  f"{total / 1e6:6.2f} MB = {100 * total / corpus:6.2f}% of the corpus (its share: {100 / dp:6.2f}%): "
-                  f"opening {100 * opening / corpus:5.2f}% ({opening / files / 1024:4.1f} KiB a file), reading "
-                  f"{100 * reading / corpus:6.2f}%")
+            print(
+                f"dp {dp:3d} rank {dp - 1:3d}, data_workers {workers}: {rate:10,.0f} tokens/s delivered "
+                f"(start-up {(first - start) * 1000:6.0f} ms, {batches:4d} batches in {end - start:5.1f} s); read "
+                f"{total / 1e6:6.2f} MB = {100 * total / corpus:6.2f}% of the corpus (its share: {100 / dp:6.2f}%): "
+                f"opening {100 * opening / corpus:5.2f}% ({opening / files / 1024:4.1f} KiB a file), reading "
+                f"{100 * reading / corpus:6.2f}%"
+            )
             del it, loader
             gc.collect()  # the workers stop with their loader
             if any(Path(f"/proc/{p}").exists() for p in pids):
@@ -343,11 +378,14 @@ def resume_benchmark(args, tokenizer):
         (folder / ".done").write_text("")  # hidden: not read as data
     # One lane (global batch 1), stored order: the lane reads the shards in order, and document N of
     # its epoch is document N of the folder.
-    cfg = Training(dataset="local", dataset_path=str(folder), seq_len=args.seq_len, local_batch_size=1,
-                   shuffle_documents=False)
+    cfg = Training(
+        dataset="local", dataset_path=str(folder), seq_len=args.seq_len, local_batch_size=1, shuffle_documents=False
+    )
     names = sorted(p.name for p in folder.glob("*.zst"))
-    print(f"resume: {folder}, 100 jsonl.zst shards of 1,000 documents, one lane (global batch 1), stored order; "
-          f"start-up (build_dataloader + load_state_dict + first batch) of a resumed loader, best of {args.repeats}")
+    print(
+        f"resume: {folder}, 100 jsonl.zst shards of 1,000 documents, one lane (global batch 1), stored order; "
+        f"start-up (build_dataloader + load_state_dict + first batch) of a resumed loader, best of {args.repeats}"
+    )
     template = build_dataloader(cfg, tokenizer, 0, 1, 1).state_dict()
     times, batches = {}, {}
     for n in (1_000, 100_000 - 500):
@@ -367,24 +405,31 @@ def resume_benchmark(args, tokenizer):
                 best = min(best, time.perf_counter() - start)
                 del loader
             times[n, with_layout], batches[n, with_layout] = best, batch
-            print(f"  at document {n:6,}, {'with   ' if with_layout else 'without'} the saved documents per shard: "
-                  f"{best * 1000:8.1f} ms")
+            print(
+                f"  at document {n:6,}, {'with   ' if with_layout else 'without'} the saved documents per shard: "
+                f"{best * 1000:8.1f} ms"
+            )
         same = all(a.equal(b) for a, b in zip(batches[n, True], batches[n, False]))
         expected = encode_document(tokenizer, document(*divmod(n, 1000)))[: args.seq_len]
         starts = batches[n, True][0][0, : len(expected)].tolist() == expected
-        print(f"  at document {n:6,}: the first window starts with document {n:,}: {'yes' if starts else 'NO'}; "
-              f"the same first batch with and without: {'yes' if same else 'NO'}")
+        print(
+            f"  at document {n:6,}: the first window starts with document {n:,}: {'yes' if starts else 'NO'}; "
+            f"the same first batch with and without: {'yes' if same else 'NO'}"
+        )
     for with_layout in (True, False):
         ratio = times[99_500, with_layout] / times[1_000, with_layout]
-        print(f"start-up at document 99,500 / at 1,000, {'with   ' if with_layout else 'without'} the saved "
-              f"documents per shard: {ratio:5.2f}x" + (f" ({'under' if ratio < 1.5 else 'NOT under'} 1.5x)"
-                                                      if with_layout else ""))
+        print(
+            f"start-up at document 99,500 / at 1,000, {'with   ' if with_layout else 'without'} the saved "
+            f"documents per shard: {ratio:5.2f}x"
+            + (f" ({'under' if ratio < 1.5 else 'NOT under'} 1.5x)" if with_layout else "")
+        )
 
 
 def _quiet_epochs():
     """Drops the loader's "a lane read its share of epoch e" warnings: small folders at high dp pass many."""
     logging.getLogger("torchtitan.components.data.loader").addFilter(
-        lambda record: "a lane read its share of epoch" not in str(record.msg))
+        lambda record: "a lane read its share of epoch" not in str(record.msg)
+    )
 
 
 def _ints(values: str) -> list[int]:
@@ -393,6 +438,7 @@ def _ints(values: str) -> list[int]:
 
 def _counts(least: int):
     """argparse type: a comma list of integers, each `least` or more."""
+
     def parse(text: str) -> str:
         try:
             values = _ints(text)
@@ -418,15 +464,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--folder", default="/tmp/bench_tokens")
     parser.add_argument("--seq-len", type=positive_int, default=2048)
     parser.add_argument("--local-batch", type=positive_int, default=8)
-    parser.add_argument("--dp", type=_counts(1), default="1,8,64",
-                        help="data-parallel degrees to measure (rank D - 1 of each)")
+    parser.add_argument(
+        "--dp", type=_counts(1), default="1,8,64", help="data-parallel degrees to measure (rank D - 1 of each)"
+    )
     parser.add_argument("--seconds", type=_seconds, default=5.0, help="measuring time per layout")
-    parser.add_argument("--text-workers", type=_counts(0), default="",
-                        help="data_workers counts for the text pipeline, e.g. 0,1,2")
+    parser.add_argument(
+        "--text-workers", type=_counts(0), default="", help="data_workers counts for the text pipeline, e.g. 0,1,2"
+    )
     parser.add_argument("--mix-mb", type=int, default=0, help="MB of text per mixture source, e.g. 16")
     parser.add_argument("--mix-folder", default="/tmp/bench_mix_lanes")
-    parser.add_argument("--mix-workers", type=_counts(0), default="0,1,2",
-                        help="data_workers counts for the mixture benchmark")
+    parser.add_argument(
+        "--mix-workers", type=_counts(0), default="0,1,2", help="data_workers counts for the mixture benchmark"
+    )
     parser.add_argument("--mix-shuffle", action="store_true", help="the mixture shuffled (default: stored order)")
     parser.add_argument("--resume", action="store_true", help="start-up of resumed loaders on jsonl.zst shards")
     parser.add_argument("--resume-folder", default="/tmp/bench_resume")
@@ -435,8 +484,13 @@ def main(argv: list[str]) -> None:
     if args.mix_mb < 0:
         parser.error(f"argument --mix-mb: must be 0 (no mixture) or more, got {args.mix_mb}")
     # The folder this run writes (generated data, reused by the next run), before minutes of generating.
-    folder = ("--resume-folder", args.resume_folder) if args.resume else \
-        ("--mix-folder", args.mix_folder) if args.mix_mb else ("--folder", args.folder)
+    folder = (
+        ("--resume-folder", args.resume_folder)
+        if args.resume
+        else ("--mix-folder", args.mix_folder)
+        if args.mix_mb
+        else ("--folder", args.folder)
+    )
     check_output_path(folder[1], folder[0], existing="write_into")
     _quiet_epochs()
     tokenizer = Tokenizer(MODEL)

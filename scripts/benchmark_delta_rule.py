@@ -45,7 +45,7 @@ def numbers(text: str, what: str) -> list[int]:
 
 def inputs(seq: int, heads: int, dim: int):
     gen = torch.Generator().manual_seed(0)
-    q = F.normalize(torch.randn(1, seq, heads, dim, generator=gen), dim=-1) * dim ** -0.5
+    q = F.normalize(torch.randn(1, seq, heads, dim, generator=gen), dim=-1) * dim**-0.5
     k = F.normalize(torch.randn(1, seq, heads, dim, generator=gen), dim=-1)
     v = torch.randn(1, seq, heads, dim, generator=gen)
     g = -torch.rand(1, seq, heads, generator=gen)
@@ -82,8 +82,11 @@ def benchmark(argv: list[str]) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--check-lengths", default="1024,4096,16384",
-                   help="lengths at which the token-by-token form is run too (slow: a loop over the tokens)")
+    p.add_argument(
+        "--check-lengths",
+        default="1024,4096,16384",
+        help="lengths at which the token-by-token form is run too (slow: a loop over the tokens)",
+    )
     p.add_argument("--layers", action="store_true", help="whole Qwen3.5 blocks instead of the bare kernels")
     p.add_argument("--flavor", default="debugmodel", help="--layers: the qwen3_5 flavor whose blocks are timed")
     opts = p.parse_args(argv)
@@ -97,26 +100,35 @@ def benchmark(argv: list[str]) -> None:
 
     from torchtitan.models.common import delta_rule
 
-    print(f"heads {opts.heads}, head_dim {opts.head_dim}, chunk {opts.chunk}, float32, batch 1, "
-          f"{torch.get_num_threads()} threads; forward+backward, median of {opts.repeat}")
-    print("| tokens | delta rule s (CPU s) | delta rule MiB | attention s (CPU s) | attention MiB | "
-          "delta rule / attention CPU time | max diff to token by token |")
+    print(
+        f"heads {opts.heads}, head_dim {opts.head_dim}, chunk {opts.chunk}, float32, batch 1, "
+        f"{torch.get_num_threads()} threads; forward+backward, median of {opts.repeat}"
+    )
+    print(
+        "| tokens | delta rule s (CPU s) | delta rule MiB | attention s (CPU s) | attention MiB | "
+        "delta rule / attention CPU time | max diff to token by token |"
+    )
     print("|---|---|---|---|---|---|---|")
     for seq in lengths:
         q, k, v, g, beta = x = inputs(seq, opts.heads, opts.head_dim)
-        rule_s, rule_cpu, rule_b = measure(lambda: delta_rule.chunked(q, k, v, g, beta, chunk=opts.chunk)[0], x,
-                                           opts.repeat)
+        rule_s, rule_cpu, rule_b = measure(
+            lambda: delta_rule.chunked(q, k, v, g, beta, chunk=opts.chunk)[0], x, opts.repeat
+        )
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-        attn_s, attn_cpu, attn_b = measure(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
-                                           [qt, kt, vt], opts.repeat)
+        attn_s, attn_cpu, attn_b = measure(
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), [qt, kt, vt], opts.repeat
+        )
         diff = ""
         if seq in checks:
             with torch.no_grad():
                 ref, _ = delta_rule.recurrent(q, k, v, g, beta)
                 got, _ = delta_rule.chunked(q, k, v, g, beta, chunk=opts.chunk)
             diff = f"{(ref - got).abs().max().item():.1e}"
-        print(f"| {seq} | {rule_s:.3f} ({rule_cpu:.3f}) | {rule_b / 2**20:.1f} | {attn_s:.3f} ({attn_cpu:.3f}) | "
-              f"{attn_b / 2**20:.1f} | {rule_cpu / attn_cpu:.2f} | {diff} |", flush=True)
+        print(
+            f"| {seq} | {rule_s:.3f} ({rule_cpu:.3f}) | {rule_b / 2**20:.1f} | {attn_s:.3f} ({attn_cpu:.3f}) | "
+            f"{attn_b / 2**20:.1f} | {rule_cpu / attn_cpu:.2f} | {diff} |",
+            flush=True,
+        )
 
 
 def layer_rows(opts, lengths: list[int]) -> None:
@@ -128,14 +140,20 @@ def layer_rows(opts, lengths: list[int]) -> None:
     torch.manual_seed(0)
     model = spec.model_cls(args)
     model.init_weights(seed=0)
-    kinds = {"gated DeltaNet": next(i for i in range(args.n_layers) if not args.is_full_attention(i)),
-             "gated attention": next(i for i in range(args.n_layers) if args.is_full_attention(i))}
-    print(f"qwen3_5 {opts.flavor}: dim {args.dim}; DeltaNet {args.linear_num_key_heads} key / "
-          f"{args.linear_num_value_heads} value heads of {args.linear_key_head_dim} / {args.linear_value_head_dim}, "
-          f"chunk {args.delta_chunk}; attention {args.n_heads} / {args.n_kv_heads} heads of {args.head_dim}; float32, "
-          f"batch 1, {torch.get_num_threads()} threads; forward+backward of one block, median of {opts.repeat}")
-    print("| tokens | DeltaNet block s (CPU s) | DeltaNet block MiB | attention block s (CPU s) | attention block MiB "
-          "| DeltaNet / attention CPU time |")
+    kinds = {
+        "gated DeltaNet": next(i for i in range(args.n_layers) if not args.is_full_attention(i)),
+        "gated attention": next(i for i in range(args.n_layers) if args.is_full_attention(i)),
+    }
+    print(
+        f"qwen3_5 {opts.flavor}: dim {args.dim}; DeltaNet {args.linear_num_key_heads} key / "
+        f"{args.linear_num_value_heads} value heads of {args.linear_key_head_dim} / {args.linear_value_head_dim}, "
+        f"chunk {args.delta_chunk}; attention {args.n_heads} / {args.n_kv_heads} heads of {args.head_dim}; float32, "
+        f"batch 1, {torch.get_num_threads()} threads; forward+backward of one block, median of {opts.repeat}"
+    )
+    print(
+        "| tokens | DeltaNet block s (CPU s) | DeltaNet block MiB | attention block s (CPU s) | attention block MiB "
+        "| DeltaNet / attention CPU time |"
+    )
     print("|---|---|---|---|---|---|")
     for seq in lengths:
         row = []
@@ -144,8 +162,11 @@ def layer_rows(opts, lengths: list[int]) -> None:
             x = torch.randn(1, seq, args.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
             row.append(measure(lambda: block(x, model.rope[:seq]), [x, *block.parameters()], opts.repeat))
         (d_s, d_cpu, d_b), (a_s, a_cpu, a_b) = row
-        print(f"| {seq} | {d_s:.3f} ({d_cpu:.3f}) | {d_b / 2**20:.1f} | {a_s:.3f} ({a_cpu:.3f}) | {a_b / 2**20:.1f} "
-              f"| {d_cpu / a_cpu:.2f} |", flush=True)
+        print(
+            f"| {seq} | {d_s:.3f} ({d_cpu:.3f}) | {d_b / 2**20:.1f} | {a_s:.3f} ({a_cpu:.3f}) | {a_b / 2**20:.1f} "
+            f"| {d_cpu / a_cpu:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -51,13 +51,17 @@ def make(folder: str, model: str, flavor: str):
     hf_model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     hf_model.save_pretrained(folder, max_shard_size="500MB")
     files = len(list(Path(folder).glob("*.safetensors")))
-    print(f"wrote {folder}: {model} {flavor}, {sum(p.numel() for p in hf_model.parameters()):,} parameters, {files} files")
+    print(
+        f"wrote {folder}: {model} {flavor}, {sum(p.numel() for p in hf_model.parameters()):,} parameters, {files} files"
+    )
 
 
 def run(folder: str, overrides: list[str]):
     if not Path(folder).is_dir():
-        raise UserError(f"FOLDER {folder} does not exist or is not a folder; write one with "
-                        f"`python scripts/benchmark_hf.py make {folder}` first")
+        raise UserError(
+            f"FOLDER {folder} does not exist or is not a folder; write one with "
+            f"`python scripts/benchmark_hf.py make {folder}` first"
+        )
     import torch.distributed as dist
 
     from torchtitan.components.checkpoint import peak_rss, restart_peak_rss
@@ -85,8 +89,7 @@ def run(folder: str, overrides: list[str]):
             start = time.perf_counter()
             self.checkpointer.export_hf(0, self.tokenizer.bos_id, self.tokenizer.eos_id, self.mesh)
             save_s = time.perf_counter() - start
-            record = dict(figures, load_s=load_s, save_s=save_s, save_peak_growth=peak_rss() - before,
-                          rank=self.rank)
+            record = dict(figures, load_s=load_s, save_s=save_s, save_peak_growth=peak_rss() - before, rank=self.rank)
             records = [None] * self.dims.world_size
             dist.all_gather_object(records, record)
             return records
@@ -97,30 +100,53 @@ def run(folder: str, overrides: list[str]):
     import tempfile
 
     dump = Path(tempfile.gettempdir()) / f"benchmark_hf_{os.getppid()}"
-    cfg = load_config(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
-                       "--model.name", "llama3", "--model.flavor", "1B", "--training.seq_len", "256",
-                       "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_in_hf",
-                       "--checkpoint.export_dtype", "bfloat16", "--checkpoint.hf_max_shard_mb", "500",
-                       "--job.dump_folder", str(dump), *overrides])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+            "--model.name",
+            "llama3",
+            "--model.flavor",
+            "1B",
+            "--training.seq_len",
+            "256",
+            "--checkpoint.initial_load_path",
+            folder,
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.export_dtype",
+            "bfloat16",
+            "--checkpoint.hf_max_shard_mb",
+            "500",
+            "--job.dump_folder",
+            str(dump),
+            *overrides,
+        ]
+    )
     records = train(cfg, LoadAndExport)
     if os.environ.get("RANK", "0") == "0":
         import shutil
 
         shutil.rmtree(dump, ignore_errors=True)
         size = records[0]["folder_bytes"]
-        print(f"folder {size / 2**30:.2f} GiB; per rank: peak memory growth while loading / exporting, bytes read, "
-              f"load s, export s")
+        print(
+            f"folder {size / 2**30:.2f} GiB; per rank: peak memory growth while loading / exporting, bytes read, "
+            f"load s, export s"
+        )
         for r in records:
-            print(f"rank {r['rank']}: {r['peak_growth'] / 2**20:,.0f} MiB ({r['peak_growth'] / size:.2f}x) / "
-                  f"{r['save_peak_growth'] / 2**20:,.0f} MiB, read {r['bytes_read'] / 2**20:,.0f} MiB, "
-                  f"{r['load_s']:.1f} s, {r['save_s']:.1f} s")
+            print(
+                f"rank {r['rank']}: {r['peak_growth'] / 2**20:,.0f} MiB ({r['peak_growth'] / size:.2f}x) / "
+                f"{r['save_peak_growth'] / 2**20:,.0f} MiB, read {r['bytes_read'] / 2**20:,.0f} MiB, "
+                f"{r['load_s']:.1f} s, {r['save_s']:.1f} s"
+            )
         print(f"largest load peak growth: {max(r['peak_growth'] for r in records) / size:.2f}x the folder's bytes")
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("make", "run"):
-        raise UserError("give a command: `make FOLDER [--model NAME] [--flavor FLAVOR]` or `run FOLDER [trainer "
-                        "overrides]` (see the top of scripts/benchmark_hf.py)")
+        raise UserError(
+            "give a command: `make FOLDER [--model NAME] [--flavor FLAVOR]` or `run FOLDER [trainer "
+            "overrides]` (see the top of scripts/benchmark_hf.py)"
+        )
     if argv[0] == "make":
         p = ArgumentParser(prog="benchmark_hf.py make", description="write a Hugging Face folder with random weights")
         p.add_argument("folder", help="a new folder")

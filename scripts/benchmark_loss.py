@@ -55,13 +55,16 @@ class _Recompute(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk):
         shape = hidden.shape
         hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        compute = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+        compute = (
+            torch.get_autocast_dtype(hidden.device.type)
+            if torch.is_autocast_enabled(hidden.device.type)
             else weight.dtype
+        )
         with torch.autocast(hidden.device.type, enabled=False):
             w, total, lses = weight.to(compute), torch.zeros((), device=hidden.device), []
             for start in range(0, hidden.shape[0], chunk):
-                logits = (hidden[start:start + chunk].to(compute) @ w.t()).float()
-                y = labels[start:start + chunk]
+                logits = (hidden[start : start + chunk].to(compute) @ w.t()).float()
+                y = labels[start : start + chunk]
                 lse = logits.logsumexp(1)
                 picked = logits.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
                 total += torch.where(y != IGNORE_INDEX, lse - picked, 0.0).sum()
@@ -77,14 +80,14 @@ class _Recompute(torch.autograd.Function):
         w = weight.to(compute)
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros(weight.shape, device=weight.device)
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk].to(compute)
-            y = labels[start:start + chunk]
-            grad = (h @ w.t()).float().sub_(lse[start:start + chunk, None]).exp_()
+            h = hidden[start : start + chunk].to(compute)
+            y = labels[start : start + chunk]
+            grad = (h @ w.t()).float().sub_(lse[start : start + chunk, None]).exp_()
             valid = y != IGNORE_INDEX
             rows = valid.nonzero().squeeze(1)
             grad[rows, y[rows]] -= 1.0
             grad = grad.mul_(valid[:, None] * grad_total).to(compute)
-            grad_hidden[start:start + chunk] = grad @ w
+            grad_hidden[start : start + chunk] = grad @ w
             grad_weight += (grad.t() @ h).float()
         return grad_hidden.view(ctx.shape), grad_weight.to(weight.dtype), None, None
 
@@ -107,7 +110,7 @@ def one_case(tokens: int, dim: int, vocab: int, dtype: str, chunk: int, recomput
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(1, tokens, dim, device=device, generator=g).requires_grad_()
-    weight = torch.empty(vocab, dim, device=device).normal_(0, dim ** -0.5, generator=g).requires_grad_()
+    weight = torch.empty(vocab, dim, device=device).normal_(0, dim**-0.5, generator=g).requires_grad_()
     labels = torch.randint(0, vocab, (1, tokens), device=device, generator=g)
     labels[:, ::10] = IGNORE_INDEX
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
@@ -139,8 +142,14 @@ def one_case(tokens: int, dim: int, vocab: int, dtype: str, chunk: int, recomput
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     grads = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    return {"time_s": statistics.median(times), "cpu_s": statistics.median(cpu_times), "peak_gib": peak / 2**30, "activations_gib": (peak - grads) / 2**30,
-            "loss": loss, "device": device.type}
+    return {
+        "time_s": statistics.median(times),
+        "cpu_s": statistics.median(cpu_times),
+        "peak_gib": peak / 2**30,
+        "activations_gib": (peak - grads) / 2**30,
+        "loss": loss,
+        "device": device.type,
+    }
 
 
 def one_step_case(flavor: str, tokens: int, batch: int, vocab: int, dtype: str, chunk: int, steps: int) -> dict:
@@ -173,33 +182,53 @@ def one_step_case(flavor: str, tokens: int, batch: int, vocab: int, dtype: str, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"tps": batch * tokens / statistics.median(times[1:] or times), "peak_gib": peak / 2**30,
-            "loss": loss.item(), "params": sum(p.numel() for p in model.parameters())}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "tps": batch * tokens / statistics.median(times[1:] or times),
+        "peak_gib": peak / 2**30,
+        "loss": loss.item(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def whole_steps(args) -> int:
     vocab = int(args.vocab.split(",")[0])
-    print(f"qwen3 {args.step}, vocab {vocab:,}: {args.steps} steps of {args.batch} x {args.tokens} tokens, "
-          f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}")
+    print(
+        f"qwen3 {args.step}, vocab {vocab:,}: {args.steps} steps of {args.batch} x {args.tokens} tokens, "
+        f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}"
+    )
     print("| dtype | chunk tokens | peak GiB (process) | tokens/s | last step's loss | peak, tokens/s vs whole |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtype.split(","):
         whole = None
         for chunk in map(int, args.chunks.split(",")):
-            case = dict(flavor=args.step, tokens=args.tokens, batch=args.batch, vocab=vocab, dtype=dtype, chunk=chunk,
-                        steps=args.steps)
-            out = subprocess.run([sys.executable, __file__, "--step-case", json.dumps(case)], capture_output=True,
-                                 text=True)
+            case = dict(
+                flavor=args.step,
+                tokens=args.tokens,
+                batch=args.batch,
+                vocab=vocab,
+                dtype=dtype,
+                chunk=chunk,
+                steps=args.steps,
+            )
+            out = subprocess.run(
+                [sys.executable, __file__, "--step-case", json.dumps(case)], capture_output=True, text=True
+            )
             if out.returncode != 0:
                 print(f"| {dtype} | {chunk} | failed: {out.stderr.strip().splitlines()[-1]} | | | |")
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             whole = r if chunk == 0 else whole
             ratio = f"{r['peak_gib'] / whole['peak_gib']:.2f}, {r['tps'] / whole['tps']:.2f}" if whole else ""
-            print(f"| {dtype} | {'whole logits' if chunk == 0 else chunk} | {r['peak_gib']:.2f} | {r['tps']:,.0f} | "
-                  f"{r['loss']:.4f} | {ratio} |", flush=True)
+            print(
+                f"| {dtype} | {'whole logits' if chunk == 0 else chunk} | {r['peak_gib']:.2f} | {r['tps']:,.0f} | "
+                f"{r['loss']:.4f} | {ratio} |",
+                flush=True,
+            )
     return 0
 
 
@@ -210,7 +239,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vocab", default="151936,248320")
     p.add_argument("--dtype", default="float32,bfloat16")
     p.add_argument("--chunks", default="0,256,1024,2048", help="chunk sizes; 0 is the whole logits")
-    p.add_argument("--recompute", type=int, default=0, help="also this chunk size with the logits recomputed in backward")
+    p.add_argument(
+        "--recompute", type=int, default=0, help="also this chunk size with the logits recomputed in backward"
+    )
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--step", help="whole training steps of this Qwen3 flavor instead (e.g. debugmodel)")
     p.add_argument("--batch", type=int, default=1, help="--step: sequences per step")
@@ -226,20 +257,34 @@ def main(argv: list[str]) -> int:
         return 0
     if args.step:
         return whole_steps(args)
-    print(f"output layer + loss, forward and backward: {args.tokens} tokens, hidden {args.dim}, "
-          f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}, "
-          f"median of {args.repeat}")
-    print("| vocab | dtype | chunk tokens | peak GiB | of which not gradients | time s | CPU s | peak, CPU s vs whole |")
+    print(
+        f"output layer + loss, forward and backward: {args.tokens} tokens, hidden {args.dim}, "
+        f"{'cuda' if torch.cuda.is_available() else f'cpu ({torch.get_num_threads()} threads)'}, "
+        f"median of {args.repeat}"
+    )
+    print(
+        "| vocab | dtype | chunk tokens | peak GiB | of which not gradients | time s | CPU s | peak, CPU s vs whole |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for vocab in map(int, args.vocab.split(",")):
         for dtype in args.dtype.split(","):
-            cases = [(int(c), False) for c in args.chunks.split(",")] + ([(args.recompute, True)] if args.recompute else [])
+            cases = [(int(c), False) for c in args.chunks.split(",")] + (
+                [(args.recompute, True)] if args.recompute else []
+            )
             whole = None
             for chunk, recompute in cases:
-                case = dict(tokens=args.tokens, dim=args.dim, vocab=vocab, dtype=dtype, chunk=chunk,
-                            recompute=recompute, repeat=args.repeat)
-                out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
-                                     text=True)
+                case = dict(
+                    tokens=args.tokens,
+                    dim=args.dim,
+                    vocab=vocab,
+                    dtype=dtype,
+                    chunk=chunk,
+                    recompute=recompute,
+                    repeat=args.repeat,
+                )
+                out = subprocess.run(
+                    [sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True
+                )
                 if out.returncode != 0:
                     print(f"| {vocab:,} | {dtype} | {chunk} | failed: {out.stderr.strip().splitlines()[-1]} | | | | |")
                     continue
@@ -248,8 +293,11 @@ def main(argv: list[str]) -> int:
                     whole = r
                 name = "whole logits" if chunk == 0 else f"{chunk}" + (" (recompute in backward)" if recompute else "")
                 ratio = f"{r['peak_gib'] / whole['peak_gib']:.2f}, {r['cpu_s'] / whole['cpu_s']:.2f}" if whole else ""
-                print(f"| {vocab:,} | {dtype} | {name} | {r['peak_gib']:.2f} | {r['activations_gib']:.2f} | "
-                      f"{r['time_s']:.2f} | {r['cpu_s']:.1f} | {ratio} |", flush=True)
+                print(
+                    f"| {vocab:,} | {dtype} | {name} | {r['peak_gib']:.2f} | {r['activations_gib']:.2f} | "
+                    f"{r['time_s']:.2f} | {r['cpu_s']:.1f} | {ratio} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -23,8 +23,18 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = ["./run_train.sh", "--training.steps", "100", "--training.seq_len", "64", "--training.global_batch_size", "4",
-       "--training.deterministic", "--metrics.log_freq", "1"]
+RUN = [
+    "./run_train.sh",
+    "--training.steps",
+    "100",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "4",
+    "--training.deterministic",
+    "--metrics.log_freq",
+    "1",
+]
 
 
 def _steps(folder: Path) -> list[int]:
@@ -54,9 +64,19 @@ def _lighthouse() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
-                             f"127.0.0.1:{port}", "--heartbeat_timeout_ms", "2000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "torchft_lighthouse"),
+            "--min_replicas",
+            "1",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--heartbeat_timeout_ms",
+            "2000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def answers() -> bool:
         try:
@@ -74,8 +94,19 @@ def replica_groups(root: Path, kill_after: int, overrides: list[str]):
     folders = [root / "group0", root / "group1"]
 
     def cmd(g: int) -> list[str]:
-        return [*RUN, "--fault_tolerance.enabled", "--fault_tolerance.group_count", "2", "--fault_tolerance.group_id",
-                str(g), "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(folders[g]), *overrides]
+        return [
+            *RUN,
+            "--fault_tolerance.enabled",
+            "--fault_tolerance.group_count",
+            "2",
+            "--fault_tolerance.group_id",
+            str(g),
+            "--fault_tolerance.lighthouse",
+            address,
+            "--job.dump_folder",
+            str(folders[g]),
+            *overrides,
+        ]
 
     procs = [_start(cmd(g), root / f"group{g}.log") for g in (0, 1)]
     try:
@@ -89,9 +120,11 @@ def replica_groups(root: Path, kill_after: int, overrides: list[str]):
         survivor = time.monotonic() - killed
         _wait(lambda: len(_steps(folders[1])) > logged, "group 1's first step back")
         back = time.monotonic() - killed
-        print(f"replica groups: group 1 killed after step {kill_after} (group 0 at step {at_kill}); group 0 logged its "
-              f"next step {survivor:.1f}s after the kill; group 1, restarted at once, logged step "
-              f"{_steps(folders[1])[-1]} {back:.1f}s after the kill, group 0 then at step {_steps(folders[0])[-1]}")
+        print(
+            f"replica groups: group 1 killed after step {kill_after} (group 0 at step {at_kill}); group 0 logged its "
+            f"next step {survivor:.1f}s after the kill; group 1, restarted at once, logged step "
+            f"{_steps(folders[1])[-1]} {back:.1f}s after the kill, group 0 then at step {_steps(folders[0])[-1]}"
+        )
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -101,8 +134,15 @@ def replica_groups(root: Path, kill_after: int, overrides: list[str]):
 
 def checkpoint_restart(root: Path, kill_after: int, overrides: list[str]):
     folder = root / "restart"
-    cmd = [*RUN, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10", "--job.dump_folder", str(folder),
-           *overrides]
+    cmd = [
+        *RUN,
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "10",
+        "--job.dump_folder",
+        str(folder),
+        *overrides,
+    ]
     proc = _start(cmd, root / "restart.log")
     try:
         _wait(lambda: _steps(folder)[-1:] >= [kill_after], f"step {kill_after}")
@@ -115,9 +155,11 @@ def checkpoint_restart(root: Path, kill_after: int, overrides: list[str]):
         first = time.monotonic() - killed
         _wait(lambda: _steps(folder)[-1] > kill_after, f"step {kill_after + 1}")
         back = time.monotonic() - killed
-        print(f"checkpoint restart: killed after step {kill_after}; the restarted run logged step {resumed} "
-              f"{first:.1f}s after the kill and step {kill_after + 1} {back:.1f}s after it "
-              f"({kill_after - resumed + 1} steps trained twice)")
+        print(
+            f"checkpoint restart: killed after step {kill_after}; the restarted run logged step {resumed} "
+            f"{first:.1f}s after the kill and step {kill_after + 1} {back:.1f}s after it "
+            f"({kill_after - resumed + 1} steps trained twice)"
+        )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -134,7 +176,7 @@ def main(argv: list[str]) -> int:
         if not value.isdigit() or not 1 <= int(value) < 100:
             raise UserError(f"--kill-after must be an integer from 1 to 99, got {value!r}")
         kill_after = int(value)
-        del overrides[i:i + 2]
+        del overrides[i : i + 2]
     # A mistake in the overrides is found here, not by the first launch.
     load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides])
     with tempfile.TemporaryDirectory() as tmp:

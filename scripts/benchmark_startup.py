@@ -147,10 +147,15 @@ if _TRACE:
 def run_once(mode: str, nproc: int, overrides: list[str], workdir: Path, index: int) -> dict[str, float]:
     trace = workdir / f"trace_{mode}_{index}.jsonl"
     dump = workdir / f"out_{mode}_{index}"
-    env = dict(os.environ, STARTUP_TRACE=str(trace), NGPU=str(nproc), LOG_RANK="0",
-               CONFIG_FILE=str(REPO / "train_configs" / "debug_model.toml"),
-               PYTHONPATH=os.pathsep.join([str(workdir / "site"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    env = dict(
+        os.environ,
+        STARTUP_TRACE=str(trace),
+        NGPU=str(nproc),
+        LOG_RANK="0",
+        CONFIG_FILE=str(REPO / "train_configs" / "debug_model.toml"),
+        PYTHONPATH=os.pathsep.join([str(workdir / "site"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"],
+    )
     args = ["--training.steps", "1", "--job.dump_folder", str(dump), *overrides]
     if mode == "before":
         cmd = ["bash", "-c", BEFORE, "run_train.sh", *args]
@@ -207,7 +212,7 @@ def main(argv: list[str]) -> int:
         (workdir / "site").mkdir()
         (workdir / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         for r in range(repeat):
-            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
                 times = run_once(mode, nproc, overrides, workdir, r)
                 results[mode].append(times)

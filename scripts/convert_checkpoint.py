@@ -25,7 +25,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from a checkout
 
 from torchtitan.components.checkpoint import (  # noqa: E402
-    HF_CONFIG, dcp_model_name, dcp_to_hf, hf_to_dcp, read_hf_config,
+    HF_CONFIG,
+    dcp_model_name,
+    dcp_to_hf,
+    hf_to_dcp,
+    read_hf_config,
 )
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.components.tokenizer_export import export_tokenizer  # noqa: E402
@@ -56,16 +60,25 @@ def from_hf(hf_folder: str, output: str, flavor: str):
 
 def convert(argv: list[str]) -> None:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--custom-import", default="", help="module registering a model family (as experimental.custom_import)")
+    parser.add_argument(
+        "--custom-import", default="", help="module registering a model family (as experimental.custom_import)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("to-hf", help="step-N checkpoint folder -> Hugging Face folder")
     p.add_argument("checkpoint_dir")
     p.add_argument("output_dir")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the exported weights")
-    p.add_argument("--max-shard-mb", type=int, default=5120, help="the largest output file (one larger tensor "
-                   "gets a file of its own)")
-    p.add_argument("--tokenizer", help="the run's model.tokenizer_path: written into the folder in Hugging Face form "
-                   "(tokenizer.json), so that AutoTokenizer loads it")
+    p.add_argument(
+        "--max-shard-mb",
+        type=int,
+        default=5120,
+        help="the largest output file (one larger tensor gets a file of its own)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="the run's model.tokenizer_path: written into the folder in Hugging Face form "
+        "(tokenizer.json), so that AutoTokenizer loads it",
+    )
     p = commands.add_parser("from-hf", help="Hugging Face folder -> model-only step checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("output_dir")

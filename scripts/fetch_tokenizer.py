@@ -42,24 +42,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("repo_id", help="hub repository, e.g. meta-llama/Llama-3.1-8B or Qwen/Qwen3-8B")
     parser.add_argument("--out", type=Path, help="folder to write (default: assets/tokenizer/<model name>)")
-    parser.add_argument("--token", help="Hugging Face access token for gated repositories (default: HF_TOKEN or "
-                                        "the saved login)")
+    parser.add_argument(
+        "--token", help="Hugging Face access token for gated repositories (default: HF_TOKEN or the saved login)"
+    )
     parser.add_argument("--revision", help="branch, tag or commit (default: main)")
-    parser.add_argument("--original", action="store_true",
-                        help=f"also fetch {ORIGINAL} (Llama's tiktoken BPE file)")
+    parser.add_argument("--original", action="store_true", help=f"also fetch {ORIGINAL} (Llama's tiktoken BPE file)")
     parser.add_argument("--endpoint", default=None, help="hub address (default: HF_ENDPOINT or huggingface.co)")
     return parser.parse_args(argv)
 
 
-def fetch(repo_id: str, out: Path, token: str | None = None, revision: str | None = None,
-          original: bool = False, endpoint: str | None = None) -> list[str]:
+def fetch(
+    repo_id: str,
+    out: Path,
+    token: str | None = None,
+    revision: str | None = None,
+    original: bool = False,
+    endpoint: str | None = None,
+) -> list[str]:
     """Download the tokenizer files of `repo_id` into `out`; the files written. Raises FetchError."""
     try:
         from huggingface_hub import hf_hub_download
         from huggingface_hub import errors as hub_errors
     except ImportError:
-        raise FetchError("huggingface_hub is not installed: pip install huggingface_hub "
-                         "(or pip install -e '.[tokenizers]')") from None
+        raise FetchError(
+            "huggingface_hub is not installed: pip install huggingface_hub (or pip install -e '.[tokenizers]')"
+        ) from None
     where = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
     # huggingface_hub retries an unreachable hub for about 25 s; a direct probe says it at once.
     why = _unreachable(where)
@@ -121,8 +128,9 @@ def _unreachable(url: str, timeout: float = 5.0) -> str | None:
     if not parts.hostname:
         return f"{url!r} is not an address"
     try:
-        socket.create_connection((parts.hostname, parts.port or (80 if parts.scheme == "http" else 443)),
-                                 timeout=timeout).close()
+        socket.create_connection(
+            (parts.hostname, parts.port or (80 if parts.scheme == "http" else 443)), timeout=timeout
+        ).close()
     except OSError as e:
         return str(e) or type(e).__name__
     return None
@@ -152,8 +160,9 @@ def _main(argv: list[str]) -> None:
     print(f"fetched {', '.join(written)} from {args.repo_id} into {out}")
     for tok, path in zip(loaded, [out, out / ORIGINAL]):
         bos = "none" if tok.bos_id is None else tok.bos_id
-        print(f"  {tok.kind}: {tok.vocab_size:,} tokens, BOS {bos}, EOS {tok.eos_id}  ->  "
-              f'model.tokenizer_path = "{path}"')
+        print(
+            f'  {tok.kind}: {tok.vocab_size:,} tokens, BOS {bos}, EOS {tok.eos_id}  ->  model.tokenizer_path = "{path}"'
+        )
 
 
 def main(argv: list[str]) -> int:

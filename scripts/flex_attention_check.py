@@ -86,16 +86,22 @@ def main() -> int:
             diff, scale = kernel_diffs(dtype, window, device)
             ok = diff < tol * scale
             failed |= not ok
-            print(f"kernel {str(dtype).split('.')[-1]:>8} window {str(window):>4}: max |flex - sdpa| {diff:.2e} "
-                  f"(largest value {scale:.2f}, tolerance {tol:g} of it) {'ok' if ok else 'FAILED'} "
-                  f"[{time.perf_counter() - start:.1f}s with compilation]", flush=True)
+            print(
+                f"kernel {str(dtype).split('.')[-1]:>8} window {str(window):>4}: max |flex - sdpa| {diff:.2e} "
+                f"(largest value {scale:.2f}, tolerance {tol:g} of it) {'ok' if ok else 'FAILED'} "
+                f"[{time.perf_counter() - start:.1f}s with compilation]",
+                flush=True,
+            )
     for compile_model in (False, True):
         start = time.perf_counter()
         diff = model_diff(device, compile_model)
         ok = diff < 1e-3
         failed |= not ok
-        print(f"qwen3 debug, window 128, block_causal, compile {compile_model}: loss and gradients max |flex - "
-              f"sdpa| {diff:.2e} {'ok' if ok else 'FAILED'} [{time.perf_counter() - start:.1f}s]", flush=True)
+        print(
+            f"qwen3 debug, window 128, block_causal, compile {compile_model}: loss and gradients max |flex - "
+            f"sdpa| {diff:.2e} {'ok' if ok else 'FAILED'} [{time.perf_counter() - start:.1f}s]",
+            flush=True,
+        )
     return 1 if failed else 0
 
 

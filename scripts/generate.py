@@ -100,8 +100,11 @@ def read_weights(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor], 
 
 def describe(name: str, args) -> str:
     """A model's family and sizes, in one phrase."""
-    sizes = [f"{field} {getattr(args, field)}" for field in ("dim", "n_layers", "n_heads", "vocab_size")
-             if hasattr(args, field)]
+    sizes = [
+        f"{field} {getattr(args, field)}"
+        for field in ("dim", "n_layers", "n_heads", "vocab_size")
+        if hasattr(args, field)
+    ]
     moe = getattr(args, "moe", None)
     if moe is not None:
         sizes.append(f"{moe.num_experts} experts")
@@ -116,8 +119,11 @@ def check_same_model(spec: ModelSpec, args, where: str, want_spec: ModelSpec, wa
         problem = "another model family"
     else:
         found, expected = meta_shapes(spec, args), meta_shapes(want_spec, want_args)
-        diffs = [f"{k}: checkpoint {found.get(k, 'absent')} vs recipe {expected.get(k, 'absent')}"
-                 for k in {**expected, **found} if found.get(k) != expected.get(k)]
+        diffs = [
+            f"{k}: checkpoint {found.get(k, 'absent')} vs recipe {expected.get(k, 'absent')}"
+            for k in {**expected, **found}
+            if found.get(k) != expected.get(k)
+        ]
         if diffs:
             problem = f"{len(diffs)} tensors differ, e.g. {diffs[0]}"
     if problem is not None:
@@ -127,8 +133,9 @@ def check_same_model(spec: ModelSpec, args, where: str, want_spec: ModelSpec, wa
         )
 
 
-def build_model(spec: ModelSpec, args, sd: dict[str, torch.Tensor], device: torch.device | str,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    spec: ModelSpec, args, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """The model with these weights, in eval mode, parameters in `dtype`."""
     # Built on the device, not on meta + init_weights: the constructor computes the buffers (rotary
     # tables, ...) and its default parameter init is cheap (init_weights' truncated normals take
@@ -145,8 +152,13 @@ def build_model(spec: ModelSpec, args, sd: dict[str, torch.Tensor], device: torc
 # ---- decoding ----
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> int:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
     """The next token from one position's logits [vocab]: the argmax at temperature 0; otherwise a
     draw from softmax(logits / temperature) over the top_k most likely tokens (0: all), then over the
     smallest set of most likely tokens whose probability reaches top_p."""
@@ -166,8 +178,17 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, use_cache: bool = True) -> list[int]:
+def generate(
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+) -> list[int]:
     """The tokens following `prompt` (EOS included when drawn), at most max_new_tokens of them. With
     the cache (only for a family whose spec says kv_cache), the prompt runs once and then each new
     token alone; without it, the whole sequence runs again for every token."""
@@ -196,7 +217,9 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperatu
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our options, and the rest: the job config's (--job.config_file, --model.flavor, ...)."""
     parser = ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
         epilog="Any other option is a job config option, as in training (--job.config_file, --model.name, ...).",
     )
     parser.add_argument("--checkpoint", required=True, help="step-N folder or Hugging Face folder")
@@ -256,16 +279,23 @@ def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
         want_spec = get_model_spec(cfg.model.name)
         flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
         overrides = moe_overrides(cfg.moe) if getattr(flavor_args, "moe", None) is not None else None
-        want_args = want_spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, cfg.training.seq_len,
-                                                overrides)
+        want_args = want_spec.args_for_training(cfg.model.flavor, tokenizer.vocab_size, cfg.training.seq_len, overrides)
 
     spec, sd, args, where = read_weights(opts.checkpoint)
     if model_named:
-        check_same_model(spec, args, where, want_spec, want_args,
-                         f"{describe(want_spec.name, want_args)}, flavor {cfg.model.flavor!r}")
+        check_same_model(
+            spec,
+            args,
+            where,
+            want_spec,
+            want_args,
+            f"{describe(want_spec.name, want_args)}, flavor {cfg.model.flavor!r}",
+        )
     else:
-        logger.info(f"the checkpoint's own model, {describe(spec.name, args)} (--model.name, --model.flavor or a "
-                    f"recipe would name the one to check it against); tokenizer {tokenizer_path}")
+        logger.info(
+            f"the checkpoint's own model, {describe(spec.name, args)} (--model.name, --model.flavor or a "
+            f"recipe would name the one to check it against); tokenizer {tokenizer_path}"
+        )
     if tokenizer.vocab_size > args.vocab_size:
         raise UserError(
             f"the tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, more than the vocabulary of "
@@ -295,15 +325,26 @@ def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
     del sd
     start = time.perf_counter()
     use_cache = spec.kv_cache and not opts.no_kv_cache
-    new = generate(model, prompt, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, opts.seed,
-                   tokenizer.eos_id, use_cache=use_cache)
+    new = generate(
+        model,
+        prompt,
+        opts.max_new_tokens,
+        opts.temperature,
+        opts.top_k,
+        opts.top_p,
+        opts.seed,
+        tokenizer.eos_id,
+        use_cache=use_cache,
+    )
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     stop = "EOS" if new[-1] == tokenizer.eos_id else "max_new_tokens"
-    logger.info(f"{len(new)} tokens after a {len(prompt)}-token prompt in {seconds:.2f}s "
-                f"({len(new) / seconds:.1f} tokens/s, {'with' if use_cache else 'without'} KV cache); "
-                f"stopped at {stop}")
+    logger.info(
+        f"{len(new)} tokens after a {len(prompt)}-token prompt in {seconds:.2f}s "
+        f"({len(new) / seconds:.1f} tokens/s, {'with' if use_cache else 'without'} KV cache); "
+        f"stopped at {stop}"
+    )
     return tokenizer.decode([t for t in new if t != tokenizer.eos_id])
 
 
@@ -314,8 +355,9 @@ def _main(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
+    )
     return run_main(_main, argv)
 
 

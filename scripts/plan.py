@@ -30,18 +30,21 @@ from torchtitan.config.errors import ArgumentParser, UserError, check_output_pat
 
 def parse(argv: list[str]):
     p = ArgumentParser(description="Choose a parallel layout before launching.", allow_abbrev=False)
-    p.add_argument("--ngpu", type=int, required=True, help="world size: devices (or CPU processes) in all, a whole "
-                   "number of nodes")
+    p.add_argument(
+        "--ngpu", type=int, required=True, help="world size: devices (or CPU processes) in all, a whole number of nodes"
+    )
     p.add_argument("--gpus_per_node", type=int, default=8)
     p.add_argument("--gpu_memory_gib", type=float, required=True, help="memory of one device (CPU: per process)")
-    p.add_argument("--output", default=None, help="write the best layout as a TOML recipe here (a new file in an "
-                   "existing folder)")
+    p.add_argument(
+        "--output", default=None, help="write the best layout as a TOML recipe here (a new file in an existing folder)"
+    )
     p.add_argument("--top", type=int, default=20, help="rows of the table")
     p.add_argument("--no-simulate", dest="simulate", action="store_false")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--peak_tflops", type=float, default=0, help="per device (default: H100/H200 989; CPU: measured)")
-    p.add_argument("--efficiency", type=float, default=0, help="fraction of the peak reached, in (0, 1] (default "
-                   "0.40 on CUDA)")
+    p.add_argument(
+        "--efficiency", type=float, default=0, help="fraction of the peak reached, in (0, 1] (default 0.40 on CUDA)"
+    )
     p.add_argument("--intra_node_gbps", type=float, default=0, help="GB/s per device within a node (default 450)")
     p.add_argument("--inter_node_gbps", type=float, default=0, help="GB/s per device across nodes (default 50)")
     opts, rest = p.parse_known_args(argv)
@@ -62,8 +65,9 @@ def check_options(opts) -> None:
         if not (math.isfinite(value) and value >= 0):
             raise UserError(f"--{name} must be a positive number (0: the default), got {value}")
     if not (math.isfinite(opts.efficiency) and 0 <= opts.efficiency <= 1):
-        raise UserError(f"--efficiency is the fraction of the peak reached, in (0, 1] (0: the default), got "
-                        f"{opts.efficiency}")
+        raise UserError(
+            f"--efficiency is the fraction of the peak reached, in (0, 1] (0: the default), got {opts.efficiency}"
+        )
     if opts.output:
         check_output_path(opts.output, "--output", create_parents=False)
     from torchtitan.planner.plan import check_world  # imports torch: after the checks that need nothing
@@ -83,42 +87,72 @@ def run(argv: list[str]) -> int:
     cfg = load_config(rest)
     hw = default_hardware(opts.device, opts.gpus_per_node, cfg)
     hw = dataclasses.replace(
-        hw, **{k: v for k, v in (("peak_flops", opts.peak_tflops * 1e12), ("efficiency", opts.efficiency),
-                                 ("intra_node_bandwidth", opts.intra_node_gbps * 1e9),
-                                 ("inter_node_bandwidth", opts.inter_node_gbps * 1e9)) if v > 0})
+        hw,
+        **{
+            k: v
+            for k, v in (
+                ("peak_flops", opts.peak_tflops * 1e12),
+                ("efficiency", opts.efficiency),
+                ("intra_node_bandwidth", opts.intra_node_gbps * 1e9),
+                ("inter_node_bandwidth", opts.inter_node_gbps * 1e9),
+            )
+            if v > 0
+        },
+    )
     memory = opts.gpu_memory_gib * GiB
     ranking = plan(cfg, opts.ngpu, opts.gpus_per_node, memory, opts.device, hw, keep=opts.top)
     fits, smallest = ranking.fits, ranking.smallest
     # A CPU peak measured now moves with the host's load: the times built on it only rank the layouts.
     measured = opts.device == "cpu" and not opts.peak_tflops and not cfg.metrics.device_peak_tflops
-    caveat = (" (measured now on this host's CPU: it moves with the load, so the step times, tokens/s and MFU "
-              "below rank the layouts against each other and do not predict a run's)" if measured else "")
-    print(f"{cfg.model.name} {cfg.model.flavor}, seq_len {cfg.training.seq_len}, on {opts.ngpu} devices of "
-          f"{opts.gpu_memory_gib:g} GiB ({opts.gpus_per_node} per node); peak {hw.peak_flops / 1e12:.3g} TFLOP/s"
-          f"{caveat} x efficiency {hw.efficiency:.2f}; {ranking.fitting} of {ranking.searched} layouts fit")
+    caveat = (
+        " (measured now on this host's CPU: it moves with the load, so the step times, tokens/s and MFU "
+        "below rank the layouts against each other and do not predict a run's)"
+        if measured
+        else ""
+    )
+    print(
+        f"{cfg.model.name} {cfg.model.flavor}, seq_len {cfg.training.seq_len}, on {opts.ngpu} devices of "
+        f"{opts.gpu_memory_gib:g} GiB ({opts.gpus_per_node} per node); peak {hw.peak_flops / 1e12:.3g} TFLOP/s"
+        f"{caveat} x efficiency {hw.efficiency:.2f}; {ranking.fitting} of {ranking.searched} layouts fit"
+    )
     if ranking.refused:
-        print(f"the trainer's preflight refused {sum(map(len, ranking.refused.values()))} of the layouts checked "
-              f"(fastest first), left out:\n{refusals(ranking.refused)}")
+        print(
+            f"the trainer's preflight refused {sum(map(len, ranking.refused.values()))} of the layouts checked "
+            f"(fastest first), left out:\n{refusals(ranking.refused)}"
+        )
     if not fits:
         if smallest is None and ranking.refused:
             why, layouts = max(ranking.refused.items(), key=lambda item: len(item[1]))
-            raise UserError(f"the trainer refuses every layout of {cfg.model.name} {cfg.model.flavor} on {opts.ngpu} "
-                            f"devices, e.g. {layouts[0]}: {why}")
-        need = f"; the smallest needs {smallest.memory.total / GiB:.2f} GiB per rank ({smallest.layout()} with AC " \
-               f"{smallest.ac()}, largest term {smallest.memory.largest()})" if smallest else ""
-        raise UserError(f"no layout of {cfg.model.name} {cfg.model.flavor} fits {opts.gpu_memory_gib:g} GiB per "
-                        f"device on {opts.ngpu} devices{need}; use more or larger devices, or a shorter seq_len")
+            raise UserError(
+                f"the trainer refuses every layout of {cfg.model.name} {cfg.model.flavor} on {opts.ngpu} "
+                f"devices, e.g. {layouts[0]}: {why}"
+            )
+        need = (
+            f"; the smallest needs {smallest.memory.total / GiB:.2f} GiB per rank ({smallest.layout()} with AC "
+            f"{smallest.ac()}, largest term {smallest.memory.largest()})"
+            if smallest
+            else ""
+        )
+        raise UserError(
+            f"no layout of {cfg.model.name} {cfg.model.flavor} fits {opts.gpu_memory_gib:g} GiB per "
+            f"device on {opts.ngpu} devices{need}; use more or larger devices, or a shorter seq_len"
+        )
     print(table(fits, opts.top))
     if smallest is not None:
-        print(explain(smallest, memory) if smallest.step_time < fits[0].step_time else
-              f"(the fastest layouts fit; {ranking.searched - ranking.fitting} others do not)")
+        print(
+            explain(smallest, memory)
+            if smallest.step_time < fits[0].step_time
+            else f"(the fastest layouts fit; {ranking.searched - ranking.fitting} others do not)"
+        )
     best = fits[0]
     if opts.simulate:
         from torchtitan.planner.plan import check_by_simulation
 
         took, ranks = check_by_simulation(best)
-        print(f"simulated {best.layout()} on a fake process group of {opts.ngpu} ranks ({ranks} of its {best.dims.pp} "
-              f"pipeline rank(s): one per distinct stage, {took:.1f} s): every parameter shard equals the estimate's")
+        print(
+            f"simulated {best.layout()} on a fake process group of {opts.ngpu} ranks ({ranks} of its {best.dims.pp} "
+            f"pipeline rank(s): one per distinct stage, {took:.1f} s): every parameter shard equals the estimate's"
+        )
     if opts.output:
         write_recipe(best, opts.output, opts.device)
         nodes = opts.ngpu // opts.gpus_per_node

@@ -60,8 +60,10 @@ def source_config(spec: str, dataset: str | None = None, text_field: str = "text
     # For c4 and c4_test, SOURCE = their own name means their default place (the Hub, the test sample).
     path = None if dataset in NAMED and spec == dataset and not os.path.exists(spec) else spec
     if dataset == "python_stdlib" and path is not None:
-        raise UserError(f"--dataset python_stdlib is the embedded corpus and takes no path: give SOURCE as "
-                        f"python_stdlib, not {spec!r}")
+        raise UserError(
+            f"--dataset python_stdlib is the embedded corpus and takes no path: give SOURCE as "
+            f"python_stdlib, not {spec!r}"
+        )
     return Training(dataset=dataset, dataset_path=path, shuffle_documents=False, dataset_text_field=text_field)
 
 
@@ -105,12 +107,14 @@ def describe_source(cfg: Training, source) -> dict:
     if hasattr(source, "dataset"):  # streamed through datasets
         files = _streamed_files(source)
         info = getattr(source.dataset, "info", None)
-        description.update({
-            "stream": getattr(source, "path", path),
-            "config": getattr(info, "config_name", None),
-            "files": None if files is None else len(files),
-            "files_sha256": None if files is None else _files_sha256(files),
-        })
+        description.update(
+            {
+                "stream": getattr(source, "path", path),
+                "config": getattr(info, "config_name", None),
+                "files": None if files is None else len(files),
+                "files_sha256": None if files is None else _files_sha256(files),
+            }
+        )
         return description
     files = getattr(source, "paths", None) or list(getattr(source, "files", []))
     description.update({"files": len(files), "files_sha256": _files_sha256(files)})
@@ -142,8 +146,10 @@ def _output_error(out: Path, e: OSError) -> UserError:
         reason = e.strerror or str(e)
         if e.filename and Path(e.filename).absolute() != full:
             reason += f" ({e.filename})"
-    return UserError(f"cannot create the output folder {out}: {reason}; give OUTPUT as a new folder in a place "
-                     "you can write to (or the folder of an interrupted run, to finish it)")
+    return UserError(
+        f"cannot create the output folder {out}: {reason}; give OUTPUT as a new folder in a place "
+        "you can write to (or the folder of an interrupted run, to finish it)"
+    )
 
 
 def prepare_output(output: str) -> Path | None:
@@ -189,17 +195,25 @@ def remove_if_unused(output: str, created: Path | None):
 
 def _main(argv: list[str]) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="what to read: a data file or folder, python_stdlib, c4_test or c4; with "
-                                       "--dataset, training.dataset_path of that dataset (for huggingface: a Hub "
-                                       "name or a local folder)")
+    parser.add_argument(
+        "source",
+        help="what to read: a data file or folder, python_stdlib, c4_test or c4; with "
+        "--dataset, training.dataset_path of that dataset (for huggingface: a Hub "
+        "name or a local folder)",
+    )
     parser.add_argument("output", help="the token folder to write (new, or an interrupted one to finish)")
     parser.add_argument("--tokenizer", required=True, help="the tokenizer (as model.tokenizer_path)")
-    parser.add_argument("--dataset", choices=DATASETS, default=None,
-                        help="read SOURCE as training.dataset = DATASET reads training.dataset_path (default: local "
-                             "files, or the dataset SOURCE names)")
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=None,
+        help="read SOURCE as training.dataset = DATASET reads training.dataset_path (default: local "
+        "files, or the dataset SOURCE names)",
+    )
     parser.add_argument("--text-field", default="text", help="the JSON field / column holding the text")
-    parser.add_argument("--workers", type=positive_int, default=os.cpu_count(),
-                        help="encoding processes (default: all cores)")
+    parser.add_argument(
+        "--workers", type=positive_int, default=os.cpu_count(), help="encoding processes (default: all cores)"
+    )
     parser.add_argument("--chunk-docs", type=positive_int, default=4096, help="documents per resumable chunk")
     parser.add_argument("--max-chunks", type=int, default=None, help=argparse.SUPPRESS)  # tests: stop early
     args = parser.parse_args(argv)
@@ -209,20 +223,30 @@ def _main(argv: list[str]) -> int:
         tokenizer = Tokenizer(args.tokenizer)
         source, description = open_source(args.source, args.text_field, args.dataset)
         start = time.perf_counter()
-        meta = pretokenize(source, tokenizer, args.output, source_description=description,
-                           tokenizer_spec=str(tokenizer.path), workers=args.workers, chunk_docs=args.chunk_docs,
-                           max_chunks=args.max_chunks)
+        meta = pretokenize(
+            source,
+            tokenizer,
+            args.output,
+            source_description=description,
+            tokenizer_spec=str(tokenizer.path),
+            workers=args.workers,
+            chunk_docs=args.chunk_docs,
+            max_chunks=args.max_chunks,
+        )
     except UserError as e:
         remove_if_unused(args.output, created)
         # The source's messages name the training key; here the source is the SOURCE argument.
-        raise UserError(str(e).replace("set training.dataset_path to", "give SOURCE as")
-                        .replace("training.dataset_path", "SOURCE")) from None
+        raise UserError(
+            str(e).replace("set training.dataset_path to", "give SOURCE as").replace("training.dataset_path", "SOURCE")
+        ) from None
     if meta is None:
         print(f"stopped after {args.max_chunks} chunks: run again to finish {args.output}")
         return 3
     seconds = time.perf_counter() - start
-    print(f"wrote {args.output}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}) "
-          f"in {seconds:.1f} s; train on it with --training.dataset tokens --training.dataset_path {args.output}")
+    print(
+        f"wrote {args.output}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}) "
+        f"in {seconds:.1f} s; train on it with --training.dataset tokens --training.dataset_path {args.output}"
+    )
     return 0
 
 

@@ -28,7 +28,7 @@ def short_documents_corpus(path: Path, count: int = 3000, lines: int = 1) -> Pat
         i = 0
         while i < len(text) and len(docs) < count:
             n = lines + len(docs) % 2
-            docs.append("\n".join(text[i:i + n]))
+            docs.append("\n".join(text[i : i + n]))
             i += n
         if len(docs) >= count:
             break

@@ -58,10 +58,13 @@ def train(output: Path, vocab_size: int) -> bytes:
             raise
         small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
         if small:
-            raise UserError(f"--vocab-size {vocab_size} is less than the {small[1]} pieces this corpus needs (its "
-                            f"characters, 256 byte pieces and the control pieces); give {small[1]} or more") from None
-        raise UserError(f"--vocab-size {vocab_size}: sentencepiece refuses it for this corpus: "
-                        f"{str(e).split('] ')[-1].strip()}") from None
+            raise UserError(
+                f"--vocab-size {vocab_size} is less than the {small[1]} pieces this corpus needs (its "
+                f"characters, 256 byte pieces and the control pieces); give {small[1]} or more"
+            ) from None
+        raise UserError(
+            f"--vocab-size {vocab_size}: sentencepiece refuses it for this corpus: {str(e).split('] ')[-1].strip()}"
+        ) from None
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(model.getvalue())
     return model.getvalue()

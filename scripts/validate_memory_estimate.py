@@ -27,8 +27,20 @@ sys.path.insert(0, REPO)
 
 from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa: E402
 
-BASE = ["--training.steps", "6", "--metrics.log_freq", "1", "--training.seq_len", "512", "--training.local_batch_size",
-        "4", "--checkpoint.no-enable_checkpoint", "--validation.no-enabled", "--training.mixed_precision_param", "bfloat16"]
+BASE = [
+    "--training.steps",
+    "6",
+    "--metrics.log_freq",
+    "1",
+    "--training.seq_len",
+    "512",
+    "--training.local_batch_size",
+    "4",
+    "--checkpoint.no-enable_checkpoint",
+    "--validation.no-enabled",
+    "--training.mixed_precision_param",
+    "bfloat16",
+]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
@@ -45,7 +57,11 @@ LAYOUTS = [
     ("pp2_1f1b", 2, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
     ("fsdp2", 2, []),
     ("fsdp4", 4, []),
-    ("hsdp2x2", 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    (
+        "hsdp2x2",
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    ),
     ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2"]),
     ("fsdp2_pp2_1f1b", 4, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
     ("fsdp2_pp2_zbv", 4, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
@@ -58,19 +74,37 @@ LAYOUTS = [
     ("cp2_2k_ulysses", 2, CP2 + LONG + ["--parallelism.context_parallel_method", "ulysses"]),
     ("ep2", 2, MOE + ["--parallelism.expert_parallel_degree", "2"]),
     ("fsdp2_full_ac", 2, ["--activation_checkpoint.mode", "full"]),
-    ("fsdp2_op_ac", 2, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    (
+        "fsdp2_op_ac",
+        2,
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    ),
     ("fsdp2_accum2", 2, ["--training.global_batch_size", "16"]),
     # Emulated: this CPU has no float8 matmul kernel (oneDNN's reference one takes about 1 s for
     # 256 x 256); emulation runs the same casts and keeps the same tensors, with the matmul upcast,
     # so its time is not float8's (these rows are measured for memory only).
     ("fsdp2_float8", 2, ["--model.converters", "float8", "--float8.emulate"]),
-    ("fsdp2_float8_all_gather", 2, ["--model.converters", "float8", "--float8.emulate",
-                                    "--float8.enable_fsdp_float8_all_gather"]),
+    (
+        "fsdp2_float8_all_gather",
+        2,
+        ["--model.converters", "float8", "--float8.emulate", "--float8.enable_fsdp_float8_all_gather"],
+    ),
     ("dsv3_fsdp2", 2, DSV3),
     ("dsv3_mtp_fsdp2", 2, DSV3 + ["--model.mtp_depth", "1"]),
     ("gpt_oss_fsdp2", 2, GPT_OSS),
-    ("gpt_oss_ep2_op_ac", 2, GPT_OSS + ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
-                                        "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    (
+        "gpt_oss_ep2_op_ac",
+        2,
+        GPT_OSS
+        + [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ),
 ]
 
 
@@ -108,8 +142,19 @@ def worker(argv: list[str]) -> int:
 
 
 def measure(nproc: int, args: list[str], folder: str, profiling: bool) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", os.path.abspath(__file__), "--worker", *args, "--job.dump_folder", folder]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        os.path.abspath(__file__),
+        "--worker",
+        *args,
+        "--job.dump_folder",
+        folder,
+    ]
     if profiling:
         cmd.append("--profile")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -144,21 +189,27 @@ def main(argv: list[str]) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated layout names")
     p.add_argument("--terms", action="store_true", help="print the estimate's terms (MiB) after each row")
-    p.add_argument("--allocated-only", action="store_true",
-                   help="only the profiled run: no resident peak or step time (their columns are left empty)")
+    p.add_argument(
+        "--allocated-only",
+        action="store_true",
+        help="only the profiled run: no resident peak or step time (their columns are left empty)",
+    )
     opts, extra = p.parse_known_args(argv)
     only = set(filter(None, opts.only.split(",")))
     unknown = sorted(only - {name for name, _, _ in LAYOUTS})
     if unknown:
-        raise UserError(f"--only {','.join(unknown)}: no such layout; the layouts are "
-                        f"{', '.join(name for name, _, _ in LAYOUTS)}")
+        raise UserError(
+            f"--only {','.join(unknown)}: no such layout; the layouts are {', '.join(name for name, _, _ in LAYOUTS)}"
+        )
     from torchtitan.config import load_config
 
     for name, _, overrides in LAYOUTS:  # the overrides load with every layout before any run
         if not only or name in only:
             load_config(BASE + overrides + extra)
-    print("| layout | processes | estimated MiB | allocated MiB (largest rank) | error | resident MiB | est. step s | "
-          "measured step s | error |")
+    print(
+        "| layout | processes | estimated MiB | allocated MiB (largest rank) | error | resident MiB | est. step s | "
+        "measured step s | error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, nproc, overrides in LAYOUTS:
         if only and name not in only:
@@ -174,8 +225,10 @@ def main(argv: list[str]) -> int:
         else:
             with tempfile.TemporaryDirectory() as folder:
                 got |= measure(nproc, args, folder, profiling=False)
-            row += (f"{got['resident'] / 2**20:.0f} | {est.step_time:.3f} | {got['step_time']:.3f} | "
-                    f"{est.step_time / got['step_time'] - 1:+.0%} |")
+            row += (
+                f"{got['resident'] / 2**20:.0f} | {est.step_time:.3f} | {got['step_time']:.3f} | "
+                f"{est.step_time / got['step_time'] - 1:+.0%} |"
+            )
         terms = " ".join(f"{k} {v / 2**20:.0f}" for k, v in est.memory.terms().items() if v)
         print(row + (f" {terms}" if opts.terms else ""), flush=True)
     return 0

@@ -21,17 +21,26 @@ RECIPE = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
 
 # A small, fast, deterministic job: the debug model at short sequences, fp32, one log line per step.
 TINY = [
-    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-    "--training.seq_len", "64",
-    "--training.steps", "6",
-    "--training.global_batch_size", "8",
-    "--training.mixed_precision_param", "float32",
+    "--job.config_file",
+    str(REPO / "train_configs" / "debug_model.toml"),
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "6",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
     "--training.deterministic",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
     "--metrics.no-enable_tensorboard",
-    "--metrics.device_peak_tflops", "1",
-    "--model.tokenizer_path", str(MODEL),
+    "--metrics.device_peak_tflops",
+    "1",
+    "--model.tokenizer_path",
+    str(MODEL),
 ]
 
 # Job arguments shared by the multi-process tests (tests/distributed/).
@@ -43,8 +52,12 @@ SAVE3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--chec
 def launch(jobs: dict[str, list[str] | dict], nproc: int, tmp: Path, timeout: int = 600) -> dict[str, list[dict]]:
     """Run named jobs (extra argv each, or a {"copy": [src, dst]} step, where "{tmp}" stands for
     `tmp`) in one launch; returns each training job's metrics.jsonl records."""
-    argvs = [{"copy": [p.format(tmp=tmp) for p in extra["copy"]]} if isinstance(extra, dict)
-             else TINY + ["--job.dump_folder", str(tmp / name)] + extra for name, extra in jobs.items()]
+    argvs = [
+        {"copy": [p.format(tmp=tmp) for p in extra["copy"]]}
+        if isinstance(extra, dict)
+        else TINY + ["--job.dump_folder", str(tmp / name)] + extra
+        for name, extra in jobs.items()
+    ]
     spec = tmp / f"jobs_{nproc}.json"
     spec.write_text(json.dumps(argvs))
     run_script(RUN_JOBS, [str(spec)], nproc, tmp, timeout)
@@ -56,8 +69,16 @@ def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: in
     if nproc == 1:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+            str(script),
+            *args,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -119,8 +140,11 @@ def start_lighthouse(*flags: str) -> tuple[subprocess.Popen, str]:
     import urllib.request
 
     port = free_port()
-    proc = subprocess.Popen([str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
-                             f"127.0.0.1:{port}", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(Path(PYTHON_DIR) / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}", *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
     while True:
         try:
@@ -138,7 +162,9 @@ def worker_pids(text: str) -> dict[int, int]:
     workers = {}
     for pid in processes_naming(text):
         try:
-            environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in v)
+            environ = dict(
+                v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in v
+            )
         except OSError:
             continue
         if "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ:
@@ -202,10 +228,15 @@ def mixture_corpus(folder: Path, docs: list[list[str]], tokenizer) -> list[Path]
         lines = "".join(json.dumps({"text": d}) + "\n" for d in part).encode()
         (zst / f"shard-{shard:05d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
     (text / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[2]))
-    pretokenize(FilesSource(str(text)), tokenizer, tokens, source_description={"description": str(text)},
-                workers=1, log=lambda *_: None)
+    pretokenize(
+        FilesSource(str(text)),
+        tokenizer,
+        tokens,
+        source_description={"description": str(text)},
+        workers=1,
+        log=lambda *_: None,
+    )
     return [parquet, zst, tokens]
-
 
 
 def short_documents_corpus(path: Path, count: int = 3000) -> Path:
@@ -283,11 +314,23 @@ def llama3_and_batch():
 
 CHECKPOINT_ARGS = [
     *RECIPE,
-    "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.device_peak_tflops",
+    "1",
     "--metrics.no-enable_tensorboard",
-    "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.no-last_save_model_only",
 ]
 
 
@@ -295,8 +338,9 @@ def checkpoint_run(folder, *overrides, steps=6) -> list[dict]:
     from torchtitan.config import load_config
     from torchtitan.train import train
 
-    return train(load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(folder), "--training.steps", str(steps),
-                              *overrides]))
+    return train(
+        load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(folder), "--training.steps", str(steps), *overrides])
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -436,8 +480,18 @@ def write_jsonl(path, docs):
     return path
 
 
-def make_loader(path, seq_len, local_batch, dp_degree=1, dp_rank=0, global_batch=None, tok=CHARS, dataset="local",
-                shuffle=False, **training):
+def make_loader(
+    path,
+    seq_len,
+    local_batch,
+    dp_degree=1,
+    dp_rank=0,
+    global_batch=None,
+    tok=CHARS,
+    dataset="local",
+    shuffle=False,
+    **training,
+):
     """A loader of `path`; shuffle=False unless asked (None: the default, shuffle where possible)."""
     from torchtitan.components.data import build_dataloader
     from torchtitan.config.training_sections import Training
@@ -530,8 +584,10 @@ def write_zst(path, docs):
     zstandard = pytest.importorskip("zstandard")
     # Two frames, as pzstd or concatenated files make them.
     half = len(docs) // 2
-    frames = [zstandard.ZstdCompressor().compress("".join(json.dumps({"text": d}) + "\n" for d in part).encode())
-              for part in (docs[:half], docs[half:])]
+    frames = [
+        zstandard.ZstdCompressor().compress("".join(json.dumps({"text": d}) + "\n" for d in part).encode())
+        for part in (docs[:half], docs[half:])
+    ]
     path.write_bytes(b"".join(frames))
     return path
 
@@ -563,8 +619,9 @@ def write_save_to_disk(path, docs, shards=3):
     names = [f"data-{i:05d}-of-{shards:05d}.arrow" for i in range(shards)]
     for i, name in enumerate(names):
         write_arrow(path / name, docs[i * size : (i + 1) * size])
-    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names],
-                                                 "_fingerprint": "x", "_split": None}))
+    (path / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": n} for n in names], "_fingerprint": "x", "_split": None})
+    )
     (path / "dataset_info.json").write_text("{}")
     return path
 
@@ -596,8 +653,10 @@ def gpt_oss_mxfp4_folder(path: Path, args, bad_scales: bool = False) -> dict:
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     g = torch.Generator().manual_seed(5)
-    hf_sd = {k: v + 0.02 * torch.randn(v.shape, generator=g) if k.endswith("bias") else v
-             for k, v in spec.hf.to_hf(model.state_dict(), args).items()}
+    hf_sd = {
+        k: v + 0.02 * torch.randn(v.shape, generator=g) if k.endswith("bias") else v
+        for k, v in spec.hf.to_hf(model.state_dict(), args).items()
+    }
     nonzero = torch.tensor([c for c in range(16) if c not in (0, 8)], dtype=torch.uint8)  # FP4 codes of +-0 left out
     quantized = {}
     for name in [k for k in hf_sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -628,14 +687,20 @@ def qwen3_5_multimodal_folder(path: Path, args, sd: dict):
     # Multimodal rotary (a time, height and width share of the frequencies, interleaved), as published:
     # on text the three positions are equal, so it must import as plain rotary.
     freqs = int(args.head_dim * args.partial_rotary_factor) // 2
-    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True,
-                               "mrope_section": [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]}
+    text["rope_parameters"] = {
+        **text["rope_parameters"],
+        "mrope_interleaved": True,
+        "mrope_section": [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3],
+    }
     vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=args.dim)
-    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision.to_dict(),
-                                                          tie_word_embeddings=args.tie_word_embeddings))
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision.to_dict(), tie_word_embeddings=args.tie_word_embeddings)
+    )
     # Ours as transformers names them (model.X, lm_head.weight), the language model under model.language_model.
-    hf_sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-             for k, v in spec.hf.to_hf(sd, args).items()}
+    hf_sd = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        for k, v in spec.hf.to_hf(sd, args).items()
+    }
     missing, unexpected = model.float().load_state_dict(hf_sd, strict=False)
     assert not unexpected and missing and all(k.startswith("model.visual.") for k in missing), (missing, unexpected)
     model.save_pretrained(path, safe_serialization=True)
@@ -668,8 +733,9 @@ def hf_folder(tmp_path_factory) -> Path:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_SIZE, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_SIZE, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(stdlib_texts(12), trainer)
     assert tok.get_vocab_size() == BPE_SIZE
     tok.add_special_tokens(SPECIALS)
@@ -679,13 +745,24 @@ def hf_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("llama3_like")
     tok.save(str(folder / "tokenizer.json"))
     added = {str(BPE_SIZE + i): {"content": t, "special": True} for i, t in enumerate(SPECIALS + ["<|extra|>"])}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "added_tokens_decoder": added,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": {"content": "<|begin_of_text|>", "lstrip": False}, "eos_token": {"content": "<|end_of_text|>"},
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+                "added_tokens_decoder": added,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<|begin_of_text|>", "lstrip": False},
+                "eos_token": {"content": "<|end_of_text|>"},
+            }
+        )
+    )
     return folder
 
 

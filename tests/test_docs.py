@@ -112,15 +112,22 @@ def test_every_command_trains_past_its_warmup():
                 continue
             warmup = int(given_warmup)
         if steps <= warmup:
-            bad.append(f"{page}: {command!r}: training.steps {steps} <= lr_scheduler.warmup_steps {warmup} "
-                       f"({recipe}); train longer or pass --lr_scheduler.warmup_steps below the steps")
+            bad.append(
+                f"{page}: {command!r}: training.steps {steps} <= lr_scheduler.warmup_steps {warmup} "
+                f"({recipe}); train longer or pass --lr_scheduler.warmup_steps below the steps"
+            )
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("```bash\nNGPU=1 ./run_train.sh --training.steps 20 \\\n    --lr_scheduler.warmup_steps 2  # note\n```\n",
-     ["NGPU=1 ./run_train.sh --training.steps 20 --lr_scheduler.warmup_steps 2  # note"]),
-    ("Run `./run_train.sh\n--training.steps 50` and `x`.\n", ["./run_train.sh --training.steps 50", "x"]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "```bash\nNGPU=1 ./run_train.sh --training.steps 20 \\\n    --lr_scheduler.warmup_steps 2  # note\n```\n",
+            ["NGPU=1 ./run_train.sh --training.steps 20 --lr_scheduler.warmup_steps 2  # note"],
+        ),
+        ("Run `./run_train.sh\n--training.steps 50` and `x`.\n", ["./run_train.sh --training.steps 50", "x"]),
+    ],
+)
 def test_snippets_reads_fenced_blocks_and_inline_spans(text, expected):
     assert snippets(text) == expected

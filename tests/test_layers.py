@@ -99,8 +99,10 @@ def upward_imports(edges: dict) -> list[str]:
 def circles(edges: dict) -> list[list[str]]:
     """The import circles: strongly connected groups of two or more modules (Tarjan's algorithm). A
     module's implicit import of its own package's __init__ is left out: Python runs it first anyway."""
-    adjacent = {m: sorted({t for t, _ in targets if t in edges and t != m and not m.startswith(t + ".")})
-                for m, targets in edges.items()}
+    adjacent = {
+        m: sorted({t for t, _ in targets if t in edges and t != m and not m.startswith(t + ".")})
+        for m, targets in edges.items()
+    }
     index, low, stack, on_stack, groups = {}, {}, [], set(), []
 
     def visit(v):
@@ -166,7 +168,11 @@ def test_a_planted_upward_import_is_found(planted):
     path = planted / "distributed" / "utils.py"
     path.write_text(path.read_text() + "\n\ndef late():\n    from torchtitan.train import Trainer  # noqa\n")
     problems = sorted(set(upward_imports(graph(planted))) - set(upward_imports(graph(PACKAGE))))
-    assert len(problems) == 1 and problems[0].startswith("torchtitan.distributed.utils:") and "torchtitan.train" in problems[0]
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("torchtitan.distributed.utils:")
+        and "torchtitan.train" in problems[0]
+    )
 
 
 def test_a_planted_circle_is_found(planted):

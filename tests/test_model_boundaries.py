@@ -88,8 +88,12 @@ def test_families_do_not_import_each_other():
 def test_common_sits_below_distributed_and_the_families():
     offenders = []
     for path in sources(MODELS / "common"):
-        bad = [m for m in imported_modules(path) if m.startswith(("torchtitan.distributed", "torchtitan.models.registry"))
-               or any(m.startswith(f"torchtitan.models.{f}") for f in families())]
+        bad = [
+            m
+            for m in imported_modules(path)
+            if m.startswith(("torchtitan.distributed", "torchtitan.models.registry"))
+            or any(m.startswith(f"torchtitan.models.{f}") for f in families())
+        ]
         offenders += [f"{path.relative_to(REPO)}: {m}" for m in sorted(bad)]
     assert not offenders, "torchtitan/models/common imports from above it:\n" + "\n".join(offenders)
 
@@ -97,8 +101,11 @@ def test_common_sits_below_distributed_and_the_families():
 def test_distributed_imports_only_models_common():
     offenders = []
     for path in sources(REPO / "torchtitan" / "distributed"):
-        bad = [m for m in imported_modules(path)
-               if m.startswith("torchtitan.models") and not m.startswith("torchtitan.models.common")]
+        bad = [
+            m
+            for m in imported_modules(path)
+            if m.startswith("torchtitan.models") and not m.startswith("torchtitan.models.common")
+        ]
         offenders += [f"{path.relative_to(REPO)}: {m}" for m in sorted(bad)]
     assert not offenders, "torchtitan/distributed imports models/ outside models/common:\n" + "\n".join(offenders)
 
@@ -106,8 +113,12 @@ def test_distributed_imports_only_models_common():
 def isinstance_on_model_classes(path: Path) -> list[str]:
     """`isinstance(x, C)` calls in `path` where C was imported from torchtitan.models."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    model_names = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                   and (node.module or "").startswith("torchtitan.models") for a in node.names}
+    model_names = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchtitan.models")
+        for a in node.names
+    }
     calls = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
@@ -118,14 +129,23 @@ def isinstance_on_model_classes(path: Path) -> list[str]:
 
 def test_the_scanners_find_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("from torchtitan.models.common.moe import MoE as M\nimport torchtitan.distributed.utils\n"
-                     "def f(x):\n    from torchtitan.models.fam import model\n    return isinstance(x, (int, M))\n")
-    assert {"torchtitan.models.common.moe.MoE", "torchtitan.distributed.utils",
-            "torchtitan.models.fam.model"} <= imported_modules(probe)
+    probe.write_text(
+        "from torchtitan.models.common.moe import MoE as M\nimport torchtitan.distributed.utils\n"
+        "def f(x):\n    from torchtitan.models.fam import model\n    return isinstance(x, (int, M))\n"
+    )
+    assert {
+        "torchtitan.models.common.moe.MoE",
+        "torchtitan.distributed.utils",
+        "torchtitan.models.fam.model",
+    } <= imported_modules(probe)
     assert len(isinstance_on_model_classes(probe)) == 1
 
 
 def test_no_isinstance_on_model_classes_outside_models():
-    offenders = [call for path in sources() if "models" not in path.relative_to(REPO).parts[:2]
-                 for call in isinstance_on_model_classes(path)]
+    offenders = [
+        call
+        for path in sources()
+        if "models" not in path.relative_to(REPO).parts[:2]
+        for call in isinstance_on_model_classes(path)
+    ]
     assert not offenders, "outside models/, ask the spec instead:\n" + "\n".join(offenders)

@@ -22,10 +22,32 @@ SLURM = REPO / "scripts" / "multinode_trainer.slurm"
 
 def env_of(**variables) -> dict:
     env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
-    for name in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_GPUS_ON_NODE",
-                 "HEAD_NODE_ADDR", "SRUN", "NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_PORT", "RDZV_ID",
-                 "RDZV_TIMEOUT", "MAX_RESTARTS", "LOG_RANK", "LOG_DIR", "WORKER_START", "CONFIG_FILE", "LIGHTHOUSE",
-                 "DUMP_FOLDER", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT"):
+    for name in (
+        "SLURM_JOB_ID",
+        "SLURM_NNODES",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NODEID",
+        "SLURM_GPUS_ON_NODE",
+        "HEAD_NODE_ADDR",
+        "SRUN",
+        "NGPU",
+        "NNODES",
+        "NODE_RANK",
+        "RDZV_ENDPOINT",
+        "RDZV_PORT",
+        "RDZV_ID",
+        "RDZV_TIMEOUT",
+        "MAX_RESTARTS",
+        "LOG_RANK",
+        "LOG_DIR",
+        "WORKER_START",
+        "CONFIG_FILE",
+        "LIGHTHOUSE",
+        "DUMP_FOLDER",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_ARRAY_TASK_MIN",
+        "SLURM_ARRAY_TASK_COUNT",
+    ):
         env.pop(name, None)
     env.update(variables)
     return env
@@ -33,8 +55,17 @@ def env_of(**variables) -> dict:
 
 def node_env(node: int, port: int, **extra) -> dict:
     """This machine as node `node` of a faked 2-node allocation; SRUN="" runs the node's launcher here."""
-    return env_of(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_NODEID=str(node),
-                  HEAD_NODE_ADDR="127.0.0.1", RDZV_PORT=str(port), SRUN="", NGPU="2", **extra)
+    return env_of(
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="node[0-1]",
+        SLURM_NODEID=str(node),
+        HEAD_NODE_ADDR="127.0.0.1",
+        RDZV_PORT=str(port),
+        SRUN="",
+        NGPU="2",
+        **extra,
+    )
 
 
 def start(cmd: list, env: dict) -> subprocess.Popen:
@@ -56,8 +87,9 @@ def test_two_nodes_of_two_processes_train_as_one_process(tmp_path):
         # The reference, in this process, while the nodes start: FSDP over 4 ranks against 1 process.
         # One thread, as each worker: a second one only contends for the 2 cores the nodes share.
         torch.set_num_threads(1)
-        one = train(load_config([*TINY, "--training.local_batch_size", "2",
-                                 "--job.dump_folder", str(tmp_path / "one")]))
+        one = train(
+            load_config([*TINY, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "one")])
+        )
         outs = [p.communicate(timeout=240) for p in nodes]
     finally:
         torch.set_num_threads(threads)
@@ -85,11 +117,23 @@ def test_an_array_job_with_a_lighthouse_runs_one_replica_group_per_task(tmp_path
     tasks = []
     try:
         for i in (0, 1):
-            env = env_of(SLURM_JOB_ID=f"77{i}", SLURM_NNODES="1", SLURM_NODEID="0", HEAD_NODE_ADDR="127.0.0.1",
-                         RDZV_PORT=str(free_port()), SRUN="", NGPU="1", LIGHTHOUSE=address, DUMP_FOLDER=str(tmp_path),
-                         SLURM_ARRAY_TASK_ID=str(5 + i), SLURM_ARRAY_TASK_MIN="5", SLURM_ARRAY_TASK_COUNT="2")
-            tasks.append(start(["bash", str(SLURM), *TINY, "--training.steps", "3",
-                                "--training.global_batch_size", "4"], env))
+            env = env_of(
+                SLURM_JOB_ID=f"77{i}",
+                SLURM_NNODES="1",
+                SLURM_NODEID="0",
+                HEAD_NODE_ADDR="127.0.0.1",
+                RDZV_PORT=str(free_port()),
+                SRUN="",
+                NGPU="1",
+                LIGHTHOUSE=address,
+                DUMP_FOLDER=str(tmp_path),
+                SLURM_ARRAY_TASK_ID=str(5 + i),
+                SLURM_ARRAY_TASK_MIN="5",
+                SLURM_ARRAY_TASK_COUNT="2",
+            )
+            tasks.append(
+                start(["bash", str(SLURM), *TINY, "--training.steps", "3", "--training.global_batch_size", "4"], env)
+            )
         outs = [p.communicate(timeout=300) for p in tasks]
     finally:
         for p in tasks:
@@ -116,8 +160,10 @@ def test_replica_groups_need_an_array_job():
     [
         ("SLURM_JOB_ID", "SLURM_JOB_ID is not set: run this script with sbatch"),
         ("SLURM_NNODES", "SLURM_NNODES is not set"),
-        ("HEAD_NODE_ADDR SLURM_JOB_NODELIST",
-         "SLURM_JOB_NODELIST is not set: run this script with sbatch, or set HEAD_NODE_ADDR"),
+        (
+            "HEAD_NODE_ADDR SLURM_JOB_NODELIST",
+            "SLURM_JOB_NODELIST is not set: run this script with sbatch, or set HEAD_NODE_ADDR",
+        ),
         ("NGPU", "NGPU is not set: set NGPU .* or allocate GPUs .SLURM_GPUS_ON_NODE."),
         ("SLURM_NODEID", "SLURM_NODEID is not set on this node"),
     ],
@@ -144,8 +190,9 @@ def test_head_node_needs_scontrol_or_an_address():
 
 
 def test_several_nodes_need_an_endpoint():
-    proc = subprocess.run(["./run_train.sh"], cwd=REPO, env=env_of(NNODES="2"), capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        ["./run_train.sh"], cwd=REPO, env=env_of(NNODES="2"), capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2
     assert "NNODES=2 needs RDZV_ENDPOINT=HOST:PORT" in proc.stderr
 
@@ -155,14 +202,19 @@ def test_an_endpoint_nobody_answers_ends_within_the_rendezvous_timeout(tmp_path)
     # Node 1 waits for node 0's store (which never starts) for RDZV_TIMEOUT seconds, while its preflight
     # runs, then ends with one line (torchrun alone would wait 600 s to join, printing C++ retries).
     start_time = time.monotonic()
-    proc = subprocess.run(["bash", str(SLURM), *TINY, "--training.local_batch_size", "2",
-                           "--job.dump_folder", str(tmp_path)],
-                          cwd=REPO, env=node_env(1, free_port(), RDZV_TIMEOUT="2"), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SLURM), *TINY, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO,
+        env=node_env(1, free_port(), RDZV_TIMEOUT="2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - start_time < 30
     assert proc.returncode == 1, proc.stderr
-    assert re.search(r"error: nothing answers at the rendezvous endpoint 127\.0\.0\.1:\d+ after 2s .RDZV_TIMEOUT.",
-                     proc.stderr), proc.stderr
+    assert re.search(
+        r"error: nothing answers at the rendezvous endpoint 127\.0\.0\.1:\d+ after 2s .RDZV_TIMEOUT.", proc.stderr
+    ), proc.stderr
     assert "Traceback" not in proc.stderr and "TCPStore" not in proc.stderr
 
 
@@ -205,20 +257,23 @@ def test_a_killed_worker_is_restarted_then_reported_in_one_line(tmp_path):
         proc.kill()
     assert proc.returncode == 128 + signal.SIGKILL, err[-5000:]
     launcher_lines = [line for line in err.splitlines() if not line.startswith("[rank")]
-    match = re.fullmatch(r"error: training failed: rank 1 was killed by SIGKILL; its output: (\S+)",
-                         launcher_lines[-1])
+    match = re.fullmatch(r"error: training failed: rank 1 was killed by SIGKILL; its output: (\S+)", launcher_lines[-1])
     assert match, err[-3000:]
     assert match.group(1).endswith(os.path.join("attempt_1", "1", "stderr.log")) and Path(match.group(1)).is_file()
     assert "Traceback" not in "\n".join(launcher_lines)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, to_group, checkpointing", [
-    ("SIGTERM", False, False),  # a scheduler's signal, to the launcher only (sbatch --signal, scancel)
-    ("SIGINT", True, True),  # Ctrl-C: the terminal signals the launcher and its workers (one process group)
-])
-def test_a_stop_signal_stops_the_workers_after_a_step_with_the_documented_exit_status(tmp_path, sig, to_group,
-                                                                                     checkpointing):
+@pytest.mark.parametrize(
+    "sig, to_group, checkpointing",
+    [
+        ("SIGTERM", False, False),  # a scheduler's signal, to the launcher only (sbatch --signal, scancel)
+        ("SIGINT", True, True),  # Ctrl-C: the terminal signals the launcher and its workers (one process group)
+    ],
+)
+def test_a_stop_signal_stops_the_workers_after_a_step_with_the_documented_exit_status(
+    tmp_path, sig, to_group, checkpointing
+):
     # The launcher passes the signal on and keeps watching: the workers finish the step, save (or say
     # that checkpointing is off) and return, and the launcher exits as job.stop_signals' help says: 0,
     # or 130 for Ctrl-C, at once instead of after its shutdown timeout (stop_grace_seconds + 15 s).
@@ -227,9 +282,15 @@ def test_a_stop_signal_stops_the_workers_after_a_step_with_the_documented_exit_s
 
     assert sig in JobConfig().job.stop_signals
     ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000"] if checkpointing else []
-    proc = subprocess.Popen(["./run_train.sh", *TINY, "--training.steps", "1000", "--job.dump_folder", str(tmp_path),
-                             *ckpt], cwd=REPO, env=env_of(NGPU="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["./run_train.sh", *TINY, "--training.steps", "1000", "--job.dump_folder", str(tmp_path), *ckpt],
+        cwd=REPO,
+        env=env_of(NGPU="2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "metrics.jsonl").exists():  # rank 0 logged step 1: the handlers are in place
@@ -244,8 +305,9 @@ def test_a_stop_signal_stops_the_workers_after_a_step_with_the_documented_exit_s
         elapsed = time.monotonic() - signalled
     finally:
         proc.kill()
-    help_text = subprocess.run(["./run_train.sh", "--help"], cwd=REPO, env=env_of(), capture_output=True,
-                               text=True).stdout
+    help_text = subprocess.run(
+        ["./run_train.sh", "--help"], cwd=REPO, env=env_of(), capture_output=True, text=True
+    ).stdout
     expected = 128 + signal.SIGINT if sig == "SIGINT" else 0
     assert "exits 0 (SIGINT: 130" in " ".join(help_text.split())
     assert proc.returncode == expected, err[-3000:]
@@ -260,7 +322,9 @@ def test_a_stop_signal_stops_the_workers_after_a_step_with_the_documented_exit_s
     else:
         assert stopped.group(2) == "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)"
         assert not (tmp_path / "checkpoint").exists()
-    assert err.rstrip().endswith(f"stopped: the launcher received {sig}, passed it to the workers, and they stopped "
-                                 f"after a step (exit status {expected})")
+    assert err.rstrip().endswith(
+        f"stopped: the launcher received {sig}, passed it to the workers, and they stopped "
+        f"after a step (exit status {expected})"
+    )
     assert elapsed < 15, elapsed
     assert "Unable to shutdown" not in err and "Traceback" not in err

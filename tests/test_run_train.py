@@ -18,8 +18,9 @@ from conftest import PYTHON_DIR, REPO, processes_naming
 def run_train(*args, env=None, timeout=300):
     full_env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], **(env or {}))
     start = time.monotonic()
-    proc = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        ["./run_train.sh", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     return proc, time.monotonic() - start
 
 
@@ -30,11 +31,15 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
         f'[job]\nbase_config = "{REPO / "train_configs" / "debug_model.toml"}"\n'
         # A data worker per rank: the workers end with their trainer, which exits (a forked child of the
         # launcher, where no atexit handler runs).
-        '[training]\nsteps = 8\nseq_len = 64\ndata_workers = 1\n[metrics]\nlog_freq = 4\n'
+        "[training]\nsteps = 8\nseq_len = 64\ndata_workers = 1\n[metrics]\nlog_freq = 4\n"
     )
     out = tmp_path / "out"
-    proc, _ = run_train("--job.dump_folder", str(out), "--training.local_batch_size=2",
-                        env={"NGPU": "2", "CONFIG_FILE": str(recipe), "LOG_RANK": "0,1"})
+    proc, _ = run_train(
+        "--job.dump_folder",
+        str(out),
+        "--training.local_batch_size=2",
+        env={"NGPU": "2", "CONFIG_FILE": str(recipe), "LOG_RANK": "0,1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     # The first lines say what is trained, on which mesh, with which batch.
@@ -53,7 +58,12 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     assert [r["step"] for r in records] == [1, 4, 8]  # recipe's steps and log_freq, CLI's batch size
     assert list((out / "tb").glob("events.out.tfevents.*"))
     resolved = (out / "config.toml").read_text()
-    assert "steps = 8" in resolved and "local_batch_size = 2" in resolved and "data_workers = 1" in resolved and 'flavor = "debugmodel"' in resolved
+    assert (
+        "steps = 8" in resolved
+        and "local_batch_size = 2" in resolved
+        and "data_workers = 1" in resolved
+        and 'flavor = "debugmodel"' in resolved
+    )
 
 
 def test_outside_the_projects_environment_the_launcher_says_how_to_enter_it(tmp_path):
@@ -65,8 +75,9 @@ def test_outside_the_projects_environment_the_launcher_says_how_to_enter_it(tmp_
     bare = dict(os.environ, PATH=str(tmp_path / "bare" / "bin") + os.pathsep + "/usr/bin:/bin")
     bare.pop("VIRTUAL_ENV", None)
     for env, what in ((bare, "has no module 'torch'"), ({**bare, "PATH": str(tmp_path)}, "no 'python' command")):
-        proc = subprocess.run(["/bin/bash", "./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            ["/bin/bash", "./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and what in lines[0], proc.stderr
         assert "source .venv/bin/activate" in lines[0] and "Traceback" not in proc.stdout + proc.stderr
@@ -79,10 +90,23 @@ def test_ctrl_c_before_training_starts_is_one_line(tmp_path):
     fifo = tmp_path / "data.jsonl"
     os.mkfifo(fifo)
     for moment in ("importing", "checking"):
-        proc = subprocess.Popen(["./run_train.sh", "--training.dataset", "local", "--training.dataset_path", str(fifo),
-                                 "--job.dump_folder", str(tmp_path / "out")], cwd=REPO, start_new_session=True,
-                                env=dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                "./run_train.sh",
+                "--training.dataset",
+                "local",
+                "--training.dataset_path",
+                str(fifo),
+                "--job.dump_folder",
+                str(tmp_path / "out"),
+            ],
+            cwd=REPO,
+            start_new_session=True,
+            env=dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 120
         if moment == "importing":
             time.sleep(1)
@@ -93,7 +117,8 @@ def test_ctrl_c_before_training_starts_is_one_line(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130 and err.strip().splitlines() == [
-            "stopped: Ctrl-C before training started; no worker was launched"], (moment, out[-2000:], err[-3000:])
+            "stopped: Ctrl-C before training started; no worker was launched"
+        ], (moment, out[-2000:], err[-3000:])
         assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
@@ -111,7 +136,10 @@ def test_help_lists_options():
     assert "--training.local_batch_size (int, here: 4 in" in proc.stdout
     for variable in ("NGPU", "CONFIG_FILE", "LOG_RANK", "LIGHTHOUSE_PORT", "RDZV_ENDPOINT"):
         assert f"\n    {variable} " in proc.stdout, variable
-    assert "      qwen3_5: debugmodel, 9B, debugmodel_moe, 35B-A3B" in proc.stdout and "      llama3: debugmodel, " in proc.stdout
+    assert (
+        "      qwen3_5: debugmodel, 9B, debugmodel_moe, 35B-A3B" in proc.stdout
+        and "      llama3: debugmodel, " in proc.stdout
+    )
 
 
 EMPTY = "empty.jsonl"
@@ -123,18 +151,37 @@ EMPTY = "empty.jsonl"
         (["--training.stpes", "5"], {}, "did you mean '--training.steps'"),
         (["--training.steps", "ten"], {}, "training.steps: expected an integer, got 'ten'"),
         (["--training.seq_len", "0"], {}, "training.seq_len must be a positive integer"),
-        (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
-         {"NGPU": "3"}, "multiply to 4 .* but the job has 3 processes"),
+        (
+            ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+            {"NGPU": "3"},
+            "multiply to 4 .* but the job has 3 processes",
+        ),
         (["--model.tokenizer_path", "/no/tok.model"], {}, "tokenizer model not found at '/no/tok.model'"),
         (["--training.dataset", "local", "--training.dataset_path", "/no/data.jsonl"], {}, "does not exist"),
         (["--training.dataset", "local", "--training.dataset_path", EMPTY], {}, "is empty"),
-        (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "102"], {},
-         "seq_len = 102 must be divisible by 2 x context_parallel_degree"),
-        (["--parallelism.context_parallel_degree", "4"], {}, "context_parallel_degree 4 x tensor_parallel_degree 1 = 4 does not divide the world size 2"),
+        (
+            ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "102"],
+            {},
+            "seq_len = 102 must be divisible by 2 x context_parallel_degree",
+        ),
+        (
+            ["--parallelism.context_parallel_degree", "4"],
+            {},
+            "context_parallel_degree 4 x tensor_parallel_degree 1 = 4 does not divide the world size 2",
+        ),
         (["--parallelism.tensor_parallel_degree", "3"], {"NGPU": "3"}, "tensor_parallel_degree = 3 does not divide"),
-        (["--parallelism.context_parallel_degree", "3", "--parallelism.context_parallel_method", "ulysses",
-          "--training.seq_len", "96"], {"NGPU": "3"}, "must divide the model's 16 query heads.*largest degree that "
-                                                      "works is 2"),
+        (
+            [
+                "--parallelism.context_parallel_degree",
+                "3",
+                "--parallelism.context_parallel_method",
+                "ulysses",
+                "--training.seq_len",
+                "96",
+            ],
+            {"NGPU": "3"},
+            "must divide the model's 16 query heads.*largest degree that works is 2",
+        ),
         ([], {"CONFIG_FILE": "/no/recipe.toml"}, "not found: /no/recipe.toml"),
     ],
 )
@@ -151,8 +198,9 @@ def test_user_mistakes_fail_fast_and_clearly(tmp_path, args, env, message):
 
 
 @pytest.mark.parametrize("kind", ["a corpus shorter than one sequence", "a binary file among the data"])
-def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_starts(tmp_path, monkeypatch, capsys,
-                                                                                    kind):
+def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_starts(
+    tmp_path, monkeypatch, capsys, kind
+):
     """run_train.sh's launcher in this process (torchtitan.launch.main), with the step that starts the workers
     (launch.run: torchrun, the trainers, their models) replaced by a failure: the preflight refuses the data,
     exit status 2 and one line, before any worker or model exists."""
@@ -169,8 +217,10 @@ def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_sta
         # 2 ranks x local batch 4: 8 lanes of the recipe's seq_len 256; each lane would read all of the corpus
         # in 8 epochs before finding it cannot fill one sequence, after launch and the model build.
         (data / "one.jsonl").write_text(json.dumps({"text": "def f():\n    return 1\n"}) + "\n")
-        expected = (rf"error: dataset local at {re.escape(str(data))} is too small: its documents tokenize to \d+ "
-                    r"tokens in all, fewer than one sequence of training.seq_len \+ 1 = 257, so no sample")
+        expected = (
+            rf"error: dataset local at {re.escape(str(data))} is too small: its documents tokenize to \d+ "
+            r"tokens in all, fewer than one sequence of training.seq_len \+ 1 = 257, so no sample"
+        )
     else:
         # Enough good text first (the source was checked by its first document), then the tokenizer's model
         # file copied in by mistake as text: it used to be decoded with replacement characters and trained on.
@@ -184,8 +234,20 @@ def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_sta
     monkeypatch.setattr(launch, "run", start_workers)
     threads = torch.get_num_threads()  # the launcher limits itself to one thread
     try:
-        code = launch.main(["--nproc-per-node", "2", "--", *RECIPE, "--job.dump_folder", str(tmp_path / "out"),
-                            "--training.dataset", "local", "--training.dataset_path", str(data)])
+        code = launch.main(
+            [
+                "--nproc-per-node",
+                "2",
+                "--",
+                *RECIPE,
+                "--job.dump_folder",
+                str(tmp_path / "out"),
+                "--training.dataset",
+                "local",
+                "--training.dataset_path",
+                str(data),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
         gc.unfreeze()
@@ -200,10 +262,22 @@ def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_sta
 def test_every_rank_reports_an_error_under_plain_torchrun(tmp_path):
     # Without run_train.sh's pre-launch check, each rank finds the problem itself and exits non-zero.
     (tmp_path / EMPTY).write_text("")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train",
-           "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-           "--training.dataset", "local", "--training.dataset_path", str(tmp_path / EMPTY)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--training.dataset",
+        "local",
+        "--training.dataset_path",
+        str(tmp_path / EMPTY),
+    ]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
@@ -227,23 +301,66 @@ def test_readme_lists_every_layout_and_each_passes_preflight(tmp_path):
         words = command.split()
         ngpu = int(words[0].removeprefix("NGPU="))
         assert words[1] == "./run_train.sh", command
-        cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-                           "--job.dump_folder", str(tmp_path), *words[2:]])
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs" / "debug_model.toml"),
+                "--job.dump_folder",
+                str(tmp_path),
+                *words[2:],
+            ]
+        )
         dims = preflight(cfg, ngpu).parallel_dims
         described.add(dims.describe().split(":")[0])
     # Every composition the parallelism issue names has a command.
-    for layout in ["FSDP", "HSDP", "DDP", "TP", "FSDP x TP", "HSDP x TP", "PP", "PP x FSDP", "PP x TP",
-                   "PP x FSDP x TP", "FSDP x CP", "FSDP x CP x TP", "PP x FSDP x CP", "PP x FSDP x CP x TP"]:
+    for layout in [
+        "FSDP",
+        "HSDP",
+        "DDP",
+        "TP",
+        "FSDP x TP",
+        "HSDP x TP",
+        "PP",
+        "PP x FSDP",
+        "PP x TP",
+        "PP x FSDP x TP",
+        "FSDP x CP",
+        "FSDP x CP x TP",
+        "PP x FSDP x CP",
+        "PP x FSDP x CP x TP",
+    ]:
         assert layout in described, f"no README command for {layout}: {sorted(described)}"
 
 
 def _start_long_run(folder: Path, *extra: str) -> subprocess.Popen:
     full_env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], NGPU="2", OMP_NUM_THREADS="1")
-    args = ["--job.dump_folder", str(folder), "--training.steps", "100000", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint",
-            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", *extra]
-    return subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=full_env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = [
+        "--job.dump_folder",
+        str(folder),
+        "--training.steps",
+        "100000",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "2",
+        *extra,
+    ]
+    return subprocess.Popen(
+        ["./run_train.sh", *args],
+        cwd=REPO,
+        env=full_env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_checkpoint(folder: Path, proc: subprocess.Popen, timeout: float = 120):

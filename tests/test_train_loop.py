@@ -13,14 +13,29 @@ from torchtitan.train import train
 
 
 def short_run(tmp_path, *overrides):
-    cfg = load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "4",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2", "--metrics.device_peak_tflops", "1",
-        *overrides,
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "4",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--metrics.log_freq",
+            "2",
+            "--metrics.device_peak_tflops",
+            "1",
+            *overrides,
+        ]
+    )
     return train(cfg)
 
 
@@ -28,8 +43,10 @@ def test_logs_first_every_log_freq_and_last_step(tmp_path, caplog):
     caplog.set_level("INFO")
     history = short_run(tmp_path, "--training.steps", "5")
     # The last line says what the run left: no checkpoint (the recipe's default), and how to keep one.
-    assert f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); no checkpoint: checkpointing is off" \
+    assert (
+        f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); no checkpoint: checkpointing is off"
         in caplog.text
+    )
     assert [r["step"] for r in history] == [1, 2, 4, 5]
     on_disk = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert on_disk == history
@@ -45,15 +62,24 @@ def test_a_resumed_run_logs_its_first_step_and_counts_its_own_steps(tmp_path, ca
     import logging
 
     caplog.set_level(logging.INFO)
-    ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--metrics.log_freq", "10",
-            "--lr_scheduler.warmup_steps", "3"]
+    ckpt = [
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "3",
+        "--metrics.log_freq",
+        "10",
+        "--lr_scheduler.warmup_steps",
+        "3",
+    ]
     short_run(tmp_path, "--training.steps", "3", *ckpt)
     # A warmup as long as the run: the learning rate never decays, and the start-up says so.
     assert "lr_scheduler.warmup_steps (3) is not below training.steps (3)" in caplog.text
     assert "training done: 3 steps in" in caplog.text
     # The last line says what the run left, its last checkpoint included.
-    assert f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); checkpoint {tmp_path / 'checkpoint' / 'step-3'}" \
+    assert (
+        f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); checkpoint {tmp_path / 'checkpoint' / 'step-3'}"
         in caplog.text
+    )
     caplog.clear()
     history = short_run(tmp_path, "--training.steps", "6", *ckpt)
     assert "resumed from" in caplog.text and "warmup_steps" not in caplog.text
@@ -93,16 +119,38 @@ def test_a_fork_replaces_one_step_by_subclassing(tmp_path):
         def optimizer_step(self):
             calls.append(self.plan.grad_accum_steps)
 
-    cfg = load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
-        "--training.mixed_precision_param", "float32",
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.device_peak_tflops",
+            "1",
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    )
     frozen = train(cfg, FrozenTrainer)
-    normal = short_run(tmp_path / "b", "--training.steps", "3", "--metrics.log_freq", "1",
-                       "--training.mixed_precision_param", "float32")
+    normal = short_run(
+        tmp_path / "b",
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--training.mixed_precision_param",
+        "float32",
+    )
     assert len(calls) == 3
     assert frozen[0]["loss"] == normal[0]["loss"]  # the same first step
     assert frozen[2]["loss"] != normal[2]["loss"]  # but no learning afterwards
@@ -120,8 +168,9 @@ def test_the_specs_loss_function_is_the_one_trained(tmp_path):
 
     register_model(dataclasses.replace(get_model_spec("llama3"), name="llama3_smoothed_loss", loss_sum_fn=smoothed))
     plain = short_run(tmp_path / "a", "--training.mixed_precision_param", "float32")
-    custom = short_run(tmp_path / "b", "--training.mixed_precision_param", "float32",
-                       "--model.name", "llama3_smoothed_loss")
+    custom = short_run(
+        tmp_path / "b", "--training.mixed_precision_param", "float32", "--model.name", "llama3_smoothed_loss"
+    )
     # Same weights and batch at step 1: only the loss function differs. Label smoothing against a
     # near-uniform prediction changes the first loss by well under a nat, but it must change it.
     assert custom[0]["loss"] != plain[0]["loss"]
@@ -142,7 +191,16 @@ def test_console_keys_of_the_reference_schema_act(tmp_path, caplog):
     assert "[training]" not in caplog.text
     assert f"written to {tmp_path / 'b' / 'config.toml'}" in caplog.text
     assert "model after conversion (no converters):" in caplog.text and "(tok_embeddings): Embedding(" in caplog.text
-    values = {"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "memory_gib": 1.0, "tps": 10.0, "tflops": 0.1, "mfu": 1.0}
+    values = {
+        "step": 1,
+        "loss": 2.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "memory_gib": 1.0,
+        "tps": 10.0,
+        "tflops": 0.1,
+        "mfu": 1.0,
+    }
     assert "\033[" not in step_line(values) and "\033[32mloss:\033[0m" in step_line(values, color=True)
 
 
@@ -189,21 +247,44 @@ def poisoned_trainer(steps: set[int]):
 
 
 def nan_run_config(tmp_path, *extra):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "6", "--metrics.log_freq", "5", "--metrics.device_peak_tflops", "1",
-        "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
-        "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only", *extra,
-    ])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "6",
+            "--metrics.log_freq",
+            "5",
+            "--metrics.device_peak_tflops",
+            "1",
+            "--training.mixed_precision_param",
+            "float32",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.no-last_save_model_only",
+            *extra,
+        ]
+    )
 
 
 def test_non_finite_gradient_norm_stops_the_run_on_an_unlogged_step(tmp_path):
     from torchtitan.components.checkpoint import complete_checkpoints
     from torchtitan.config import UserError
 
-    with pytest.raises(UserError, match=r"training stopped at step 3: the gradient norm is not finite \(gradient norm nan"):
+    with pytest.raises(
+        UserError, match=r"training stopped at step 3: the gradient norm is not finite \(gradient norm nan"
+    ):
         train(nan_run_config(tmp_path), poisoned_trainer({3}))
     assert complete_checkpoints(str(tmp_path / "checkpoint")) == [1, 2]  # the bad state never saved
 
@@ -214,9 +295,17 @@ def test_skip_nonfinite_steps_drops_the_bad_step_only(tmp_path):
     from torchtitan.components.checkpoint import read_train_state
     from torchtitan.config import UserError
 
-    skipped = train(nan_run_config(tmp_path / "skip", "--training.skip_nonfinite_steps", "--metrics.log_freq", "1",
-                                   "--checkpoint.keep_latest_k", "0"),
-                    poisoned_trainer({3}))
+    skipped = train(
+        nan_run_config(
+            tmp_path / "skip",
+            "--training.skip_nonfinite_steps",
+            "--metrics.log_freq",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "0",
+        ),
+        poisoned_trainer({3}),
+    )
     clean = train(nan_run_config(tmp_path / "clean", "--metrics.log_freq", "1"))
     assert [r["skipped_steps"] for r in skipped] == [0, 0, 1, 1, 1, 1]
     assert [r["loss"] for r in skipped[:3]] == [r["loss"] for r in clean[:3]]  # step 3's forward ran normally
@@ -239,8 +328,12 @@ def test_skip_nonfinite_steps_drops_the_bad_step_only(tmp_path):
     assert read_train_state(str(tmp_path / "skip" / "checkpoint" / "step-6"))["counters"] == {"skipped_steps": 1}
     # Too many in a row still stops the run.
     with pytest.raises(UserError, match=r"training stopped at step 4: 2 steps in a row had a non-finite"):
-        train(nan_run_config(tmp_path / "many", "--training.skip_nonfinite_steps",
-                             "--training.max_skipped_steps_in_a_row", "2"), poisoned_trainer({3, 4}))
+        train(
+            nan_run_config(
+                tmp_path / "many", "--training.skip_nonfinite_steps", "--training.max_skipped_steps_in_a_row", "2"
+            ),
+            poisoned_trainer({3, 4}),
+        )
 
 
 def test_data_wait_is_measured_per_step(tmp_path):
@@ -262,13 +355,28 @@ def test_data_wait_is_measured_per_step(tmp_path):
 
             return Slow()
 
-    cfg = load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(tmp_path / "slow"), "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "4", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2",
-        "--metrics.device_peak_tflops", "1",
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+            "--job.dump_folder",
+            str(tmp_path / "slow"),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "4",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--metrics.log_freq",
+            "2",
+            "--metrics.device_peak_tflops",
+            "1",
+        ]
+    )
     slow = train(cfg, SlowData)
     # Documents tokenized by a worker process: the same batches, so the same losses.
     normal = short_run(tmp_path / "normal", "--training.data_workers", "1")
@@ -290,14 +398,23 @@ def test_block_causal_needs_document_boundaries_from_the_loader(tmp_path, capsys
         def build_model(self):
             raise AssertionError("the model must not be built")
 
-    args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder",
-            str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2"]
+    args = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "2",
+    ]
     for flag in (["--model.attn_mask_type", "block_causal"], ["--training.ignore_cross_document_labels"]):
         assert main(args + flag, trainer_cls=PlainBatches) == 2
         err = capsys.readouterr().err
         assert "carries no document boundaries" in err and "Traceback" not in err
         assert flag[0].removeprefix("--") in err.replace(" = 'block_causal'", "")
-
 
 
 class DocumentIdBatches:
@@ -331,16 +448,37 @@ def test_a_loader_may_carry_document_ids(tmp_path):
         class WithIds(Trainer):
             def build_dataloader(self):
                 return DocumentIdBatches(super().build_dataloader(), lambda x: ids(x, self.tokenizer.eos_id))
+
         return WithIds
 
-    flags = ["--model.attn_mask_type", "block_causal", "--training.ignore_cross_document_labels",
-             "--training.mixed_precision_param", "float32"]
+    flags = [
+        "--model.attn_mask_type",
+        "block_causal",
+        "--training.ignore_cross_document_labels",
+        "--training.mixed_precision_param",
+        "float32",
+    ]
 
     def run(folder, trainer_cls=None):
-        cfg = load_config([
-            "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(folder),
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
-            "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1", *flags])
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs" / "debug_model.toml"),
+                "--job.dump_folder",
+                str(folder),
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "2",
+                "--training.steps",
+                "3",
+                "--metrics.log_freq",
+                "1",
+                "--metrics.device_peak_tflops",
+                "1",
+                *flags,
+            ]
+        )
         return [r["loss"] for r in train(cfg, trainer_cls)]
 
     from_eos = run(tmp_path / "eos")

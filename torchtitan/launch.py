@@ -53,28 +53,45 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan.launch",
         description="Check a training job, then start its workers with torchrun (options before '--', "
-                    "config overrides after it).",
+        "config overrides after it).",
         allow_abbrev=False,
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers on this node (GPUs, or CPU processes)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
-    p.add_argument("--node-rank", type=int, default=None,
-                   help="this node's rank (optional with c10d rendezvous; 0 hosts the rendezvous store and checks "
-                        "the dump folder's lock)")
-    p.add_argument("--rdzv-endpoint", default=None,
-                   help="HOST:PORT of the rendezvous store (node 0); required with --nnodes > 1")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this node's rank (optional with c10d rendezvous; 0 hosts the rendezvous store and checks "
+        "the dump folder's lock)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous store (node 0); required with --nnodes > 1"
+    )
     p.add_argument("--rdzv-id", default="torchtitan", help="rendezvous id, the same on every node of a job")
-    p.add_argument("--rdzv-timeout", type=int, default=600,
-                   help="seconds to wait for node 0's rendezvous store to answer and for all nodes to join")
+    p.add_argument(
+        "--rdzv-timeout",
+        type=int,
+        default=600,
+        help="seconds to wait for node 0's rendezvous store to answer and for all nodes to join",
+    )
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
     p.add_argument("--log-rank", default="0", help="comma list of local ranks whose output is shown")
     p.add_argument("--log-dir", default=None, help="folder for every worker's stdout/stderr (default: a temp folder)")
-    p.add_argument("--lighthouse-port", type=int, default=None,
-                   help="replica groups on one machine: start a torchft lighthouse on 127.0.0.1:PORT unless one "
-                        "answers there, once the job is checked, and pass it as fault_tolerance.lighthouse")
-    p.add_argument("--worker-start", choices=("auto", "fork", "exec"), default="auto",
-                   help="fork workers from this process (fast; CPU) or exec python -m torchtitan.train (CUDA); "
-                        "auto: fork unless CUDA is available")
+    p.add_argument(
+        "--lighthouse-port",
+        type=int,
+        default=None,
+        help="replica groups on one machine: start a torchft lighthouse on 127.0.0.1:PORT unless one "
+        "answers there, once the job is checked, and pass it as fault_tolerance.lighthouse",
+    )
+    p.add_argument(
+        "--worker-start",
+        choices=("auto", "fork", "exec"),
+        default="auto",
+        help="fork workers from this process (fast; CPU) or exec python -m torchtitan.train (CUDA); "
+        "auto: fork unless CUDA is available",
+    )
     return p
 
 
@@ -82,7 +99,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(launcher options, training arguments), split at the first '--'."""
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 
@@ -97,15 +114,18 @@ def check_options(opts: argparse.Namespace):
     if opts.node_rank is not None and not 0 <= opts.node_rank < opts.nnodes:
         raise UserError(f"--node-rank {opts.node_rank} is not in 0..{opts.nnodes - 1} (--nnodes {opts.nnodes})")
     if opts.nnodes > 1 and not opts.rdzv_endpoint:
-        raise UserError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (RDZV_ENDPOINT), the address of "
-                        f"node 0, where the rendezvous store runs; every node passes the same one")
+        raise UserError(
+            f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (RDZV_ENDPOINT), the address of "
+            f"node 0, where the rendezvous store runs; every node passes the same one"
+        )
     if opts.rdzv_endpoint and opts.nnodes > 1:
         host, _, port = opts.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise UserError(f"--rdzv-endpoint {opts.rdzv_endpoint!r} is not HOST:PORT")
     if opts.lighthouse_port is not None and not 1 <= opts.lighthouse_port <= 65535:
-        raise UserError(f"LIGHTHOUSE_PORT (--lighthouse-port) must be a port number, 1..65535, got "
-                        f"{opts.lighthouse_port}")
+        raise UserError(
+            f"LIGHTHOUSE_PORT (--lighthouse-port) must be a port number, 1..65535, got {opts.lighthouse_port}"
+        )
     try:
         ranks = [int(r) for r in opts.log_rank.split(",")]
     except ValueError:
@@ -128,9 +148,16 @@ def torchrun_argv(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> 
     if opts.node_rank is not None and opts.nnodes > 1:
         conf += f",is_host={'true' if opts.node_rank == 0 else 'false'}"
     argv = [
-        f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts.rdzv_id}", f"--rdzv-conf={conf}",
-        f"--max-restarts={opts.max_restarts}", f"--local-ranks-filter={opts.log_rank}", "--role=rank", "--tee=3",
+        f"--nproc-per-node={opts.nproc_per_node}",
+        f"--nnodes={opts.nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={opts.rdzv_id}",
+        f"--rdzv-conf={conf}",
+        f"--max-restarts={opts.max_restarts}",
+        f"--local-ranks-filter={opts.log_rank}",
+        "--role=rank",
+        "--tee=3",
     ]
     if opts.log_dir:
         argv.append(f"--log-dir={opts.log_dir}")
@@ -234,8 +261,15 @@ class _DropWorkerFailureLines:
 
     def filter(self, record) -> bool:
         message = str(record.msg)
-        return not message.startswith(("failed (exitcode", "Sending process", "Terminating process",
-                                        "Closing process", "Received %s death signal"))
+        return not message.startswith(
+            (
+                "failed (exitcode",
+                "Sending process",
+                "Terminating process",
+                "Closing process",
+                "Received %s death signal",
+            )
+        )
 
 
 def _let_finished_workers_exit_on_close():
@@ -307,7 +341,7 @@ class StopForwarder:
         self.received = name
         if self.agent is not None:
             self.agent._remaining_restarts = 0  # a stop is not a failure to recover from
-        for pid in (self.context.pids().values() if self.context is not None else ()):
+        for pid in self.context.pids().values() if self.context is not None else ():
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
@@ -341,9 +375,13 @@ class StoreProbe:
             return True
         self.thread.join()
         if not self.reachable:
-            print(f"error: nothing answers at the rendezvous endpoint {self.endpoint} after {self.timeout}s "
-                  f"(RDZV_TIMEOUT): is node 0 running, and is RDZV_ENDPOINT its address and a port it can listen "
-                  f"on?", file=sys.stderr, flush=True)
+            print(
+                f"error: nothing answers at the rendezvous endpoint {self.endpoint} after {self.timeout}s "
+                f"(RDZV_TIMEOUT): is node 0 running, and is RDZV_ENDPOINT its address and a port it can listen "
+                f"on?",
+                file=sys.stderr,
+                flush=True,
+            )
         return bool(self.reachable)
 
 
@@ -360,8 +398,11 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
 
     import logging
 
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn",
-                 "torch.distributed.elastic.agent.server.api"):
+    for name in (
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.multiprocessing.spawn",
+        "torch.distributed.elastic.agent.server.api",
+    ):
         logging.getLogger(name).addFilter(_DropWorkerFailureLines())
     # torchrun would set this with a banner; one thread per worker unless the environment says otherwise.
     if opts.nproc_per_node > 1:
@@ -391,55 +432,80 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
         first_rank, first = e.get_first_failure()
         if first.exitcode == 2:
             return 2  # a user mistake, already printed by the ranks
-        if stops.received and all(f.exitcode in (128 + signal.Signals[stops.received], -signal.Signals[stops.received])
-                                  for f in e.failures.values()):
+        if stops.received and all(
+            f.exitcode in (128 + signal.Signals[stops.received], -signal.Signals[stops.received])
+            for f in e.failures.values()
+        ):
             # The signal reached the workers before their trainer was ready to stop after a step, or a
             # second Ctrl-C ended them.
-            print(f"stopped: {stops.received} ended the workers before they finished a step (training had not "
-                  f"begun, or Ctrl-C came twice); the checkpoints already published are complete", file=sys.stderr,
-                  flush=True)
+            print(
+                f"stopped: {stops.received} ended the workers before they finished a step (training had not "
+                f"begun, or Ctrl-C came twice); the checkpoints already published are complete",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + signal.Signals[stops.received]
         # A worker killed by a signal takes its peers down with it (their collectives fail, exit 1),
         # and the one that wrote an error file first can be such a peer: name the killed one.
-        killed = [(rank, f) for rank, f in sorted(e.failures.items())
-                  if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+        killed = [
+            (rank, f) for rank, f in sorted(e.failures.items()) if f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+        ]
         if killed and first.exitcode > 0:
             first_rank, first = killed[0]
         # Workers the agent stopped because of the first failure end with SIGTERM: not worth naming.
-        others = [describe_failure(rank, f) for rank, f in sorted(e.failures.items())
-                  if rank != first_rank and f.exitcode != -signal.SIGTERM]
+        others = [
+            describe_failure(rank, f)
+            for rank, f in sorted(e.failures.items())
+            if rank != first_rank and f.exitcode != -signal.SIGTERM
+        ]
         also = f" (and {', '.join(others)})" if others else ""
         where = log_path(config.logs_specs.root_log_dir, first.local_rank)
         logs = f"; its output: {where}" if where else ""
-        print(f"error: training failed: {describe_failure(first_rank, first)}{also}{logs}", file=sys.stderr,
-              flush=True)
+        print(f"error: training failed: {describe_failure(first_rank, first)}{also}{logs}", file=sys.stderr, flush=True)
         return failure_exit_code(first)
     except SignalException as e:
         if stops.received == "SIGINT" and e.sigval == signal.SIGKILL:
-            print("stopped: a second SIGINT (Ctrl-C) killed the workers; the checkpoints already published are "
-                  "complete", file=sys.stderr, flush=True)
+            print(
+                "stopped: a second SIGINT (Ctrl-C) killed the workers; the checkpoints already published are complete",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + signal.SIGINT
-        print(f"stopped: the launcher received {signal.Signals(e.sigval).name} and passed it to the workers",
-              file=sys.stderr, flush=True)
+        print(
+            f"stopped: the launcher received {signal.Signals(e.sigval).name} and passed it to the workers",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(e.sigval)
     except RendezvousTimeoutError:
-        print(f"error: rendezvous '{opts.rdzv_id}' at {endpoint}: not all {opts.nnodes} nodes joined within "
-              f"{opts.rdzv_timeout}s (RDZV_TIMEOUT); start the same command on every node with the same "
-              f"RDZV_ENDPOINT and RDZV_ID", file=sys.stderr, flush=True)
+        print(
+            f"error: rendezvous '{opts.rdzv_id}' at {endpoint}: not all {opts.nnodes} nodes joined within "
+            f"{opts.rdzv_timeout}s (RDZV_TIMEOUT); start the same command on every node with the same "
+            f"RDZV_ENDPOINT and RDZV_ID",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     except RendezvousConnectionError:
         hosting = opts.node_rank == 0 and opts.nnodes > 1
-        reason = (f"could not host the rendezvous store on {endpoint} (is the port in use?)" if hosting else
-                  f"could not reach the rendezvous store at {endpoint} within {min(opts.rdzv_timeout, 60)}s: "
-                  f"is node 0 running, and is RDZV_ENDPOINT its address and a port it can listen on?")
+        reason = (
+            f"could not host the rendezvous store on {endpoint} (is the port in use?)"
+            if hosting
+            else f"could not reach the rendezvous store at {endpoint} within {min(opts.rdzv_timeout, 60)}s: "
+            f"is node 0 running, and is RDZV_ENDPOINT its address and a port it can listen on?"
+        )
         print(f"error: {reason}", file=sys.stderr, flush=True)
         return 1
     except RendezvousError as e:
         print(f"error: rendezvous at {endpoint} failed: {e}", file=sys.stderr, flush=True)
         return 1
     if stops.received:
-        print(f"stopped: the launcher received {stops.received}, passed it to the workers, and they stopped after "
-              f"a step (exit status {stops.exit_code()})", file=sys.stderr, flush=True)
+        print(
+            f"stopped: the launcher received {stops.received}, passed it to the workers, and they stopped after "
+            f"a step (exit status {stops.exit_code()})",
+            file=sys.stderr,
+            flush=True,
+        )
         return stops.exit_code()
     return 0
 
@@ -495,8 +561,11 @@ def launcher_help() -> str:
     except OSError:
         return ""
     body = [line[2:] if line.startswith("# ") else line.lstrip("#") for line in header if line.startswith("#")]
-    return "\n[run_train.sh: the launch, set as environment variables]\n" + "\n".join(
-        "  " + line for line in body if not line.startswith("!")) + "\n"
+    return (
+        "\n[run_train.sh: the launch, set as environment variables]\n"
+        + "\n".join("  " + line for line in body if not line.startswith("!"))
+        + "\n"
+    )
 
 
 def lighthouse_argv(opts, train_argv: list[str]) -> list[str]:
@@ -517,12 +586,16 @@ def check_lighthouse_port(port: int, train_argv: list[str]) -> None:
     except (UserError, HelpRequested):
         return
     if not ft.enabled:
-        raise UserError(f"LIGHTHOUSE_PORT={port} starts a torchft lighthouse for replica groups, but "
-                        f"fault_tolerance.enabled is false; add --fault_tolerance.enabled (with group_count and "
-                        f"group_id) or unset LIGHTHOUSE_PORT")
+        raise UserError(
+            f"LIGHTHOUSE_PORT={port} starts a torchft lighthouse for replica groups, but "
+            f"fault_tolerance.enabled is false; add --fault_tolerance.enabled (with group_count and "
+            f"group_id) or unset LIGHTHOUSE_PORT"
+        )
     if ft.lighthouse.rstrip("/") != f"http://127.0.0.1:{port}":
-        raise UserError(f"LIGHTHOUSE_PORT={port} starts a lighthouse at http://127.0.0.1:{port}, but "
-                        f"fault_tolerance.lighthouse = {ft.lighthouse}; unset one of them")
+        raise UserError(
+            f"LIGHTHOUSE_PORT={port} starts a lighthouse at http://127.0.0.1:{port}, but "
+            f"fault_tolerance.lighthouse = {ft.lighthouse}; unset one of them"
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -73,8 +73,14 @@ class Plan:
 
 # Model args that shape no tensor, taken from the initial Hugging Face folder's config.json when the
 # family has them.
-HF_ADOPTED_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "tie_word_embeddings", "sliding_window",
-                     "max_window_layers")
+HF_ADOPTED_FIELDS = (
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "tie_word_embeddings",
+    "sliding_window",
+    "max_window_layers",
+)
 
 
 def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
@@ -82,8 +88,9 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     (spec.args_for_training); where the initial weights come from a Hugging Face folder, that folder's
     vocab_size (checkpoints pad as they like: Qwen3 has 151,936 rows for 151,669 tokens) and the
     settings of HF_ADOPTED_FIELDS."""
-    args = spec.args_for_training(cfg.model.flavor, tokenizer_vocab, cfg.training.seq_len, moe_overrides(cfg.moe),
-                                  attention_overrides(cfg.model))
+    args = spec.args_for_training(
+        cfg.model.flavor, tokenizer_vocab, cfg.training.seq_len, moe_overrides(cfg.moe), attention_overrides(cfg.model)
+    )
     if not cfg.checkpoint.initial_load_in_hf:
         return args
     from torchtitan.components.checkpoint import HF_CONFIG, read_hf_config
@@ -109,12 +116,17 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
     # so that the model computes what the weights were trained for. Shapes are checked against the
     # flavor's (check_hf_folder).
     hf_args = spec.hf.args_from_config(config)
-    adopted = {name: getattr(hf_args, name) for name in HF_ADOPTED_FIELDS
-               if not spec.missing_fields([name]) and getattr(cfg.model, name, None) is None}
+    adopted = {
+        name: getattr(hf_args, name)
+        for name in HF_ADOPTED_FIELDS
+        if not spec.missing_fields([name]) and getattr(cfg.model, name, None) is None
+    }
     changed = {name: value for name, value in adopted.items() if getattr(args, name) != value}
     if changed:
-        logger.info(f"from {where}, in place of flavor {cfg.model.flavor}'s: "
-                    + ", ".join(f"{name} = {value}" for name, value in changed.items()))
+        logger.info(
+            f"from {where}, in place of flavor {cfg.model.flavor}'s: "
+            + ", ".join(f"{name} = {value}" for name, value in changed.items())
+        )
     return dataclasses.replace(args, vocab_size=hf_vocab, **adopted)
 
 
@@ -124,14 +136,20 @@ def vocab_note(tokenizer: Tokenizer, vocab: int, from_hf: bool) -> str:
     if vocab == tokens:
         return f"vocab {vocab:,} from the {tokenizer.kind} tokenizer ({tokens:,} tokens)"
     to = "the initial Hugging Face weights' vocab_size" if from_hf else f"a multiple of {VOCAB_MULTIPLE}"
-    return (f"vocab {vocab:,}: the {tokenizer.kind} tokenizer's {tokens:,} tokens padded to {to} "
-            f"(ids {tokens:,}-{vocab - 1:,} are never produced)")
+    return (
+        f"vocab {vocab:,}: the {tokenizer.kind} tokenizer's {tokens:,} tokens padded to {to} "
+        f"(ids {tokens:,}-{vocab - 1:,} are never produced)"
+    )
 
 
 # Model args that [model] may set, and what a family without that field lacks.
-MODEL_OVERRIDES = {"sliding_window": "sliding-window attention", "max_window_layers": "sliding-window attention",
-                   "mtp_depth": "multi-token prediction", "mtp_loss_weight": "multi-token prediction",
-                   "delta_rule_kernel": "gated delta rule"}
+MODEL_OVERRIDES = {
+    "sliding_window": "sliding-window attention",
+    "max_window_layers": "sliding-window attention",
+    "mtp_depth": "multi-token prediction",
+    "mtp_loss_weight": "multi-token prediction",
+    "delta_rule_kernel": "gated delta rule",
+}
 
 
 def attention_overrides(model) -> dict:
@@ -188,8 +206,11 @@ def check_mtp_window(cfg: JobConfig, spec: ModelSpec, model_args) -> None:
     windows may be shorter: there only the next-token labels count."""
     depth, seq = getattr(model_args, "mtp_depth", 0) or 0, cfg.training.seq_len
     if depth > seq:
-        where = (f"model.mtp_depth = {depth}" if cfg.model.mtp_depth is not None
-                 else f"model {spec.name} {cfg.model.flavor} has mtp_depth = {depth}, which")
+        where = (
+            f"model.mtp_depth = {depth}"
+            if cfg.model.mtp_depth is not None
+            else f"model {spec.name} {cfg.model.flavor} has mtp_depth = {depth}, which"
+        )
         raise UserError(
             f"{where} is more than training.seq_len = {seq}: depth k predicts the token k positions ahead of each "
             f"position, which a {seq}-token window does not hold for k > {seq}; set model.mtp_depth to {seq} or "
@@ -205,11 +226,15 @@ def check_delta_rule_kernel(model_args) -> None:
     from torchtitan.models.common.delta_rule import FLA_INSTALL
 
     if dist_utils.device_type() != "cuda":
-        raise UserError(f"model.delta_rule_kernel = 'fla' runs flash-linear-attention's Triton kernel, which needs "
-                        f"CUDA (this is {dist_utils.device_type()}); use model.delta_rule_kernel = 'torch'")
+        raise UserError(
+            f"model.delta_rule_kernel = 'fla' runs flash-linear-attention's Triton kernel, which needs "
+            f"CUDA (this is {dist_utils.device_type()}); use model.delta_rule_kernel = 'torch'"
+        )
     if importlib.util.find_spec("fla") is None:
-        raise UserError(f"model.delta_rule_kernel = 'fla' needs the flash-linear-attention package: {FLA_INSTALL} "
-                        "(or model.delta_rule_kernel = 'torch')")
+        raise UserError(
+            f"model.delta_rule_kernel = 'fla' needs the flash-linear-attention package: {FLA_INSTALL} "
+            "(or model.delta_rule_kernel = 'torch')"
+        )
 
 
 def check_hf_export(cfg: JobConfig, spec: ModelSpec, model_args, tokenizer: Tokenizer) -> None:
@@ -220,8 +245,10 @@ def check_hf_export(cfg: JobConfig, spec: ModelSpec, model_args, tokenizer: Toke
     try:
         spec.hf.config(model_args, dist_utils.DTYPES[cfg.checkpoint.export_dtype], tokenizer.bos_id, tokenizer.eos_id)
     except UserError as e:
-        raise UserError(f"checkpoint.last_save_in_hf exports the model as a Hugging Face folder after the last step, "
-                        f"and this one cannot be: {e}; or turn checkpoint.last_save_in_hf off") from None
+        raise UserError(
+            f"checkpoint.last_save_in_hf exports the model as a Hugging Face folder after the last step, "
+            f"and this one cannot be: {e}; or turn checkpoint.last_save_in_hf off"
+        ) from None
 
 
 def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDims) -> None:
@@ -277,8 +304,9 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
             f"remove them or choose an MoE flavor"
         )
     check_attention(cfg, spec, dims)
-    model_args = spec.args_for_training(cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides,
-                                        attention_overrides(cfg.model))
+    model_args = spec.args_for_training(
+        cfg.model.flavor, flavor_args.vocab_size, t.seq_len, overrides, attention_overrides(cfg.model)
+    )
     check_mtp_window(cfg, spec, model_args)
     check_delta_rule_kernel(model_args)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
@@ -287,8 +315,9 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     model_args = model_args_for_run(spec, cfg, tokenizer.vocab_size)
     p = cfg.parallelism
     split_backward = dims.pp_enabled and splits_backward(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
-    loss_chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, model_args.vocab_size,
-                                             split_backward)
+    loss_chunk_tokens = resolve_chunk_tokens(
+        cfg, spec, dims.tp, dims.cp, dims.pp, model_args.vocab_size, split_backward
+    )
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise UserError(
@@ -310,8 +339,11 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
         check_ulysses_degree(heads, dims.tp, dims.cp)
     if dims.pp_enabled:
         plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
-        schedule = (f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
-                    if p.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule}")
+        schedule = (
+            f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
+            if p.pipeline_parallel_schedule_csv
+            else f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule}"
+        )
         if split_backward and spec.extra_blocks is not None:
             extra = len(spec.extra_blocks(meta_model(spec, model_args)))
             if extra:
@@ -363,8 +395,13 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     fault_tolerance.check(cfg.fault_tolerance, probe=services)  # torchft installed, the lighthouse answers
     check_writable(cfg.job.dump_folder, "the config and metrics")
     preflight_checkpoint(  # a replica group's data state spans all groups' lanes (fault_tolerance.data_lanes)
-        cfg.checkpoint, cfg.job.dump_folder, world_size, dist_utils.device_type(), t.seq_len,
-        fault_tolerance.data_lanes(cfg.fault_tolerance, 0, 1, global_batch)[2], t.steps
+        cfg.checkpoint,
+        cfg.job.dump_folder,
+        world_size,
+        dist_utils.device_type(),
+        t.seq_len,
+        fault_tolerance.data_lanes(cfg.fault_tolerance, 0, 1, global_batch)[2],
+        t.steps,
     )
     # The validation set holds a global batch.
     validate.preflight_validation(cfg.validation, t, tokenizer, dims.dp_degree)
@@ -373,9 +410,13 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     if cfg.memory_estimation.enabled:
         from torchtitan.planner.estimate import Planning, check_memory
 
-        memory = check_memory(cfg, world_size, dist_utils.device_type(),
-                              int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                              Planning.build(spec, model_args, cfg))
+        memory = check_memory(
+            cfg,
+            world_size,
+            dist_utils.device_type(),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+            Planning.build(spec, model_args, cfg),
+        )
     return Plan(dims, global_batch, accum, spec, model_args, tokenizer, attention, loss_chunk_tokens, memory)
 
 
@@ -387,8 +428,13 @@ def resolve_attention(cfg: JobConfig, spec: ModelSpec, model_args) -> AttentionP
     window = getattr(model_args, "sliding_window", None)
     if spec.cp_attention is None:
         return AttentionPlan(documents, window, "own")
-    kernel = choose_attention_kernel("flex" if m.use_flex_attn else m.attn_backend, dist_utils.device_type(),
-                                     documents or window is not None, documents, cfg.training.seq_len)
+    kernel = choose_attention_kernel(
+        "flex" if m.use_flex_attn else m.attn_backend,
+        dist_utils.device_type(),
+        documents or window is not None,
+        documents,
+        cfg.training.seq_len,
+    )
     return AttentionPlan(documents, window, kernel)
 
 
@@ -404,8 +450,12 @@ def warn_tokenizerless_export(tokenizer_path: str) -> None:
         try:
             export_tokenizer(tokenizer_path, scratch)
         except UserError as e:
-            print(f"warning: the Hugging Face export after the last step (checkpoint.last_save_in_hf) will hold the "
-                  f"weights but no tokenizer: {e}", file=sys.stderr, flush=True)
+            print(
+                f"warning: the Hugging Face export after the last step (checkpoint.last_save_in_hf) will hold the "
+                f"weights but no tokenizer: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 _TOKENIZER: dict = {}

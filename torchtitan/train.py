@@ -29,8 +29,18 @@ from torchtitan.components import fault_tolerance, validate, watchdog
 from torchtitan.components.batch import BatchRule, LossRanks, document_end_of
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.metrics import (MetricsLogger, MfuPeak, left_behind, slow_cpu_bfloat16, peak_memory_gib, rewind_metrics,
-                                           setup_logging, startup_line, startup_phase, write_run_file)
+from torchtitan.components.metrics import (
+    MetricsLogger,
+    MfuPeak,
+    left_behind,
+    slow_cpu_bfloat16,
+    peak_memory_gib,
+    rewind_metrics,
+    setup_logging,
+    startup_line,
+    startup_phase,
+    write_run_file,
+)
 from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import take_run_lock
@@ -133,8 +143,9 @@ class Trainer:
         self.startup: dict[str, float] = {}
         with self.phase("opening the data"):
             self.dataloader = self.build_dataloader()
-            self.document_end_id = document_end_of(self.dataloader, self.plan.attention.documents,
-                                                   t.ignore_cross_document_labels)
+            self.document_end_id = document_end_of(
+                self.dataloader, self.plan.attention.documents, t.ignore_cross_document_labels
+            )
         with self.phase("building the model"):
             self.model = self.build_model()
             self.parts, self.pipeline = self.model.parts, self.model.pipeline
@@ -158,9 +169,14 @@ class Trainer:
         if self.rank == 0 and os.path.isfile(metrics_file) and os.path.getsize(metrics_file):
             rewind_metrics(metrics_file, start_step)
         self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, write=self.rank == 0, append=start_step > 0,
-            color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(), total_steps=t.steps,
-            start_step=start_step, run_config=asdict(cfg),
+            cfg.metrics,
+            cfg.job.dump_folder,
+            write=self.rank == 0,
+            append=start_step > 0,
+            color=not cfg.metrics.disable_color_printing and sys.stderr.isatty(),
+            total_steps=t.steps,
+            start_step=start_step,
+            run_config=asdict(cfg),
         )
         data_iter = iter(self.dataloader)
         stopped_at = None
@@ -186,7 +202,12 @@ class Trainer:
                     # batch: count each token once, spread over all devices.
                     self.tokens_since_log += self.tokens_per_step / self.dims.world_size
                     # The first step of each launch (a resumed run's too), every log_freq, the last.
-                    if step == start_step + 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or result.stop_signal:
+                    if (
+                        step == start_step + 1
+                        or step % cfg.metrics.log_freq == 0
+                        or step == t.steps
+                        or result.stop_signal
+                    ):
                         self.log(step, result)
                     if self.validator is not None and self.validator.due(step) and not result.stop_signal:
                         self.validate(step)
@@ -201,16 +222,23 @@ class Trainer:
             self.metrics.close()
             self.replicas.close()
         if stopped_at is not None:
-            saved = (f"saved checkpoint {self.checkpointer.folder.step(stopped_at)} (the same "
-                     f"command resumes from it)" if cfg.checkpoint.enable_checkpoint else
-                     "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)")
+            saved = (
+                f"saved checkpoint {self.checkpointer.folder.step(stopped_at)} (the same command resumes from it)"
+                if cfg.checkpoint.enable_checkpoint
+                else "nothing was saved: checkpointing is off (checkpoint.enable_checkpoint)"
+            )
             logger.info(f"stopped by {self.stop_signals.received} after step {stopped_at} of {t.steps}; {saved}")
         else:
             resumed = f" (steps {start_step + 1}-{t.steps}, resumed from step {start_step})" if start_step else ""
-            logger.info(f"training done: {t.steps - start_step} steps{resumed} in "
-                        f"{time.perf_counter() - self.start_time:.1f}s")
+            logger.info(
+                f"training done: {t.steps - start_step} steps{resumed} in {time.perf_counter() - self.start_time:.1f}s"
+            )
             checkpoint = self.checkpointer.folder.step(t.steps) if cfg.checkpoint.enable_checkpoint else None
-            hf = os.path.join(self.checkpointer.folder.path, f"step-{t.steps}-hf") if cfg.checkpoint.last_save_in_hf else None
+            hf = (
+                os.path.join(self.checkpointer.folder.path, f"step-{t.steps}-hf")
+                if cfg.checkpoint.last_save_in_hf
+                else None
+            )
             logger.info(left_behind(cfg.job.dump_folder, cfg.metrics, checkpoint, hf))
         return self.history
 
@@ -218,16 +246,24 @@ class Trainer:
         if self.rank == 0:
             resolved = config_to_toml(self.cfg)
             path = write_run_file(self.cfg.job.dump_folder, "config.toml", resolved, "config")
-            logger.info(f"resolved config ({self.cfg.job.config_file or 'defaults'} and the command line) written to "
-                        f"{path}" + (f":\n{resolved}" if self.cfg.job.print_args else ""))
+            logger.info(
+                f"resolved config ({self.cfg.job.config_file or 'defaults'} and the command line) written to "
+                f"{path}" + (f":\n{resolved}" if self.cfg.job.print_args else "")
+            )
 
     def build_dataloader(self):
         dp_rank = submesh(self.mesh, "dp").get_local_rank() if self.mesh is not None else 0
         # Each replica group reads its own lanes (fault_tolerance.data_lanes).
-        lanes = fault_tolerance.data_lanes(self.cfg.fault_tolerance, dp_rank, self.dims.dp_degree,
-                                           self.plan.global_batch_size)
-        return build_dataloader(self.cfg.training, self.tokenizer, *lanes, pin_memory=self.device.type == "cuda",
-                                gather=dist_utils.gather_objects)
+        lanes = fault_tolerance.data_lanes(
+            self.cfg.fault_tolerance, dp_rank, self.dims.dp_degree, self.plan.global_batch_size
+        )
+        return build_dataloader(
+            self.cfg.training,
+            self.tokenizer,
+            *lanes,
+            pin_memory=self.device.type == "cuda",
+            gather=dist_utils.gather_objects,
+        )
 
     def build_model(self) -> ModelParts:
         """This rank's model parts (one, or its pipeline stages), parallelized and initialized."""
@@ -255,17 +291,22 @@ class Trainer:
             # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
             part.init_weights(seed=t.seed, buffer_device=self.device)
-            part.loss_chunk_tokens = self.plan.loss_chunk_tokens  # with labels, forward computes the loss (chunked_loss)
+            part.loss_chunk_tokens = (
+                self.plan.loss_chunk_tokens
+            )  # with labels, forward computes the loss (chunked_loss)
             part.train()
         if self.device.type == "cpu":
             dist_utils.release_host_memory()  # init drew each parameter whole, then kept its part
         shared_weights, step_loss = SharedWeights(), None
         if pipeline is not None and pipeline.ties:
-            shared_weights = build_shared_weights(pipeline.ties, parts, pipeline.stage_ids, pipeline.rank_of_stage,
-                                                  self.mesh)
+            shared_weights = build_shared_weights(
+                pipeline.ties, parts, pipeline.stage_ids, pipeline.rank_of_stage, self.mesh
+            )
             shared_weights.copy_canonical_values()
-            logger.info("weights shared across pipeline stages, one copy per stage kept equal: "
-                        + "; ".join(" = ".join(tie[s] for s in sorted(tie)) for tie in pipeline.ties))
+            logger.info(
+                "weights shared across pipeline stages, one copy per stage kept equal: "
+                + "; ".join(" = ".join(tie[s] for s in sorted(tie)) for tie in pipeline.ties)
+            )
         if pipeline is not None:
             # Gradient accumulation under a pipeline: one schedule step runs all of an optimizer step's
             # micro-batches as more microbatches (the schedule divides the gradients by their count
@@ -285,10 +326,11 @@ class Trainer:
         fn = attention_kernel(attention.kernel)
         for part in parts:
             set_attention_fn(part, self.spec.cp_attention, fn, self.spec.blocks(part))
-        ring = f"; context parallel: {describe_cp(self.cfg.parallelism)}" \
-            if self.dims.cp_enabled else ""
-        logger.info(f"attention: {attention.describe()}, {attention.kernel} kernel "
-                    f"(model.attn_backend = {self.cfg.model.attn_backend!r}){ring}")
+        ring = f"; context parallel: {describe_cp(self.cfg.parallelism)}" if self.dims.cp_enabled else ""
+        logger.info(
+            f"attention: {attention.describe()}, {attention.kernel} kernel "
+            f"(model.attn_backend = {self.cfg.model.attn_backend!r}){ring}"
+        )
 
     def build_optimizer(self) -> OptimizerGroup:
         whole = None
@@ -296,8 +338,14 @@ class Trainer:
             # The parameter groups are decided on the whole model's names and modules (a stage holds a part).
             with torch.device("meta"):
                 whole = self.spec.model_cls(self.model_args)
-        optim = OptimizerGroup(self.parts, self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps,
-                               whole_model=whole, adamw_params=self.spec.adamw_params or ())
+        optim = OptimizerGroup(
+            self.parts,
+            self.cfg.optimizer,
+            self.cfg.lr_scheduler,
+            self.cfg.training.steps,
+            whole_model=whole,
+            adamw_params=self.spec.adamw_params or (),
+        )
         if self.spec.post_optimizer_build is not None:
             self.spec.post_optimizer_build(self.parts, optim.optimizers)
         return optim
@@ -315,8 +363,14 @@ class Trainer:
             "optimizer_names": self.model.shared_weights.checkpoint_names(),
         }
         return CheckpointManager(
-            cfg.checkpoint, cfg.job.dump_folder, self.parts, self.optim.optimizers, self.optim.schedulers,
-            self.dataloader, model_record, self.device,
+            cfg.checkpoint,
+            cfg.job.dump_folder,
+            self.parts,
+            self.optim.optimizers,
+            self.optim.schedulers,
+            self.dataloader,
+            model_record,
+            self.device,
         )
 
     def build_validator(self) -> "validate.Validator | None":
@@ -326,9 +380,15 @@ class Trainer:
         if not v.enabled:
             return None
         dp_rank = submesh(self.mesh, "dp").get_local_rank() if self.mesh is not None else 0
-        batches = validate.ValidationData(validate.build_source(v, t, self.tokenizer), self.tokenizer,
-                                          validation_seq_len(v, t), v.local_batch_size, dp_rank, self.dims.dp_degree,
-                                          v.steps)
+        batches = validate.ValidationData(
+            validate.build_source(v, t, self.tokenizer),
+            self.tokenizer,
+            validation_seq_len(v, t),
+            v.local_batch_size,
+            dp_rank,
+            self.dims.dp_degree,
+            v.steps,
+        )
         schedule = None
         if self.pipeline is not None:  # microbatches of the training size (the config checks it divides)
             n_micro = v.local_batch_size // self.cfg.parallelism.pipeline_parallel_microbatch_size
@@ -338,8 +398,9 @@ class Trainer:
             with loss_parallel_context(self.loss_parallel):
                 return self.forward_loss(inputs, labels, kwargs, schedule)
 
-        return validate.Validator(v, t.steps, batches, self.parts, loss_fn, self.batch_rule, self.loss_ranks.sum,
-                                  self.device)
+        return validate.Validator(
+            v, t.steps, batches, self.parts, loss_fn, self.batch_rule, self.loss_ranks.sum, self.device
+        )
 
     def prepare_step_state(self):
         """What every step needs: mixed precision, loss reduction, context-parallel positions, metrics."""
@@ -350,16 +411,21 @@ class Trainer:
         self.loss_parallel = self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel
         # The data- and context-parallel ranks split a step's tokens: the valid labels are counted over
         # them, and the logged loss is the mean of their shares times their number (`log`).
-        self.loss_ranks = LossRanks(submesh(self.mesh, "dp_cp") if self.mesh is not None else None,
-                                    self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None,
-                                    self.pipeline.loss_src if self.pipeline is not None else 0)
+        self.loss_ranks = LossRanks(
+            submesh(self.mesh, "dp_cp") if self.mesh is not None else None,
+            self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None,
+            self.pipeline.loss_src if self.pipeline is not None else 0,
+        )
         self.cp_positions = None
         if self.dims.cp_enabled:
             self.cp_positions = local_positions(t.seq_len, self.dims.cp, self.mesh["cp"].get_local_rank())
         prepare_window = self.spec.prepare_window
         self.batch_rule = BatchRule(
-            self.document_end_id, self.plan.attention.documents, t.ignore_cross_document_labels,
-            self.cp_positions, partial(prepare_window, self.model_args) if prepare_window is not None else None,
+            self.document_end_id,
+            self.plan.attention.documents,
+            t.ignore_cross_document_labels,
+            self.cp_positions,
+            partial(prepare_window, self.model_args) if prepare_window is not None else None,
             labels_to_forward=self.plan.loss_chunk_tokens > 0,
         )
         self.precompute_float8 = (
@@ -375,8 +441,9 @@ class Trainer:
         if self.pipeline is not None:
             zeros = torch.zeros(t.local_batch_size * self.plan.grad_accum_steps, t.seq_len, dtype=torch.long)
             with loss_parallel_context(self.loss_parallel), self.amp:
-                warm_up_schedule(self.pipeline, self.parts, self.model.step_loss,
-                                 *self.batch_rule.prepare(zeros, zeros, self.device))
+                warm_up_schedule(
+                    self.pipeline, self.parts, self.model.step_loss, *self.batch_rule.prepare(zeros, zeros, self.device)
+                )
 
     def phase(self, what: str):  # a start-up phase: said when it begins, timed
         return startup_phase(what, self.startup)
@@ -389,9 +456,15 @@ class Trainer:
             f"{t.mixed_precision_param}, {t.steps} steps"
         )
         logger.info(f"mesh: {self.dims.describe()} on {self.device.type}")
-        logger.info(f"batch: global batch {self.plan.global_batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} "
-                    f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s)); loss "
-                    + (f"in chunks of {self.plan.loss_chunk_tokens} tokens" if self.plan.loss_chunk_tokens else "on the whole logits"))
+        logger.info(
+            f"batch: global batch {self.plan.global_batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} "
+            f"tokens/step (local batch {t.local_batch_size}, {self.plan.grad_accum_steps} accumulation step(s)); loss "
+            + (
+                f"in chunks of {self.plan.loss_chunk_tokens} tokens"
+                if self.plan.loss_chunk_tokens
+                else "on the whole logits"
+            )
+        )
         logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
         if self.device.type == "cpu" and t.mixed_precision_param == "bfloat16" and (slow := slow_cpu_bfloat16()):
             logger.warning(slow)
@@ -421,15 +494,21 @@ class Trainer:
             self.flops_since_log += self.flops_per_token * self.tokens_per_step
         # (inputs, labels[, doc_ids]) -> this rank's (inputs, labels, forward's keyword inputs) on the
         # device; with context parallel, the tokens at cp_positions of each sequence.
-        micro_batches = [self.batch_rule.prepare(batch[0], batch[1], self.device, *batch[2:]) for batch in micro_batches]
+        micro_batches = [
+            self.batch_rule.prepare(batch[0], batch[1], self.device, *batch[2:]) for batch in micro_batches
+        ]
         scale = self.loss_ranks.scale([labels for _, labels, _ in micro_batches])
         for inputs, labels, kwargs in micro_batches:
             loss_sum += self.forward_backward(inputs, labels, kwargs, scale)
         self.model.shared_weights.sum_gradients()
         params = [p for part in self.parts for p in part.parameters()]
         self.replicas.average(params, loss_sum)  # over the live replica groups (fault_tolerance)
-        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm, self.loss_ranks.pp_group,
-                                               not_counted=self.model.shared_weights.duplicates())
+        grad_norm = dist_utils.clip_grad_norm_(
+            params,
+            self.cfg.training.max_norm,
+            self.loss_ranks.pp_group,
+            not_counted=self.model.shared_weights.duplicates(),
+        )
         # One small all-reduce and one host sync per step: whether any rank's loss is non-finite (with
         # a pipeline only the last stage has one) and whether any rank received a stop signal.
         flags = torch.tensor(
@@ -475,8 +554,9 @@ class Trainer:
         if self.spec.post_skipped_step is not None:
             self.spec.post_skipped_step(self.parts, self.model.parallelize_inputs)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict,
-                         scale: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict, scale: torch.Tensor
+    ) -> torch.Tensor:
         """Forward and backward of one micro-batch (with a pipeline, of all of them at once); returns
         its summed token loss times `scale` (LossRanks.scale), detached: summed over micro-batches and
         averaged over the loss ranks, that is the step's loss. `kwargs`: forward's keyword
@@ -505,8 +585,9 @@ class Trainer:
         the last stage's rank only (None elsewhere)."""
         with self.amp:
             if schedule is not None:
-                return pipeline_step(schedule, inputs, labels, self.pipeline.is_first, self.pipeline.is_last, kwargs,
-                                     forward_only=True)
+                return pipeline_step(
+                    schedule, inputs, labels, self.pipeline.is_first, self.pipeline.is_last, kwargs, forward_only=True
+                )
             logits = self.parts[0](inputs, **kwargs)
         return self.loss_sum_fn(logits, labels)
 
@@ -544,7 +625,8 @@ class Trainer:
             # Mean time a step waited for its batches since the previous record (data loading off
             # the critical path keeps it near zero).
             "data_wait_s": self.data_wait_since_log / max(step - self.last_log_step, 1),
-            **self.replicas.fields(), **watchdog.straggler_fields(step),  # straggler_rank (components/watchdog.py)
+            **self.replicas.fields(),
+            **watchdog.straggler_fields(step),  # straggler_rank (components/watchdog.py)
         }
         if self.spec.metrics is not None:
             record.update(self.spec.metrics(self.parts, self.model.parallelize_inputs))
@@ -576,8 +658,9 @@ class Trainer:
         if self.checkpointer.should_save(step, t.steps) or (stopping and self.cfg.checkpoint.enable_checkpoint):
             self.checkpointer.save(step, step * self.tokens_per_step, last=step == t.steps)
         if step == t.steps and self.cfg.checkpoint.last_save_in_hf:
-            self.checkpointer.export_hf(step, self.tokenizer.bos_id, self.tokenizer.eos_id, self.mesh,
-                                        self.cfg.model.tokenizer_path)
+            self.checkpointer.export_hf(
+                step, self.tokenizer.bos_id, self.tokenizer.eos_id, self.mesh, self.cfg.model.tokenizer_path
+            )
 
 
 def main(argv: list[str], trainer_cls: type[Trainer] | None = None) -> int:

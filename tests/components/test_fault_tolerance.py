@@ -18,8 +18,17 @@ FT = ["--fault_tolerance.enabled", "--fault_tolerance.group_count", "2"]
 
 def env_of(**variables) -> dict:
     env = dict(os.environ, PATH=PYTHON_DIR + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
-    for name in ("NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "MAX_RESTARTS", "LOG_RANK", "LOG_DIR", "CONFIG_FILE",
-                 "LIGHTHOUSE_PORT"):
+    for name in (
+        "NGPU",
+        "NNODES",
+        "NODE_RANK",
+        "RDZV_ENDPOINT",
+        "MAX_RESTARTS",
+        "LOG_RANK",
+        "LOG_DIR",
+        "CONFIG_FILE",
+        "LIGHTHOUSE_PORT",
+    ):
         env.pop(name, None)
     env.update(variables)
     return env
@@ -27,8 +36,9 @@ def env_of(**variables) -> dict:
 
 def refused(*args: str) -> str:
     """run_train.sh's error line for a job refused before launch (exit 2, one line, no traceback)."""
-    proc = subprocess.run(["./run_train.sh", *TINY, *args], cwd=REPO, env=env_of(NGPU="1"), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        ["./run_train.sh", *TINY, *args], cwd=REPO, env=env_of(NGPU="1"), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
@@ -39,11 +49,25 @@ def test_bad_input_is_refused_before_launch(tmp_path):
     from torchtitan.config import UserError, load_config
 
     lighthouse = f"http://127.0.0.1:{free_port()}"  # nothing answers there
-    line = refused(*FT, "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_seconds", "3",
-                   "--job.dump_folder", str(tmp_path / "a"))
+    line = refused(
+        *FT,
+        "--fault_tolerance.lighthouse",
+        lighthouse,
+        "--fault_tolerance.timeout_seconds",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path / "a"),
+    )
     assert f"fault_tolerance.lighthouse = {lighthouse} does not answer within" in line, line
-    line = refused(*FT, "--fault_tolerance.group_id", "2", "--fault_tolerance.lighthouse", lighthouse,
-                   "--job.dump_folder", str(tmp_path / "b"))
+    line = refused(
+        *FT,
+        "--fault_tolerance.group_id",
+        "2",
+        "--fault_tolerance.lighthouse",
+        lighthouse,
+        "--job.dump_folder",
+        str(tmp_path / "b"),
+    )
     assert "fault_tolerance.group_id = 2 is outside 0..group_count-1" in line, line
 
     def error_of(*args: str) -> str:
@@ -63,8 +87,17 @@ def test_diloco_keys_are_checked_before_launch(tmp_path):
     rather than ignored."""
     from torchtitan.config import UserError, load_config
 
-    line = refused(*FT, "--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "0",
-                   "--fault_tolerance.lighthouse", "http://127.0.0.1:1", "--job.dump_folder", str(tmp_path))
+    line = refused(
+        *FT,
+        "--fault_tolerance.sync",
+        "diloco",
+        "--fault_tolerance.sync_every",
+        "0",
+        "--fault_tolerance.lighthouse",
+        "http://127.0.0.1:1",
+        "--job.dump_folder",
+        str(tmp_path),
+    )
     assert "fault_tolerance.sync_every must be a positive integer, got 0" in line, line
 
     def error_of(*args: str) -> str:
@@ -75,13 +108,15 @@ def test_diloco_keys_are_checked_before_launch(tmp_path):
     diloco = ["--fault_tolerance.sync", "diloco"]
     assert "expected one of 'every_step', 'diloco'" in error_of("--fault_tolerance.sync", "local_sgd")
     for key, value in (("sync_every", "10"), ("outer_lr", "1.0"), ("outer_momentum", "0.0")):
-        assert (f"fault_tolerance.{key} = {value} is only read under fault_tolerance.sync = 'diloco'" in
-                error_of(f"--fault_tolerance.{key}", value)), key
+        assert f"fault_tolerance.{key} = {value} is only read under fault_tolerance.sync = 'diloco'" in error_of(
+            f"--fault_tolerance.{key}", value
+        ), key
     assert "outer_nesterov = False is only read under" in error_of("--fault_tolerance.no-outer_nesterov")
     assert "outer_lr must be a positive number, got 0.0" in error_of(*diloco, "--fault_tolerance.outer_lr", "0")
     assert "outer_momentum must be in [0, 1), got 1.0" in error_of(*diloco, "--fault_tolerance.outer_momentum", "1")
     assert "outer_nesterov needs fault_tolerance.outer_momentum > 0" in error_of(
-        *diloco, "--fault_tolerance.outer_momentum", "0")
+        *diloco, "--fault_tolerance.outer_momentum", "0"
+    )
     with pytest.raises(UserError, match=r"fault_tolerance.sync = 'diloco' is only read with fault_tolerance.enabled"):
         load_config([*TINY, *diloco])
     ft = load_config([*TINY, *FT, "--fault_tolerance.lighthouse", "http://h:1", *DILOCO_H1]).fault_tolerance
@@ -93,19 +128,28 @@ def test_replica_group_keys_without_fault_tolerance_are_refused():
     fault_tolerance.enabled is off, the run would train as a plain run (exit 0) instead of the group asked for."""
     from torchtitan.config import UserError, load_config
 
-    for key, value in (("group_count", "2"), ("group_id", "1"), ("lighthouse", "http://h:1"), ("min_groups", "2"),
-                       ("timeout_seconds", "5"), ("quorum_timeout_seconds", "5")):
+    for key, value in (
+        ("group_count", "2"),
+        ("group_id", "1"),
+        ("lighthouse", "http://h:1"),
+        ("min_groups", "2"),
+        ("timeout_seconds", "5"),
+        ("quorum_timeout_seconds", "5"),
+    ):
         with pytest.raises(UserError, match=rf"fault_tolerance\.{key} = .* is only read with fault_tolerance\.enabled"):
             load_config([*TINY, f"--fault_tolerance.{key}", value])
 
 
-@pytest.mark.parametrize("address, why", [
-    ("http://127.0.0.1:29x10", "Port could not be cast to integer"),
-    ("http://127.0.0.1:70000", "Port out of range"),
-    ("http://:29510", "must be the lighthouse's http://HOST:PORT"),
-    ("http://127.0.0.1:29510/status", "nothing after the port"),
-    ("127.0.0.1:29510", "must be the lighthouse's http://HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("http://127.0.0.1:29x10", "Port could not be cast to integer"),
+        ("http://127.0.0.1:70000", "Port out of range"),
+        ("http://:29510", "must be the lighthouse's http://HOST:PORT"),
+        ("http://127.0.0.1:29510/status", "nothing after the port"),
+        ("127.0.0.1:29510", "must be the lighthouse's http://HOST:PORT"),
+    ],
+)
 def test_a_malformed_lighthouse_address_is_one_line_before_launch(address, why):
     """A typo in the lighthouse's port: a config error naming the key (before: a 57-line traceback once the job
     had started)."""
@@ -120,14 +164,26 @@ def test_lighthouse_port_without_fault_tolerance_starts_nothing(tmp_path):
     """LIGHTHOUSE_PORT for a job that is not a replica group (or that names another lighthouse) is refused before
     anything starts: no lighthouse is left running, and the job does not train as a plain run."""
     port = free_port()
-    for extra, message in (([], f"LIGHTHOUSE_PORT={port} starts a torchft lighthouse for replica groups, but "
-                                "fault_tolerance.enabled is false"),
-                           ([*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:1"],
-                            f"LIGHTHOUSE_PORT={port} starts a lighthouse at http://127.0.0.1:{port}, but "
-                            "fault_tolerance.lighthouse = http://127.0.0.1:1")):
-        proc = subprocess.run(["./run_train.sh", *TINY, *extra, "--job.dump_folder", str(tmp_path)], cwd=REPO,
-                              env=env_of(NGPU="1", LIGHTHOUSE_PORT=str(port)), capture_output=True, text=True,
-                              timeout=120)
+    for extra, message in (
+        (
+            [],
+            f"LIGHTHOUSE_PORT={port} starts a torchft lighthouse for replica groups, but "
+            "fault_tolerance.enabled is false",
+        ),
+        (
+            [*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:1"],
+            f"LIGHTHOUSE_PORT={port} starts a lighthouse at http://127.0.0.1:{port}, but "
+            "fault_tolerance.lighthouse = http://127.0.0.1:1",
+        ),
+    ):
+        proc = subprocess.run(
+            ["./run_train.sh", *TINY, *extra, "--job.dump_folder", str(tmp_path)],
+            cwd=REPO,
+            env=env_of(NGPU="1", LIGHTHOUSE_PORT=str(port)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
         assert not _lighthouses_on(port)
@@ -136,8 +192,11 @@ def test_lighthouse_port_without_fault_tolerance_starts_nothing(tmp_path):
 
 def _lighthouses_on(port: int) -> list[int]:
     """The pids of torchft lighthouses bound to 127.0.0.1:`port`."""
-    return [pid for pid in _pids_of_command(f"--bind 127.0.0.1:{port}") if "torchft_lighthouse" in
-            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    return [
+        pid
+        for pid in _pids_of_command(f"--bind 127.0.0.1:{port}")
+        if "torchft_lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]
 
 
 def _pids_of_command(text: str) -> list[int]:
@@ -158,7 +217,9 @@ def test_without_torchft_the_recipe_is_refused_with_the_install_command(monkeypa
     from torchtitan.config import UserError, load_config
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else find_spec(name, *a)
+    )
     cfg = load_config([*TINY, *FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:1"])
     with pytest.raises(UserError, match=r"needs the torchft package: pip install torchft==0\.2\.0"):
         fault_tolerance.check(cfg.fault_tolerance)
@@ -168,8 +229,9 @@ def test_data_lanes_make_each_group_a_data_parallel_replica():
     from torchtitan.components.fault_tolerance import data_lanes
     from torchtitan.config import load_config
 
-    ft = load_config([*TINY, *FT, "--fault_tolerance.group_id", "1", "--fault_tolerance.lighthouse",
-                      "http://h:1"]).fault_tolerance
+    ft = load_config(
+        [*TINY, *FT, "--fault_tolerance.group_id", "1", "--fault_tolerance.lighthouse", "http://h:1"]
+    ).fault_tolerance
     assert data_lanes(ft, 1, 2, 8) == (3, 4, 16)  # rank 1 of dp 2 in group 1 of 2: lane 3 of 4
     assert data_lanes(load_config(TINY).fault_tolerance, 1, 2, 8) == (1, 2, 8)
 
@@ -178,16 +240,34 @@ def test_data_lanes_make_each_group_a_data_parallel_replica():
 def test_fewer_live_groups_than_min_groups_stop_the_run_within_the_quorum_timeout(tmp_path):
     lighthouse, address = start_lighthouse()
     try:
-        proc = subprocess.run(["./run_train.sh", *TINY, *FT, "--fault_tolerance.min_groups", "2",
-                               "--fault_tolerance.quorum_timeout_seconds", "3", "--fault_tolerance.lighthouse",
-                               address, "--job.dump_folder", str(tmp_path)],
-                              cwd=REPO, env=env_of(NGPU="1"), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                "./run_train.sh",
+                *TINY,
+                *FT,
+                "--fault_tolerance.min_groups",
+                "2",
+                "--fault_tolerance.quorum_timeout_seconds",
+                "3",
+                "--fault_tolerance.lighthouse",
+                address,
+                "--job.dump_folder",
+                str(tmp_path),
+            ],
+            cwd=REPO,
+            env=env_of(NGPU="1"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         lighthouse.kill()
         lighthouse.wait()
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert ("only 1 replica group(s) alive for fault_tolerance.quorum_timeout_seconds = 3, fewer than "
-            "fault_tolerance.min_groups = 2") in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "only 1 replica group(s) alive for fault_tolerance.quorum_timeout_seconds = 3, fewer than "
+        "fault_tolerance.min_groups = 2"
+    ) in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
 
 
@@ -249,12 +329,25 @@ def two_groups(tmp_path_factory):
     procs = []
     try:
         for g, folder in enumerate(folders):
-            cmd = ["./run_train.sh", *TINY, *FT, "--training.steps", str(STEPS), "--training.global_batch_size", "4",
-                   "--fault_tolerance.group_id", str(g), "--fault_tolerance.lighthouse", address,
-                   "--job.dump_folder", str(folder)]
+            cmd = [
+                "./run_train.sh",
+                *TINY,
+                *FT,
+                "--training.steps",
+                str(STEPS),
+                "--training.global_batch_size",
+                "4",
+                "--fault_tolerance.group_id",
+                str(g),
+                "--fault_tolerance.lighthouse",
+                address,
+                "--job.dump_folder",
+                str(folder),
+            ]
             with open(tmp / f"group{g}.log", "w") as log:  # a file: a full pipe would stop the group
-                procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of(NGPU="1"), stdout=log,
-                                              stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(cmd, cwd=REPO, env=env_of(NGPU="1"), stdout=log, stderr=subprocess.STDOUT)
+                )
         deadline = time.monotonic() + 400
         while _logged_steps(folders[1]) < KILL_AFTER:
             assert procs[1].poll() is None and procs[0].poll() is None, "a group ended before the kill"
@@ -272,8 +365,9 @@ def test_two_groups_train_as_one_data_parallel_run(two_groups, tmp_path):
     """Each group reads its own lanes of a data-parallel degree 2; averaged over the groups, their gradients and
     losses are one run's with the groups' global batch together (here: one process, 2 accumulation steps)."""
     folders, _, _ = two_groups
-    single = train_in_process(tmp_path / "single", "--training.steps", str(KILL_AFTER),
-                              "--training.global_batch_size", "8")
+    single = train_in_process(
+        tmp_path / "single", "--training.steps", str(KILL_AFTER), "--training.global_batch_size", "8"
+    )
     expected = [r["loss"] for r in single]
     for folder in folders:
         got = [r["loss"] for r in read_metrics(folder)[:KILL_AFTER]]
@@ -312,20 +406,39 @@ def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_pat
 
     lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "2000")
     folders = [tmp_path / "group0", tmp_path / "group1"]
-    cmd = [*TINY, *FT, "--training.steps", "400", "--training.global_batch_size", "4",
-           "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0",
-           "--fault_tolerance.lighthouse", address]
+    cmd = [
+        *TINY,
+        *FT,
+        "--training.steps",
+        "400",
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "10",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--fault_tolerance.lighthouse",
+        address,
+    ]
 
     def start(g: int) -> subprocess.Popen:
         with open(tmp_path / f"group{g}.log", "w") as log:  # a file: a full pipe would stop the group
-            return subprocess.Popen(["./run_train.sh", *cmd, "--fault_tolerance.group_id", str(g),
-                                     "--job.dump_folder", str(folders[g])], cwd=REPO, env=env_of(NGPU="1"),
-                                    stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                ["./run_train.sh", *cmd, "--fault_tolerance.group_id", str(g), "--job.dump_folder", str(folders[g])],
+                cwd=REPO,
+                env=env_of(NGPU="1"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def saved(g: int) -> set[int]:
         root = folders[g] / "checkpoint"
-        return {int(p.name[5:]) for p in root.glob("step-*") if (p / "train_state.json").exists()} \
-            if root.is_dir() else set()
+        return (
+            {int(p.name[5:]) for p in root.glob("step-*") if (p / "train_state.json").exists()}
+            if root.is_dir()
+            else set()
+        )
 
     procs = []
     try:
@@ -365,18 +478,43 @@ def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_pat
 # then H = 1 DiLoCo with outer SGD lr 1 and no momentum averages the groups' updates, which is the update of the
 # averaged gradient: synchronous training. (With an ordinary AdamW it averages Adam updates, not gradients.)
 LINEAR = ["--optimizer.eps", "1000", "--optimizer.lr", "2", "--training.max_norm", "1e9"]
-DILOCO_H1 = ["--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "1", "--fault_tolerance.outer_lr",
-             "1", "--fault_tolerance.outer_momentum", "0", "--fault_tolerance.no-outer_nesterov"]
+DILOCO_H1 = [
+    "--fault_tolerance.sync",
+    "diloco",
+    "--fault_tolerance.sync_every",
+    "1",
+    "--fault_tolerance.outer_lr",
+    "1",
+    "--fault_tolerance.outer_momentum",
+    "0",
+    "--fault_tolerance.no-outer_nesterov",
+]
 
 
 def _start_group(g: int, folder: Path, address: str, *args: str, log: Path | None = None) -> subprocess.Popen:
     """Replica group g (one process, run_train.sh) on the lighthouse at `address`, its output in a file (a full
     pipe would stop it)."""
     with open(log or folder.parent / f"{folder.name}.log", "w") as out:
-        return subprocess.Popen(["./run_train.sh", *TINY, *FT, "--training.global_batch_size", "4",
-                                 "--fault_tolerance.group_id", str(g), "--fault_tolerance.lighthouse", address,
-                                 "--job.dump_folder", str(folder), *args],
-                                cwd=REPO, env=env_of(NGPU="1"), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [
+                "./run_train.sh",
+                *TINY,
+                *FT,
+                "--training.global_batch_size",
+                "4",
+                "--fault_tolerance.group_id",
+                str(g),
+                "--fault_tolerance.lighthouse",
+                address,
+                "--job.dump_folder",
+                str(folder),
+                *args,
+            ],
+            cwd=REPO,
+            env=env_of(NGPU="1"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 @pytest.mark.slow
@@ -389,8 +527,10 @@ def test_diloco_with_h1_outer_sgd_lr1_and_no_momentum_is_synchronous_training(tm
     folders = [tmp_path / "group0", tmp_path / "group1"]
     procs = []
     try:
-        procs = [_start_group(g, folders[g], address, "--training.steps", str(STEPS), *LINEAR, *DILOCO_H1, *save)
-                 for g in range(2)]
+        procs = [
+            _start_group(g, folders[g], address, "--training.steps", str(STEPS), *LINEAR, *DILOCO_H1, *save)
+            for g in range(2)
+        ]
         single = train_in_process(tmp_path / "single", "--training.steps", str(STEPS), *LINEAR, *save)
         for g, proc in enumerate(procs):
             assert proc.wait(timeout=300) == 0, (tmp_path / f"group{g}.log").read_text()[-5000:]
@@ -420,7 +560,7 @@ def test_diloco_with_h1_outer_sgd_lr1_and_no_momentum_is_synchronous_training(tm
 # (no handler runs) at POINT of its N-th step: "start" (before the step's quorum), "average" (before its
 # gradients go to the other groups, which wait for them in their all-reduce), "commit" (after the all-reduce,
 # before the commit vote), "update" (after the vote, before the optimizer step).
-RECORDING_TRAINER = '''
+RECORDING_TRAINER = """
 import json, os, signal, sys
 
 from torchtitan.train import Trainer, main
@@ -466,7 +606,7 @@ class Recording(Trainer):
 
 
 sys.exit(main(sys.argv[1:], Recording))
-'''
+"""
 
 KILL_POINTS = ["start", "average", "commit", "update"]
 
@@ -506,16 +646,39 @@ def kill_points(tmp_path_factory):
     script.write_text(RECORDING_TRAINER)
     lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
     folders = [tmp / "group0", tmp / "group1"]
-    args = [*TINY, *FT, "--training.steps", str(KILL_STEPS), "--training.global_batch_size", "4",
-            "--fault_tolerance.min_groups", "2", "--fault_tolerance.lighthouse", address,
-            "--fault_tolerance.timeout_seconds", "10"]
+    args = [
+        *TINY,
+        *FT,
+        "--training.steps",
+        str(KILL_STEPS),
+        "--training.global_batch_size",
+        "4",
+        "--fault_tolerance.min_groups",
+        "2",
+        "--fault_tolerance.lighthouse",
+        address,
+        "--fault_tolerance.timeout_seconds",
+        "10",
+    ]
 
     def start(g: int, kill: str = "") -> subprocess.Popen:
         env = env_of(FT_TEST_RECORD=str(tmp / f"group{g}.jsonl"), FT_TEST_KILL=kill)
         with open(tmp / f"group{g}.log", "a") as out:
-            return subprocess.Popen([sys.executable, str(script), *args, "--fault_tolerance.group_id", str(g),
-                                     "--job.dump_folder", str(folders[g])], cwd=REPO, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    str(script),
+                    *args,
+                    "--fault_tolerance.group_id",
+                    str(g),
+                    "--job.dump_folder",
+                    str(folders[g]),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     procs, kills = [], []
     try:
@@ -561,8 +724,7 @@ def test_a_group_killed_at_many_points_of_a_step_leaves_the_other_training_to_th
     assert [r["lr"] for r in steps] == pytest.approx(expected, rel=1e-6)
     assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-6)
     dropped = records[-1]["uncommitted_steps"]
-    print(f"{len(kills)} kills; the survivor dropped {dropped} step(s): "
-          f"{[r['step'] for r in steps if not r['taken']]}")
+    print(f"{len(kills)} kills; the survivor dropped {dropped} step(s): {[r['step'] for r in steps if not r['taken']]}")
     assert sum(r["taken"] for r in steps) == KILL_STEPS - dropped
     # The kills inside the step's all-reduce drop the survivor's step; the others need not.
     assert 1 <= dropped <= len(kills), dropped
@@ -585,8 +747,10 @@ def test_no_sample_is_trained_twice_when_a_group_dies_and_comes_back(kill_points
             if not r["taken"]:
                 continue
             for lane, sample in r["samples"]:
-                assert (lane, sample) not in trained, (f"lane {lane} sample {sample} trained by group {g} at step "
-                                                        f"{r['step']} and before at {trained[(lane, sample)]}")
+                assert (lane, sample) not in trained, (
+                    f"lane {lane} sample {sample} trained by group {g} at step "
+                    f"{r['step']} and before at {trained[(lane, sample)]}"
+                )
                 trained[(lane, sample)] = (g, r["step"], r["pid"])
     # The restarted incarnations of group 1 each started at the step they healed at, its lanes advanced to it.
     for r in _records(tmp / "group1.jsonl"):
@@ -594,6 +758,7 @@ def test_no_sample_is_trained_twice_when_a_group_dies_and_comes_back(kill_points
 
 
 # --- DiLoCo: a lost group, checkpoints ------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_after_a_diloco_sync_moe_groups_hold_the_same_weights_and_expert_biases(tmp_path):
@@ -605,8 +770,22 @@ def test_after_a_diloco_sync_moe_groups_hold_the_same_weights_and_expert_biases(
     folders = [tmp_path / "group0", tmp_path / "group1"]
     procs = []
     try:
-        procs = [_start_group(g, folders[g], address, "--training.steps", "4", *moe, "--fault_tolerance.sync",
-                              "diloco", "--fault_tolerance.sync_every", "2", *save) for g in range(2)]
+        procs = [
+            _start_group(
+                g,
+                folders[g],
+                address,
+                "--training.steps",
+                "4",
+                *moe,
+                "--fault_tolerance.sync",
+                "diloco",
+                "--fault_tolerance.sync_every",
+                "2",
+                *save,
+            )
+            for g in range(2)
+        ]
         for g, proc in enumerate(procs):
             assert proc.wait(timeout=300) == 0, (tmp_path / f"group{g}.log").read_text()[-5000:]
     finally:
@@ -617,8 +796,9 @@ def test_after_a_diloco_sync_moe_groups_hold_the_same_weights_and_expert_biases(
     biases = [k for k in weights[0] if k.endswith("expert_bias")]
     assert biases and any(weights[0][k].abs().sum() > 0 for k in biases)  # balancing moved them
     assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), \
-        [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])][:5]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), [
+        k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])
+    ][:5]
 
 
 DILOCO = ["--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "3"]  # outer SGD 0.7, Nesterov 0.9
@@ -658,14 +838,31 @@ def test_a_resumed_diloco_run_continues_exactly(tmp_path):
     import shutil
 
     lighthouse, address = start_lighthouse()
-    args = [*FT, "--fault_tolerance.group_count", "1", "--fault_tolerance.lighthouse", address,
-            "--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "2", "--training.global_batch_size",
-            "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
+    args = [
+        *FT,
+        "--fault_tolerance.group_count",
+        "1",
+        "--fault_tolerance.lighthouse",
+        address,
+        "--fault_tolerance.sync",
+        "diloco",
+        "--fault_tolerance.sync_every",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
     folder = tmp_path / "run"
     try:
         straight = [r["loss"] for r in train_in_process(folder, *args)]
         assert sorted(p.name for p in (folder / "checkpoint" / "diloco").iterdir()) == [
-            "step-3-rank-0.pt", "step-6-rank-0.pt"]
+            "step-3-rank-0.pt",
+            "step-6-rank-0.pt",
+        ]
 
         def resume() -> list[float]:
             shutil.rmtree(folder / "checkpoint" / "step-6")
@@ -701,8 +898,15 @@ def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
     import shutil
 
     lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
-    group = [*FT, "--fault_tolerance.lighthouse", address, "--fault_tolerance.quorum_timeout_seconds", "1",
-             "--training.global_batch_size", "4"]  # group 0 of 2, alone
+    group = [
+        *FT,
+        "--fault_tolerance.lighthouse",
+        address,
+        "--fault_tolerance.quorum_timeout_seconds",
+        "1",
+        "--training.global_batch_size",
+        "4",
+    ]  # group 0 of 2, alone
     save = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
     cross = ["--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "5"]
     try:
@@ -712,15 +916,37 @@ def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
         for source, target in (("ft", "to_normal"), ("normal", "to_ft")):
             shutil.copytree(tmp_path / source / "checkpoint", tmp_path / target / "checkpoint")
         # Without the exclusion, before launch: the group's data state is of another layout.
-        line = refused("--training.global_batch_size", "4", *save, "--training.steps", "5", "--job.dump_folder",
-                       str(tmp_path / "to_normal"))
+        line = refused(
+            "--training.global_batch_size",
+            "4",
+            *save,
+            "--training.steps",
+            "5",
+            "--job.dump_folder",
+            str(tmp_path / "to_normal"),
+        )
         assert "saved with training.global_batch_size = 8" in line and "exclude_from_loading dataloader" in line
         # Within one layout the data state carries over: the group resumes its own checkpoint through run_train.sh
         # (whose preflight compares the data state's global batch with the groups' together).
-        proc = subprocess.run(["./run_train.sh", *TINY, *group, *save, "--training.steps", "4",
-                               "--fault_tolerance.quorum_timeout_seconds", "10", "--job.dump_folder",
-                               str(tmp_path / "ft")], cwd=REPO, env=env_of(NGPU="1"), capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [
+                "./run_train.sh",
+                *TINY,
+                *group,
+                *save,
+                "--training.steps",
+                "4",
+                "--fault_tolerance.quorum_timeout_seconds",
+                "10",
+                "--job.dump_folder",
+                str(tmp_path / "ft"),
+            ],
+            cwd=REPO,
+            env=env_of(NGPU="1"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-3000:]
         assert [r["step"] for r in read_metrics(tmp_path / "ft")] == [1, 2, 3, 4]
         to_normal = train_in_process(tmp_path / "to_normal", "--training.global_batch_size", "4", *save, *cross)
@@ -744,8 +970,20 @@ def test_under_diloco_a_restarted_group_heals_in_a_sync_and_holds_the_same_weigh
 
     lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "1000")
     folders = [tmp_path / "group0", tmp_path / "group1"]
-    args = ["--training.steps", "6", *DILOCO[:2], "--fault_tolerance.sync_every", "2", "--fault_tolerance.min_groups",
-            "2", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "6", "--checkpoint.keep_latest_k", "0"]
+    args = [
+        "--training.steps",
+        "6",
+        *DILOCO[:2],
+        "--fault_tolerance.sync_every",
+        "2",
+        "--fault_tolerance.min_groups",
+        "2",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "6",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
     procs = []
     try:
         procs = [_start_group(g, folders[g], address, *args) for g in range(2)]
@@ -777,11 +1015,24 @@ def _launch_groups(tmp: Path, port: int, ids: list[int], *extra: str) -> list[su
     tmp/group<i>.log."""
     procs = []
     for i, g in enumerate(ids):
-        cmd = ["./run_train.sh", *TINY, *FT, "--training.global_batch_size", "4", "--fault_tolerance.group_id", str(g),
-               "--job.dump_folder", str(tmp / f"group{i}"), *extra]
+        cmd = [
+            "./run_train.sh",
+            *TINY,
+            *FT,
+            "--training.global_batch_size",
+            "4",
+            "--fault_tolerance.group_id",
+            str(g),
+            "--job.dump_folder",
+            str(tmp / f"group{i}"),
+            *extra,
+        ]
         with open(tmp / f"group{i}.log", "w") as log:  # a file: a full pipe would stop the group
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of(NGPU="1", LIGHTHOUSE_PORT=str(port)), stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env=env_of(NGPU="1", LIGHTHOUSE_PORT=str(port)), stdout=log, stderr=subprocess.STDOUT
+                )
+            )
     return procs
 
 
@@ -824,6 +1075,7 @@ def test_a_group_that_joins_with_a_live_groups_id_stops_and_the_live_groups_trai
     port = free_port()
     procs = _launch_groups(tmp_path, port, [0, 1], "--training.steps", "100000")
     try:
+
         def wait_for_step(step: int):
             deadline = time.monotonic() + 300
             while _logged_steps(tmp_path / "group1") < step:
@@ -836,8 +1088,10 @@ def test_a_group_that_joins_with_a_live_groups_id_stops_and_the_live_groups_trai
         procs[2].wait(timeout=300)
         late = (tmp_path / "group2.log").read_text()
         assert procs[2].returncode == 2, late[-3000:]
-        assert "fault_tolerance.group_id = 1 is the id of 2 replica groups in this quorum (1 of them already " \
-               "training)" in late, late[-3000:]
+        assert (
+            "fault_tolerance.group_id = 1 is the id of 2 replica groups in this quorum (1 of them already "
+            "training)" in late
+        ), late[-3000:]
         wait_for_step(_logged_steps(tmp_path / "group1") + 3)  # training on without it
         for proc in procs[:2]:
             proc.send_signal(signal.SIGTERM)
@@ -895,8 +1149,15 @@ def test_a_healing_group_reads_only_weights_from_its_peer(tmp_path):
         _streaming_save(obj, buf)
         payloads[f"/{name}"] = buf.getvalue()
 
-    state = {"step": 3, "model": [{"w": torch.arange(6.0).view(2, 3)}], "schedulers": [{"last_epoch": 3}],
-             "counters": {"skipped_steps": 0}, "lr": 0.5, "nesterov": True, "name": "x"}
+    state = {
+        "step": 3,
+        "model": [{"w": torch.arange(6.0).view(2, 3)}],
+        "schedulers": [{"last_epoch": 3}],
+        "counters": {"skipped_steps": 0},
+        "lr": 0.5,
+        "nesterov": True,
+        "name": "x",
+    }
     payload("state", state)
     marker = tmp_path / "ran"
     payload("evil", {"step": 1, "x": _RunsCode(marker)})
@@ -920,7 +1181,9 @@ def test_a_healing_group_reads_only_weights_from_its_peer(tmp_path):
 def test_an_uncommitted_step_names_the_failure_in_plain_words():
     from torchtitan.components.fault_tolerance import collective_error
 
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:43213: "
-                        "Connection reset by peer\nmore lines")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:43213: "
+        "Connection reset by peer\nmore lines"
+    )
     assert collective_error(gloo) == "read error from 127.0.0.1:43213: Connection reset by peer"
     assert collective_error(TimeoutError()) == "TimeoutError"

@@ -19,14 +19,20 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 # name: (the layout inside each group of 2 processes, the model)
 LAYOUTS = {
     "tp2_moe": (["--parallelism.tensor_parallel_degree", "2"], MOE),
-    "pp2": (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
-            []),
+    "pp2": (
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+        [],
+    ),
     "cp2_ep2_moe": (["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"], MOE),
 }
 
 
-ENV = {**{k: v for k, v in os.environ.items() if k not in ("NGPU", "LIGHTHOUSE_PORT", "CONFIG_FILE")},
-       "PATH": PYTHON_DIR + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1", "NGPU": "2"}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("NGPU", "LIGHTHOUSE_PORT", "CONFIG_FILE")},
+    "PATH": PYTHON_DIR + os.pathsep + os.environ["PATH"],
+    "OMP_NUM_THREADS": "1",
+    "NGPU": "2",
+}
 
 
 def _run_groups(name: str, layout: list[str], model: list[str], address: str, tmp) -> list:
@@ -35,12 +41,25 @@ def _run_groups(name: str, layout: list[str], model: list[str], address: str, tm
     procs = []
     try:
         for g, folder in enumerate(folders):
-            cmd = ["./run_train.sh", *TINY, *FT, *model, *layout, "--training.steps", str(STEPS),
-                   "--training.global_batch_size", "4", "--fault_tolerance.group_id", str(g),
-                   "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(folder)]
+            cmd = [
+                "./run_train.sh",
+                *TINY,
+                *FT,
+                *model,
+                *layout,
+                "--training.steps",
+                str(STEPS),
+                "--training.global_batch_size",
+                "4",
+                "--fault_tolerance.group_id",
+                str(g),
+                "--fault_tolerance.lighthouse",
+                address,
+                "--job.dump_folder",
+                str(folder),
+            ]
             with open(tmp / f"{name}_group{g}.log", "w") as log:  # a file: a full pipe would stop the group
-                procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log,
-                                              stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 600
         for g, proc in enumerate(procs):
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -59,8 +78,9 @@ def _run_groups(name: str, layout: list[str], model: list[str], address: str, tm
 def test_groups_with_tp_pp_cp_ep_inside_train_as_one_run(tmp_path):
     # One process, the groups' global batch together (2 x 4), one job per model.
     models = {"llama": [], "moe": MOE}
-    single = launch({f"single_{m}": [*extra, "--training.steps", str(STEPS)] for m, extra in models.items()},
-                    1, tmp_path)
+    single = launch(
+        {f"single_{m}": [*extra, "--training.steps", str(STEPS)] for m, extra in models.items()}, 1, tmp_path
+    )
     lighthouse, address = start_lighthouse("--heartbeat_timeout_ms", "2000")
     try:
         for name, (layout, model) in LAYOUTS.items():

@@ -22,8 +22,15 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 # Every dimension a multiple of 16, so only filter_fqns decides what stays high precision.
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, multiple_of=16, max_seq_len=32)
-BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+BLOCK_LINEARS = [
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
 ALL_BUT_OUTPUT = [f"layers.{i}.{name}" for i in range(ARGS.n_layers) for name in BLOCK_LINEARS]
 RECIPES = {
     "tensorwise": Float8(),
@@ -205,8 +212,15 @@ def test_rowwise_with_fsdp_all_gather_is_a_user_error():
     from torchtitan.config import load_config
 
     with pytest.raises(UserError, match="float8.enable_fsdp_float8_all_gather works with float8.recipe_name"):
-        load_config(["--model.converters", "float8", "--float8.recipe_name", "rowwise",
-                     "--float8.enable_fsdp_float8_all_gather"])
+        load_config(
+            [
+                "--model.converters",
+                "float8",
+                "--float8.recipe_name",
+                "rowwise",
+                "--float8.enable_fsdp_float8_all_gather",
+            ]
+        )
 
 
 def test_missing_torchao_is_a_user_error(monkeypatch):

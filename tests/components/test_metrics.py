@@ -7,14 +7,29 @@ import re
 import pytest
 import torch
 
-from torchtitan.components.metrics import (ROUGH_MFU_NOTE, MetricsLogger, device_peak_tflops, duration,
-                                           measure_matmul_tflops, slow_cpu_bfloat16)
+from torchtitan.components.metrics import (
+    ROUGH_MFU_NOTE,
+    MetricsLogger,
+    device_peak_tflops,
+    duration,
+    measure_matmul_tflops,
+    slow_cpu_bfloat16,
+)
 from torchtitan.config import Metrics
 
 
 def record(step, loss):
-    return {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tps": 100.0, "tflops": 0.1, "mfu": 10.0,
-            "memory_gib": 0.5, "time": 1.0}
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tps": 100.0,
+        "tflops": 0.1,
+        "mfu": 10.0,
+        "memory_gib": 0.5,
+        "time": 1.0,
+    }
 
 
 def test_jsonl_and_tensorboard_written(tmp_path):
@@ -154,8 +169,16 @@ def test_wandb_offline_run_and_resume(tmp_path, monkeypatch):
     cfg = Metrics(enable_wandb=True)
     first = MetricsLogger(cfg, str(tmp_path), write=True, run_config={"training": {"steps": 2}})
     first.log(record(1, 5.0))
-    first.log_validation({"step": 1, "validation_loss": 6.0, "validation_perplexity": 403.4,
-                          "validation_batches": 1, "validation_tokens": 64, "validation_time": 0.1})
+    first.log_validation(
+        {
+            "step": 1,
+            "validation_loss": 6.0,
+            "validation_perplexity": 403.4,
+            "validation_batches": 1,
+            "validation_tokens": 64,
+            "validation_time": 0.1,
+        }
+    )
     first.close()
     run_id = (tmp_path / "wandb_run_id").read_text()
     runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
@@ -208,7 +231,10 @@ def test_a_measured_peak_below_the_achieved_rate_is_re_measured_not_reported_abo
     assert peak.fields(0.02) == {"mfu": pytest.approx(40.0), "peak_tflops": 0.05}
     first = peak.fields(0.1)
     assert first["mfu"] == pytest.approx(100 * 0.1 / 0.3) and first["peak_tflops"] == 0.3 and len(calls) == 1
-    assert first["mfu_note"] == "peak re-measured: 0.3 TFLOP/s; the start-up measurement (0.05) was below the achieved rate"
+    assert (
+        first["mfu_note"]
+        == "peak re-measured: 0.3 TFLOP/s; the start-up measurement (0.05) was below the achieved rate"
+    )
     assert peak.fields(0.2) == {"mfu": pytest.approx(100 * 0.2 / 0.3), "peak_tflops": 0.3} and len(calls) == 1
 
 
@@ -229,8 +255,10 @@ def test_a_peak_still_below_after_re_measuring_becomes_the_achieved_rate():
     peak = MfuPeak(0.05, "measured", probe=probe, probe_share=0.001)
     first = peak.fields(0.1)
     assert first["mfu"] == 100.0 and first["peak_tflops"] == 0.1 and peak.probe_s >= 0.05
-    assert first["mfu_note"] == ("peak raised to the achieved rate: the start-up measurement (0.05 TFLOP/s) and a "
-                                 "re-measurement (0.08) were below it")
+    assert first["mfu_note"] == (
+        "peak raised to the achieved rate: the start-up measurement (0.05 TFLOP/s) and a "
+        "re-measurement (0.08) were below it"
+    )
     again = peak.fields(0.12)  # 2 x 0.05 s of probing within 0.1% of (much) less than 100 s: not yet
     assert len(calls) == 1 and peak.probe_s == 0.0 and again["mfu"] == 100.0 and again["peak_tflops"] == 0.12
     assert again["mfu_note"] == "peak raised to the achieved rate: an earlier achieved rate (0.1 TFLOP/s) was below it"
@@ -313,13 +341,29 @@ def test_training_whose_start_up_peak_was_too_low_logs_mfu_at_most_100(tmp_path,
 
     monkeypatch.setattr(metrics, "measure_matmul_tflops", start_up_starved)
     repo = Path(__file__).resolve().parents[2]
-    cfg = load_config([
-        "--job.config_file", str(repo / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(repo / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-        "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "0",
-        "--training.mixed_precision_param", "float32", "--metrics.no-enable_tensorboard",
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(repo / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(repo / "assets" / "tokenizer" / "python_stdlib_4k.model"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.device_peak_tflops",
+            "0",
+            "--training.mixed_precision_param",
+            "float32",
+            "--metrics.no-enable_tensorboard",
+        ]
+    )
     history = train(cfg)
     assert calls == [1.0, 0.5]  # the start-up measurement, and one re-measurement at the first step
     first = history[0]
@@ -344,4 +388,6 @@ def test_the_time_left_comes_from_recent_lines_not_the_start_up(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "eta" not in lines[0]
     assert lines[1].endswith("eta: 1m30s")  # 90 steps left at 1 s
-    assert lines[-1].endswith(f"eta: {duration(2 * (100 - (20 + 10 * (ETA_WINDOW - 1))))}")  # only 2 s steps in the window
+    assert lines[-1].endswith(
+        f"eta: {duration(2 * (100 - (20 + 10 * (ETA_WINDOW - 1))))}"
+    )  # only 2 s steps in the window

@@ -42,8 +42,14 @@ def test_muon_steps_equal_torch_muon(adjust, nesterov):
     gen = torch.Generator().manual_seed(0)
     ours = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in [(32, 16), (16, 48)]]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
-    opt = MuonAdamW([{"params": ours, "algorithm": "muon"}], lr=0.02, weight_decay=0.1, momentum=0.9,
-                    nesterov=nesterov, adjust_lr=adjust)
+    opt = MuonAdamW(
+        [{"params": ours, "algorithm": "muon"}],
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.9,
+        nesterov=nesterov,
+        adjust_lr=adjust,
+    )
     ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust)
     for _ in range(4):
         for a, b in zip(ours, theirs):
@@ -69,10 +75,22 @@ def test_adamw_groups_equal_torch_adamw(impl):
     ours = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in [(8, 4), (4,)]]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
     kernel = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
-    opt = MuonAdamW([{"params": ours[:1], "algorithm": "adamw"}, {"params": ours[1:], "weight_decay": 0.0}],
-                    lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, implementation=impl)
-    ref = torch.optim.AdamW([{"params": theirs[:1]}, {"params": theirs[1:], "weight_decay": 0.0}], lr=1e-2,
-                            betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, **kernel)
+    opt = MuonAdamW(
+        [{"params": ours[:1], "algorithm": "adamw"}, {"params": ours[1:], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.8, 0.9),
+        eps=1e-6,
+        weight_decay=0.1,
+        implementation=impl,
+    )
+    ref = torch.optim.AdamW(
+        [{"params": theirs[:1]}, {"params": theirs[1:], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.8, 0.9),
+        eps=1e-6,
+        weight_decay=0.1,
+        **kernel,
+    )
     for _ in range(3):
         for a, b in zip(ours, theirs):
             a.grad = torch.randn(a.shape, generator=gen)
@@ -99,13 +117,25 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw():
     spec, model = meta_model("qwen3", "debugmodel_moe")
     algo = algorithms(model, build_optimizer(model, Optimizer(name="Muon"), adamw_params=spec.adamw_params))
     adamw = {n for n, a in algo.items() if a == "adamw"}
-    assert {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.feed_forward.router.gate.weight",
-            "layers.0.attention.q_norm.weight", "layers.0.ffn_norm.weight"} <= adamw
-    assert all(n.endswith("norm.weight") or n.endswith("gate.weight") for n in adamw - {"tok_embeddings.weight",
-                                                                                          "output.weight"})
+    assert {
+        "tok_embeddings.weight",
+        "output.weight",
+        "norm.weight",
+        "layers.0.feed_forward.router.gate.weight",
+        "layers.0.attention.q_norm.weight",
+        "layers.0.ffn_norm.weight",
+    } <= adamw
+    assert all(
+        n.endswith("norm.weight") or n.endswith("gate.weight")
+        for n in adamw - {"tok_embeddings.weight", "output.weight"}
+    )
     muon = set(algo) - adamw
-    assert {"layers.0.attention.wq.weight", "layers.0.attention.wo.weight", "layers.0.feed_forward.experts.w1",
-            "layers.0.feed_forward.experts.w2"} <= muon
+    assert {
+        "layers.0.attention.wq.weight",
+        "layers.0.attention.wo.weight",
+        "layers.0.feed_forward.experts.w1",
+        "layers.0.feed_forward.experts.w2",
+    } <= muon
     assert all(model.get_parameter(n).ndim in (2, 3) for n in muon)
 
 
@@ -168,8 +198,11 @@ class Net(nn.Module):
 def train(name: str, state_dtype: str, steps: int = 5) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Net()
-    opt = build_optimizer(model, Optimizer(name=name, lr=1e-2, state_dtype=state_dtype, implementation="for-loop"),
-                          adamw_params=(r"^out\.",))
+    opt = build_optimizer(
+        model,
+        Optimizer(name=name, lr=1e-2, state_dtype=state_dtype, implementation="for-loop"),
+        adamw_params=(r"^out\.",),
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         ids = torch.randint(0, 32, (4, 8), generator=gen)
@@ -200,8 +233,13 @@ def test_bf16_state_tracks_float32(name):
     for state_dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)
         models.append(Net())
-        opts.append(build_optimizer(models[-1], Optimizer(name=name, lr=1e-2, state_dtype=state_dtype,
-                                                          implementation="for-loop"), adamw_params=(r"^out\.",)))
+        opts.append(
+            build_optimizer(
+                models[-1],
+                Optimizer(name=name, lr=1e-2, state_dtype=state_dtype, implementation="for-loop"),
+                adamw_params=(r"^out\.",),
+            )
+        )
     for _ in range(20):
         for ps in zip(*(m.parameters() for m in models)):
             grad = torch.randn(ps[0].shape, generator=gen) * 1e-3
@@ -232,23 +270,37 @@ def test_bf16_adamw_is_torchs_formula_in_float32():
     "argv, message",
     [
         (["--optimizer.name", "Lion"], "optimizer.name: expected one of 'AdamW', 'Adam', 'Muon'"),
-        (["--optimizer.muon_lr", "0.02"], "optimizer.muon_lr applies to optimizer.name = 'Muon' only, and it is 'AdamW'"),
-        (["--optimizer.name", "Adam", "--optimizer.muon_momentum", "0.9", "--optimizer.muon_nesterov", "false"],
-         "optimizer.muon_momentum, optimizer.muon_nesterov apply to optimizer.name = 'Muon' only"),
+        (
+            ["--optimizer.muon_lr", "0.02"],
+            "optimizer.muon_lr applies to optimizer.name = 'Muon' only, and it is 'AdamW'",
+        ),
+        (
+            ["--optimizer.name", "Adam", "--optimizer.muon_momentum", "0.9", "--optimizer.muon_nesterov", "false"],
+            "optimizer.muon_momentum, optimizer.muon_nesterov apply to optimizer.name = 'Muon' only",
+        ),
         (["--optimizer.name", "Muon", "--optimizer.muon_lr", "0"], "optimizer.muon_lr must be a finite number"),
         (["--optimizer.name", "Muon", "--optimizer.muon_lr", "inf"], "optimizer.muon_lr must be a finite number"),
         (["--optimizer.name", "Muon", "--optimizer.muon_momentum", "1"], "optimizer.muon_momentum must be in [0, 1)"),
         (["--optimizer.name", "Muon", "--optimizer.muon_momentum", "-0.5"], "optimizer.muon_momentum must be in"),
         (["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"], "optimizer.muon_ns_steps must be between"),
-        (["--optimizer.name", "Muon", "--optimizer.muon_adjust_lr", "rms"], "optimizer.muon_adjust_lr: expected one of"),
+        (
+            ["--optimizer.name", "Muon", "--optimizer.muon_adjust_lr", "rms"],
+            "optimizer.muon_adjust_lr: expected one of",
+        ),
         (["--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16"], "works with optimizer.name = 'AdamW' or"),
         (["--optimizer.lr", "-1"], "optimizer.lr must be greater than 0"),
-        (["--optimizer.param_groups", "wq optimizer=AdamW"],
-         "optimizer=AdamW ('wq') chooses between Muon and AdamW, and optimizer.name is 'AdamW'"),
-        (["--optimizer.name", "Muon", "--optimizer.param_groups", "wq optimizer=SGD"],
-         "optimizer = 'SGD' is not an option; optimizer=AdamW"),
-        (["--optimizer.name", "Muon", "--optimizer.param_groups", "wq optimizer=AdamW optimizer=adamw"],
-         "optimizer = 'adamw' is given twice"),
+        (
+            ["--optimizer.param_groups", "wq optimizer=AdamW"],
+            "optimizer=AdamW ('wq') chooses between Muon and AdamW, and optimizer.name is 'AdamW'",
+        ),
+        (
+            ["--optimizer.name", "Muon", "--optimizer.param_groups", "wq optimizer=SGD"],
+            "optimizer = 'SGD' is not an option; optimizer=AdamW",
+        ),
+        (
+            ["--optimizer.name", "Muon", "--optimizer.param_groups", "wq optimizer=AdamW optimizer=adamw"],
+            "optimizer = 'adamw' is given twice",
+        ),
     ],
 )
 def test_bad_keys_are_refused(argv, message):
@@ -258,16 +310,40 @@ def test_bad_keys_are_refused(argv, message):
 
 
 def test_muon_keys_with_muon_load():
-    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.muon_lr", "0.02", "--optimizer.muon_nesterov", "false",
-                       "--optimizer.muon_adjust_lr", "original", "--optimizer.state_dtype", "bfloat16"]).optimizer
+    cfg = load_config(
+        [
+            "--optimizer.name",
+            "Muon",
+            "--optimizer.muon_lr",
+            "0.02",
+            "--optimizer.muon_nesterov",
+            "false",
+            "--optimizer.muon_adjust_lr",
+            "original",
+            "--optimizer.state_dtype",
+            "bfloat16",
+        ]
+    ).optimizer
     assert (cfg.muon_lr, cfg.muon_nesterov, cfg.muon_adjust_lr, cfg.muon_momentum) == (0.02, False, "original", None)
 
 
 def test_muon_options_with_adamw_exit_2_before_launch(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan.preflight", *RECIPE, "--job.dump_folder", str(tmp_path / "out"),
-         "--optimizer.muon_momentum", "0.9"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.preflight",
+            *RECIPE,
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--optimizer.muon_momentum",
+            "0.9",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "optimizer.muon_momentum applies to optimizer.name = 'Muon' only" in proc.stderr
 

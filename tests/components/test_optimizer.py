@@ -15,8 +15,9 @@ from torchtitan.config import Optimizer
 )
 def test_builds_the_configured_optimizer(name, impl, cls, fused, foreach):
     model = torch.nn.Linear(4, 3)
-    opt = build_optimizer(model, Optimizer(name=name, implementation=impl, lr=1e-2, beta1=0.8, beta2=0.9,
-                                           eps=1e-6, weight_decay=0.05))
+    opt = build_optimizer(
+        model, Optimizer(name=name, implementation=impl, lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05)
+    )
     assert type(opt) is cls
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-2, (0.8, 0.9), 1e-6, 0.05)
@@ -89,18 +90,33 @@ def decay_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, float]:
 def test_norm_weights_and_biases_are_not_decayed_by_default():
     model = Tiny()
     decay = decay_of(model, build_optimizer(model, Optimizer(weight_decay=0.1)))
-    no_decay = {"layers.0.ln.weight", "layers.0.ln.bias", "layers.0.proj.bias", "layers.0.gain",
-                "layers.1.ln.weight", "layers.1.ln.bias", "layers.1.proj.bias", "layers.1.gain", "norm.weight"}
+    no_decay = {
+        "layers.0.ln.weight",
+        "layers.0.ln.bias",
+        "layers.0.proj.bias",
+        "layers.0.gain",
+        "layers.1.ln.weight",
+        "layers.1.ln.bias",
+        "layers.1.proj.bias",
+        "layers.1.gain",
+        "norm.weight",
+    }
     assert {n for n, wd in decay.items() if wd == 0.0} == no_decay
     assert {n for n, wd in decay.items() if wd == 0.1} == set(decay) - no_decay  # embeddings decayed
 
 
 def test_the_keys_restore_decaying_everything_and_exclude_embeddings():
     model = Tiny()
-    everything = decay_of(model, build_optimizer(model, Optimizer(weight_decay=0.1, weight_decay_norms_and_biases=True)))
+    everything = decay_of(
+        model, build_optimizer(model, Optimizer(weight_decay=0.1, weight_decay_norms_and_biases=True))
+    )
     assert set(everything.values()) == {0.1}
-    no_embeddings = decay_of(model, build_optimizer(model, Optimizer(weight_decay=0.1, weight_decay_embeddings=False,
-                                                                     weight_decay_norms_and_biases=True)))
+    no_embeddings = decay_of(
+        model,
+        build_optimizer(
+            model, Optimizer(weight_decay=0.1, weight_decay_embeddings=False, weight_decay_norms_and_biases=True)
+        ),
+    )
     assert {n for n, wd in no_embeddings.items() if wd == 0.0} == {"tok_embeddings.weight"}
 
 
@@ -136,8 +152,12 @@ def test_groups_are_split_by_device_mesh():
 def test_a_regex_group_steps_as_adamw_with_its_lr_and_decay():
     torch.manual_seed(0)
     model = Tiny()
-    cfg = Optimizer(lr=1e-2, weight_decay=0.1, param_groups=["^layers\\.0\\.proj\\.weight$ lr_mult=0.5 weight_decay=0"],
-                    implementation="for-loop")
+    cfg = Optimizer(
+        lr=1e-2,
+        weight_decay=0.1,
+        param_groups=["^layers\\.0\\.proj\\.weight$ lr_mult=0.5 weight_decay=0"],
+        implementation="for-loop",
+    )
     reference = copy.deepcopy(model)
     opt = build_optimizer(model, cfg)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -149,14 +169,21 @@ def test_a_regex_group_steps_as_adamw_with_its_lr_and_decay():
     # By hand: AdamW's first step moves by lr * g / (|g| + eps) (bias-corrected m = g, v = g^2), after
     # decaying by lr * weight_decay; the group trains at half the lr and without decay.
     grad = params["layers.0.proj.weight"].grad
-    torch.testing.assert_close(params["layers.0.proj.weight"].detach(),
-                               before["layers.0.proj.weight"] - 0.5e-2 * grad / (grad.abs() + cfg.eps))
+    torch.testing.assert_close(
+        params["layers.0.proj.weight"].detach(), before["layers.0.proj.weight"] - 0.5e-2 * grad / (grad.abs() + cfg.eps)
+    )
     grad = params["layers.1.proj.weight"].grad
-    torch.testing.assert_close(params["layers.1.proj.weight"].detach(),
-                               before["layers.1.proj.weight"] * (1 - 1e-2 * 0.1) - 1e-2 * grad / (grad.abs() + cfg.eps))
+    torch.testing.assert_close(
+        params["layers.1.proj.weight"].detach(),
+        before["layers.1.proj.weight"] * (1 - 1e-2 * 0.1) - 1e-2 * grad / (grad.abs() + cfg.eps),
+    )
     # And against torch's AdamW on a copy, one parameter at a time with the expected lr and decay.
-    expectations = [("layers.0.proj.weight", 0.5e-2, 0.0), ("layers.1.proj.weight", 1e-2, 0.1),
-                    ("layers.0.ln.weight", 1e-2, 0.0), ("tok_embeddings.weight", 1e-2, 0.1)]
+    expectations = [
+        ("layers.0.proj.weight", 0.5e-2, 0.0),
+        ("layers.1.proj.weight", 1e-2, 0.1),
+        ("layers.0.ln.weight", 1e-2, 0.0),
+        ("tok_embeddings.weight", 1e-2, 0.1),
+    ]
     for name, lr, wd in expectations:
         p = reference.get_parameter(name)
         torch.optim.AdamW([p], lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=wd).step()
@@ -176,8 +203,9 @@ def test_the_first_matching_pattern_wins():
 
 def test_lr_multipliers_survive_the_schedule():
     model = Tiny()
-    group = OptimizerGroup([model], Optimizer(lr=1e-2, param_groups=["proj lr_mult=0.5"]),
-                           LRScheduler(warmup_steps=2), total_steps=5)
+    group = OptimizerGroup(
+        [model], Optimizer(lr=1e-2, param_groups=["proj lr_mult=0.5"]), LRScheduler(warmup_steps=2), total_steps=5
+    )
     opt = group.optimizers[0]
     for _ in range(5):
         base = group.lr
@@ -199,12 +227,26 @@ def test_a_pattern_that_matches_nothing_is_an_error_naming_it():
 
 def test_a_pattern_that_matches_nothing_is_refused_before_launch(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan.preflight", *RECIPE,
-         "--job.dump_folder", str(tmp_path / "out"), "--optimizer.param_groups", "^layers\\.0\\. lr_mult=0.5,mlp lr_mult=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.preflight",
+            *RECIPE,
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--optimizer.param_groups",
+            "^layers\\.0\\. lr_mult=0.5,mlp lr_mult=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip()
-    assert error.startswith("error: optimizer.param_groups: 'mlp' matches no parameter of the model") and "\n" not in error
+    assert (
+        error.startswith("error: optimizer.param_groups: 'mlp' matches no parameter of the model") and "\n" not in error
+    )
     assert "layers.0.attention.wq.weight" in error and "layers\\.0\\." not in error
 
 
@@ -231,11 +273,16 @@ def test_bad_group_entries_are_config_errors(entry, problem):
 def test_group_entries_from_the_command_line_and_toml(tmp_path):
     cli = load_config(["--optimizer.param_groups", "tok_embeddings lr_mult=0.5 weight_decay=0, norm weight_decay=0.01"])
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[optimizer]\nparam_groups = ["tok_embeddings lr_mult=0.5 weight_decay=0", "norm weight_decay=0.01"]\n')
+    recipe.write_text(
+        '[optimizer]\nparam_groups = ["tok_embeddings lr_mult=0.5 weight_decay=0", "norm weight_decay=0.01"]\n'
+    )
     toml = load_config(["--job.config_file", str(recipe)])
     assert cli.optimizer.param_groups == toml.optimizer.param_groups
     rules = parse_param_groups(cli.optimizer.param_groups)
-    assert [(r.pattern, r.lr_mult, r.weight_decay) for r in rules] == [("tok_embeddings", 0.5, 0.0), ("norm", 1.0, 0.01)]
+    assert [(r.pattern, r.lr_mult, r.weight_decay) for r in rules] == [
+        ("tok_embeddings", 0.5, 0.0),
+        ("norm", 1.0, 0.01),
+    ]
     assert Optimizer(lr=float("inf")).check() == ["optimizer.lr must be a finite number, got inf"]
     assert "appears more than once" in Optimizer(param_groups=["a", "a lr_mult=2"]).check()[0]
 
@@ -245,11 +292,30 @@ def test_resume_restores_each_groups_lr(tmp_path):
     the first group's lr; each group must continue at its own."""
     from torchtitan.train import train
 
-    args = [*RECIPE, "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "5",
-            "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
-            "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1", "--metrics.no-enable_tensorboard",
-            "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",
-            "--optimizer.param_groups", "tok_embeddings lr_mult=0.3,layers\\.1\\. lr_mult=3 weight_decay=0"]
+    args = [
+        *RECIPE,
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "5",
+        "--training.mixed_precision_param",
+        "float32",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.device_peak_tflops",
+        "1",
+        "--metrics.no-enable_tensorboard",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.no-last_save_model_only",
+        "--optimizer.param_groups",
+        "tok_embeddings lr_mult=0.3,layers\\.1\\. lr_mult=3 weight_decay=0",
+    ]
     straight = train(load_config(args + ["--job.dump_folder", str(tmp_path / "straight")]))
     (tmp_path / "resumed" / "checkpoint").mkdir(parents=True)
     import shutil

@@ -11,16 +11,36 @@ from torchtitan.train import train
 
 
 def short_run(tmp_path, *overrides, steps=4):
-    return train(load_config([
-        *RECIPE, "--job.dump_folder", str(tmp_path), "--training.steps", str(steps),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.device_peak_tflops", "1",
-        *overrides,
-    ]))
+    return train(
+        load_config(
+            [
+                *RECIPE,
+                "--job.dump_folder",
+                str(tmp_path),
+                "--training.steps",
+                str(steps),
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "2",
+                "--metrics.device_peak_tflops",
+                "1",
+                *overrides,
+            ]
+        )
+    )
 
 
 def test_traces_every_profile_freq_steps(tmp_path):
-    short_run(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "2",
-              "--profiling.save_traces_folder", "traces", steps=5)
+    short_run(
+        tmp_path,
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.save_traces_folder",
+        "traces",
+        steps=5,
+    )
     folders = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert folders == ["iteration_2", "iteration_4"]
     trace = json.loads((tmp_path / "traces" / "iteration_2" / "rank0_trace.json").read_text())
@@ -31,8 +51,13 @@ def test_traces_every_profile_freq_steps(tmp_path):
 def test_a_rerun_keeps_the_earlier_runs_traces(tmp_path):
     """A second run in the same dump folder writes its own traces without overwriting the first's: a fresh start
     keeps the earlier folder as traces.1; a run resumed from step 2 keeps the earlier traces of later steps."""
-    profile = ["--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.save_traces_folder",
-               "traces"]
+    profile = [
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.save_traces_folder",
+        "traces",
+    ]
     short_run(tmp_path, *profile, steps=4)
     first = (tmp_path / "traces" / "iteration_4" / "rank0_trace.json").read_bytes()
     short_run(tmp_path, *profile, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", steps=4)
@@ -60,7 +85,8 @@ def test_no_profiling_writes_nothing(tmp_path):
 
 
 def test_cpu_offload_is_rejected_on_cpu():
-    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-                       "--training.enable_cpu_offload"])
+    cfg = load_config(
+        ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--training.enable_cpu_offload"]
+    )
     with pytest.raises(UserError, match="training.enable_cpu_offload .* this job runs on the CPU"):
         preflight(cfg, world_size=2)

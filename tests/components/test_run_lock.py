@@ -13,13 +13,29 @@ from conftest import REPO, TINY
 from torchtitan.components import run_lock
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
 
-TRAIN = [sys.executable, "-m", "torchtitan.train", *TINY, "--training.local_batch_size", "8",
-         "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "torchtitan.train",
+    *TINY,
+    "--training.local_batch_size",
+    "8",
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.no-last_save_model_only",
+]
 
 
 def train(folder, *extra, **kwargs):
-    return subprocess.run([*TRAIN, "--job.dump_folder", str(folder), *extra], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+    return subprocess.run(
+        [*TRAIN, "--job.dump_folder", str(folder), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def write_lock(folder, **record):
@@ -28,8 +44,12 @@ def write_lock(folder, **record):
 
 
 def test_a_second_live_run_is_refused_and_the_first_is_untouched(tmp_path):
-    first = subprocess.Popen([*TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "2000"], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [*TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "2000"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while not complete_checkpoints(str(tmp_path / "checkpoint")):
@@ -37,12 +57,19 @@ def test_a_second_live_run_is_refused_and_the_first_is_untouched(tmp_path):
             time.sleep(0.2)
         second = train(tmp_path, "--training.steps", "4")
         assert second.returncode == 2
-        assert f"job.dump_folder {tmp_path} is in use by a running job (host {socket.gethostname()}, pid {first.pid}" \
+        assert (
+            f"job.dump_folder {tmp_path} is in use by a running job (host {socket.gethostname()}, pid {first.pid}"
             in second.stderr
+        )
         assert "Traceback" not in second.stderr
         # Preflight (run_train.sh's first step) says the same before anything starts.
-        pre = subprocess.run([sys.executable, "-m", "torchtitan.preflight", *TINY, "--job.dump_folder", str(tmp_path)],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        pre = subprocess.run(
+            [sys.executable, "-m", "torchtitan.preflight", *TINY, "--job.dump_folder", str(tmp_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert pre.returncode == 2 and "is in use by a running job" in pre.stderr
         assert first.poll() is None  # the first run goes on
     finally:
@@ -53,8 +80,10 @@ def test_a_second_live_run_is_refused_and_the_first_is_untouched(tmp_path):
     # The killed run's lock is stale: the next run takes it over, resumes, and releases it at the end.
     resumed = train(tmp_path, "--training.steps", str(steps[-1] + 1))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"taking over the lock of {tmp_path} left by a run that is gone (host {socket.gethostname()}, pid {first.pid}" \
+    assert (
+        f"taking over the lock of {tmp_path} left by a run that is gone (host {socket.gethostname()}, pid {first.pid}"
         in resumed.stderr
+    )
     assert not (tmp_path / run_lock.LOCK_FILE).exists()
 
 
@@ -62,7 +91,9 @@ def test_lock_liveness_rules(tmp_path):
     host = socket.gethostname()
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        write_lock(tmp_path, host=host, pid=sleeper.pid, start_time=run_lock._process_start_time(sleeper.pid), started=0)
+        write_lock(
+            tmp_path, host=host, pid=sleeper.pid, start_time=run_lock._process_start_time(sleeper.pid), started=0
+        )
         assert run_lock.holder_if_alive(str(tmp_path))["pid"] == sleeper.pid
         # The same pid number with another start time is a reused pid: stale.
         write_lock(tmp_path, host=host, pid=sleeper.pid, start_time="1", started=0)

@@ -156,8 +156,9 @@ def test_qwen3_like_folder_has_no_bos(hf_folder, tmp_path):
     # Qwen3: bos_token null; EOS named only in special_tokens_map.json here (it fills what the config lacks).
     shutil.copy(hf_folder / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "pad_token": "<|end_of_text|>"}))
-    (tmp_path / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}}))
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}})
+    )
     tok = Tokenizer(tmp_path)
     assert tok.bos_id is None and tok.eos_id == BPE_SIZE + 2
     plain = tok.encode("def f(): pass")
@@ -172,36 +173,57 @@ def test_qwen3_like_folder_has_no_bos(hf_folder, tmp_path):
 _SPECIALS_DECODER = {str(BPE_SIZE + i): {"content": t, "special": True} for i, t in enumerate(SPECIALS)}
 # Declared far beyond the 653 tokens of tokenizer.json, with gaps; <|eos|> only as eos_token.
 APPENDED = {
-    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-    "added_tokens_decoder": {**_SPECIALS_DECODER, "900": {"content": "<|bos|>", "special": True},
-                             "700": {"content": "<|fim|>", "special": True},
-                             "800": {"content": "<tool>", "special": False}},
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<|bos|>",
+    "eos_token": "<|eos|>",
+    "added_tokens_decoder": {
+        **_SPECIALS_DECODER,
+        "900": {"content": "<|bos|>", "special": True},
+        "700": {"content": "<|fim|>", "special": True},
+        "800": {"content": "<tool>", "special": False},
+    },
 }
 APPENDED_IDS = {"<|fim|>": 653, "<tool>": 654, "<|bos|>": 655, "<|eos|>": 656}  # what transformers assigns
 # <|end_of_text|> (651 in tokenizer.json) and the BPE piece "self" declared at other ids.
 MOVED = {
-    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-    "added_tokens_decoder": {**_SPECIALS_DECODER, "5": {"content": "<|end_of_text|>", "special": True},
-                             "3000": {"content": "self", "special": True}},
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end_of_text|>",
+    "added_tokens_decoder": {
+        **_SPECIALS_DECODER,
+        "5": {"content": "<|end_of_text|>", "special": True},
+        "3000": {"content": "self", "special": True},
+    },
 }
 # Compared with transformers: the two above; BOS named only by bos_token; entries without flags (an
 # AddedToken's defaults: not special, unless it is bos/eos); the shared fixture's config.
 AS_TRANSFORMERS = {
     "appended": APPENDED,
     "moved": MOVED,
-    "bos only named": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<nope>",
-                       "eos_token": "<|end_of_text|>"},
-    "entries without flags": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eot_id|>",
-                              "added_tokens_decoder": {"650": {"content": "<|begin_of_text|>"},
-                                                       "652": {"content": "<|eot_id|>"},
-                                                       "653": {"content": "<|new|>"}}},
+    "bos only named": {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<nope>",
+        "eos_token": "<|end_of_text|>",
+    },
+    "entries without flags": {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|eot_id|>",
+        "added_tokens_decoder": {
+            "650": {"content": "<|begin_of_text|>"},
+            "652": {"content": "<|eot_id|>"},
+            "653": {"content": "<|new|>"},
+        },
+    },
     "fixture": None,
 }
 
 
 def _config_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "torchtitan.components.tokenizer" and r.levelno == logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "torchtitan.components.tokenizer" and r.levelno == logging.WARNING
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +236,12 @@ def test_config_tokens_missing_from_tokenizer_json_are_appended(appended_folder,
         tok = Tokenizer(appended_folder)  # refused with a UserError before
     assert {t: tok.token_to_id(t) for t in APPENDED_IDS} == APPENDED_IDS
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (655, 656, 657)
-    assert tok.special_tokens == {**{t: BPE_SIZE + i for i, t in enumerate(SPECIALS)},
-                                  "<|fim|>": 653, "<|bos|>": 655, "<|eos|>": 656}  # <tool> is not special
+    assert tok.special_tokens == {
+        **{t: BPE_SIZE + i for i, t in enumerate(SPECIALS)},
+        "<|fim|>": 653,
+        "<|bos|>": 655,
+        "<|eos|>": 656,
+    }  # <tool> is not special
     [warning] = _config_warnings(caplog)
     for token, token_id in APPENDED_IDS.items():
         assert f"{token!r} as {token_id}" in warning, warning
@@ -244,8 +270,11 @@ def test_config_placing_a_token_elsewhere_keeps_tokenizer_json_id(hf_folder, tmp
 
 
 def test_folder_whose_files_agree_loads_without_warning(hf_folder, tmp_path, caplog):
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-              "added_tokens_decoder": _SPECIALS_DECODER}
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "added_tokens_decoder": _SPECIALS_DECODER,
+    }
     with caplog.at_level(logging.WARNING, logger="torchtitan"):
         tok = Tokenizer(_hf_with_config(tmp_path, hf_folder, config))
     assert _config_warnings(caplog) == []
@@ -290,17 +319,25 @@ def test_llama3_original_layout(tmp_path):
     tok = Tokenizer(write_ranks(tmp_path / "tokenizer.model", tokens[:128_000]))
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (128_000, 128_001, 128_256)
     assert {n: tok.special_tokens[n] for n in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")} == {
-        "<|start_header_id|>": 128_006, "<|end_header_id|>": 128_007, "<|eot_id|>": 128_009}
+        "<|start_header_id|>": 128_006,
+        "<|end_header_id|>": 128_007,
+        "<|eot_id|>": 128_009,
+    }
     assert llama3_special_tokens(128_000)["<|reserved_special_token_247|>"] == 128_255
     assert tok.encode("<|eot_id|>", allow_special=True) == [128_009]
 
 
 def test_tiktoken_sidecar_config_names_the_special_tokens(tiktoken_file, tmp_path):
     path = shutil.copy(tiktoken_file, tmp_path / "tokenizer.model")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "[BOS]", "eos_token": "[EOS]",
-        "added_tokens_decoder": {str(BPE_SIZE): {"content": "[BOS]"}, str(BPE_SIZE + 1): {"content": "[EOS]"}},
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "[BOS]",
+                "eos_token": "[EOS]",
+                "added_tokens_decoder": {str(BPE_SIZE): {"content": "[BOS]"}, str(BPE_SIZE + 1): {"content": "[EOS]"}},
+            }
+        )
+    )
     tok = Tokenizer(path)
     assert tok.special_tokens == {"[BOS]": BPE_SIZE, "[EOS]": BPE_SIZE + 1}
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (BPE_SIZE, BPE_SIZE + 1, BPE_SIZE + 2)
@@ -361,25 +398,41 @@ BAD = {
     "folder without tokenizer.json": _folder_without_tokenizer_json,
     "tiktoken broken line": lambda tmp, hf, tt: (_ranks_with_line(tmp, tt, 57, b"QUJD"), ["line 57 is not"]),
     "tiktoken bad base64": lambda tmp, hf, tt: (
-        _ranks_with_line(tmp, tt, 3, b"not*base64 2"), ["line 3 has a token that"]),
+        _ranks_with_line(tmp, tt, 3, b"not*base64 2"),
+        ["line 3 has a token that"],
+    ),
     "tiktoken repeated rank": lambda tmp, hf, tt: (
-        _ranks_with_line(tmp, tt, 300, b"QUJDRA== 5"), ["line 300 repeats rank 5 of line 6"]),
+        _ranks_with_line(tmp, tt, 300, b"QUJDRA== 5"),
+        ["line 300 repeats rank 5 of line 6"],
+    ),
     "tiktoken missing bytes": _missing_bytes,
     "none of the three kinds": _text_file,
     "corrupt sentencepiece": _cut_sentencepiece,
     "tokenizer.json without configs": _json_without_configs,
     "config not JSON": lambda tmp, hf, tt: (
-        _hf_with_config(tmp, hf, "{oops"), ["tokenizer_config.json is not valid JSON"]),
+        _hf_with_config(tmp, hf, "{oops"),
+        ["tokenizer_config.json is not valid JSON"],
+    ),
     "config not UTF-8": lambda tmp, hf, tt: (
-        _hf_with_config(tmp, hf, b'{"eos_token": "\xff"}'), ["tokenizer_config.json cannot be read as UTF-8"]),
+        _hf_with_config(tmp, hf, b'{"eos_token": "\xff"}'),
+        ["tokenizer_config.json cannot be read as UTF-8"],
+    ),
     "added token flag not a bool": lambda tmp, hf, tt: (
-        _hf_with_config(tmp, hf, {"eos_token": "<|end_of_text|>", "added_tokens_decoder": {
-            "700": {"content": "<|x|>", "special": "yes"}}}), ["added_tokens_decoder[700].special is 'yes'"]),
+        _hf_with_config(
+            tmp,
+            hf,
+            {"eos_token": "<|end_of_text|>", "added_tokens_decoder": {"700": {"content": "<|x|>", "special": "yes"}}},
+        ),
+        ["added_tokens_decoder[700].special is 'yes'"],
+    ),
     "empty added token": lambda tmp, hf, tt: (
         _hf_with_config(tmp, hf, {"eos_token": "<|end_of_text|>", "added_tokens_decoder": {"700": {"content": ""}}}),
-        ["added_tokens_decoder entry '700' is not"]),
+        ["added_tokens_decoder entry '700' is not"],
+    ),
     "invalid tokenizer.json": lambda tmp, hf, tt: (
-        _write(tmp / "tokenizer.json", b'{"version": "1.0"}'), ["not a valid Hugging Face tokenizer.json"]),
+        _write(tmp / "tokenizer.json", b'{"version": "1.0"}'),
+        ["not a valid Hugging Face tokenizer.json"],
+    ),
 }
 
 
@@ -415,8 +468,14 @@ def test_preflight_refuses_a_bad_tokenizer_before_launch(case, hf_folder, tiktok
 
     (tmp_path / "tok").mkdir()
     path, expected = BAD[case](tmp_path / "tok", hf_folder, tiktoken_file)
-    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.tokenizer_path",
-            str(path), "--job.dump_folder", str(tmp_path / "out")]
+    argv = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path",
+        str(path),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    ]
     assert preflight.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expected[0] in err and err.count("\n") == 1
@@ -460,8 +519,12 @@ def test_fetch_writes_a_loadable_folder(fetch, hf_folder, tiktoken_file, tmp_pat
     assert fetch.main(["org/Llama-like", "--out", str(out), "--original"]) == 0
     printed = capsys.readouterr().out
     assert f'model.tokenizer_path = "{out}"' in printed and "huggingface: 654 tokens" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["original", "special_tokens_map.json", "tokenizer.json",
-                                                      "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "original",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert Tokenizer(out / "original" / "tokenizer.model").kind == TIKTOKEN
 
 
@@ -472,13 +535,31 @@ def test_training_runs_with_a_hugging_face_folder(hf_folder, tmp_path, caplog):
     from torchtitan.config import load_config
     from torchtitan.train import train
 
-    cfg = load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(hf_folder), "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
-        "--metrics.no-enable_tensorboard", "--training.mixed_precision_param", "float32",
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(hf_folder),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.device_peak_tflops",
+            "1",
+            "--metrics.no-enable_tensorboard",
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="torchtitan"):
         history = train(cfg)
     assert [r["step"] for r in history] == [1, 2]
@@ -490,13 +571,31 @@ def test_training_runs_with_a_folder_whose_config_appends_tokens(appended_folder
     from torchtitan.config import load_config
     from torchtitan.train import train
 
-    cfg = load_config([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", str(appended_folder), "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.device_peak_tflops", "1",
-        "--metrics.no-enable_tensorboard", "--training.mixed_precision_param", "float32",
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.tokenizer_path",
+            str(appended_folder),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.device_peak_tflops",
+            "1",
+            "--metrics.no-enable_tensorboard",
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="torchtitan"):
         history = train(cfg)
     assert [r["step"] for r in history] == [1, 2] and all(math.isfinite(r["loss"]) for r in history)

@@ -17,8 +17,16 @@ transformers = pytest.importorskip("transformers")
 # Source files, then what a byte-level or a sentencepiece split can get wrong: runs of spaces and tabs,
 # leading and trailing spaces, digits, accents, CJK and an emoji (byte fallback), sentencepiece's own
 # space mark in the text, line endings.
-TEXTS = [*stdlib_texts(4), "  leading\n\tclass X:\n        pass   \n\n\n", "x = 'é 中文 😀 Ünïcödé'\r\n",
-         "123456789 trailing  ", "a\u2581b  \u2581 c", " ", "", "if x:\n    return  y"]
+TEXTS = [
+    *stdlib_texts(4),
+    "  leading\n\tclass X:\n        pass   \n\n\n",
+    "x = 'é 中文 😀 Ünïcödé'\r\n",
+    "123456789 trailing  ",
+    "a\u2581b  \u2581 c",
+    " ",
+    "",
+    "if x:\n    return  y",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,13 @@ def test_auto_tokenizer_encodes_and_decodes_as_the_trainer(paths, kind, tmp_path
 def _family_flavors() -> list[tuple[str, str]]:
     from torchtitan.models.registry import get_model_spec, model_names
 
-    return [(name, flavor) for name in model_names() if get_model_spec(name).hf is not None
-            for flavor in get_model_spec(name).flavors if flavor.startswith("debugmodel")]
+    return [
+        (name, flavor)
+        for name in model_names()
+        if get_model_spec(name).hf is not None
+        for flavor in get_model_spec(name).flavors
+        if flavor.startswith("debugmodel")
+    ]
 
 
 @pytest.mark.parametrize("name, flavor", _family_flavors())
@@ -72,8 +85,14 @@ def test_every_familys_export_tokenizes_as_the_trainer(name, flavor, tmp_path):
 def test_a_unigram_sentencepiece_model_is_refused_with_the_reason(tmp_path):
     import sentencepiece as spm
 
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(stdlib_texts(4)), model_prefix=str(tmp_path / "uni"),
-                                   model_type="unigram", vocab_size=300, eos_id=2, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(stdlib_texts(4)),
+        model_prefix=str(tmp_path / "uni"),
+        model_type="unigram",
+        vocab_size=300,
+        eos_id=2,
+        minloglevel=2,
+    )
     with pytest.raises(UserError, match="model type UNIGRAM .only BPE is written.*add_dummy_prefix"):
         export_tokenizer(tmp_path / "uni.model", tmp_path)
     assert not (tmp_path / "tokenizer.json").exists()
@@ -88,8 +107,8 @@ def test_convert_checkpoint_writes_the_tokenizer(straight, tmp_path):
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     text = "def f(x):\n    return x + 1\n"
     assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == Tokenizer(MODEL).encode(
-        text, bos=True)
+        text, bos=True
+    )
     # A wrong path is reported before any weight is read, and nothing is written.
-    assert convert.main(["to-hf", str(step), str(tmp_path / "hf2"), "--tokenizer",
-                         str(REPO / "no_such.model")]) == 2
+    assert convert.main(["to-hf", str(step), str(tmp_path / "hf2"), "--tokenizer", str(REPO / "no_such.model")]) == 2
     assert not (tmp_path / "hf2").exists()

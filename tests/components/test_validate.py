@@ -29,7 +29,7 @@ DOCS = [f"document {i} " + "xyz" * (i % 7) for i in range(40)]  # 40 docs, about
 
 def expected_windows(docs, length):
     stream = [t for d in docs if d for t in CharTokenizer().encode(d, True, True)]
-    return [stream[k * length:(k + 1) * length] for k in range(len(stream) // length)]
+    return [stream[k * length : (k + 1) * length] for k in range(len(stream) // length)]
 
 
 def read_all(data):
@@ -49,14 +49,14 @@ def test_global_batches_are_split_over_ranks_like_training_batches(tmp_path, mon
     full = len(windows) // 8  # complete global batches of 8; the rest of the set is left out
     assert full >= 3 and len(windows) % 8
     single = read_all(local_data(path, 15, 8, 1, 0, -1))
-    assert [b.tolist() for b in single] == [windows[8 * b:8 * b + 8] for b in range(full)]
+    assert [b.tolist() for b in single] == [windows[8 * b : 8 * b + 8] for b in range(full)]
     for dp in (2, 4):
         ranks = [local_data(path, 15, 8 // dp, dp, r, -1) for r in range(dp)]
         for _ in range(2):  # every run starts from the beginning of the set
             got = [torch.cat(parts) for parts in zip(*(read_all(d) for d in ranks))]
             assert [b.tolist() for b in got] == [b.tolist() for b in single]
     limited = local_data(path, 15, 4, 2, 1, 2)
-    assert [b.tolist() for b in read_all(limited)] == [windows[8 * b + 4:8 * b + 8] for b in range(2)]
+    assert [b.tolist() for b in read_all(limited)] == [windows[8 * b + 4 : 8 * b + 8] for b in range(2)]
     assert len(read_all(limited)) == 2
 
 
@@ -75,8 +75,15 @@ def test_python_stdlib_test_is_held_out_from_the_training_corpus():
 
 def tiny_argv(tmp_path, *extra):
     return [
-        *RECIPE, "--job.dump_folder", str(tmp_path / "out"),
-        "--training.seq_len", "32", "--training.steps", "2", "--validation.enabled", *extra,
+        *RECIPE,
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "2",
+        "--validation.enabled",
+        *extra,
     ]
 
 
@@ -90,8 +97,14 @@ def test_a_mixture_takes_each_window_from_the_source_its_schedule_picks(tmp_path
     b_text = tmp_path / "b"
     b_text.mkdir()
     write_jsonl(b_text / "b.jsonl", other)
-    pretokenize(FilesSource(str(b_text)), CharTokenizer(), tmp_path / "b_tokens",
-                source_description={"description": "b"}, workers=1, log=lambda *_: None)
+    pretokenize(
+        FilesSource(str(b_text)),
+        CharTokenizer(),
+        tmp_path / "b_tokens",
+        source_description={"description": "b"},
+        workers=1,
+        log=lambda *_: None,
+    )
     cfg = Validation(enabled=True, dataset_mix=[f"0.75:{a}", f"0.25:{tmp_path / 'b_tokens'}"])
     # The two sources' own windows, interleaved by the schedule until it asks one past its end.
     own = [expected_windows(DOCS, 16), expected_windows(other, 16)]
@@ -102,10 +115,14 @@ def test_a_mixture_takes_each_window_from_the_source_its_schedule_picks(tmp_path
     full = len(windows) // 8
     assert full >= 2 and counts[1] > 0
     for dp in (1, 2):
-        ranks = [validate.ValidationData(validate.build_source(cfg, None, CharTokenizer()), CharTokenizer(), 15,
-                                         8 // dp, r, dp, -1) for r in range(dp)]
+        ranks = [
+            validate.ValidationData(
+                validate.build_source(cfg, None, CharTokenizer()), CharTokenizer(), 15, 8 // dp, r, dp, -1
+            )
+            for r in range(dp)
+        ]
         got = [torch.cat(parts) for parts in zip(*(read_all(d) for d in ranks))]
-        assert [b.tolist() for b in got] == [windows[8 * b:8 * b + 8] for b in range(full)]
+        assert [b.tolist() for b in got] == [windows[8 * b : 8 * b + 8] for b in range(full)]
 
 
 def test_a_validation_mixture_with_a_dataset_too_is_refused(tmp_path, capsys):
@@ -117,9 +134,12 @@ def test_a_validation_mixture_with_a_dataset_too_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize(
     "docs, expected",
     [
-        (["def f(x):\n    return x\n"], "validation set local at {path} is too small: it holds 0 sequence(s) of validation.seq_len + 1 = 33 tokens, "
-                                       "fewer than one global validation batch of validation.local_batch_size x "
-                                       "data-parallel degree = 8 x 1 = 8 sequences"),
+        (
+            ["def f(x):\n    return x\n"],
+            "validation set local at {path} is too small: it holds 0 sequence(s) of validation.seq_len + 1 = 33 tokens, "
+            "fewer than one global validation batch of validation.local_batch_size x "
+            "data-parallel degree = 8 x 1 = 8 sequences",
+        ),
         (["", ""], "validation: dataset local at {path} is empty: it has no non-empty document"),
     ],
 )
@@ -152,8 +172,9 @@ def make_validator(spec, model, data, cfg, training_steps=7):
     def loss_fn(inputs, labels, kwargs):  # the trainer's forward_loss of one process
         return spec.loss_sum_fn(model(inputs, **kwargs), labels)
 
-    return validate.Validator(cfg, training_steps, data, [model], loss_fn, BatchRule(None), lambda sums: sums,
-                              torch.device("cpu"))
+    return validate.Validator(
+        cfg, training_steps, data, [model], loss_fn, BatchRule(None), lambda sums: sums, torch.device("cpu")
+    )
 
 
 def test_a_run_is_the_mean_loss_over_the_tokens_in_eval_mode(tmp_path):

@@ -66,15 +66,22 @@ def test_own_time_counts_work_and_data_reads_not_sleep():
 # --- the config ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--metrics.straggler_factor", "1"], "metrics.straggler_factor must be 0 (off) or more than 1"),
-    (["--metrics.straggler_factor", "nan"], "metrics.straggler_factor must be 0 (off) or more than 1"),
-    (["--metrics.straggler_windows", "0"], "metrics.straggler_windows must be a positive integer, got 0"),
-    (["--comm.data_timeout_seconds", "-1"],
-     "comm.data_timeout_seconds must be 0 (no limit) or a positive number of seconds, got -1"),
-    (["--comm.checkpoint_timeout_seconds", "-5"],
-     "comm.checkpoint_timeout_seconds must be 0 (no limit) or a positive number of seconds, got -5"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--metrics.straggler_factor", "1"], "metrics.straggler_factor must be 0 (off) or more than 1"),
+        (["--metrics.straggler_factor", "nan"], "metrics.straggler_factor must be 0 (off) or more than 1"),
+        (["--metrics.straggler_windows", "0"], "metrics.straggler_windows must be a positive integer, got 0"),
+        (
+            ["--comm.data_timeout_seconds", "-1"],
+            "comm.data_timeout_seconds must be 0 (no limit) or a positive number of seconds, got -1",
+        ),
+        (
+            ["--comm.checkpoint_timeout_seconds", "-5"],
+            "comm.checkpoint_timeout_seconds must be 0 (no limit) or a positive number of seconds, got -5",
+        ),
+    ],
+)
 def test_bad_values_are_refused(argv, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(argv)
@@ -84,9 +91,21 @@ def test_defaults_and_off():
     cfg = load_config([])
     assert (cfg.metrics.straggler_factor, cfg.metrics.straggler_windows) == (1.5, 3)
     assert (cfg.comm.data_timeout_seconds, cfg.comm.checkpoint_timeout_seconds) == (600, 1800)
-    off = load_config(["--metrics.straggler_factor", "0", "--comm.data_timeout_seconds", "0",
-                       "--comm.checkpoint_timeout_seconds", "0"])
-    assert (off.metrics.straggler_factor, off.comm.data_timeout_seconds, off.comm.checkpoint_timeout_seconds) == (0, 0, 0)
+    off = load_config(
+        [
+            "--metrics.straggler_factor",
+            "0",
+            "--comm.data_timeout_seconds",
+            "0",
+            "--comm.checkpoint_timeout_seconds",
+            "0",
+        ]
+    )
+    assert (off.metrics.straggler_factor, off.comm.data_timeout_seconds, off.comm.checkpoint_timeout_seconds) == (
+        0,
+        0,
+        0,
+    )
 
 
 # --- an async checkpoint's background write that never returns, in one process --------------------------
@@ -94,12 +113,32 @@ def test_defaults_and_off():
 
 @pytest.mark.slow
 def test_a_background_checkpoint_write_that_never_returns_ends_the_run(tmp_path):
-    cmd = [sys.executable, "-m", "torchtitan.train", *TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "8",
-           "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4", "--checkpoint.async_mode", "async",
-           "--comm.checkpoint_timeout_seconds", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan.train",
+        *TINY,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "8",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "4",
+        "--checkpoint.async_mode",
+        "async",
+        "--comm.checkpoint_timeout_seconds",
+        "3",
+    ]
     log = open(tmp_path / "output.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     _wait_for_step(tmp_path, proc, 1)
     # Where DCP's background thread writes this rank's tensors of step 4: a named pipe nobody reads.
     partial = tmp_path / "checkpoint" / ".step-4.partial"
@@ -107,8 +146,9 @@ def test_a_background_checkpoint_write_that_never_returns_ends_the_run(tmp_path)
     os.mkfifo(partial / "__0_0.distcp")
     out = _finish(tmp_path, proc)
     assert proc.returncode == STALL_EXIT != 0
-    assert ("stalled: writing checkpoint step-4 in the background took more than 3 s "
-            "(comm.checkpoint_timeout_seconds)") in out
+    assert (
+        "stalled: writing checkpoint step-4 in the background took more than 3 s (comm.checkpoint_timeout_seconds)"
+    ) in out
     assert "Traceback" not in out
     # Training went on while the write hung: the stall is the background phase's, not a step's.
     assert max(r["step"] for r in _records(tmp_path)) > 4
@@ -120,11 +160,29 @@ def test_a_background_checkpoint_write_that_never_returns_ends_the_run(tmp_path)
 
 def _start(folder: Path, *extra: str) -> subprocess.Popen:
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train", *TINY, "--job.dump_folder", str(folder), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        "-m",
+        "torchtitan.train",
+        *TINY,
+        "--job.dump_folder",
+        str(folder),
+        *extra,
+    ]
     log = open(folder / "output.log", "w")
-    return subprocess.Popen(cmd, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=folder,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _records(folder: Path) -> list[dict]:
@@ -190,8 +248,18 @@ def test_a_rank_stopped_in_bursts_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_no_straggler_without_one_and_a_checkpoint_write_that_never_returns_ends_the_run(tmp_path):
-    proc = _start(tmp_path, "--training.steps", "10", "--metrics.log_freq", "2", "--checkpoint.enable_checkpoint",
-                  "--checkpoint.interval", "8", "--comm.checkpoint_timeout_seconds", "4")
+    proc = _start(
+        tmp_path,
+        "--training.steps",
+        "10",
+        "--metrics.log_freq",
+        "2",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "8",
+        "--comm.checkpoint_timeout_seconds",
+        "4",
+    )
     _wait_for_step(tmp_path, proc, 1)
     # Past start-up (which clears partial checkpoints): where rank 0 writes step 8's train_state.json, a named pipe
     # that nobody reads. Its open() blocks for real, as on storage that stopped answering.
@@ -203,8 +271,10 @@ def test_no_straggler_without_one_and_a_checkpoint_write_that_never_returns_ends
     out = _finish(tmp_path, proc)
     took = time.monotonic() - reached
     assert proc.returncode != 0
-    assert ("stalled: writing checkpoint step-8 took more than 4 s (comm.checkpoint_timeout_seconds); likely storage "
-            "that stopped answering") in out
+    assert (
+        "stalled: writing checkpoint step-8 took more than 4 s (comm.checkpoint_timeout_seconds); likely storage "
+        "that stopped answering"
+    ) in out
     assert f"(exit {STALL_EXIT}); the launcher stops the others" in out
     # No traceback from the stalled rank; at most the peer's broken collective's and the launcher's summary.
     assert "[rank0]: Traceback" not in out and out.count("Traceback") <= 2, out[-5000:]
@@ -220,14 +290,18 @@ def test_no_straggler_without_one_and_a_checkpoint_write_that_never_returns_ends
 
 @pytest.mark.slow
 def test_a_data_read_that_blocks_ends_the_run_naming_the_step(tmp_path):
-    proc = _start(tmp_path, "--training.steps", "60", "--training.data_workers", "1",
-                  "--comm.data_timeout_seconds", "4")
+    proc = _start(
+        tmp_path, "--training.steps", "60", "--training.data_workers", "1", "--comm.data_timeout_seconds", "4"
+    )
     _wait_for_step(tmp_path, proc, 1)
     # Rank 1's data worker (its forked child): stopped, it sends no more windows; once the queued ones are
     # used, rank 1's read of the pipe from it blocks.
     parents = {pid: _parent(pid) for pid in processes_naming(str(tmp_path))}
-    rank1 = next(pid for pid, parent in parents.items()
-                 if parent == proc.pid and b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes())
+    rank1 = next(
+        pid
+        for pid, parent in parents.items()
+        if parent == proc.pid and b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    )
     children = [pid for pid, parent in parents.items() if parent == rank1]
     assert len(children) == 1, parents
     os.kill(children[0], signal.SIGSTOP)

@@ -47,7 +47,7 @@ def test_defaults():
 
 
 def test_recipe_overrides_defaults(tmp_path):
-    path = write(tmp_path / "r.toml", '[training]\nsteps = 7\n[optimizer]\nlr = 1\n')
+    path = write(tmp_path / "r.toml", "[training]\nsteps = 7\n[optimizer]\nlr = 1\n")
     cfg = load_recipe(path)
     assert cfg.training.steps == 7
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # int widened
@@ -224,14 +224,17 @@ def test_unknown_key_in_wrong_section_points_to_home(tmp_path):
         load_recipe(path)
 
 
-@pytest.mark.parametrize("given, meant", [
-    ("optimizer.learning_rate", "optimizer.lr"),  # another trainer's word for the key: not 'optimizer.name'
-    ("training.learning_rate", "optimizer.lr"),  # ... in the wrong section too
-    ("training.max_steps", "training.steps"),
-    ("training.batch_size", "training.local_batch_size"),
-    ("lr_scheduler.warmup", "lr_scheduler.warmup_steps"),  # a word of the key
-    ("training.stepz", "training.steps"),  # spelling still counts
-])
+@pytest.mark.parametrize(
+    "given, meant",
+    [
+        ("optimizer.learning_rate", "optimizer.lr"),  # another trainer's word for the key: not 'optimizer.name'
+        ("training.learning_rate", "optimizer.lr"),  # ... in the wrong section too
+        ("training.max_steps", "training.steps"),
+        ("training.batch_size", "training.local_batch_size"),
+        ("lr_scheduler.warmup", "lr_scheduler.warmup_steps"),  # a word of the key
+        ("training.stepz", "training.steps"),  # spelling still counts
+    ],
+)
 def test_a_suggestion_weighs_the_words_of_the_key(given, meant):
     with pytest.raises(UserError) as e:
         load_config([f"--{given}", "1"])
@@ -366,10 +369,23 @@ def test_validation_section_loads_with_the_reference_keys(tmp_path):
     )
     v = load_recipe(path, "--training.seq_len", "2048").validation
     assert (v.enabled, v.dataset, v.dataset_path, v.local_batch_size, v.seq_len, v.freq, v.steps) == (
-        True, "local", "held_out.jsonl", 4, 1024, 100, 20)
+        True,
+        "local",
+        "held_out.jsonl",
+        4,
+        1024,
+        100,
+        20,
+    )
     d = JobConfig().validation
     assert (d.enabled, d.dataset, d.local_batch_size, d.seq_len, d.freq, d.steps) == (
-        False, "python_stdlib_test", 8, -1, 500, -1)
+        False,
+        "python_stdlib_test",
+        8,
+        -1,
+        500,
+        -1,
+    )
     # The resolved config (config.toml) loads back.
     again = write(tmp_path / "config.toml", config_to_toml(load_recipe(path, "--training.seq_len", "2048")))
     assert load_recipe(again).validation == v
@@ -391,13 +407,25 @@ def test_disabled_validation_loads_with_any_dataset(tmp_path):
         (["--validation.dataset", "local"], 'validation.dataset = "local" needs validation.dataset_path'),
         (["--validation.dataset_path", "x.jsonl"], "validation.dataset_path = 'x.jsonl' is set but"),
         (["--validation.seq_len", "4096"], "validation.seq_len = 4096 exceeds training.seq_len = 2048"),
-        (["--validation.seq_len", "1024", "--parallelism.context_parallel_degree", "2"],
-         "must equal training.seq_len = 2048 with context parallel"),
-        (["--validation.seq_len", "1001", "--parallelism.tensor_parallel_degree", "2"],
-         "validation.seq_len = 1001 must be divisible by parallelism.tensor_parallel_degree = 2"),
-        (["--validation.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
-          "--parallelism.pipeline_parallel_microbatch_size", "2"],
-         "validation.local_batch_size = 3 is not a multiple of parallelism.pipeline_parallel_microbatch_size = 2"),
+        (
+            ["--validation.seq_len", "1024", "--parallelism.context_parallel_degree", "2"],
+            "must equal training.seq_len = 2048 with context parallel",
+        ),
+        (
+            ["--validation.seq_len", "1001", "--parallelism.tensor_parallel_degree", "2"],
+            "validation.seq_len = 1001 must be divisible by parallelism.tensor_parallel_degree = 2",
+        ),
+        (
+            [
+                "--validation.local_batch_size",
+                "3",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "2",
+            ],
+            "validation.local_batch_size = 3 is not a multiple of parallelism.pipeline_parallel_microbatch_size = 2",
+        ),
     ],
 )
 def test_validation_values_are_checked_when_enabled(argv, expected):
@@ -412,11 +440,19 @@ def test_planned_key_specific_reason():
 
 def test_nested_list_from_recipe_and_command_line(tmp_path):
     parts = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
-    path = write(tmp_path / "recipe.toml",
-                 f"[parallelism]\npipeline_parallel_degree = 2\nmodule_fqns_per_model_part = {parts!r}\n")
+    path = write(
+        tmp_path / "recipe.toml",
+        f"[parallelism]\npipeline_parallel_degree = 2\nmodule_fqns_per_model_part = {parts!r}\n",
+    )
     assert load_recipe(path).parallelism.module_fqns_per_model_part == parts
-    cli = load_config(["--parallelism.pipeline_parallel_degree", "2",
-                       "--parallelism.module_fqns_per_model_part", "tok_embeddings, layers.0; layers.1,norm,output"])
+    cli = load_config(
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.module_fqns_per_model_part",
+            "tok_embeddings, layers.0; layers.1,norm,output",
+        ]
+    )
     assert cli.parallelism.module_fqns_per_model_part == parts
     assert "module_fqns_per_model_part = [['tok_embeddings', 'layers.0'], ['layers.1', 'norm', 'output']]" in (
         config_to_toml(cli).replace('"', "'")
@@ -577,13 +613,19 @@ def test_config_to_toml_round_trip(tmp_path):
     recipe = write(tmp_path / "r.toml", '[job]\nbase_config = "base.toml"\n')
     cfg = load_recipe(
         recipe,
-        "--job.description", 'quote " backslash \\ tab \t newline \n del \x7f unicode é',
-        "--optimizer.lr", "3e-05",
-        "--lr_scheduler.decay_ratio", "0.1",
-        "--training.dataset", "local",
-        "--training.dataset_path", "C:\\data\\x.jsonl",
+        "--job.description",
+        'quote " backslash \\ tab \t newline \n del \x7f unicode é',
+        "--optimizer.lr",
+        "3e-05",
+        "--lr_scheduler.decay_ratio",
+        "0.1",
+        "--training.dataset",
+        "local",
+        "--training.dataset_path",
+        "C:\\data\\x.jsonl",
         "--training.deterministic",
-        "--metrics.device_peak_tflops", "989.5",
+        "--metrics.device_peak_tflops",
+        "989.5",
     )
     text = config_to_toml(cfg)
     assert "# config_file = " in text and "# base_config = " in text
@@ -673,16 +715,24 @@ def test_comm_timeouts_must_be_positive(key, value):
 
 def test_comm_trace_buf_size_is_0_or_more():
     assert "comm.trace_buf_size must be 0 (flight recorder off) or more entries, got -1" in error_of(
-        ["--comm.trace_buf_size", "-1"])
+        ["--comm.trace_buf_size", "-1"]
+    )
     assert load_config(["--comm.trace_buf_size", "0"]).comm.trace_buf_size == 0
 
 
 def test_a_negative_comm_timeout_is_refused_before_launch(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torchtitan.preflight", "--comm.train_timeout_seconds", "-5"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.preflight", "--comm.train_timeout_seconds", "-5"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: invalid config: comm.train_timeout_seconds must be a positive number of "
-                                   "seconds, got -5; set it to 1 or more (default 100)")
+    assert proc.stderr.strip() == (
+        "error: invalid config: comm.train_timeout_seconds must be a positive number of "
+        "seconds, got -5; set it to 1 or more (default 100)"
+    )
 
 
 # --- each section checks itself; [training] and [validation] share their rules ---------------
@@ -692,26 +742,33 @@ def test_each_section_reports_its_own_problems():
     import torchtitan.config as jc
 
     assert jc.Training(local_batch_size=0).check() == [
-        "training.local_batch_size must be a positive integer, got 0; set it to 1 or more"]
+        "training.local_batch_size must be a positive integer, got 0; set it to 1 or more"
+    ]
     assert jc.Optimizer(lr=0.0).check() == ["optimizer.lr must be greater than 0, got 0.0"]
     assert jc.Optimizer(lr=float("nan")).check() == ["optimizer.lr must be greater than 0, got nan"]
     assert jc.LRScheduler(min_lr_factor=2.0).check() == ["lr_scheduler.min_lr_factor must be in [0, 1], got 2.0"]
     assert jc.Parallelism(tensor_parallel_degree=0).check() == [
-        "parallelism.tensor_parallel_degree must be 1 or more, got 0"]
+        "parallelism.tensor_parallel_degree must be 1 or more, got 0"
+    ]
     assert jc.Checkpoint(interval=0).check() == ["checkpoint.interval must be a positive integer, got 0"]
-    assert jc.Metrics(log_freq=0).check() == [
-        "metrics.log_freq must be a positive integer, got 0; set it to 1 or more"]
+    assert jc.Metrics(log_freq=0).check() == ["metrics.log_freq must be a positive integer, got 0; set it to 1 or more"]
     assert jc.Comm(trace_buf_size=-1).check() == [
-        "comm.trace_buf_size must be 0 (flight recorder off) or more entries, got -1"]
+        "comm.trace_buf_size must be 0 (flight recorder off) or more entries, got -1"
+    ]
     assert jc.Job(stop_signals=["SIGKILL"]).check()[0].startswith("job.stop_signals: 'SIGKILL' is not a signal")
     assert jc.Model(converters=["int4"]).check() == [
-        "model.converters: unknown converter 'int4'; the only one is 'float8'"]
+        "model.converters: unknown converter 'int4'; the only one is 'float8'"
+    ]
     assert jc.MoE(top_k=0).check() == ["moe.top_k must be 1 or more, got 0"]
     assert jc.Profiling(profile_freq=0).check() == ["profiling.profile_freq must be a positive integer, got 0"]
     assert jc.Float8(precompute_float8_dynamic_scale_for_fsdp=True).check() == [
-        "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true"]
-    assert jc.ActivationCheckpoint(mode="selective", selective_ac_option="0").check()[0].startswith(
-        "activation_checkpoint.selective_ac_option must be a positive integer")
+        "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true"
+    ]
+    assert (
+        jc.ActivationCheckpoint(mode="selective", selective_ac_option="0")
+        .check()[0]
+        .startswith("activation_checkpoint.selective_ac_option must be a positive integer")
+    )
     # Every section's defaults pass its own rules; validation's only apply once enabled.
     for f in dataclasses.fields(JobConfig):
         assert getattr(getattr(JobConfig(), f.name), "check", list)() == [], f.name
@@ -725,8 +782,15 @@ def test_a_section_check_reads_no_other_section():
     # Rules spanning sections (microbatches, context-parallel seq_len) wait for the whole config.
     assert jc.Training(local_batch_size=3, seq_len=102).check() == []
     assert "training.local_batch_size = 3 is not a multiple of" in error_of(
-        ["--training.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_microbatch_size", "2"])
+        [
+            "--training.local_batch_size",
+            "3",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "2",
+        ]
+    )
 
 
 @pytest.mark.parametrize("section", ["training", "validation"])
@@ -736,39 +800,64 @@ def test_training_and_validation_share_their_data_rules(section):
     cls = {"training": jc.Training, "validation": jc.Validation}[section]
     on = {"enabled": True} if section == "validation" else {}
     mixed = cls(dataset_mix=["1:data/web"], dataset_path="data/x", **on).check()
-    assert mixed == [f"{section}.dataset_mix is set, so {section}.dataset ({cls().dataset!r}) and "
-                     f"{section}.dataset_path ('data/x') are not used; remove them (a mixture names every source itself)"]
+    assert mixed == [
+        f"{section}.dataset_mix is set, so {section}.dataset ({cls().dataset!r}) and "
+        f"{section}.dataset_path ('data/x') are not used; remove them (a mixture names every source itself)"
+    ]
     assert cls(dataset="local", **on).check() == [
         f'{section}.dataset = "local" needs {section}.dataset_path; set it to the data file or folder '
-        "(.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)"]
+        "(.jsonl, .json, .txt, their .gz/.zst, .parquet, Arrow)"
+    ]
     assert cls(dataset="python_stdlib", dataset_path="x.jsonl", **on).check() == [
         f"{section}.dataset_path = 'x.jsonl' is set but {section}.dataset = \"python_stdlib\" does not read it; "
-        f'set {section}.dataset = "local" (or "huggingface") to read it, or remove dataset_path']
+        f'set {section}.dataset = "local" (or "huggingface") to read it, or remove dataset_path'
+    ]
     assert cls(local_batch_size=0, **on).check() == [
-        f"{section}.local_batch_size must be a positive integer, got 0; set it to 1 or more"]
+        f"{section}.local_batch_size must be a positive integer, got 0; set it to 1 or more"
+    ]
     # The same rules, raised before launch with everything else.
     flags = ["--validation.enabled"] if section == "validation" else []
-    message = error_of([*flags, f"--{section}.dataset_mix", "1:data/web", f"--{section}.dataset_path", "data/x",
-                        f"--{section}.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
-                        "--parallelism.pipeline_parallel_microbatch_size", "2"])
+    message = error_of(
+        [
+            *flags,
+            f"--{section}.dataset_mix",
+            "1:data/web",
+            f"--{section}.dataset_path",
+            "data/x",
+            f"--{section}.local_batch_size",
+            "3",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "2",
+        ]
+    )
     assert f"{section}.dataset_mix is set, so {section}.dataset" in message
-    assert (f"{section}.local_batch_size = 3 is not a multiple of parallelism.pipeline_parallel_microbatch_size = 2"
-            in message)
+    assert (
+        f"{section}.local_batch_size = 3 is not a multiple of parallelism.pipeline_parallel_microbatch_size = 2"
+        in message
+    )
 
 
 def test_a_zero_pipeline_microbatch_is_reported_not_divided_by():
-    message = error_of(["--parallelism.pipeline_parallel_degree", "2",
-                        "--parallelism.pipeline_parallel_microbatch_size", "0"])
+    message = error_of(
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "0"]
+    )
     assert message == "invalid config: parallelism.pipeline_parallel_microbatch_size must be 1 or more, got 0"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--metrics.straggler_windows", str(10**30)], "metrics.straggler_windows = 1000000000000000000000000000000 does "
-                                                   "not fit a 64-bit integer"),
-    (["--training.seed", str(-2**70)], "training.seed = -1180591620717411303424 does not fit a 64-bit integer"),
-    (["--comm.data_timeout_seconds", str(10**12)], "comm.data_timeout_seconds = 1000000000000 is more than a year"),
-    (["--job.stop_grace_seconds", str(400 * 24 * 3600)], "job.stop_grace_seconds = 34560000 is more than a year"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--metrics.straggler_windows", str(10**30)],
+            "metrics.straggler_windows = 1000000000000000000000000000000 does not fit a 64-bit integer",
+        ),
+        (["--training.seed", str(-(2**70))], "training.seed = -1180591620717411303424 does not fit a 64-bit integer"),
+        (["--comm.data_timeout_seconds", str(10**12)], "comm.data_timeout_seconds = 1000000000000 is more than a year"),
+        (["--job.stop_grace_seconds", str(400 * 24 * 3600)], "job.stop_grace_seconds = 34560000 is more than a year"),
+    ],
+)
 def test_numbers_that_would_overflow_after_launch_are_refused(argv, message):
     """Values past what the libraries that get them take (a deque's length, a C timeout, Python's timedelta) were
     accepted and overflowed once the job had started; every integer key must fit 64 bits and every *_seconds key a

@@ -43,6 +43,7 @@ def cp_attention(cp_mesh, method: str):
         return UlyssesAttention(cp_mesh, split_attention)
     return ContextParallelAttention(cp_mesh, method)
 
+
 # Document lengths of the first row, repeated to fill it. Their boundaries (3, 9, 14, 25, 27, 36, 39,
 # 45, 50, 61, 63) miss every multiple of 8, the chunk edges below, so documents start inside chunks
 # and some queries see no key at all in a whole block.
@@ -52,8 +53,14 @@ CHUNK = 8  # tokens per chunk (the sequence is 2 x cp chunks) in the masked case
 # apart are 9 positions apart at their closest (first query, last key): window 10 lets exactly that
 # one pair through, so skipping a chunk pair one position too early fails; window 20 reaches three
 # chunks back.
-MASKED_CASES = [("docs", True, None), ("win5", False, 5), ("win10", False, 10), ("win20", False, 20),
-                ("docs_win5", True, 5), ("docs_win10", True, 10)]
+MASKED_CASES = [
+    ("docs", True, None),
+    ("win5", False, 5),
+    ("win10", False, 10),
+    ("win20", False, 20),
+    ("docs_win5", True, 5),
+    ("docs_win10", True, 10),
+]
 
 
 def document_rows(seq: int) -> torch.Tensor:
@@ -66,8 +73,9 @@ def document_rows(seq: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: int | None = None,
-            lse: bool = False) -> float:
+def compare(
+    cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: int | None = None, lse: bool = False
+) -> float:
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     torch.manual_seed(0)  # the same full tensors on every rank
     batch, heads, kv_heads, seq, dim = 2, 4, 2, 2 * chunk * cp, 16
@@ -87,8 +95,9 @@ def compare(cp_mesh, method: str, chunk: int = 4, docs: bool = False, window: in
     local_docs = shard_sequence(doc_ids, pos) if docs else None
     got = cp_attention(cp_mesh, method)(*local, doc_ids=local_docs, window=window, return_lse=lse)
     out, out_lse = got if lse else (got, None)
-    torch.autograd.backward([out, out_lse] if lse else [out],
-                            [grad_out[:, :, pos], grad_lse[:, :, pos]] if lse else [grad_out[:, :, pos]])
+    torch.autograd.backward(
+        [out, out_lse] if lse else [out], [grad_out[:, :, pos], grad_lse[:, :, pos]] if lse else [grad_out[:, :, pos]]
+    )
     results = [out] + [t.grad for t in local] + ([out_lse] if lse else [])
     diffs = [(out - ref_out.detach()[:, :, pos]).abs().max()]
     if lse:
@@ -124,8 +133,9 @@ def compare_sinks(cp_mesh, method: str, window: int) -> float:
     pos = local_positions(seq, cp, rank)
     local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     mine = sinks.detach().clone().requires_grad_()
-    out, lse = cp_attention(cp_mesh, method)(*local, doc_ids=shard_sequence(doc_ids, pos),
-                                                         window=window, return_lse=True)
+    out, lse = cp_attention(cp_mesh, method)(
+        *local, doc_ids=shard_sequence(doc_ids, pos), window=window, return_lse=True
+    )
     out = out * torch.sigmoid(lse - mine[None, :, None]).unsqueeze(-1)
     out.backward(grad_out[:, :, pos])
     sink_grad = mine.grad.clone()
@@ -153,8 +163,9 @@ def compare_overlap(cp_mesh, window: int | None) -> float:
     results = []
     for overlap in (True, False):
         local = [t[:, :, pos].clone().requires_grad_() for t in full]
-        out, lse = ContextParallelAttention(cp_mesh, "alltoall", overlap)(*local, doc_ids=docs, window=window,
-                                                                          return_lse=True)
+        out, lse = ContextParallelAttention(cp_mesh, "alltoall", overlap)(
+            *local, doc_ids=docs, window=window, return_lse=True
+        )
         torch.autograd.backward([out, lse], [grad_out[:, :, pos], grad_lse[:, :, pos]])
         results.append([out, lse] + [t.grad for t in local])
     same = torch.tensor(0.0 if all(torch.equal(a, b) for a, b in zip(*results)) else 1.0)

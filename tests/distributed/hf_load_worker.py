@@ -68,9 +68,14 @@ def load_case(folder: str, argv: list[str], case_index: int) -> dict:
         back, _ = load_hf(out, spec.hf)
         exported = {name: torch.equal(back[name], whole[name].to(torch.bfloat16)) for name in whole}
         shutil.rmtree(out)
-    return {"bytes_read": figures["bytes_read"], "own_bytes": own, "folder_bytes": figures["folder_bytes"],
-            "mismatches": mismatches, "export_differs": [n for n, same in exported.items() if not same],
-            "exported": len(exported)}
+    return {
+        "bytes_read": figures["bytes_read"],
+        "own_bytes": own,
+        "folder_bytes": figures["folder_bytes"],
+        "mismatches": mismatches,
+        "export_differs": [n for n, same in exported.items() if not same],
+        "exported": len(exported),
+    }
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ class Probe(Trainer):
             # full_tensor is a collective: every rank walks the same parameters in the same order.
             self.first_grads = {
                 n: full(p.grad).detach().clone()
-                for part in self.parts for n, p in part.named_parameters()
+                for part in self.parts
+                for n, p in part.named_parameters()
                 if ("experts" in n or "router" in n) and p.grad is not None
             }
         return super().optimizer_step()

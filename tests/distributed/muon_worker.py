@@ -39,6 +39,7 @@ def counted_newton_schulz(counter: list):
     def run(x, steps, dtype=torch.bfloat16):
         counter[0] += 1
         return plain(x, steps, dtype)
+
     return run
 
 
@@ -65,8 +66,10 @@ def case(mesh_shape, placements, shapes) -> dict:
         params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placements)) for w in whole]
         sharded = [[distribute_tensor(g, mesh, placements) for g in step] for step in grads]
         steps(params, sharded, spread, counter)
-        equal = all(torch.equal(p.to_local(), distribute_tensor(r.detach(), mesh, placements).to_local())
-                    for p, r in zip(params, reference))
+        equal = all(
+            torch.equal(p.to_local(), distribute_tensor(r.detach(), mesh, placements).to_local())
+            for p, r in zip(params, reference)
+        )
         flags = [None] * dist.get_world_size()
         dist.all_gather_object(flags, (equal, counter[0]))
         suffix = "spread" if spread else "repeated"

@@ -127,8 +127,9 @@ def train_pp(batches, schedule, pp_mesh, dp_mesh=None, csv_path=None, fsdp_polic
     stages = build_stages(models, ids, num_stages, "cpu", pp_group)
     # The schedule adds up the microbatch gradients (scale_grads=False): each microbatch's loss is
     # its summed token loss over the local batch's token count, as the trainer's StepLoss makes it.
-    step_loss = StepLoss(lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                                                reduction="sum"))
+    step_loss = StepLoss(
+        lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    )
     step_loss.scale = torch.tensor(1.0 / (local_batch * SEQ))
     sched = build_pipeline_schedule(stages, schedule, n_mb, step_loss, csv_path=csv_path)
     is_first, is_last = 0 in ids, num_stages - 1 in ids

@@ -85,8 +85,10 @@ def attention_calls_per_block(model):
     calls = {key: 0 for key in model.layers}
     hooks = []
     for key, block in model.layers.items():
+
         def count(*_, key=key):
             calls[key] += 1
+
         hooks.append(block.attention.register_forward_hook(count))
     loss_of(model).backward()
     for hook in hooks:
@@ -125,8 +127,9 @@ def test_checkpointing_reduces_activation_memory():
     # Measured on torch 2.13 CPU (bytes held after forward / peak of forward + backward):
     # none 28.6M / 30.1M, full 2.4M / 12.7M, every2 15.5M / 17.7M, op 10.8M / 16.9M.
     # The peak includes the gradients (4.2 MB) allocated in backward, the same in every mode.
-    mem = {name: activation_memory(build(*CONFIGS.get(name, ("none", ""))))
-           for name in ("none", "full", "every2", "op")}
+    mem = {
+        name: activation_memory(build(*CONFIGS.get(name, ("none", "")))) for name in ("none", "full", "every2", "op")
+    }
     held = {name: h / mem["none"][0] for name, (h, _) in mem.items()}
     peak = {name: p / mem["none"][1] for name, (_, p) in mem.items()}
     print({name: f"held {h} peak {p}" for name, (h, p) in mem.items()})

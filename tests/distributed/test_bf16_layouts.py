@@ -29,11 +29,23 @@ FAMILIES = {
 MOE_FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v3_mtp", "gpt_oss"]
 LAYOUTS = {
     "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
-    "pp2": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "pp2": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
     "ep2": ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
-    "ddp2": ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
-             "--parallelism.data_parallel_shard_degree", "1"],
+    "ddp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ],
 }
 # DDP adds only a gradient all-reduce to the single process's dtype path: one family, the one with
 # every part (MLA, experts, multi-token prediction).
@@ -52,9 +64,20 @@ def two_process_jobs() -> dict[str, list[str]]:
                 continue
             jobs[f"{family}_{layout}"] = BF16 + model + extra
     # 5 depths against 4 positions per CP rank (8 per window).
-    jobs["deepseek_v3_mtp5_cp2_seq8"] = BF16 + FAMILIES["deepseek_v3"] + [
-        "--model.mtp_depth", "5", "--training.seq_len", "8", "--training.local_batch_size", "8",
-        "--parallelism.context_parallel_degree", "2"]
+    jobs["deepseek_v3_mtp5_cp2_seq8"] = (
+        BF16
+        + FAMILIES["deepseek_v3"]
+        + [
+            "--model.mtp_depth",
+            "5",
+            "--training.seq_len",
+            "8",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.context_parallel_degree",
+            "2",
+        ]
+    )
     return jobs
 
 

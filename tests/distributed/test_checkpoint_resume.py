@@ -19,15 +19,35 @@ from conftest import REPO, TINY, launch
 pytestmark = pytest.mark.slow
 
 STEPS, SAVED = 10, 5  # each run saves at SAVED; resumed runs continue from there to STEPS
-CKPT = ["--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", str(SAVED),
-        "--checkpoint.no-last_save_model_only", "--lr_scheduler.warmup_steps", "4"]
+CKPT = [
+    "--training.steps",
+    str(STEPS),
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval",
+    str(SAVED),
+    "--checkpoint.no-last_save_model_only",
+    "--lr_scheduler.warmup_steps",
+    "4",
+]
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"]
 FSDP4 = ["--training.local_batch_size", "2"]
 FSDP2 = ["--training.local_batch_size", "4"]
-CP2_TP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-           "--parallelism.tensor_parallel_degree", "2"]
-CP2 = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-       "--parallelism.context_parallel_rotate_method", "alltoall"]
+CP2_TP2 = [
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.context_parallel_degree",
+    "2",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+]
+CP2 = [
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.context_parallel_degree",
+    "2",
+    "--parallelism.context_parallel_rotate_method",
+    "alltoall",
+]
 # Every parameter decayed (the default before norms and biases went undecayed): the tied flavor at this
 # learning rate amplifies rounding chaotically, and with the new default its gradient norm spikes (19.7 at
 # step 8), so that FSDP 4 -> TP 2 resumes differ by 1.4e-4 at step 9 (as much as FSDP 4 and FSDP 2 x TP 2
@@ -36,11 +56,22 @@ QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--op
 TP2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
-EP2_TP2 = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-           "--parallelism.tensor_parallel_degree", "2"]
+EP2_TP2 = [
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.expert_parallel_degree",
+    "2",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+]
 EP2_FSDP2 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
 EP4 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4"]
-PP2_FSDP2 = FSDP2 + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+PP2_FSDP2 = FSDP2 + [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "2",
+]
 # Muon at the learning rate of its parity cases (test_data_parallel_parity.py: at higher rates its orthogonalization
 # amplifies the layouts' rounding beyond 1e-5 within a few steps).
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_lr", "5e-4"]
@@ -54,66 +85,82 @@ def saved_step(tmp, src, dst):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    results = launch({
-        "hsdp_straight": CKPT + HSDP,
-        "copy1": saved_step(tmp, "hsdp_straight", "hsdp_resumed"),
-        "hsdp_resumed": CKPT + HSDP,
-        "fsdp4_straight": CKPT + FSDP4,
-        "copy2": saved_step(tmp, "fsdp4_straight", "fsdp4_to_hsdp"),
-        "fsdp4_to_hsdp": CKPT + HSDP,
-        "copy6": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
-        "fsdp4_to_fsdp2_tp2": CKPT + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
-        "copy7": saved_step(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
-        "fsdp4_to_pp2_fsdp2": CKPT + PP2_FSDP2,
-        "copy8": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_cp2"),
-        "fsdp4_to_fsdp2_cp2": CKPT + FSDP2 + ["--parallelism.context_parallel_degree", "2"],
-        # The other direction: saved under model-parallel layouts, resumed as plain FSDP 4.
-        "cp2_tp2_straight": CKPT + CP2_TP2,
-        "copy10": saved_step(tmp, "cp2_tp2_straight", "cp2_tp2_to_fsdp4"),
-        "cp2_tp2_to_fsdp4": CKPT + FSDP4,
-        "pp2_fsdp2_straight": CKPT + PP2_FSDP2,
-        "copy11": saved_step(tmp, "pp2_fsdp2_straight", "pp2_fsdp2_to_fsdp4"),
-        "pp2_fsdp2_to_fsdp4": CKPT + FSDP4,
-        # Qwen3 with tied embeddings: one weight under two names, saved sharded and resharded.
-        "qwen3_tied_fsdp4_straight": CKPT + QWEN_TIED + FSDP4,
-        "copy13": saved_step(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_fsdp2_tp2"),
-        "qwen3_tied_fsdp4_to_fsdp2_tp2": CKPT + QWEN_TIED + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
-        # Qwen3-MoE: experts (and their bias and optimizer state) saved under one expert layout, loaded
-        # under another.
-        "moe_ep2_fsdp2_straight": CKPT + MOE + EP2_FSDP2,
-        "copy15": saved_step(tmp, "moe_ep2_fsdp2_straight", "moe_ep2_fsdp2_to_fsdp4"),
-        "moe_ep2_fsdp2_to_fsdp4": CKPT + MOE + FSDP4,
-        "moe_fsdp4_straight": CKPT + MOE + FSDP4,
-        "copy16": saved_step(tmp, "moe_fsdp4_straight", "moe_fsdp4_to_ep4"),
-        "moe_fsdp4_to_ep4": CKPT + MOE + EP4,
-        # Muon with its state in bf16: the momentum of whole matrices saved as FSDP shards, loaded as
-        # FSDP x TP shards.
-        "muon_fsdp4_straight": CKPT + MUON + BF16_STATE + FSDP4,
-        "copy17": saved_step(tmp, "muon_fsdp4_straight", "muon_fsdp4_to_fsdp2_tp2"),
-        "muon_fsdp4_to_fsdp2_tp2": CKPT + MUON + BF16_STATE + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
-        # gpt-oss: sinks sharded by head (TP) and experts with their biases by expert (EP), resumed whole
-        # per rank under FSDP 4.
-        "gpt_oss_ep2_tp2_straight": CKPT + GPT_OSS + EP2_TP2,
-        "copy18": saved_step(tmp, "gpt_oss_ep2_tp2_straight", "gpt_oss_ep2_tp2_to_fsdp4"),
-        "gpt_oss_ep2_tp2_to_fsdp4": CKPT + GPT_OSS + FSDP4,
-    }, 4, tmp)
-    results.update(launch({
-        "fsdp2_straight": CKPT + FSDP2,
-        "copy3": saved_step(tmp, "fsdp2_straight", "fsdp2_resumed"),
-        "fsdp2_resumed": CKPT + FSDP2,
-        "copy4": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2"),
-        "fsdp4_to_fsdp2": CKPT + FSDP2,
-        "copy5": saved_step(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
-        "fsdp4_to_ddp2": CKPT + FSDP2 + ["--parallelism.data_parallel_replicate_degree", "2",
-                                         "--parallelism.data_parallel_shard_degree", "1"],
-        "cp2_straight": CKPT + CP2,
-        "copy12": saved_step(tmp, "cp2_straight", "cp2_resumed"),
-        "cp2_resumed": CKPT + CP2,
-        "copy9": saved_step(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
-        "fsdp4_to_cp2": CKPT + CP2,
-        "copy14": saved_step(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_tp2"),
-        "qwen3_tied_fsdp4_to_tp2": CKPT + QWEN_TIED + TP2,
-    }, 2, tmp))
+    results = launch(
+        {
+            "hsdp_straight": CKPT + HSDP,
+            "copy1": saved_step(tmp, "hsdp_straight", "hsdp_resumed"),
+            "hsdp_resumed": CKPT + HSDP,
+            "fsdp4_straight": CKPT + FSDP4,
+            "copy2": saved_step(tmp, "fsdp4_straight", "fsdp4_to_hsdp"),
+            "fsdp4_to_hsdp": CKPT + HSDP,
+            "copy6": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_tp2"),
+            "fsdp4_to_fsdp2_tp2": CKPT + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+            "copy7": saved_step(tmp, "fsdp4_straight", "fsdp4_to_pp2_fsdp2"),
+            "fsdp4_to_pp2_fsdp2": CKPT + PP2_FSDP2,
+            "copy8": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2_cp2"),
+            "fsdp4_to_fsdp2_cp2": CKPT + FSDP2 + ["--parallelism.context_parallel_degree", "2"],
+            # The other direction: saved under model-parallel layouts, resumed as plain FSDP 4.
+            "cp2_tp2_straight": CKPT + CP2_TP2,
+            "copy10": saved_step(tmp, "cp2_tp2_straight", "cp2_tp2_to_fsdp4"),
+            "cp2_tp2_to_fsdp4": CKPT + FSDP4,
+            "pp2_fsdp2_straight": CKPT + PP2_FSDP2,
+            "copy11": saved_step(tmp, "pp2_fsdp2_straight", "pp2_fsdp2_to_fsdp4"),
+            "pp2_fsdp2_to_fsdp4": CKPT + FSDP4,
+            # Qwen3 with tied embeddings: one weight under two names, saved sharded and resharded.
+            "qwen3_tied_fsdp4_straight": CKPT + QWEN_TIED + FSDP4,
+            "copy13": saved_step(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_fsdp2_tp2"),
+            "qwen3_tied_fsdp4_to_fsdp2_tp2": CKPT + QWEN_TIED + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+            # Qwen3-MoE: experts (and their bias and optimizer state) saved under one expert layout, loaded
+            # under another.
+            "moe_ep2_fsdp2_straight": CKPT + MOE + EP2_FSDP2,
+            "copy15": saved_step(tmp, "moe_ep2_fsdp2_straight", "moe_ep2_fsdp2_to_fsdp4"),
+            "moe_ep2_fsdp2_to_fsdp4": CKPT + MOE + FSDP4,
+            "moe_fsdp4_straight": CKPT + MOE + FSDP4,
+            "copy16": saved_step(tmp, "moe_fsdp4_straight", "moe_fsdp4_to_ep4"),
+            "moe_fsdp4_to_ep4": CKPT + MOE + EP4,
+            # Muon with its state in bf16: the momentum of whole matrices saved as FSDP shards, loaded as
+            # FSDP x TP shards.
+            "muon_fsdp4_straight": CKPT + MUON + BF16_STATE + FSDP4,
+            "copy17": saved_step(tmp, "muon_fsdp4_straight", "muon_fsdp4_to_fsdp2_tp2"),
+            "muon_fsdp4_to_fsdp2_tp2": CKPT + MUON + BF16_STATE + FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+            # gpt-oss: sinks sharded by head (TP) and experts with their biases by expert (EP), resumed whole
+            # per rank under FSDP 4.
+            "gpt_oss_ep2_tp2_straight": CKPT + GPT_OSS + EP2_TP2,
+            "copy18": saved_step(tmp, "gpt_oss_ep2_tp2_straight", "gpt_oss_ep2_tp2_to_fsdp4"),
+            "gpt_oss_ep2_tp2_to_fsdp4": CKPT + GPT_OSS + FSDP4,
+        },
+        4,
+        tmp,
+    )
+    results.update(
+        launch(
+            {
+                "fsdp2_straight": CKPT + FSDP2,
+                "copy3": saved_step(tmp, "fsdp2_straight", "fsdp2_resumed"),
+                "fsdp2_resumed": CKPT + FSDP2,
+                "copy4": saved_step(tmp, "fsdp4_straight", "fsdp4_to_fsdp2"),
+                "fsdp4_to_fsdp2": CKPT + FSDP2,
+                "copy5": saved_step(tmp, "fsdp4_straight", "fsdp4_to_ddp2"),
+                "fsdp4_to_ddp2": CKPT
+                + FSDP2
+                + [
+                    "--parallelism.data_parallel_replicate_degree",
+                    "2",
+                    "--parallelism.data_parallel_shard_degree",
+                    "1",
+                ],
+                "cp2_straight": CKPT + CP2,
+                "copy12": saved_step(tmp, "cp2_straight", "cp2_resumed"),
+                "cp2_resumed": CKPT + CP2,
+                "copy9": saved_step(tmp, "fsdp4_straight", "fsdp4_to_cp2"),
+                "fsdp4_to_cp2": CKPT + CP2,
+                "copy14": saved_step(tmp, "qwen3_tied_fsdp4_straight", "qwen3_tied_fsdp4_to_tp2"),
+                "qwen3_tied_fsdp4_to_tp2": CKPT + QWEN_TIED + TP2,
+            },
+            2,
+            tmp,
+        )
+    )
     return tmp, results
 
 
@@ -163,9 +210,15 @@ def assert_follows(ref, got, tol):
 
 @pytest.mark.parametrize(
     "target, tol",
-    [("fsdp4_to_fsdp2", 3e-5), ("fsdp4_to_hsdp", 3e-5), ("fsdp4_to_ddp2", 7e-5),
-     ("fsdp4_to_fsdp2_tp2", 3e-5), ("fsdp4_to_pp2_fsdp2", 3e-5), ("fsdp4_to_fsdp2_cp2", 3e-5),
-     ("fsdp4_to_cp2", 3e-5)],
+    [
+        ("fsdp4_to_fsdp2", 3e-5),
+        ("fsdp4_to_hsdp", 3e-5),
+        ("fsdp4_to_ddp2", 7e-5),
+        ("fsdp4_to_fsdp2_tp2", 3e-5),
+        ("fsdp4_to_pp2_fsdp2", 3e-5),
+        ("fsdp4_to_fsdp2_cp2", 3e-5),
+        ("fsdp4_to_cp2", 3e-5),
+    ],
 )
 def test_reshard_matches_uninterrupted_run(runs, target, tol):
     tmp, r = runs
@@ -200,7 +253,9 @@ def test_muon_momentum_reshards(runs):
     assert not any(k.startswith("optimizer.state.layers.0.attention.wq.weight.exp_avg") for k in keys)
 
 
-@pytest.mark.parametrize("source, target", [("moe_ep2_fsdp2", "moe_ep2_fsdp2_to_fsdp4"), ("moe_fsdp4", "moe_fsdp4_to_ep4")])
+@pytest.mark.parametrize(
+    "source, target", [("moe_ep2_fsdp2", "moe_ep2_fsdp2_to_fsdp4"), ("moe_fsdp4", "moe_fsdp4_to_ep4")]
+)
 def test_moe_checkpoint_moves_between_expert_layouts(runs, source, target):
     tmp, r = runs
     # weights, bias and optimizer state restored
@@ -220,8 +275,9 @@ def test_gpt_oss_checkpoint_moves_from_ep_and_tp_to_fsdp(runs):
     # Sinks saved as TP's head shards and experts (weights, biases, optimizer state) as EP's expert
     # shards, loaded whole per rank under FSDP 4; the steps after follow the uninterrupted EP 2 x TP 2 run.
     tmp, r = runs
-    assert_follows(losses(r["gpt_oss_ep2_tp2_straight"], first_step=SAVED + 1), losses(r["gpt_oss_ep2_tp2_to_fsdp4"]),
-                   3e-5)
+    assert_follows(
+        losses(r["gpt_oss_ep2_tp2_straight"], first_step=SAVED + 1), losses(r["gpt_oss_ep2_tp2_to_fsdp4"]), 3e-5
+    )
     assert train_state(tmp, "gpt_oss_ep2_tp2_to_fsdp4", STEPS)["model"]["name"] == "gpt_oss"
 
 
@@ -265,12 +321,32 @@ def test_full_filesystem_during_a_save_stops_every_rank_cleanly(small_filesystem
     from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
 
     folder = small_filesystem / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train"] + TINY + [
-        "--job.dump_folder", str(folder), "--training.local_batch_size", "4", "--checkpoint.enable_checkpoint",
-        "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=300)
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+            "-m",
+            "torchtitan.train",
+        ]
+        + TINY
+        + [
+            "--job.dump_folder",
+            str(folder),
+            "--training.local_batch_size",
+            "4",
+            "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval",
+            "3",
+            "--checkpoint.no-last_save_model_only",
+        ]
+    )
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     # Each rank stops with the message (both name both ranks' errors), none with a traceback of its own.

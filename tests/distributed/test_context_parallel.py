@@ -62,10 +62,21 @@ def test_cp_joins_the_fsdp_shard_dimension():
 
 
 def test_seq_len_must_split_into_cp_and_tp_chunks():
-    with pytest.raises(UserError, match=r"seq_len = 100 must be divisible by 2 x context_parallel_degree x "
-                                        r"tensor_parallel_degree = 2 x 2 x 2 = 8"):
-        load_config(["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                     "--training.seq_len", "100"])
+    with pytest.raises(
+        UserError,
+        match=r"seq_len = 100 must be divisible by 2 x context_parallel_degree x "
+        r"tensor_parallel_degree = 2 x 2 x 2 = 8",
+    ):
+        load_config(
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.seq_len",
+                "100",
+            ]
+        )
 
 
 def test_unknown_rotate_method_is_refused():
@@ -75,12 +86,20 @@ def test_unknown_rotate_method_is_refused():
 
 def test_ulysses_refuses_rotate_method():
     with pytest.raises(UserError, match="context_parallel_method = 'ulysses' has no ring"):
-        load_config(["--parallelism.context_parallel_method", "ulysses", "--parallelism.context_parallel_rotate_method",
-                     "alltoall"])
+        load_config(
+            [
+                "--parallelism.context_parallel_method",
+                "ulysses",
+                "--parallelism.context_parallel_rotate_method",
+                "alltoall",
+            ]
+        )
 
 
-@pytest.mark.parametrize("heads,kv_heads,cp,replicas", [(4, 2, 4, 2), (4, 2, 2, 1), (8, 1, 4, 4), (16, 16, 4, 1),
-                                                        (12, 4, 3, 3), (12, 4, 6, 3), (8, 2, 8, 4)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,cp,replicas",
+    [(4, 2, 4, 2), (4, 2, 2, 1), (8, 1, 4, 4), (16, 16, 4, 1), (12, 4, 3, 3), (12, 4, 6, 3), (8, 2, 8, 4)],
+)
 def test_ulysses_kv_replicas_give_each_head_group_its_own_kv_heads(heads, kv_heads, cp, replicas):
     assert kv_replicas(heads, kv_heads, cp) == replicas
     kv = kv_heads * replicas
@@ -93,8 +112,11 @@ def test_ulysses_kv_replicas_give_each_head_group_its_own_kv_heads(heads, kv_hea
 
 def test_ulysses_degree_must_divide_heads_per_tp_rank():
     check_ulysses_degree(16, 2, 8)
-    with pytest.raises(UserError, match=r"16 query heads \(tensor_parallel_degree = 4 leaves 4 per rank\).*"
-                                        r"largest degree that works is 4"):
+    with pytest.raises(
+        UserError,
+        match=r"16 query heads \(tensor_parallel_degree = 4 leaves 4 per rank\).*"
+        r"largest degree that works is 4",
+    ):
         check_ulysses_degree(16, 4, 8)
     with pytest.raises(UserError, match="largest degree that works is 2"):
         check_ulysses_degree(8, 1, 3)
@@ -103,15 +125,25 @@ def test_ulysses_degree_must_divide_heads_per_tp_rank():
 @pytest.mark.slow
 def test_cp_attention_matches_single_process_attention(tmp_path):
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = json.loads(out.read_text())
     masked = ("docs", "win5", "win10", "win20", "docs_win5", "docs_win10")
-    layouts = [f"{cp}_{method}" for cp in ("cp4", "cp2")
-               for method in ("allgather", "alltoall", "ulysses", "ulysses_split")]
+    layouts = [
+        f"{cp}_{method}" for cp in ("cp4", "cp2") for method in ("allgather", "alltoall", "ulysses", "ulysses_split")
+    ]
     cases = {*layouts, *(f"{layout}_{m}" for layout in layouts for m in masked)}
     sinks = {f"{layout}_docs_win{w}_sinks" for layout in layouts for w in (5, 10)}
     bitwise = {f"{cp}_alltoall_overlap_bitwise_win{w}" for cp in ("cp4", "cp2") for w in (None, 10)}

@@ -79,8 +79,15 @@ QWEN = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 QWEN_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.lr", "1e-3"]
 # Qwen3-MoE's debug flavor (8 experts, top-2, aux-loss-free bias balancing). Its jobs save the model
 # (buffers included: the expert bias) at step 6, so that the bias can be compared across layouts.
-MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--checkpoint.enable_checkpoint",
-       "--checkpoint.interval", "6"]
+MOE = [
+    "--model.name",
+    "qwen3",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval",
+    "6",
+]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 # DeepSeek-V3's debug flavor: MLA (query bottleneck, value heads narrower than query/key heads, YaRN),
 # a dense first layer, then experts with a shared expert and sigmoid group-limited routing.
@@ -90,15 +97,31 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 # gpt-oss's debug flavor: per-head sinks, sliding windows of 16 on layers 0 and 2, biased router, 8 experts
 # with biases and the clamped SwiGLU, top-4, no balancing bias (as published; gpt_oss/args.py says why).
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
-GPT_OSS_LAYOUTS = ["bc_gpt_oss_fsdp2", "bc_gpt_oss_tp2", "bc_gpt_oss_pp2", "bc_gpt_oss_cp2", "bc_gpt_oss_ep2",
-                   "bc_gpt_oss_ep2_ac_op",
-                   "bc_gpt_oss_ep2_fsdp2", "bc_gpt_oss_ep2_tp2"]
+GPT_OSS_LAYOUTS = [
+    "bc_gpt_oss_fsdp2",
+    "bc_gpt_oss_tp2",
+    "bc_gpt_oss_pp2",
+    "bc_gpt_oss_cp2",
+    "bc_gpt_oss_ep2",
+    "bc_gpt_oss_ep2_ac_op",
+    "bc_gpt_oss_ep2_fsdp2",
+    "bc_gpt_oss_ep2_tp2",
+]
 # Qwen3.5's debug flavor: 6 gated DeltaNet layers (the state and conv window reset at each document) and 2 gated
 # full-attention layers; TP splits the DeltaNet by head (projections column-wise, conv weights by channel).
 QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
-QWEN3_5_LAYOUTS = ["bc_qwen3_5_fsdp2", "bc_qwen3_5_tp2", "bc_qwen3_5_pp2", "bc_qwen3_5_cp2", "bc_qwen3_5_cp2_ulysses",
-                   "bc_qwen3_5_cp4", "bc_qwen3_5_tp2_cp2", "bc_qwen3_5_moe_ep2", "bc_qwen3_5_moe_ep2_fsdp2",
-                   "bc_qwen3_5_moe_tp2"]
+QWEN3_5_LAYOUTS = [
+    "bc_qwen3_5_fsdp2",
+    "bc_qwen3_5_tp2",
+    "bc_qwen3_5_pp2",
+    "bc_qwen3_5_cp2",
+    "bc_qwen3_5_cp2_ulysses",
+    "bc_qwen3_5_cp4",
+    "bc_qwen3_5_tp2_cp2",
+    "bc_qwen3_5_moe_ep2",
+    "bc_qwen3_5_moe_ep2_fsdp2",
+    "bc_qwen3_5_moe_tp2",
+]
 # Qwen3.5-MoE's debug flavor: the same mixers, every feed-forward 8 experts top-2 plus a shared expert scaled by
 # its sigmoid gate; compared with its own single process (bc_qwen3_5_moe_single).
 QWEN3_5_MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe"]
@@ -140,41 +163,131 @@ TWO = {
     "fsdp2": ["--training.local_batch_size", "4"] + val(4),
     "fsdp2_accum2": ["--training.local_batch_size", "2"],
     "fsdp2_never_reshard": ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward", "never"],
-    "ddp2": ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
-             "--parallelism.data_parallel_shard_degree", "1"],
+    "ddp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ],
     "fsdp2_bf16": ["--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16"],
     "fsdp2_ac_full": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"],
-    "fsdp2_ac_op_compile": ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
-                            "--activation_checkpoint.selective_ac_option", "op", "--training.compile"],
+    "fsdp2_ac_op_compile": [
+        "--training.local_batch_size",
+        "4",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        "--training.compile",
+    ],
     "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + val(8),
-    "tp2_no_loss_parallel": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
-                             "--parallelism.disable_loss_parallel"],
-    "pp2_1f1b": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"] + val(8),
-    "pp2_interleaved": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
-                        "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
-    "pp2_zbv": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
-                "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"] + val(8),
-    "pp2_split_points": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
-                         "--parallelism.pipeline_parallel_microbatch_size", "2",
-                         "--parallelism.pipeline_parallel_split_points", "layers.2"],
+    "tp2_no_loss_parallel": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.disable_loss_parallel",
+    ],
+    "pp2_1f1b": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ]
+    + val(8),
+    "pp2_interleaved": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+    ],
+    "pp2_zbv": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "ZBVZeroBubble",
+    ]
+    + val(8),
+    "pp2_split_points": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+        "--parallelism.pipeline_parallel_split_points",
+        "layers.2",
+    ],
     "pp2_module_fqns_interleaved": [
-        "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
-        "--parallelism.pipeline_parallel_microbatch_size", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
         "--parallelism.module_fqns_per_model_part",
-        "tok_embeddings;layers.0,layers.1,layers.2;layers.3,layers.4;layers.5,norm,output"],
+        "tok_embeddings;layers.0,layers.1,layers.2;layers.3,layers.4;layers.5,norm,output",
+    ],
     "cp2_allgather": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"] + val(8),
-    "cp2_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                     "--parallelism.context_parallel_rotate_method", "alltoall"],
-    "cp2_alltoall_ac_op": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                           "--parallelism.context_parallel_rotate_method", "alltoall", "--activation_checkpoint.mode",
-                           "selective", "--activation_checkpoint.selective_ac_option", "op"],
-    "cp2_alltoall_ac_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                                "--parallelism.context_parallel_rotate_method", "alltoall",
-                                "--activation_checkpoint.mode", "full", "--training.compile"],
+    "cp2_alltoall": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_rotate_method",
+        "alltoall",
+    ],
+    "cp2_alltoall_ac_op": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_rotate_method",
+        "alltoall",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],
+    "cp2_alltoall_ac_compile": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_rotate_method",
+        "alltoall",
+        "--activation_checkpoint.mode",
+        "full",
+        "--training.compile",
+    ],
     # Ulysses' all-to-alls inside op-level checkpointing (recomputed in backward) and between compiled graphs.
-    "cp2_ulysses_ac_op_compile": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                                  "--parallelism.context_parallel_method", "ulysses", "--activation_checkpoint.mode",
-                                  "selective", "--activation_checkpoint.selective_ac_option", "op", "--training.compile"],
+    "cp2_ulysses_ac_op_compile": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "ulysses",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        "--training.compile",
+    ],
     # Pipeline with gradient accumulation (2 micro-batches of 4 per step, each split into 2 microbatches).
     "pp2_accum2": ["--training.local_batch_size", "4"] + PP2,
     "qwen3_fsdp2": QWEN + ["--training.local_batch_size", "4"],
@@ -187,11 +300,17 @@ TWO = {
     # sum; under ZBVZeroBubble both copies are on one rank). The PP 2 job saves at step 3 for a
     # resume under FSDP 4; the single process's step 3 resumes under ZBVZeroBubble.
     "qwen3_tied_pp2": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
-    "qwen3_tied_pp2_zbv": QWEN_TIED + ["--training.local_batch_size", "8"] + PP2
+    "qwen3_tied_pp2_zbv": QWEN_TIED
+    + ["--training.local_batch_size", "8"]
+    + PP2
     + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
-    "copy_tied_single": {"copy": ["{tmp}/qwen3_tied_single/checkpoint/step-3",
-                                  "{tmp}/qwen3_tied_pp2_zbv_resumed/checkpoint/step-3"]},
-    "qwen3_tied_pp2_zbv_resumed": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "8"] + PP2
+    "copy_tied_single": {
+        "copy": ["{tmp}/qwen3_tied_single/checkpoint/step-3", "{tmp}/qwen3_tied_pp2_zbv_resumed/checkpoint/step-3"]
+    },
+    "qwen3_tied_pp2_zbv_resumed": QWEN_TIED
+    + SAVE3
+    + ["--training.local_batch_size", "8"]
+    + PP2
     + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "moe_fsdp2": MOE + ["--training.local_batch_size", "4"],
     "muon_fsdp2": MUON + ["--training.local_batch_size", "4"],
@@ -213,50 +332,131 @@ TWO = {
     # MTP's last stage borrows the input embedding (one weight, one checkpoint entry under its name):
     # PP 2 saves at step 3 for a resume under FSDP 4; the single process's step 3 resumes under PP 2.
     "ds_mtp_pp2": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
-    "copy_ds_mtp_single": {"copy": ["{tmp}/ds_mtp_single/checkpoint/step-3",
-                                    "{tmp}/ds_mtp_pp2_resumed/checkpoint/step-3"]},
+    "copy_ds_mtp_single": {
+        "copy": ["{tmp}/ds_mtp_single/checkpoint/step-3", "{tmp}/ds_mtp_pp2_resumed/checkpoint/step-3"]
+    },
     "ds_mtp_pp2_resumed": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "8"] + PP2,
     "chunk_fsdp2": CHUNK + ["--training.local_batch_size", "4"] + val(4),
     "chunk_fsdp2_accum2": CHUNK + ["--training.local_batch_size", "2"],
     "chunk_tp2": CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + val(8),
-    "chunk_tp2_no_loss_parallel": CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree",
-                                           "2", "--parallelism.disable_loss_parallel"],
+    "chunk_tp2_no_loss_parallel": CHUNK
+    + [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.disable_loss_parallel",
+    ],
     "chunk_pp2": CHUNK + ["--training.local_batch_size", "8"] + PP2 + val(8),
     "chunk_cp2": CHUNK + ["--training.local_batch_size", "8"] + CP2 + val(8),
-    "qwen3_tied_chunk_tp2": QWEN_TIED + CHUNK + ["--training.local_batch_size", "8",
-                                                 "--parallelism.tensor_parallel_degree", "2"],
-    "ds_mtp_chunk_tp2": DS + MTP2 + CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "qwen3_tied_chunk_tp2": QWEN_TIED
+    + CHUNK
+    + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "ds_mtp_chunk_tp2": DS
+    + MTP2
+    + CHUNK
+    + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
     "ds_mtp_chunk_pp2": DS + MTP2 + CHUNK + ["--training.local_batch_size", "8"] + PP2,
 }
 FOUR = {
-    "hsdp2x2_bf16": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
-                     "--training.mixed_precision_param", "bfloat16"],
+    "hsdp2x2_bf16": [
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ],
     "hsdp2x2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
     "fsdp4": ["--training.local_batch_size", "2"],
     "fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
-    "pp2_fsdp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
-    "pp2_fsdp2_zbv": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
-                      "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
-    "pp2_tp2": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
-                "--parallelism.tensor_parallel_degree", "2"],
+    "pp2_fsdp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
+    "pp2_fsdp2_zbv": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+        "--parallelism.pipeline_parallel_schedule",
+        "ZBVZeroBubble",
+    ],
+    "pp2_tp2": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
     "fsdp2_cp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2"],
-    "hsdp2_cp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
-                  "--parallelism.data_parallel_replicate_degree", "2"],
-    "cp4_alltoall": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "4",
-                     "--parallelism.context_parallel_rotate_method", "alltoall"],
-    "cp2_tp2": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                "--parallelism.tensor_parallel_degree", "2"],
-    "pp2_cp2": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"],
-    "fsdp2_cp2_bf16": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
-                       "--training.mixed_precision_param", "bfloat16"],
-    "qwen3_tied_fsdp2_tp2": QWEN_TIED + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "hsdp2_cp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+    ],
+    "cp4_alltoall": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "4",
+        "--parallelism.context_parallel_rotate_method",
+        "alltoall",
+    ],
+    "cp2_tp2": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+    "pp2_cp2": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
+    "fsdp2_cp2_bf16": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ],
+    "qwen3_tied_fsdp2_tp2": QWEN_TIED
+    + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
     "qwen3_tied_pp2_fsdp2": QWEN_TIED + ["--training.local_batch_size", "4"] + PP2,
     # Four stages: the copies are on pp ranks 0 and 3, summed over a group of those two.
-    "qwen3_tied_pp4": QWEN_TIED + ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "4",
-                                   "--parallelism.pipeline_parallel_microbatch_size", "2"],
-    "copy_tied_pp2": {"copy": ["{tmp}/qwen3_tied_pp2/checkpoint/step-3",
-                               "{tmp}/qwen3_tied_fsdp4_resumed/checkpoint/step-3"]},
+    "qwen3_tied_pp4": QWEN_TIED
+    + [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "4",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
+    "copy_tied_pp2": {
+        "copy": ["{tmp}/qwen3_tied_pp2/checkpoint/step-3", "{tmp}/qwen3_tied_fsdp4_resumed/checkpoint/step-3"]
+    },
     "qwen3_tied_fsdp4_resumed": QWEN_TIED + SAVE3 + ["--training.local_batch_size", "2"],
     "moe_ep2_fsdp2": MOE + ["--training.local_batch_size", "2"] + EP2,
     "muon_fsdp2_tp2": MUON + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
@@ -267,35 +467,105 @@ FOUR = {
     "moe_pp2_ep2": MOE + ["--training.local_batch_size", "4"] + PP2 + EP2 + val(4),
     "ds_ep2_tp2": DS + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"] + EP2,
     "ds_pp2_ep2": DS + ["--training.local_batch_size", "4"] + PP2 + EP2,
-    "ds_mtp_pp2_tp2": DS + MTP2 + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + PP2,
+    "ds_mtp_pp2_tp2": DS
+    + MTP2
+    + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
+    + PP2,
     "ds_mtp_pp2_ep2": DS + MTP2 + ["--training.local_batch_size", "4"] + PP2 + EP2,
     "copy_ds_mtp_pp2": {"copy": ["{tmp}/ds_mtp_pp2/checkpoint/step-3", "{tmp}/ds_mtp_fsdp4_resumed/checkpoint/step-3"]},
     "ds_mtp_fsdp4_resumed": DS + MTP2 + SAVE3 + ["--training.local_batch_size", "2"],
     "chunk_pp2_tp2": CHUNK + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"] + PP2,
 }
 EIGHT = {
-    "pp2_fsdp2_tp2": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
-                      "--parallelism.tensor_parallel_degree", "2"],
-    "fsdp2_cp2_tp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
-                      "--parallelism.context_parallel_rotate_method", "alltoall", "--parallelism.tensor_parallel_degree", "2"],
-    "pp2_cp2_tp2": ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                    "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "pp2_fsdp2_tp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+    "fsdp2_cp2_tp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_rotate_method",
+        "alltoall",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+    "pp2_cp2_tp2": [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
 }
 # Every dimension of the mesh at once: 16 processes (about 50 s for the launch on 2 cores).
 SIXTEEN = {
-    "pp2_fsdp2_cp2_tp2": ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
-                          "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
-                          "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "pp2_fsdp2_cp2_tp2": [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
 }
 
 
-DS_LAYOUTS = ["ds_fsdp2", "ds_tp2", "ds_pp2", "ds_cp2", "ds_ep2", "ds_ep2_tp2", "ds_pp2_ep2", "ds_mtp_fsdp2",
-              "ds_mtp_ep2", "ds_mtp_tp2", "ds_mtp_cp2", "ds_mtp_pp2", "ds_mtp_pp2_tp2", "ds_mtp_pp2_ep2"]
-MUON_LAYOUTS = ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_cp2", "muon_fsdp2_tp2", "muon_hsdp2x2", "moe_muon_ep2",
-                "moe_muon_ep2_fsdp2", "ds_muon_ep2_fsdp2"]
-CHUNK_LAYOUTS = ["chunk_fsdp2", "chunk_fsdp2_accum2", "chunk_tp2", "chunk_tp2_no_loss_parallel", "chunk_pp2",
-                 "chunk_cp2", "chunk_pp2_tp2", "qwen3_tied_chunk_tp2", "ds_mtp_chunk_tp2", "ds_mtp_chunk_pp2"]
+DS_LAYOUTS = [
+    "ds_fsdp2",
+    "ds_tp2",
+    "ds_pp2",
+    "ds_cp2",
+    "ds_ep2",
+    "ds_ep2_tp2",
+    "ds_pp2_ep2",
+    "ds_mtp_fsdp2",
+    "ds_mtp_ep2",
+    "ds_mtp_tp2",
+    "ds_mtp_cp2",
+    "ds_mtp_pp2",
+    "ds_mtp_pp2_tp2",
+    "ds_mtp_pp2_ep2",
+]
+MUON_LAYOUTS = [
+    "muon_fsdp2",
+    "muon_tp2",
+    "muon_pp2",
+    "muon_cp2",
+    "muon_fsdp2_tp2",
+    "muon_hsdp2x2",
+    "moe_muon_ep2",
+    "moe_muon_ep2_fsdp2",
+    "ds_muon_ep2_fsdp2",
+]
+CHUNK_LAYOUTS = [
+    "chunk_fsdp2",
+    "chunk_fsdp2_accum2",
+    "chunk_tp2",
+    "chunk_tp2_no_loss_parallel",
+    "chunk_pp2",
+    "chunk_cp2",
+    "chunk_pp2_tp2",
+    "qwen3_tied_chunk_tp2",
+    "ds_mtp_chunk_tp2",
+    "ds_mtp_chunk_pp2",
+]
 MOE_LAYOUTS = ["moe_fsdp2", "moe_ep2", "moe_ep2_cp2", "moe_ep2_fsdp2", "moe_ep2_tp2", "moe_pp2_ep2"]
 
 
@@ -303,22 +573,36 @@ def mixture_jobs(tmp) -> tuple[dict, dict, dict]:
     """A recipe mixing a parquet folder, a jsonl.zst folder and a token folder (documents of the standard
     library, the real tokenizer): one process, FSDP 2 (saving at step 3), and FSDP 4 resumed from that save."""
     files = stdlib_files()
-    docs = [[f.read_text(errors="replace") for f in files[i * 30:(i + 1) * 30]] for i in range(3)]
+    docs = [[f.read_text(errors="replace") for f in files[i * 30 : (i + 1) * 30]] for i in range(3)]
     paths = mixture_corpus(tmp / "mix_corpus", docs, Tokenizer(str(REPO / "assets/tokenizer/python_stdlib_4k.model")))
     mix = ["--training.dataset_mix", ",".join(f"{w}:{p}" for w, p in zip((0.5, 0.3, 0.2), paths))]
     save3 = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only"]
-    copy = {"copy": [str(tmp / "mix_fsdp2" / "checkpoint" / "step-3"), str(tmp / "mix_fsdp4_resumed" / "checkpoint" / "step-3")]}
-    return ({"mix_single": mix + ["--training.local_batch_size", "8"]},
-            {"mix_fsdp2": mix + save3 + ["--training.local_batch_size", "4"]},
-            {"copy_mix": copy, "mix_fsdp4_resumed": mix + save3 + ["--training.local_batch_size", "2"]})
+    copy = {
+        "copy": [
+            str(tmp / "mix_fsdp2" / "checkpoint" / "step-3"),
+            str(tmp / "mix_fsdp4_resumed" / "checkpoint" / "step-3"),
+        ]
+    }
+    return (
+        {"mix_single": mix + ["--training.local_batch_size", "8"]},
+        {"mix_fsdp2": mix + save3 + ["--training.local_batch_size", "4"]},
+        {"copy_mix": copy, "mix_fsdp4_resumed": mix + save3 + ["--training.local_batch_size", "2"]},
+    )
 
 
 def block_causal_args(tmp) -> list[str]:
     corpus = tmp / "short_docs.jsonl"
     if not corpus.exists():
         short_documents_corpus(corpus)
-    return ["--training.dataset", "local", "--training.dataset_path", str(corpus),
-            "--model.attn_mask_type", "block_causal", "--training.ignore_cross_document_labels"]
+    return [
+        "--training.dataset",
+        "local",
+        "--training.dataset_path",
+        str(corpus),
+        "--model.attn_mask_type",
+        "block_causal",
+        "--training.ignore_cross_document_labels",
+    ]
 
 
 def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
@@ -331,55 +615,101 @@ def block_causal_jobs(tmp) -> tuple[dict, dict, dict]:
     moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
     lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
     gpt_oss = bc + GPT_OSS
-    return ({"bc_single": bc + lb(8) + val(8), "bc_qwen3_window_single": bc + window + lb(8),
-             "bc_moe_single": bc + moe + lb(8), "sd_causal_single": bc[:4] + lb(8),
-             "bc_ds_mtp_single": bc + DS + MTP2 + lb(8), "bc_gpt_oss_single": gpt_oss + lb(8),
-             "bc_qwen3_5_single": bc + QWEN3_5 + lb(8), "bc_qwen3_5_moe_single": bc + QWEN3_5_MOE + lb(8)},
-            {"bc_fsdp2": bc + lb(4) + val(4), "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
-             "bc_fsdp2_accum2": bc + lb(2), "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
-             "bc_pp2": bc + lb(8) + PP2 + val(8),
-             "bc_pp2_zbv": bc + lb(8) + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
-             "bc_pp2_interleaved_accum2": bc + lb(4) + PP2 + ["--parallelism.pipeline_parallel_schedule",
-                                                              "Interleaved1F1B"],
-             "bc_fsdp2_ac_op_compile": bc + lb(4) + ["--activation_checkpoint.mode", "selective",
-                                                     "--activation_checkpoint.selective_ac_option", "op",
-                                                     "--training.compile"],
-             "bc_cp2_allgather": bc + lb(8) + CP2 + val(8),
-             "bc_cp2_alltoall": bc + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
-             "bc_moe_ep2": bc + moe + lb(4) + EP2,
-             # Multi-token prediction's targets and its blocks' masks under the ring, per document.
-             "bc_ds_mtp_cp2": bc + DS + MTP2 + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
-                                                             "alltoall"],
-             "bc_qwen3_window_tp2": bc + window + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
-             "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
-             "bc_qwen3_window_cp2": bc + window + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method",
-                                                                  "alltoall"],
-             **gpt_oss_jobs(gpt_oss, 2), **ulysses_jobs(tmp, 2),
-             # Qwen3.5 (measured: FSDP 2 5.2e-6, TP 2 4.8e-6, PP 2 9.5e-7 from its one process over 6 steps).
-             "bc_qwen3_5_fsdp2": bc + QWEN3_5 + lb(4),
-             "bc_qwen3_5_tp2": bc + QWEN3_5 + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
-             "bc_qwen3_5_pp2": bc + QWEN3_5 + lb(8) + PP2,
-             # Context parallel: the DeltaNet layers head-parallel by all-to-all, the attention layers
-             # under the ring or Ulysses (measured: 4.8e-6 either way).
-             "bc_qwen3_5_cp2": bc + QWEN3_5 + lb(8) + CP2,
-             "bc_qwen3_5_cp2_ulysses": bc + QWEN3_5 + lb(8) + CP2 + ULYSSES,
-             # Qwen3.5-MoE under expert parallel (measured: EP 2 3.3e-6 from its one process over 6 steps).
-             "bc_qwen3_5_moe_ep2": bc + QWEN3_5_MOE + lb(4) + EP2,
-             # TP 2: the MoE blocks token-local, the shared gate's gradient summed over the ranks (3.8e-6).
-             "bc_qwen3_5_moe_tp2": bc + QWEN3_5_MOE + lb(8) + ["--parallelism.tensor_parallel_degree", "2"]},
-            {"bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"], **gpt_oss_jobs(gpt_oss, 4),
-             "bc_qwen3_5_cp4": bc + QWEN3_5 + lb(8) + ["--parallelism.context_parallel_degree", "4",
-                                                       "--parallelism.context_parallel_rotate_method", "alltoall"],
-             "bc_qwen3_5_tp2_cp2": bc + QWEN3_5 + lb(8) + CP2 + ["--parallelism.tensor_parallel_degree", "2"],
-             # Qwen3.5-MoE, EP 2 x FSDP 2 (measured: 5.7e-6).
-             "bc_qwen3_5_moe_ep2_fsdp2": bc + QWEN3_5_MOE + lb(2) + EP2,
-             **ulysses_jobs(tmp, 4)})
+    return (
+        {
+            "bc_single": bc + lb(8) + val(8),
+            "bc_qwen3_window_single": bc + window + lb(8),
+            "bc_moe_single": bc + moe + lb(8),
+            "sd_causal_single": bc[:4] + lb(8),
+            "bc_ds_mtp_single": bc + DS + MTP2 + lb(8),
+            "bc_gpt_oss_single": gpt_oss + lb(8),
+            "bc_qwen3_5_single": bc + QWEN3_5 + lb(8),
+            "bc_qwen3_5_moe_single": bc + QWEN3_5_MOE + lb(8),
+        },
+        {
+            "bc_fsdp2": bc + lb(4) + val(4),
+            "bc_fsdp2_split": bc + lb(4) + ["--model.attn_backend", "split"],
+            "bc_fsdp2_accum2": bc + lb(2),
+            "bc_tp2": bc + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+            "bc_pp2": bc + lb(8) + PP2 + val(8),
+            "bc_pp2_zbv": bc + lb(8) + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+            "bc_pp2_interleaved_accum2": bc
+            + lb(4)
+            + PP2
+            + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+            "bc_fsdp2_ac_op_compile": bc
+            + lb(4)
+            + [
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+                "--training.compile",
+            ],
+            "bc_cp2_allgather": bc + lb(8) + CP2 + val(8),
+            "bc_cp2_alltoall": bc + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+            "bc_moe_ep2": bc + moe + lb(4) + EP2,
+            # Multi-token prediction's targets and its blocks' masks under the ring, per document.
+            "bc_ds_mtp_cp2": bc
+            + DS
+            + MTP2
+            + lb(8)
+            + CP2
+            + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+            "bc_qwen3_window_tp2": bc + window + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+            "bc_qwen3_window_pp2": bc + window + lb(8) + PP2,
+            "bc_qwen3_window_cp2": bc
+            + window
+            + lb(8)
+            + CP2
+            + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+            **gpt_oss_jobs(gpt_oss, 2),
+            **ulysses_jobs(tmp, 2),
+            # Qwen3.5 (measured: FSDP 2 5.2e-6, TP 2 4.8e-6, PP 2 9.5e-7 from its one process over 6 steps).
+            "bc_qwen3_5_fsdp2": bc + QWEN3_5 + lb(4),
+            "bc_qwen3_5_tp2": bc + QWEN3_5 + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+            "bc_qwen3_5_pp2": bc + QWEN3_5 + lb(8) + PP2,
+            # Context parallel: the DeltaNet layers head-parallel by all-to-all, the attention layers
+            # under the ring or Ulysses (measured: 4.8e-6 either way).
+            "bc_qwen3_5_cp2": bc + QWEN3_5 + lb(8) + CP2,
+            "bc_qwen3_5_cp2_ulysses": bc + QWEN3_5 + lb(8) + CP2 + ULYSSES,
+            # Qwen3.5-MoE under expert parallel (measured: EP 2 3.3e-6 from its one process over 6 steps).
+            "bc_qwen3_5_moe_ep2": bc + QWEN3_5_MOE + lb(4) + EP2,
+            # TP 2: the MoE blocks token-local, the shared gate's gradient summed over the ranks (3.8e-6).
+            "bc_qwen3_5_moe_tp2": bc + QWEN3_5_MOE + lb(8) + ["--parallelism.tensor_parallel_degree", "2"],
+        },
+        {
+            "bc_fsdp2_tp2": bc + lb(4) + ["--parallelism.tensor_parallel_degree", "2"],
+            **gpt_oss_jobs(gpt_oss, 4),
+            "bc_qwen3_5_cp4": bc
+            + QWEN3_5
+            + lb(8)
+            + [
+                "--parallelism.context_parallel_degree",
+                "4",
+                "--parallelism.context_parallel_rotate_method",
+                "alltoall",
+            ],
+            "bc_qwen3_5_tp2_cp2": bc + QWEN3_5 + lb(8) + CP2 + ["--parallelism.tensor_parallel_degree", "2"],
+            # Qwen3.5-MoE, EP 2 x FSDP 2 (measured: 5.7e-6).
+            "bc_qwen3_5_moe_ep2_fsdp2": bc + QWEN3_5_MOE + lb(2) + EP2,
+            **ulysses_jobs(tmp, 4),
+        },
+    )
 
 
 ULYSSES = ["--parallelism.context_parallel_method", "ulysses"]
-ULYSSES_LAYOUTS = ["bc_cp2_ulysses", "bc_ds_mtp_cp2_ulysses", "bc_qwen3_window_cp2_ulysses", "bc_gpt_oss_cp2_ulysses",
-                   "bc_cp4_ulysses", "bc_cp2_tp2_ulysses", "bc_fsdp2_cp2_ulysses", "bc_pp2_cp2_ulysses",
-                   "bc_moe_ep2_cp2_ulysses"]
+ULYSSES_LAYOUTS = [
+    "bc_cp2_ulysses",
+    "bc_ds_mtp_cp2_ulysses",
+    "bc_qwen3_window_cp2_ulysses",
+    "bc_gpt_oss_cp2_ulysses",
+    "bc_cp4_ulysses",
+    "bc_cp2_tp2_ulysses",
+    "bc_fsdp2_cp2_ulysses",
+    "bc_pp2_cp2_ulysses",
+    "bc_moe_ep2_cp2_ulysses",
+]
 
 
 def ulysses_jobs(tmp, nproc: int) -> dict:
@@ -397,21 +727,25 @@ def ulysses_jobs(tmp, nproc: int) -> dict:
         return {"copy": [f"{{tmp}}/{src}/checkpoint/step-3", f"{{tmp}}/{dst}/checkpoint/step-3"]}
 
     if nproc == 2:
-        return {"bc_cp2_ulysses": bc + lb(8) + CP2 + ULYSSES + SAVE3,
-                "bc_ds_mtp_cp2_ulysses": bc + DS + MTP2 + lb(8) + CP2 + ULYSSES,
-                "bc_qwen3_window_cp2_ulysses": bc + window + lb(8) + CP2 + ULYSSES,
-                "bc_gpt_oss_cp2_ulysses": bc + GPT_OSS + lb(8) + CP2 + ULYSSES,
-                "bc_cp2_ring_saved": bc + lb(8) + ring + SAVE3,
-                "copy_ring_to_ulysses": copy("bc_cp2_ring_saved", "bc_cp2_ulysses_from_ring"),
-                "bc_cp2_ulysses_from_ring": bc + lb(8) + CP2 + ULYSSES + SAVE3,
-                "copy_ulysses_to_ring": copy("bc_cp2_ulysses", "bc_cp2_ring_from_ulysses"),
-                "bc_cp2_ring_from_ulysses": bc + lb(8) + ring + SAVE3}
+        return {
+            "bc_cp2_ulysses": bc + lb(8) + CP2 + ULYSSES + SAVE3,
+            "bc_ds_mtp_cp2_ulysses": bc + DS + MTP2 + lb(8) + CP2 + ULYSSES,
+            "bc_qwen3_window_cp2_ulysses": bc + window + lb(8) + CP2 + ULYSSES,
+            "bc_gpt_oss_cp2_ulysses": bc + GPT_OSS + lb(8) + CP2 + ULYSSES,
+            "bc_cp2_ring_saved": bc + lb(8) + ring + SAVE3,
+            "copy_ring_to_ulysses": copy("bc_cp2_ring_saved", "bc_cp2_ulysses_from_ring"),
+            "bc_cp2_ulysses_from_ring": bc + lb(8) + CP2 + ULYSSES + SAVE3,
+            "copy_ulysses_to_ring": copy("bc_cp2_ulysses", "bc_cp2_ring_from_ulysses"),
+            "bc_cp2_ring_from_ulysses": bc + lb(8) + ring + SAVE3,
+        }
     cp = ["--parallelism.context_parallel_degree"]
-    return {"bc_cp4_ulysses": bc + lb(8) + cp + ["4"] + ULYSSES,
-            "bc_cp2_tp2_ulysses": bc + lb(8) + CP2 + ULYSSES + ["--parallelism.tensor_parallel_degree", "2"],
-            "bc_fsdp2_cp2_ulysses": bc + lb(4) + CP2 + ULYSSES,
-            "bc_pp2_cp2_ulysses": bc + lb(8) + CP2 + ULYSSES + PP2,
-            "bc_moe_ep2_cp2_ulysses": bc + moe + lb(4) + CP2 + ULYSSES + EP2}
+    return {
+        "bc_cp4_ulysses": bc + lb(8) + cp + ["4"] + ULYSSES,
+        "bc_cp2_tp2_ulysses": bc + lb(8) + CP2 + ULYSSES + ["--parallelism.tensor_parallel_degree", "2"],
+        "bc_fsdp2_cp2_ulysses": bc + lb(4) + CP2 + ULYSSES,
+        "bc_pp2_cp2_ulysses": bc + lb(8) + CP2 + ULYSSES + PP2,
+        "bc_moe_ep2_cp2_ulysses": bc + moe + lb(4) + CP2 + ULYSSES + EP2,
+    }
 
 
 def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
@@ -420,21 +754,44 @@ def gpt_oss_jobs(gpt_oss: list[str], nproc: int) -> dict:
     lb = lambda n: ["--training.local_batch_size", str(n)]  # noqa: E731
     tp2 = ["--parallelism.tensor_parallel_degree", "2"]
     if nproc == 2:
-        return {"bc_gpt_oss_fsdp2": gpt_oss + lb(4), "bc_gpt_oss_tp2": gpt_oss + lb(8) + tp2,
-                "bc_gpt_oss_pp2": gpt_oss + lb(8) + PP2,
-                "bc_gpt_oss_cp2": gpt_oss + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
-                "bc_gpt_oss_ep2": gpt_oss + lb(4) + EP2,
-                # The op policy inside blocks whose experts FSDP wraps apart (their hooks' profiler marks
-                # run inside the checkpointed region) and with biased projections (addmm).
-                "bc_gpt_oss_ep2_ac_op": gpt_oss + lb(4) + EP2 + ["--activation_checkpoint.mode", "selective",
-                                                                 "--activation_checkpoint.selective_ac_option", "op"]}
+        return {
+            "bc_gpt_oss_fsdp2": gpt_oss + lb(4),
+            "bc_gpt_oss_tp2": gpt_oss + lb(8) + tp2,
+            "bc_gpt_oss_pp2": gpt_oss + lb(8) + PP2,
+            "bc_gpt_oss_cp2": gpt_oss + lb(8) + CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall"],
+            "bc_gpt_oss_ep2": gpt_oss + lb(4) + EP2,
+            # The op policy inside blocks whose experts FSDP wraps apart (their hooks' profiler marks
+            # run inside the checkpointed region) and with biased projections (addmm).
+            "bc_gpt_oss_ep2_ac_op": gpt_oss
+            + lb(4)
+            + EP2
+            + ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+        }
     return {"bc_gpt_oss_ep2_fsdp2": gpt_oss + lb(2) + EP2, "bc_gpt_oss_ep2_tp2": gpt_oss + lb(4) + tp2 + EP2}
 
 
-BC_LAYOUTS = ["bc_fsdp2", "bc_fsdp2_split", "bc_fsdp2_accum2", "bc_tp2", "bc_pp2", "bc_pp2_zbv",
-              "bc_pp2_interleaved_accum2", "bc_fsdp2_ac_op_compile", "bc_cp2_allgather",
-              "bc_cp2_alltoall", "bc_moe_ep2", "bc_ds_mtp_cp2", "bc_qwen3_window_tp2", "bc_qwen3_window_pp2", "bc_qwen3_window_cp2",
-              "bc_fsdp2_tp2", *GPT_OSS_LAYOUTS, *QWEN3_5_LAYOUTS, *ULYSSES_LAYOUTS, "bc_cp2_ring_saved"]
+BC_LAYOUTS = [
+    "bc_fsdp2",
+    "bc_fsdp2_split",
+    "bc_fsdp2_accum2",
+    "bc_tp2",
+    "bc_pp2",
+    "bc_pp2_zbv",
+    "bc_pp2_interleaved_accum2",
+    "bc_fsdp2_ac_op_compile",
+    "bc_cp2_allgather",
+    "bc_cp2_alltoall",
+    "bc_moe_ep2",
+    "bc_ds_mtp_cp2",
+    "bc_qwen3_window_tp2",
+    "bc_qwen3_window_pp2",
+    "bc_qwen3_window_cp2",
+    "bc_fsdp2_tp2",
+    *GPT_OSS_LAYOUTS,
+    *QWEN3_5_LAYOUTS,
+    *ULYSSES_LAYOUTS,
+    "bc_cp2_ring_saved",
+]
 
 
 @pytest.fixture(scope="module")
@@ -459,14 +816,45 @@ def runs(tmp_path_factory):
 
 
 def reference_of(name: str) -> str:
-    for prefix in ("bc_gpt_oss", "bc_qwen3_5_moe", "bc_qwen3_5", "bc_qwen3_window", "bc_moe", "bc_ds_mtp", "bc", "qwen3_tied", "qwen3", "moe_muon", "muon", "moe", "ds_mtp", "ds_muon", "ds"):
+    for prefix in (
+        "bc_gpt_oss",
+        "bc_qwen3_5_moe",
+        "bc_qwen3_5",
+        "bc_qwen3_window",
+        "bc_moe",
+        "bc_ds_mtp",
+        "bc",
+        "qwen3_tied",
+        "qwen3",
+        "moe_muon",
+        "muon",
+        "moe",
+        "ds_mtp",
+        "ds_muon",
+        "ds",
+    ):
         if name.startswith(prefix):
             return f"{prefix}_single"
     return "single_fp32"
 
 
-@pytest.mark.parametrize("name", ["single_fp32", "qwen3_single", "qwen3_tied_single", "moe_single", "bc_single",
-                                  "bc_qwen3_window_single", "bc_gpt_oss_single", "bc_qwen3_5_single", "bc_qwen3_5_moe_single", "ds_single", "ds_mtp_single", "bc_ds_mtp_single"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "single_fp32",
+        "qwen3_single",
+        "qwen3_tied_single",
+        "moe_single",
+        "bc_single",
+        "bc_qwen3_window_single",
+        "bc_gpt_oss_single",
+        "bc_qwen3_5_single",
+        "bc_qwen3_5_moe_single",
+        "ds_single",
+        "ds_mtp_single",
+        "bc_ds_mtp_single",
+    ],
+)
 def test_reference_learns(runs, name):
     ref = losses(runs[name])
     assert len(ref) == 6
@@ -491,15 +879,59 @@ def test_mtp_moves_the_gradient_not_the_logged_loss(runs):
 
 @pytest.mark.parametrize(
     "name",
-    ["single_fp32_accum4", "fsdp2", "fsdp2_accum2", "fsdp2_never_reshard", "ddp2", "hsdp2x2", "fsdp4",
-     "fsdp2_ac_full", "fsdp2_ac_op_compile", "tp2", "tp2_no_loss_parallel", "fsdp2_tp2",
-     "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_fsdp2", "pp2_fsdp2_zbv", "pp2_tp2", "pp2_fsdp2_tp2",
-     "pp2_split_points", "pp2_module_fqns_interleaved", "cp2_allgather", "cp2_alltoall", "cp2_alltoall_ac_op", "cp2_alltoall_ac_compile", "cp2_ulysses_ac_op_compile", "fsdp2_cp2", "hsdp2_cp2", "cp4_alltoall",
-     "cp2_tp2", "pp2_cp2", "fsdp2_cp2_tp2", "pp2_cp2_tp2", "pp2_fsdp2_cp2_tp2", "pp2_accum2",
-     "qwen3_fsdp2", "qwen3_tp2", "qwen3_pp2", "qwen3_cp2",
-     "qwen3_tied_fsdp2", "qwen3_tied_tp2", "qwen3_tied_fsdp2_tp2", "qwen3_tied_pp2", "qwen3_tied_pp2_zbv",
-     "qwen3_tied_pp2_fsdp2", "qwen3_tied_pp4",
-     *MOE_LAYOUTS, *BC_LAYOUTS, *DS_LAYOUTS, *MUON_LAYOUTS, *CHUNK_LAYOUTS],
+    [
+        "single_fp32_accum4",
+        "fsdp2",
+        "fsdp2_accum2",
+        "fsdp2_never_reshard",
+        "ddp2",
+        "hsdp2x2",
+        "fsdp4",
+        "fsdp2_ac_full",
+        "fsdp2_ac_op_compile",
+        "tp2",
+        "tp2_no_loss_parallel",
+        "fsdp2_tp2",
+        "pp2_1f1b",
+        "pp2_interleaved",
+        "pp2_zbv",
+        "pp2_fsdp2",
+        "pp2_fsdp2_zbv",
+        "pp2_tp2",
+        "pp2_fsdp2_tp2",
+        "pp2_split_points",
+        "pp2_module_fqns_interleaved",
+        "cp2_allgather",
+        "cp2_alltoall",
+        "cp2_alltoall_ac_op",
+        "cp2_alltoall_ac_compile",
+        "cp2_ulysses_ac_op_compile",
+        "fsdp2_cp2",
+        "hsdp2_cp2",
+        "cp4_alltoall",
+        "cp2_tp2",
+        "pp2_cp2",
+        "fsdp2_cp2_tp2",
+        "pp2_cp2_tp2",
+        "pp2_fsdp2_cp2_tp2",
+        "pp2_accum2",
+        "qwen3_fsdp2",
+        "qwen3_tp2",
+        "qwen3_pp2",
+        "qwen3_cp2",
+        "qwen3_tied_fsdp2",
+        "qwen3_tied_tp2",
+        "qwen3_tied_fsdp2_tp2",
+        "qwen3_tied_pp2",
+        "qwen3_tied_pp2_zbv",
+        "qwen3_tied_pp2_fsdp2",
+        "qwen3_tied_pp4",
+        *MOE_LAYOUTS,
+        *BC_LAYOUTS,
+        *DS_LAYOUTS,
+        *MUON_LAYOUTS,
+        *CHUNK_LAYOUTS,
+    ],
 )
 def test_fp32_layouts_match_single_process(runs, name):
     reference = reference_of(name)
@@ -580,8 +1012,21 @@ def test_metrics_records_have_the_documented_keys(runs):
     assert [r["step"] for r in runs["fsdp2"]] == [1, 2, 3, 4, 5, 6]
 
 
-VAL_LAYOUTS = ["fsdp2", "tp2", "pp2_1f1b", "pp2_zbv", "cp2_allgather", "moe_pp2_ep2", "bc_fsdp2", "bc_pp2",
-               "bc_cp2_allgather", "chunk_fsdp2", "chunk_tp2", "chunk_pp2", "chunk_cp2"]
+VAL_LAYOUTS = [
+    "fsdp2",
+    "tp2",
+    "pp2_1f1b",
+    "pp2_zbv",
+    "cp2_allgather",
+    "moe_pp2_ep2",
+    "bc_fsdp2",
+    "bc_pp2",
+    "bc_cp2_allgather",
+    "chunk_fsdp2",
+    "chunk_tp2",
+    "chunk_pp2",
+    "chunk_cp2",
+]
 
 
 @pytest.mark.parametrize("name", VAL_LAYOUTS)
@@ -612,7 +1057,7 @@ def test_mixture_fsdp2_and_resumed_under_fsdp4_match_one_process(runs):
     ref = runs["mix_single"]
     assert len(ref) == 6 and losses(ref) != losses(runs["single_fp32"])  # other data than the default
     for got in (runs["mix_fsdp2"], runs["mix_fsdp4_resumed"]):
-        for r, g in zip(ref[-len(got):], got):
+        for r, g in zip(ref[-len(got) :], got):
             assert r["step"] == g["step"] and g["loss"] == pytest.approx(r["loss"], rel=FP32_TOL)
     assert [r["step"] for r in runs["mix_fsdp4_resumed"]] == [4, 5, 6]
     shares = [[r[f"data_share/{i}"] for i in range(3)] for r in ref]
@@ -620,9 +1065,9 @@ def test_mixture_fsdp2_and_resumed_under_fsdp4_match_one_process(runs):
     assert shares[-1] == pytest.approx([0.5, 0.3, 0.2], abs=1 / 48)  # 48 sequences: within one of each share
 
 
-
-@pytest.mark.parametrize("name", ["qwen3_tied_pp2_zbv_resumed", "qwen3_tied_fsdp4_resumed", "ds_mtp_pp2_resumed",
-                                  "ds_mtp_fsdp4_resumed"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_tied_pp2_zbv_resumed", "qwen3_tied_fsdp4_resumed", "ds_mtp_pp2_resumed", "ds_mtp_fsdp4_resumed"]
+)
 def test_tied_embeddings_resume_between_pipelined_and_unsplit_layouts(runs, name):
     # One process -> PP 2 (both copies on one rank) and PP 2 -> FSDP 4: the copies' optimizer state
     # is stored under the canonical name, so the resumed steps continue the single process's. The
@@ -672,11 +1117,11 @@ def hand_loss(tmp) -> tuple[float, float]:
         for row_in, row_lab in zip(inputs, labels):
             ends = (row_in == tokenizer.eos_id).nonzero().flatten().tolist()
             for start, stop in zip([0] + [e + 1 for e in ends], ends + [len(row_in) - 1]):
-                doc = row_in[start:stop + 1]
+                doc = row_in[start : stop + 1]
                 if len(doc) == 0:
                     continue
                 logp = torch.log_softmax(model(doc[None]).double()[0], dim=-1)
-                nll = -logp.gather(1, row_lab[start:stop + 1, None]).flatten()
+                nll = -logp.gather(1, row_lab[start : stop + 1, None]).flatten()
                 keep = doc != tokenizer.eos_id
                 total += nll[keep].sum().item()
                 count += int(keep.sum())

@@ -30,16 +30,47 @@ TRIALS = 12
 REFERENCE_STEPS = 80
 # Constant learning rate after warmup, so the total step count (which the launches vary) does not
 # change any step's numbers.
-JOB = TINY + ["--training.local_batch_size", "4", "--lr_scheduler.decay_ratio", "0", "--checkpoint.enable_checkpoint",
-              "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2", "--checkpoint.no-last_save_model_only"]
+JOB = TINY + [
+    "--training.local_batch_size",
+    "4",
+    "--lr_scheduler.decay_ratio",
+    "0",
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.keep_latest_k",
+    "2",
+    "--checkpoint.no-last_save_model_only",
+]
 
 
 def launch(folder: Path, steps: int, *extra: str, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", *torchrun, "-m", "torchtitan.train", *JOB, "--job.dump_folder", str(folder),
-           "--training.steps", str(steps), *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        *torchrun,
+        "-m",
+        "torchtitan.train",
+        *JOB,
+        "--job.dump_folder",
+        str(folder),
+        "--training.steps",
+        str(steps),
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def logged_steps(folder: Path) -> int:

@@ -51,8 +51,18 @@ register_flavor("llama3", {FLAVOR!r}, dataclasses.replace(get_model_args("llama3
 MAX_LOSS_DIFF = 0.05
 MIN_LOSS_DIFF = 1e-3
 
-COMMON = ["--model.flavor", FLAVOR, "--optimizer.lr", "1e-2", "--training.steps", "10",
-          "--training.seq_len", "32", "--training.mixed_precision_param", "bfloat16"]
+COMMON = [
+    "--model.flavor",
+    FLAVOR,
+    "--optimizer.lr",
+    "1e-2",
+    "--training.steps",
+    "10",
+    "--training.seq_len",
+    "32",
+    "--training.mixed_precision_param",
+    "bfloat16",
+]
 FLOAT8 = ["--model.converters", "float8"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 SINGLE = {
@@ -61,18 +71,28 @@ SINGLE = {
 }
 TWO = {
     "fsdp2_bf16": COMMON + ["--training.local_batch_size", "4"],
-    "fsdp2_float8_all_gather": COMMON + ["--training.local_batch_size", "4"] + FLOAT8
+    "fsdp2_float8_all_gather": COMMON
+    + ["--training.local_batch_size", "4"]
+    + FLOAT8
     + ["--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"],
-    "fsdp2_float8_rowwise": COMMON + ["--training.local_batch_size", "4"] + FLOAT8
+    "fsdp2_float8_rowwise": COMMON
+    + ["--training.local_batch_size", "4"]
+    + FLOAT8
     + ["--float8.recipe_name", "rowwise"],
     "tp2_bf16": COMMON + ["--training.local_batch_size", "8"] + TP2,
     "tp2_float8": COMMON + ["--training.local_batch_size", "8"] + TP2 + FLOAT8,
-    "tp2_float8_rowwise": COMMON + ["--training.local_batch_size", "8"] + TP2 + FLOAT8
+    "tp2_float8_rowwise": COMMON
+    + ["--training.local_batch_size", "8"]
+    + TP2
+    + FLOAT8
     + ["--float8.recipe_name", "rowwise"],
 }
 FOUR = {
     "fsdp2_tp2_bf16": COMMON + ["--training.local_batch_size", "4"] + TP2,
-    "fsdp2_tp2_float8_all_gather": COMMON + ["--training.local_batch_size", "4"] + TP2 + FLOAT8
+    "fsdp2_tp2_float8_all_gather": COMMON
+    + ["--training.local_batch_size", "4"]
+    + TP2
+    + FLOAT8
     + ["--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"],
 }
 
@@ -97,8 +117,11 @@ def test_every_block_linear_of_the_flavor_is_float8():
     for name in block_linears:
         linear = model.get_submodule(name)
         rowwise = name.endswith(("attention.wo", "feed_forward.w2"))
-        shard = (linear.in_features // 2, linear.out_features) if rowwise else (linear.in_features,
-                                                                                 linear.out_features // 2)
+        shard = (
+            (linear.in_features // 2, linear.out_features)
+            if rowwise
+            else (linear.in_features, linear.out_features // 2)
+        )
         assert all(d % 16 == 0 for d in shard), (name, shard)
 
 
@@ -117,9 +140,14 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, baseline",
-    [("single_float8", "single_bf16"), ("fsdp2_float8_all_gather", "fsdp2_bf16"),
-     ("fsdp2_float8_rowwise", "fsdp2_bf16"), ("tp2_float8", "tp2_bf16"), ("tp2_float8_rowwise", "tp2_bf16"),
-     ("fsdp2_tp2_float8_all_gather", "fsdp2_tp2_bf16")],
+    [
+        ("single_float8", "single_bf16"),
+        ("fsdp2_float8_all_gather", "fsdp2_bf16"),
+        ("fsdp2_float8_rowwise", "fsdp2_bf16"),
+        ("tp2_float8", "tp2_bf16"),
+        ("tp2_float8_rowwise", "tp2_bf16"),
+        ("fsdp2_tp2_float8_all_gather", "fsdp2_tp2_bf16"),
+    ],
 )
 def test_float8_tracks_bf16(runs, name, baseline):
     ref, got = losses(runs[baseline]), losses(runs[name])

@@ -47,25 +47,50 @@ transformers = pytest.importorskip("transformers")
 # key: (family, flavor, fields of the folder's config that differ from the flavor's). "llama32" is the
 # llama debug flavor with Llama 3.2's tied embeddings and rotary scaling (16 original positions, so
 # that the scaling moves the angles of a 64-token window): the trainer takes both from the folder.
-FAMILIES = {"llama": ("llama3", "debugmodel", {}), "moe": ("qwen3", "debugmodel_moe", {}),
-            "tied": ("qwen3", "debugmodel_tied", {}),
-            "llama32": ("llama3", "debugmodel", {"tie_word_embeddings": True, "rope_scaling": RopeScaling(
-                factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)}),
-            "ds": ("deepseek_v3", "debugmodel", {}), "gptoss": ("gpt_oss", "debugmodel", {}),
-            # gpt-oss with its experts in MXFP4, as published (a folder our test helper writes: transformers
-            # writes no MXFP4 on the CPU); its transformers model holds transformers' own dequantization.
-            "mxfp4": ("gpt_oss", "debugmodel", {}),
-            # Qwen3.5 (gated DeltaNet and gated attention, zero-centered norms) and Qwen3.5-MoE (shared
-            # expert and its gate).
-            "qwen35": ("qwen3_5", "debugmodel", {}), "qwen35moe": ("qwen3_5", "debugmodel_moe", {})}
+FAMILIES = {
+    "llama": ("llama3", "debugmodel", {}),
+    "moe": ("qwen3", "debugmodel_moe", {}),
+    "tied": ("qwen3", "debugmodel_tied", {}),
+    "llama32": (
+        "llama3",
+        "debugmodel",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": RopeScaling(
+                factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+            ),
+        },
+    ),
+    "ds": ("deepseek_v3", "debugmodel", {}),
+    "gptoss": ("gpt_oss", "debugmodel", {}),
+    # gpt-oss with its experts in MXFP4, as published (a folder our test helper writes: transformers
+    # writes no MXFP4 on the CPU); its transformers model holds transformers' own dequantization.
+    "mxfp4": ("gpt_oss", "debugmodel", {}),
+    # Qwen3.5 (gated DeltaNet and gated attention, zero-centered norms) and Qwen3.5-MoE (shared
+    # expert and its gate).
+    "qwen35": ("qwen3_5", "debugmodel", {}),
+    "qwen35moe": ("qwen3_5", "debugmodel_moe", {}),
+}
 # DeepSeek-V3 jobs keep the balancing bias still (it is exported: a moved bias would differ from the import).
 STILL_BIAS = ["--moe.load_balance_coeff", "0"]
-STILL = ["--training.steps", "1", "--training.max_norm", "1e-30", "--optimizer.weight_decay", "0",
-         "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32", "--checkpoint.hf_max_shard_mb", "2"]
+STILL = [
+    "--training.steps",
+    "1",
+    "--training.max_norm",
+    "1e-30",
+    "--optimizer.weight_decay",
+    "0",
+    "--checkpoint.last_save_in_hf",
+    "--checkpoint.export_dtype",
+    "float32",
+    "--checkpoint.hf_max_shard_mb",
+    "2",
+]
 # name: (family key, local batch size for the global batch of 8, layout)
 LAYOUTS = {
     1: {"llama_single": ("llama", 8, []), "moe_single": ("moe", 8, []), "gptoss_single": ("gptoss", 8, [])},
-    2: {"llama_tp2": ("llama", 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    2: {
+        "llama_tp2": ("llama", 8, ["--parallelism.tensor_parallel_degree", "2"]),
         "llama_pp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
         "moe_ep2": ("moe", 4, ["--parallelism.expert_parallel_degree", "2"]),
         "ds_pp2": ("ds", 8, ["--parallelism.pipeline_parallel_degree", "2", *STILL_BIAS]),
@@ -79,10 +104,15 @@ LAYOUTS = {
         "mxfp4_ep2": ("mxfp4", 4, ["--parallelism.expert_parallel_degree", "2"]),
         # Qwen3.5 under FSDP 2 (each rank reads its shards' rows) and Qwen3.5-MoE under EP 2 (its experts).
         "qwen35_fsdp2": ("qwen35", 4, []),
-        "qwen35moe_ep2": ("qwen35moe", 4, ["--parallelism.expert_parallel_degree", "2"])},
-    4: {"llama_fsdp4": ("llama", 2, []),
-        "llama_pp2_tp2": ("llama", 8, ["--parallelism.pipeline_parallel_degree", "2",
-                                       "--parallelism.tensor_parallel_degree", "2"]),
+        "qwen35moe_ep2": ("qwen35moe", 4, ["--parallelism.expert_parallel_degree", "2"]),
+    },
+    4: {
+        "llama_fsdp4": ("llama", 2, []),
+        "llama_pp2_tp2": (
+            "llama",
+            8,
+            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        ),
         "moe_ep2_fsdp2": ("moe", 2, ["--parallelism.expert_parallel_degree", "2"]),
         # FSDP over TP-sharded rows: strided shards, which are read whole and all-gathered.
         "llama_fsdp2_tp2": ("llama", 4, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -91,8 +121,12 @@ LAYOUTS = {
         "ds_ep2_fsdp2": ("ds", 2, ["--parallelism.expert_parallel_degree", "2", *STILL_BIAS]),
         "gptoss_ep2_fsdp2": ("gptoss", 2, ["--parallelism.expert_parallel_degree", "2"]),
         "mxfp4_ep2_fsdp2": ("mxfp4", 2, ["--parallelism.expert_parallel_degree", "2"]),
-        "gptoss_ep2_tp2": ("gptoss", 4, ["--parallelism.expert_parallel_degree", "2",
-                                         "--parallelism.tensor_parallel_degree", "2"])},
+        "gptoss_ep2_tp2": (
+            "gptoss",
+            4,
+            ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        ),
+    },
 }
 
 
@@ -104,8 +138,9 @@ def hf_folder(path, family: str, flavor: str, changes: dict):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(spec.hf.config(args, torch.float32, 1, 2)))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)),
-                                                          torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(path)), torch_dtype=torch.float32
+    )
     if family == "gpt_oss":  # its zero-initialized biases would move by Adam's ~1e-26 in the still step
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -144,16 +179,27 @@ def mxfp4_folder(path, family: str, flavor: str, changes: dict):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_sharded")
-    models = {key: (mxfp4_folder if key == "mxfp4" else hf_folder)(tmp / f"hf_{key}", *FAMILIES[key])
-              for key in FAMILIES}
+    models = {
+        key: (mxfp4_folder if key == "mxfp4" else hf_folder)(tmp / f"hf_{key}", *FAMILIES[key]) for key in FAMILIES
+    }
     results = {}
     for nproc, jobs in LAYOUTS.items():
         argv = {}
         for name, (key, local_batch, extra) in jobs.items():
             family, flavor, _ = FAMILIES[key]
-            argv[name] = ["--model.name", family, "--model.flavor", flavor, "--training.local_batch_size",
-                          str(local_batch), "--checkpoint.initial_load_path", str(tmp / f"hf_{key}"), "--checkpoint.initial_load_in_hf",
-                          *STILL, *extra]
+            argv[name] = [
+                "--model.name",
+                family,
+                "--model.flavor",
+                flavor,
+                "--training.local_batch_size",
+                str(local_batch),
+                "--checkpoint.initial_load_path",
+                str(tmp / f"hf_{key}"),
+                "--checkpoint.initial_load_in_hf",
+                *STILL,
+                *extra,
+            ]
         results.update(launch(argv, nproc, tmp))
     return tmp, models, results
 
@@ -216,8 +262,19 @@ def test_every_export_holds_the_runs_tokenizer(runs):
         assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == expected, name
 
 
-@pytest.mark.parametrize("name", ["llama_pp2_tp2", "moe_ep2_fsdp2", "tied_pp2_fsdp2", "llama32_pp2_fsdp2",
-                                  "ds_ep2_fsdp2", "gptoss_ep2_tp2", "qwen35_fsdp2", "qwen35moe_ep2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama_pp2_tp2",
+        "moe_ep2_fsdp2",
+        "tied_pp2_fsdp2",
+        "llama32_pp2_fsdp2",
+        "ds_ep2_fsdp2",
+        "gptoss_ep2_tp2",
+        "qwen35_fsdp2",
+        "qwen35moe_ep2",
+    ],
+)
 def test_transformers_loads_the_export(runs, name):
     tmp, models, _ = runs
     out = tmp / name / "checkpoint" / "step-1-hf"
@@ -237,9 +294,12 @@ def fuse_experts(hf_sd: dict, layers: int) -> dict:
         per = {k: out.pop(k) for k in list(out) if k.startswith(prefix)}
         experts = range(len(per) // 3)
         if per:
-            out[f"model.layers.{layer}.{FUSED_GATE_UP}"] = torch.stack([
-                torch.cat([per[f"{prefix}{e}.gate_proj.weight"], per[f"{prefix}{e}.up_proj.weight"]]) for e in experts])
-            out[f"model.layers.{layer}.{FUSED_DOWN}"] = torch.stack([per[f"{prefix}{e}.down_proj.weight"] for e in experts])
+            out[f"model.layers.{layer}.{FUSED_GATE_UP}"] = torch.stack(
+                [torch.cat([per[f"{prefix}{e}.gate_proj.weight"], per[f"{prefix}{e}.up_proj.weight"]]) for e in experts]
+            )
+            out[f"model.layers.{layer}.{FUSED_DOWN}"] = torch.stack(
+                [per[f"{prefix}{e}.down_proj.weight"] for e in experts]
+            )
     return out
 
 
@@ -250,10 +310,14 @@ def adapter_folder(path, family: str, flavor: str, fused: bool):
     args = spec.args_for_training(flavor, 4096, 64)
     torch.manual_seed(0)
     with torch.no_grad():
-        sd = {k: v.float().normal_() if v.is_floating_point() else v for k, v in spec.model_cls(args).state_dict().items()}
+        sd = {
+            k: v.float().normal_() if v.is_floating_point() else v for k, v in spec.model_cls(args).state_dict().items()
+        }
     adapter = spec.hf
     if fused:
-        adapter = dataclasses.replace(adapter, to_hf=lambda sd, args: fuse_experts(spec.hf.to_hf(sd, args), args.n_layers))
+        adapter = dataclasses.replace(
+            adapter, to_hf=lambda sd, args: fuse_experts(spec.hf.to_hf(sd, args), args.n_layers)
+        )
     save_hf(path, sd, adapter, args, torch.float32, max_shard_bytes=2**20)
     return path
 
@@ -262,14 +326,16 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
 # name: (family, flavor, experts fused, layout, each rank reads exactly its shards' bytes)
 READS = {
     3: {"llama_fsdp3": ("llama3", "debugmodel", False, [], False)},
-    4: {"llama_fsdp4": ("llama3", "debugmodel", False, [], True),
+    4: {
+        "llama_fsdp4": ("llama3", "debugmodel", False, [], True),
         "llama_fsdp2_tp2": ("llama3", "debugmodel", False, ["--parallelism.tensor_parallel_degree", "2"], True),
         "moe_fsdp4": ("qwen3", "debugmodel_moe", False, [], True),
         # The output layer is the embedding: read once.
         "tied_fsdp4": ("qwen3", "debugmodel_tied", False, [], True),
         "moe_ep2_fsdp2": ("qwen3", "debugmodel_moe", False, EP2, True),
         "moe_fused_ep2_fsdp2": ("qwen3", "debugmodel_moe", True, EP2, True),
-        "ds_ep2_fsdp2": ("deepseek_v3", "debugmodel", False, EP2, True)},
+        "ds_ep2_fsdp2": ("deepseek_v3", "debugmodel", False, EP2, True),
+    },
 }
 
 
@@ -284,12 +350,28 @@ def reads(tmp_path_factory):
             key = (family, flavor, fused)
             if key not in folders:
                 folders[key] = adapter_folder(tmp / f"{family}_{flavor}_{fused}", *key)
-            spec.append({"name": name, "folder": str(folders[key]), "argv": [
-                "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", family,
-                "--model.flavor", flavor, *layout]})
+            spec.append(
+                {
+                    "name": name,
+                    "folder": str(folders[key]),
+                    "argv": [
+                        "--job.config_file",
+                        str(REPO / "train_configs" / "debug_model.toml"),
+                        "--model.name",
+                        family,
+                        "--model.flavor",
+                        flavor,
+                        *layout,
+                    ],
+                }
+            )
         (tmp / f"cases_{nproc}.json").write_text(json.dumps(spec))
-        run_script(REPO / "tests" / "distributed" / "hf_load_worker.py",
-                   [str(tmp / f"cases_{nproc}.json"), str(tmp / f"out_{nproc}.json")], nproc, tmp)
+        run_script(
+            REPO / "tests" / "distributed" / "hf_load_worker.py",
+            [str(tmp / f"cases_{nproc}.json"), str(tmp / f"out_{nproc}.json")],
+            nproc,
+            tmp,
+        )
         results.update(json.loads((tmp / f"out_{nproc}.json").read_text()))
     return results
 

@@ -37,9 +37,21 @@ def runs(tmp_path_factory):
         "single": job(tmp, "single", 1, "--training.local_batch_size", "8"),
         "ep2": job(tmp, "ep2", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"),
         "tp2": job(tmp, "tp2", 2, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"),
-        "ep2_ac_50": job(tmp, "ep2_ac_50", 2, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree",
-                         "2", "--activation_checkpoint.mode", "full", "--training.steps", "50",
-                         "--metrics.log_freq", "10"),
+        "ep2_ac_50": job(
+            tmp,
+            "ep2_ac_50",
+            2,
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+            "--training.steps",
+            "50",
+            "--metrics.log_freq",
+            "10",
+        ),
     }
 
 

@@ -6,8 +6,10 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 
 def dims(world, replicate=1, shard=-1, tp=1):
     return ParallelDims.from_config(
-        Parallelism(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard,
-                    tensor_parallel_degree=tp), world
+        Parallelism(
+            data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard, tensor_parallel_degree=tp
+        ),
+        world,
     )
 
 

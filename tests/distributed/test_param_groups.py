@@ -18,8 +18,17 @@ pytestmark = pytest.mark.slow
 
 GROUPS = ["--optimizer.param_groups", "tok_embeddings lr_mult=0.5,layers\\.1\\. lr_mult=2 weight_decay=0"]
 # The tied flavor at half the learning rate, as in test_data_parallel_parity (its gradient norm swings at 2e-3).
-TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--optimizer.lr", "1e-3",
-        "--optimizer.no-weight_decay_embeddings", "--optimizer.param_groups", "^output\\. lr_mult=0.5"]
+TIED = [
+    "--model.name",
+    "qwen3",
+    "--model.flavor",
+    "debugmodel_tied",
+    "--optimizer.lr",
+    "1e-3",
+    "--optimizer.no-weight_decay_embeddings",
+    "--optimizer.param_groups",
+    "^output\\. lr_mult=0.5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +41,8 @@ def runs(tmp_path_factory):
 
 
 def check_close(ref: list[dict], got: list[dict]):
-    assert [r["step"] for r in ref[-len(got):]] == [g["step"] for g in got]
-    for r, g in zip(ref[-len(got):], got):
+    assert [r["step"] for r in ref[-len(got) :]] == [g["step"] for g in got]
+    for r, g in zip(ref[-len(got) :], got):
         assert g["loss"] == pytest.approx(r["loss"], rel=FP32_TOL), g["step"]
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), g["step"]
 

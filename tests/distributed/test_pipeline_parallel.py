@@ -23,7 +23,14 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parent / "pp_worker.py"
 GRAD_NORM_RTOL = 1e-4
 PP_CASES = [
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "csv"
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+    "csv",
 ]
 FSDP_CASES = [
     "fsdp_1F1B",
@@ -36,8 +43,17 @@ FSDP_CASES = [
 
 def _launch(tmp: Path, nproc: int, mode: str) -> dict:
     out = tmp / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), mode, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        mode,
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

@@ -48,9 +48,9 @@ def test_uneven_split_gives_leftovers_after_the_first_stage():
 def test_first_and_last_less():
     # 8 layers + 1 + 1 slots over 5 stages: 2 slots each, the first and last give one to embedding / output.
     assert [len(p) for p in layers(split_module_names(LAYOUT, 8, 5, first_less=1, last_less=1))] == [1, 2, 2, 2, 1]
-    assert [len(p) for p in layers(split_module_names(LAYOUT, 8, 4, layers_per_stage=3, first_less=2, last_less=2))] == [
-        1, 3, 3, 1
-    ]
+    assert [
+        len(p) for p in layers(split_module_names(LAYOUT, 8, 4, layers_per_stage=3, first_less=2, last_less=2))
+    ] == [1, 3, 3, 1]
 
 
 def test_every_layer_once_in_order():
@@ -84,7 +84,10 @@ def test_negative_stage_reductions_are_refused_by_the_config():
 
 def test_a_family_with_other_module_names_splits_by_its_layout():
     layout = PipelineLayout(before=("wte",), after=("ln_f", "lm_head"))
-    assert split_module_names(layout, 4, 2) == [["wte", "layers.0", "layers.1"], ["layers.2", "layers.3", "ln_f", "lm_head"]]
+    assert split_module_names(layout, 4, 2) == [
+        ["wte", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "ln_f", "lm_head"],
+    ]
     assert parts_from_split_points(layout, 4, ["layers.3"])[1] == ["layers.3", "ln_f", "lm_head"]
     with pytest.raises(UserError, match=r"unknown module names \['tok_embeddings'\]"):
         split_module_names(layout, 4, 2, module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"]])
@@ -138,7 +141,9 @@ def test_explicit_parts_override_and_are_checked():
     with pytest.raises(UserError, match=r"has 2 model parts but the pipeline has 4 stages"):
         split_module_names(LAYOUT, 4, 4, module_fqns_per_model_part=parts)
     with pytest.raises(UserError, match=r"missing \['layers.3'\]"):
-        split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=[parts[0], ["layers.1", "layers.2", "norm", "output"]])
+        split_module_names(
+            LAYOUT, 4, 2, module_fqns_per_model_part=[parts[0], ["layers.1", "layers.2", "norm", "output"]]
+        )
     with pytest.raises(UserError, match=r"unknown module names \['layers.9'\]"):
         split_module_names(LAYOUT, 4, 2, module_fqns_per_model_part=[parts[0], parts[1] + ["layers.9"]])
     with pytest.raises(UserError, match=r"model order"):
@@ -228,8 +233,14 @@ def test_too_few_microbatches():
 
 def test_split_points_become_model_parts():
     assert parts_from_split_points(LAYOUT, 4, ["layers.2"]) == [
-        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
-    assert [p[0] for p in parts_from_split_points(LAYOUT, 4, ["layers.1", "layers.3"])] == ["tok_embeddings", "layers.1", "layers.3"]
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
+    assert [p[0] for p in parts_from_split_points(LAYOUT, 4, ["layers.1", "layers.3"])] == [
+        "tok_embeddings",
+        "layers.1",
+        "layers.3",
+    ]
     with pytest.raises(UserError, match=r"unknown module names \['layer.2'\]"):
         parts_from_split_points(LAYOUT, 4, ["layer.2"])
     with pytest.raises(UserError, match=r"in model order"):
@@ -243,17 +254,41 @@ def test_plan_split_from_config():
         cfg = load_config(["--parallelism.pipeline_parallel_degree", "2", *argv])
         return plan_split(LAYOUT, 6, 2, cfg.parallelism)
 
-    explicit = plan("--parallelism.module_fqns_per_model_part",
-                    "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output")
+    explicit = plan(
+        "--parallelism.module_fqns_per_model_part",
+        "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output",
+    )
     assert [len(p) for p in explicit] == [2, 7]
-    assert plan("--parallelism.pipeline_parallel_split_points", "layers.4")[1] == ["layers.4", "layers.5", "norm", "output"]
+    assert plan("--parallelism.pipeline_parallel_split_points", "layers.4")[1] == [
+        "layers.4",
+        "layers.5",
+        "norm",
+        "output",
+    ]
     # Four parts for a schedule with two stages per rank; two parts for 1F1B.
-    assert len(plan("--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5",
-                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")) == 4
+    assert (
+        len(
+            plan(
+                "--parallelism.pipeline_parallel_split_points",
+                "layers.1,layers.3,layers.5",
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+            )
+        )
+        == 4
+    )
     with pytest.raises(UserError, match=r"pipeline_parallel_split_points gives 3 stages, which schedule '1F1B'"):
         plan("--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
     # The default: layers spread over one stage per rank.
     assert [len(p) for p in plan()] == [4, 5]
     with pytest.raises(UserError, match=r"both split the pipeline"):
-        load_config(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points",
-                     "layers.2", "--parallelism.pipeline_parallel_layers_per_stage", "2"])
+        load_config(
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_split_points",
+                "layers.2",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "2",
+            ]
+        )

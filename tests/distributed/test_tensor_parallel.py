@@ -38,7 +38,9 @@ def parallelized(name: str, flavor: str, mesh, fsdp: bool):
     return model, {n: [str(p) for p in t.placements] for n, t in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name, flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_tied")])
+@pytest.mark.parametrize(
+    "name, flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_tied")]
+)
 def test_placements(mesh, name, flavor):
     _, tp_only = parallelized(name, flavor, mesh, fsdp=False)
     # Heads and FFN units split column-wise, their output projections row-wise, norms replicated.

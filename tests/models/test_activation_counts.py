@@ -14,11 +14,19 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.registry import get_model_spec
 from torchtitan.planner.allocations import kept_by
 
-CASES = [("llama3", "debugmodel", "1"), ("qwen3", "debugmodel", "1"), ("qwen3", "debugmodel_moe", "1"),
-         ("deepseek_v3", "debugmodel", "0"), ("deepseek_v3", "debugmodel", "1"),
-         ("gpt_oss", "debugmodel", "0"), ("gpt_oss", "debugmodel", "1"),  # a windowed layer, a full one
-         ("qwen3_5", "debugmodel", "0"), ("qwen3_5", "debugmodel", "3"),  # gated DeltaNet, gated full attention
-         ("qwen3_5", "debugmodel_moe", "0"), ("qwen3_5", "debugmodel_moe", "3")]  # the same with MoE (shared gate)
+CASES = [
+    ("llama3", "debugmodel", "1"),
+    ("qwen3", "debugmodel", "1"),
+    ("qwen3", "debugmodel_moe", "1"),
+    ("deepseek_v3", "debugmodel", "0"),
+    ("deepseek_v3", "debugmodel", "1"),
+    ("gpt_oss", "debugmodel", "0"),
+    ("gpt_oss", "debugmodel", "1"),  # a windowed layer, a full one
+    ("qwen3_5", "debugmodel", "0"),
+    ("qwen3_5", "debugmodel", "3"),  # gated DeltaNet, gated full attention
+    ("qwen3_5", "debugmodel_moe", "0"),
+    ("qwen3_5", "debugmodel_moe", "3"),
+]  # the same with MoE (shared gate)
 
 
 def traced_bytes_per_token(model, layer: str, batch: int, seq: int, dtype) -> float:

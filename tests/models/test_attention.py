@@ -38,8 +38,9 @@ def reference_attention(q, k, v, doc_ids, window, return_lse=False):
     seq = q.shape[2]
     allowed = torch.zeros(q.shape[0], 1, seq, seq, dtype=torch.bool)
     for b, i, j in itertools.product(range(q.shape[0]), range(seq), range(seq)):
-        allowed[b, 0, i, j] = (j <= i and (window is None or i - j < window)
-                               and (doc_ids is None or doc_ids[b, i] == doc_ids[b, j]))
+        allowed[b, 0, i, j] = (
+            j <= i and (window is None or i - j < window) and (doc_ids is None or doc_ids[b, i] == doc_ids[b, j])
+        )
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v
@@ -124,8 +125,9 @@ def tiny(family: str, flavor: str):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("family,flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel"),
-                                           ("qwen3", "debugmodel_moe")])
+@pytest.mark.parametrize(
+    "family,flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe")]
+)
 def test_changing_a_document_changes_no_logit_of_another(kernel, family, flavor):
     spec, model = tiny(family, flavor)
     set_attention_fn(model, spec.cp_attention, KERNELS[kernel])
@@ -174,12 +176,14 @@ def test_flops_count_the_attention_the_mask_computes():
     width = args.n_heads * args.head_dim
     # Per token, 12 x width FLOPs per key attended, per layer: (2048 + 1) / 2 keys against (64 + 1) / 2.
     assert whole - short == pytest.approx(12 * width * args.n_layers * (2049 - 65) / 2, rel=1e-9)
-    windowed = spec.args_for_training("debugmodel", 4096, 2048, overrides={"sliding_window": 128,
-                                                                            "max_window_layers": 1})
+    windowed = spec.args_for_training(
+        "debugmodel", 4096, 2048, overrides={"sliding_window": 128, "max_window_layers": 1}
+    )
     # Layer 0 attends fully; the others to at most 128 keys.
     pairs = 2048 * 2049 // 2 + (args.n_layers - 1) * attended_pairs([2048], 128)
     assert spec.flops_per_token(windowed, 2048) == pytest.approx(
-        whole - 12 * width * args.n_layers * 2049 / 2 + 12 * width * pairs / 2048, rel=1e-9)
+        whole - 12 * width * args.n_layers * 2049 / 2 + 12 * width * pairs / 2048, rel=1e-9
+    )
 
 
 def test_loss_sums_the_labels_that_count():
@@ -187,7 +191,8 @@ def test_loss_sums_the_labels_that_count():
     logits, labels = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
     # Nothing ignored: the sum over the count is the mean cross entropy.
     assert cross_entropy_sum(logits, labels) / labels.numel() == pytest.approx(
-        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item(), rel=1e-6)
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item(), rel=1e-6
+    )
     ignored = labels.clone()
     ignored[0, 2] = ignored[1, 5] = IGNORE_INDEX
     keep = ignored != IGNORE_INDEX

@@ -86,8 +86,9 @@ SPEC = dataclasses.replace(
     name="llama3_sinks",
     model_cls=SinkTransformer,
     size=size,
-    tp_plan=TensorParallelPlan(top=LLAMA3.tp_plan.top,
-                               block=lambda block: {**LLAMA3.tp_plan.block(block), "attention.sinks": ShardHeads()}),
+    tp_plan=TensorParallelPlan(
+        top=LLAMA3.tp_plan.top, block=lambda block: {**LLAMA3.tp_plan.block(block), "attention.sinks": ShardHeads()}
+    ),
     hf=None,  # Llama 3's Hugging Face names have no sinks
 )
 register_model(SPEC)
@@ -125,7 +126,7 @@ def test_kv_cache_generation_equals_the_full_forward():
         caches = kv_caches(model, 40)
         steps = [model(tokens[:, :16], cache=caches, start_pos=0)]  # the prompt
         for p in range(16, 40):  # then one token at a time
-            steps.append(model(tokens[:, p:p + 1], cache=caches, start_pos=p))
+            steps.append(model(tokens[:, p : p + 1], cache=caches, start_pos=p))
     assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-5
 
 
@@ -135,20 +136,54 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sinks")
     # Several short documents per window, each seeing only itself: the block-causal mask at work.
-    BLOCK_CAUSAL = ["--training.dataset", "local", "--training.dataset_path",
-                    str(short_documents_corpus(tmp / "short_docs.jsonl")), "--model.attn_mask_type", "block_causal",
-                    "--model.attn_backend", "sdpa"]
-    results = launch({
-        "single": FAMILY + BLOCK_CAUSAL + ["--training.local_batch_size", "8"],
-        "llama3": ["--model.name", "llama3", "--model.flavor", "debugmodel", *BLOCK_CAUSAL,
-                   "--training.local_batch_size", "8"],
-    }, 1, tmp)
-    results.update(launch({
-        "fsdp2": FAMILY + BLOCK_CAUSAL + ["--training.local_batch_size", "4"],
-        "tp2": FAMILY + BLOCK_CAUSAL + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
-        "cp2": FAMILY + BLOCK_CAUSAL + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree",
-                                        "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
-    }, 2, tmp))
+    BLOCK_CAUSAL = [
+        "--training.dataset",
+        "local",
+        "--training.dataset_path",
+        str(short_documents_corpus(tmp / "short_docs.jsonl")),
+        "--model.attn_mask_type",
+        "block_causal",
+        "--model.attn_backend",
+        "sdpa",
+    ]
+    results = launch(
+        {
+            "single": FAMILY + BLOCK_CAUSAL + ["--training.local_batch_size", "8"],
+            "llama3": [
+                "--model.name",
+                "llama3",
+                "--model.flavor",
+                "debugmodel",
+                *BLOCK_CAUSAL,
+                "--training.local_batch_size",
+                "8",
+            ],
+        },
+        1,
+        tmp,
+    )
+    results.update(
+        launch(
+            {
+                "fsdp2": FAMILY + BLOCK_CAUSAL + ["--training.local_batch_size", "4"],
+                "tp2": FAMILY
+                + BLOCK_CAUSAL
+                + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+                "cp2": FAMILY
+                + BLOCK_CAUSAL
+                + [
+                    "--training.local_batch_size",
+                    "8",
+                    "--parallelism.context_parallel_degree",
+                    "2",
+                    "--parallelism.context_parallel_rotate_method",
+                    "alltoall",
+                ],
+            },
+            2,
+            tmp,
+        )
+    )
     return results
 
 

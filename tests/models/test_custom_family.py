@@ -151,7 +151,11 @@ SPEC = ModelSpec(
     size=size,
     flops_per_token=flops,
     tp_plan=TP_PLAN,
-    tp_sizes=lambda a: {"n_heads": (a.n_heads, "heads"), "hidden_dim": (a.hidden_dim, "fc"), "vocab_size": (a.vocab_size, "vocab")},
+    tp_sizes=lambda a: {
+        "n_heads": (a.n_heads, "heads"),
+        "hidden_dim": (a.hidden_dim, "fc"),
+        "vocab_size": (a.vocab_size, "vocab"),
+    },
     pipeline=PipelineLayout(before=("wte",), after=("ln_f", "lm_head")),
     cp_attention=None,
     post_optimizer_step=count_step,
@@ -180,17 +184,23 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("custom_family")
     results = launch({"single": BASE + ["--training.local_batch_size", "8"]}, 1, tmp)
-    results.update(launch({
-        "fsdp2": BASE + FSDP2 + CKPT,
-        "copy1": first3(tmp, "fsdp2", "fsdp2_resumed"),
-        "fsdp2_resumed": BASE + FSDP2 + CKPT,
-        "tp2": BASE + TP2 + CKPT,
-        "copy2": first3(tmp, "tp2", "tp2_resumed"),
-        "tp2_resumed": BASE + TP2 + CKPT,
-        # Saved under FSDP 2, resumed under TP 2: the names are the family's own, the layout another.
-        "copy3": first3(tmp, "fsdp2", "fsdp2_to_tp2"),
-        "fsdp2_to_tp2": BASE + TP2 + CKPT,
-    }, 2, tmp))
+    results.update(
+        launch(
+            {
+                "fsdp2": BASE + FSDP2 + CKPT,
+                "copy1": first3(tmp, "fsdp2", "fsdp2_resumed"),
+                "fsdp2_resumed": BASE + FSDP2 + CKPT,
+                "tp2": BASE + TP2 + CKPT,
+                "copy2": first3(tmp, "tp2", "tp2_resumed"),
+                "tp2_resumed": BASE + TP2 + CKPT,
+                # Saved under FSDP 2, resumed under TP 2: the names are the family's own, the layout another.
+                "copy3": first3(tmp, "fsdp2", "fsdp2_to_tp2"),
+                "fsdp2_to_tp2": BASE + TP2 + CKPT,
+            },
+            2,
+            tmp,
+        )
+    )
     return tmp, results
 
 
@@ -209,8 +219,9 @@ def test_parallel_layouts_match_one_process(runs, name):
     assert len(diffs) == 6 and max(diffs) < 1e-5, diffs
 
 
-@pytest.mark.parametrize("straight, resumed", [("fsdp2", "fsdp2_resumed"), ("tp2", "tp2_resumed"),
-                                                ("fsdp2", "fsdp2_to_tp2")])
+@pytest.mark.parametrize(
+    "straight, resumed", [("fsdp2", "fsdp2_resumed"), ("tp2", "tp2_resumed"), ("fsdp2", "fsdp2_to_tp2")]
+)
 def test_checkpoint_resume_continues_the_run(runs, straight, resumed):
     from conftest import losses
 

@@ -82,8 +82,7 @@ class LoopExperts(nn.Module):
         up, down = local_tensor(self.up), local_tensor(self.down)
         # The value of the weight, with its gradient times grad_scale (set by expert parallel).
         up, down = (w * self.grad_scale + (w * (1 - self.grad_scale)).detach() for w in (up, down))
-        outs = [F.linear(F.gelu(F.linear(chunk, up[e])), down[e])
-                for e, chunk in enumerate(x.split(counts.tolist()))]
+        outs = [F.linear(F.gelu(F.linear(chunk, up[e])), down[e]) for e, chunk in enumerate(x.split(counts.tolist()))]
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 
@@ -100,8 +99,11 @@ class Top2MoE(nn.Module):
         order = torch.argsort(ids.flatten(), stable=True)
         counts = torch.bincount(ids.flatten(), minlength=self.experts.num_experts)
         sorted_in = tokens[order // 2]
-        out = (self.dispatcher(self.experts, sorted_in, counts) if self.dispatcher is not None
-               else self.experts(sorted_in, counts))
+        out = (
+            self.dispatcher(self.experts, sorted_in, counts)
+            if self.dispatcher is not None
+            else self.experts(sorted_in, counts)
+        )
         slots = torch.empty_like(out)
         slots[order] = out
         combined = (slots.view(-1, 2, x.shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
@@ -126,7 +128,9 @@ class WideVMoE(Decoder):
 
     def rotary_table(self):
         a = self.args
-        angles = torch.outer(torch.arange(a.max_seq_len, dtype=torch.float32), inv_frequencies(a.qk_head_dim, a.rope_theta))
+        angles = torch.outer(
+            torch.arange(a.max_seq_len, dtype=torch.float32), inv_frequencies(a.qk_head_dim, a.rope_theta)
+        )
         return torch.cat([angles, angles], dim=-1)
 
     def init_for(self, name):
@@ -144,8 +148,10 @@ def size(a: WideVArgs) -> ModelSize:
 def experts_seen(parts, inputs) -> dict[str, float]:
     """What expert parallel did to the first expert layer: local experts and whether it dispatches."""
     layer = next(b.moe for part in parts for b in part.layers.values())
-    return {"moe/local_experts": float(local_tensor(layer.experts.up).shape[0]),
-            "moe/dispatched": float(layer.dispatcher is not None)}
+    return {
+        "moe/local_experts": float(local_tensor(layer.experts.up).shape[0]),
+        "moe/dispatched": float(layer.dispatcher is not None),
+    }
 
 
 SPEC = ModelSpec(
@@ -154,8 +160,9 @@ SPEC = ModelSpec(
     flavors={"debug": WideVArgs()},
     model_cls=WideVMoE,
     size=size,
-    flops_per_token=lambda a, docs: transformer_flops_per_token(matmul_parameters(size(a), a),
-                                                                 a.n_heads * a.qk_head_dim, [None] * a.n_layers, docs),
+    flops_per_token=lambda a, docs: transformer_flops_per_token(
+        matmul_parameters(size(a), a), a.n_heads * a.qk_head_dim, [None] * a.n_layers, docs
+    ),
     tp_plan=None,
     tp_sizes=lambda a: {},
     cp_attention="attention",
@@ -168,8 +175,14 @@ register_model(SPEC)
 
 pytestmark = pytest.mark.slow
 
-BASE = ["--experimental.custom_import", str(Path(__file__).resolve()), "--model.name", "wide_v_moe",
-        "--model.flavor", "debug"]
+BASE = [
+    "--experimental.custom_import",
+    str(Path(__file__).resolve()),
+    "--model.name",
+    "wide_v_moe",
+    "--model.flavor",
+    "debug",
+]
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +191,25 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("custom_moe_family")
     results = launch({"single": BASE + ["--training.local_batch_size", "8"]}, 1, tmp)
-    results.update(launch({
-        "ep2": BASE + ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
-        "cp2": BASE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
-        "cp2_alltoall": BASE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                                "--parallelism.context_parallel_rotate_method", "alltoall"],
-    }, 2, tmp))
+    results.update(
+        launch(
+            {
+                "ep2": BASE + ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+                "cp2": BASE + ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+                "cp2_alltoall": BASE
+                + [
+                    "--training.local_batch_size",
+                    "8",
+                    "--parallelism.context_parallel_degree",
+                    "2",
+                    "--parallelism.context_parallel_rotate_method",
+                    "alltoall",
+                ],
+            },
+            2,
+            tmp,
+        )
+    )
     return results
 
 

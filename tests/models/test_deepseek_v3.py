@@ -56,22 +56,35 @@ def test_mla_has_value_heads_of_their_own_width_and_trains():
     assert torch.isfinite(loss) and model.layers["1"].attention.wkv_a.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("scaling", [YarnScaling(40, 4096, 32, 1, 1.0, 1.0), YarnScaling(40, 4096, 32, 1, 0.707, 0.707),
-                                     YarnScaling(32, 4096, 1, 1, 1.0, 1.0), YarnScaling(4, 32, 32, 1, 1.0, 1.0)])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        YarnScaling(40, 4096, 32, 1, 1.0, 1.0),
+        YarnScaling(40, 4096, 32, 1, 0.707, 0.707),
+        YarnScaling(32, 4096, 1, 1, 1.0, 1.0),
+        YarnScaling(4, 32, 32, 1, 1.0, 1.0),
+    ],
+)
 def test_yarn_frequencies_are_transformers(scaling):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = transformers.DeepseekV3Config(
-        qk_rope_head_dim=64, max_position_embeddings=scaling.factor * scaling.original_max_position_embeddings,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **{k: v for k, v in dataclasses.asdict(scaling).items()}},
+        qk_rope_head_dim=64,
+        max_position_embeddings=scaling.factor * scaling.original_max_position_embeddings,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            **{k: v for k, v in dataclasses.asdict(scaling).items()},
+        },
     )
     theirs, magnitude = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     ours, our_magnitude = yarn_frequencies(64, 10000.0, scaling)
     assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0) and our_magnitude == pytest.approx(magnitude)
     # The logits' extra factor: 1 without mscale_all_dim, else mscale(factor, mscale_all_dim)^2.
-    assert yarn_softmax_factor(scaling) == pytest.approx((0.1 * scaling.mscale_all_dim * torch.log(torch.tensor(
-        scaling.factor)).item() + 1) ** 2)
+    assert yarn_softmax_factor(scaling) == pytest.approx(
+        (0.1 * scaling.mscale_all_dim * torch.log(torch.tensor(scaling.factor)).item() + 1) ** 2
+    )
 
 
 def test_flops_count_active_parameters_and_mla_attention():
@@ -85,10 +98,13 @@ def test_flops_count_active_parameters_and_mla_attention():
     assert SPEC.flops_per_token(args, seq) == pytest.approx(6 * (size.active - size.embedding) + attention)
 
 
-@pytest.mark.parametrize("moe, message", [
-    ({"num_expert_groups": 3}, r"num_expert_groups = 3 does not divide num_experts = 8"),
-    ({"num_limited_groups": 5}, r"num_limited_groups = 5 must be in \[1, 4\]"),
-])
+@pytest.mark.parametrize(
+    "moe, message",
+    [
+        ({"num_expert_groups": 3}, r"num_expert_groups = 3 does not divide num_experts = 8"),
+        ({"num_limited_groups": 5}, r"num_limited_groups = 5 must be in \[1, 4\]"),
+    ],
+)
 def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, moe, message):
     from torchtitan.config import load_config
     from torchtitan.models import registry
@@ -97,11 +113,23 @@ def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, m
     monkeypatch.setattr(registry, "_ADDED_FLAVORS", {})
     monkeypatch.setattr(registry, "_WITH_ADDED", {})
     base = SPEC.flavors["debugmodel"]
-    registry.register_flavor("deepseek_v3", "bad_groups", dataclasses.replace(base, moe=dataclasses.replace(base.moe, **moe)))
+    registry.register_flavor(
+        "deepseek_v3", "bad_groups", dataclasses.replace(base, moe=dataclasses.replace(base.moe, **moe))
+    )
     from conftest import REPO
 
-    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name",
-                       "deepseek_v3", "--model.flavor", "bad_groups", "--training.seq_len", "64"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "bad_groups",
+            "--training.seq_len",
+            "64",
+        ]
+    )
     with pytest.raises(UserError, match=message):
         preflight(cfg, world_size=1)
 
@@ -119,15 +147,16 @@ def test_export_is_deepseek_v3_for_transformers_with_the_balancing_bias(tmp_path
         for layer in SPEC.expert_layers(model):
             layer.expert_bias.uniform_(-0.05, 0.05, generator=torch.Generator().manual_seed(2))
     save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32, max_shard_bytes=2_000_000)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
     tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)
         assert (theirs(tokens).logits - ours).abs().max().item() < 1e-4
         # The bias matters: without it transformers routes other tokens elsewhere.
-        for layer in theirs.model.layers[args.n_dense_layers:]:
+        for layer in theirs.model.layers[args.n_dense_layers :]:
             layer.mlp.gate.e_score_correction_bias.zero_()
         assert (theirs(tokens).logits - ours).abs().max().item() > 1e-3
     # Import reads it back: the same args and tensors.
@@ -196,17 +225,34 @@ def test_mtp_is_refused_below_0_and_for_families_without_it():
     from conftest import REPO
 
     def cfg(*extra):
-        return load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name",
-                            "deepseek_v3", "--training.seq_len", "64", *extra])
+        return load_config(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs" / "debug_model.toml"),
+                "--model.name",
+                "deepseek_v3",
+                "--training.seq_len",
+                "64",
+                *extra,
+            ]
+        )
 
     with pytest.raises(UserError, match="model.mtp_depth must be 0 .* or more, got -1"):
         cfg("--model.mtp_depth", "-1")
     # Every layout runs it (tests/distributed/test_data_parallel_parity.py): PP 2 passes preflight.
-    preflight(cfg("--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2",
-                  "--training.local_batch_size", "4"), world_size=2)
+    preflight(
+        cfg(
+            "--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"
+        ),
+        world_size=2,
+    )
     with pytest.raises(UserError, match="model.mtp_depth is set, but model 'llama3' has no multi-token prediction"):
-        preflight(load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-                               "--model.mtp_depth", "1"]), world_size=1)
+        preflight(
+            load_config(
+                ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.mtp_depth", "1"]
+            ),
+            world_size=1,
+        )
 
 
 def test_mtp_modules_export_where_the_published_checkpoints_put_them(tmp_path):
@@ -218,9 +264,21 @@ def test_mtp_modules_export_where_the_published_checkpoints_put_them(tmp_path):
     model = materialized(SPEC.model_cls, args, seed=1).eval()
     save_hf(tmp_path / "hf", model.state_dict(), SPEC.hf, args, torch.float32)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
-        mtp = {k.split(f"model.layers.{args.n_layers}.")[1] for k in f.keys() if k.startswith(f"model.layers.{args.n_layers}.")}
-    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
-            "embed_tokens.weight", "self_attn.q_a_proj.weight", "mlp.gate.e_score_correction_bias"} <= mtp
+        mtp = {
+            k.split(f"model.layers.{args.n_layers}.")[1]
+            for k in f.keys()
+            if k.startswith(f"model.layers.{args.n_layers}.")
+        }
+    assert {
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "embed_tokens.weight",
+        "self_attn.q_a_proj.weight",
+        "mlp.gate.e_score_correction_bias",
+    } <= mtp
     sd, back = load_hf(tmp_path / "hf", SPEC.hf)
     assert back.mtp_depth == 1 and sd.keys() == model.state_dict().keys()
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
@@ -273,29 +331,75 @@ def test_mtp_deeper_than_the_window_is_refused_before_launch(tmp_path):
     from torchtitan.config import load_config
     from torchtitan.preflight import preflight
 
-    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "deepseek_v3",
-            "--training.seq_len", "16", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run([sys.executable, "-m", "torchtitan.preflight", *argv, "--model.mtp_depth", "17"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    argv = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.name",
+        "deepseek_v3",
+        "--training.seq_len",
+        "16",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.preflight", *argv, "--model.mtp_depth", "17"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: model.mtp_depth = 17 is more than training.seq_len = 16: depth k predicts the token k positions "
         "ahead of each position, which a 16-token window does not hold for k > 16; set model.mtp_depth to 16 or "
-        "less, or raise training.seq_len"]
+        "less, or raise training.seq_len"
+    ]
     preflight(load_config(argv + ["--model.mtp_depth", "16"]), world_size=1)
-    preflight(load_config(argv + ["--model.mtp_depth", "12", "--parallelism.context_parallel_degree", "2",
-                                  "--training.local_batch_size", "8"]), world_size=2)
-    preflight(load_config(argv + ["--model.mtp_depth", "12", "--validation.enabled", "--validation.seq_len", "4"]),
-              world_size=1)
+    preflight(
+        load_config(
+            argv
+            + [
+                "--model.mtp_depth",
+                "12",
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "8",
+            ]
+        ),
+        world_size=2,
+    )
+    preflight(
+        load_config(argv + ["--model.mtp_depth", "12", "--validation.enabled", "--validation.seq_len", "4"]),
+        world_size=1,
+    )
 
 
 def test_mtp_as_deep_as_the_window_trains_and_validates_on_shorter_windows(tmp_path):
     from conftest import train_in_process
 
-    history = train_in_process(tmp_path, "--model.name", "deepseek_v3", "--model.mtp_depth", "8",
-                               "--training.seq_len", "8", "--training.steps", "2", "--training.local_batch_size", "8",
-                               "--validation.enabled", "--validation.seq_len", "4", "--validation.freq", "2",
-                               "--validation.steps", "1", "--validation.local_batch_size", "8")
+    history = train_in_process(
+        tmp_path,
+        "--model.name",
+        "deepseek_v3",
+        "--model.mtp_depth",
+        "8",
+        "--training.seq_len",
+        "8",
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "8",
+        "--validation.enabled",
+        "--validation.seq_len",
+        "4",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "1",
+        "--validation.local_batch_size",
+        "8",
+    )
     training = [r for r in history if "loss" in r]
     validation = [r for r in history if "validation_loss" in r]
     assert [r["step"] for r in training] == [1, 2] and [r["step"] for r in validation] == [2]

@@ -24,7 +24,10 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.attention import (
-    document_ids, flex_attention_fn, sdpa_attention, split_attention,
+    document_ids,
+    flex_attention_fn,
+    sdpa_attention,
+    split_attention,
 )
 from torchtitan.models.common.layers import KVCache, kv_caches
 from torchtitan.models.common.moe import MoEArgs
@@ -36,10 +39,19 @@ from torchtitan.models.registry import get_model_spec
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256, sliding_window=5,
-             max_seq_len=64, moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=48, load_balance_coeff=None),
-             # YaRN with a short original context, so that the ramp and the factor act at these positions.
-             rope_scaling=dataclasses.replace(PUBLISHED_YARN, original_max_position_embeddings=16, factor=4.0))
+SMALL = dict(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    sliding_window=5,
+    max_seq_len=64,
+    moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=48, load_balance_coeff=None),
+    # YaRN with a short original context, so that the ramp and the factor act at these positions.
+    rope_scaling=dataclasses.replace(PUBLISHED_YARN, original_max_position_embeddings=16, factor=4.0),
+)
 
 
 def small_args(**kw) -> ModelArgs:
@@ -74,25 +86,50 @@ def sharpen(model: Transformer, seed: int = 1):
 def hf_config(args: ModelArgs):
     y = args.rope_scaling
     return transformers.GptOssConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.moe.hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim, num_local_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
-        sliding_window=args.sliding_window, max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps,
-        rope_parameters={"rope_type": "yarn", "rope_theta": args.rope_theta, "factor": y.factor,
-                         "original_max_position_embeddings": y.original_max_position_embeddings,
-                         "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "truncate": y.truncate},
-        swiglu_limit=args.swiglu_limit, tie_word_embeddings=False, layer_types=None,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.moe.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        num_local_experts=args.moe.num_experts,
+        num_experts_per_tok=args.moe.top_k,
+        sliding_window=args.sliding_window,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": args.rope_theta,
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "truncate": y.truncate,
+        },
+        swiglu_limit=args.swiglu_limit,
+        tie_word_embeddings=False,
+        layer_types=None,
     )
 
 
 def to_hf_layout(model: Transformer) -> dict[str, torch.Tensor]:
     """Our weights under transformers' names (the test's own table; our experts already have its layout)."""
-    renames = {"tok_embeddings.": "model.embed_tokens.", "norm.": "model.norm.", "output.": "lm_head.",
-               "layers.": "model.layers.", "attention_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
-               "attention.wq.": "self_attn.q_proj.", "attention.wk.": "self_attn.k_proj.",
-               "attention.wv.": "self_attn.v_proj.", "attention.wo.": "self_attn.o_proj.",
-               "attention.sinks.weight": "self_attn.sinks", "feed_forward.router.gate.": "mlp.router.",
-               "feed_forward.experts.": "mlp.experts."}
+    renames = {
+        "tok_embeddings.": "model.embed_tokens.",
+        "norm.": "model.norm.",
+        "output.": "lm_head.",
+        "layers.": "model.layers.",
+        "attention_norm.": "input_layernorm.",
+        "ffn_norm.": "post_attention_layernorm.",
+        "attention.wq.": "self_attn.q_proj.",
+        "attention.wk.": "self_attn.k_proj.",
+        "attention.wv.": "self_attn.v_proj.",
+        "attention.wo.": "self_attn.o_proj.",
+        "attention.sinks.weight": "self_attn.sinks",
+        "feed_forward.router.gate.": "mlp.router.",
+        "feed_forward.experts.": "mlp.experts.",
+    }
     out = {}
     for name, tensor in model.state_dict().items():
         if name.endswith("expert_bias"):
@@ -188,8 +225,10 @@ def _hf_counts(n_layers: int, experts: int) -> tuple[int, int]:
     return total, active
 
 
-@pytest.mark.parametrize("flavor, layers, experts, card_total, card_active",
-                         [("20b", 24, 32, 20.9e9, 3.6e9), ("120b", 36, 128, 116.8e9, 5.1e9)])
+@pytest.mark.parametrize(
+    "flavor, layers, experts, card_total, card_active",
+    [("20b", 24, 32, 20.9e9, 3.6e9), ("120b", 36, 128, 116.8e9, 5.1e9)],
+)
 def test_published_parameter_counts(flavor, layers, experts, card_total, card_active):
     size = get_model_spec("gpt_oss").size(flavors[flavor])
     assert (size.total, size.active) == _hf_counts(layers, experts)
@@ -210,7 +249,8 @@ def test_flops_count_active_parameters_and_windows():
     full = transformer_flops_per_token(size.active - size.embedding, 64 * 64, [None] * 24, seq)
     attention = 6 * (size.active - size.embedding)
     assert (expected - attention) / (full - attention) == pytest.approx(
-        (4097 / 2 + (128 * 129 / 2 + (seq - 128) * 128) / seq) / 4097, rel=1e-9)
+        (4097 / 2 + (128 * 129 / 2 + (seq - 128) * 128) / seq) / 4097, rel=1e-9
+    )
 
 
 # ---- the kernels against a plain reference ---------------------------------------------------
@@ -288,7 +328,7 @@ def test_kv_cache_generation_equals_the_full_forward():
         full = model(x)
         caches = kv_caches(model, 40)
         steps = [model(x[:, :16], cache=caches, start_pos=0)]
-        steps += [model(x[:, p:p + 1], cache=caches, start_pos=p) for p in range(16, 40)]
+        steps += [model(x[:, p : p + 1], cache=caches, start_pos=p) for p in range(16, 40)]
     # float32 round-off of the sharpened weights (logits up to ~10; measured 2e-4); a wrong mask,
     # window or sink in the cache path moves logits by O(1).
     assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-3
@@ -329,12 +369,21 @@ def test_a_window_that_covers_the_training_window_is_full_attention(caplog):
     assert not caplog.text
 
 
-@pytest.mark.parametrize("nproc, args, message", [
-    (3, ["--parallelism.expert_parallel_degree", "3"],
-     "num_experts = 8 is not divisible by parallelism.expert_parallel_degree = 3"),
-    (3, ["--parallelism.tensor_parallel_degree", "3"],
-     "tensor_parallel_degree = 3 does not divide model n_heads = 8 .query heads .and their sinks."),
-])
+@pytest.mark.parametrize(
+    "nproc, args, message",
+    [
+        (
+            3,
+            ["--parallelism.expert_parallel_degree", "3"],
+            "num_experts = 8 is not divisible by parallelism.expert_parallel_degree = 3",
+        ),
+        (
+            3,
+            ["--parallelism.tensor_parallel_degree", "3"],
+            "tensor_parallel_degree = 3 does not divide model n_heads = 8 .query heads .and their sinks.",
+        ),
+    ],
+)
 def test_run_train_refuses_before_launch(tmp_path, nproc, args, message):
     import os
     import re
@@ -344,8 +393,14 @@ def test_run_train_refuses_before_launch(tmp_path, nproc, args, message):
 
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, NGPU=str(nproc), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(["./run_train.sh", "--model.name", "gpt_oss", "--job.dump_folder", str(tmp_path), *args],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["./run_train.sh", "--model.name", "gpt_oss", "--job.dump_folder", str(tmp_path), *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -391,8 +446,9 @@ def test_mxfp4_import_equals_transformers_dequantization(tmp_path):
     for i in range(args.n_layers):
         for proj in ("gate_up_proj", "down_proj"):
             hf = f"model.layers.{i}.mlp.experts.{proj}"
-            expected = convert_moe_packed_tensors(quantized[hf + "_blocks"].clone(), quantized[hf + "_scales"].clone(),
-                                                  dtype=torch.float32)
+            expected = convert_moe_packed_tensors(
+                quantized[hf + "_blocks"].clone(), quantized[hf + "_scales"].clone(), dtype=torch.float32
+            )
             got = ours[f"layers.{i}.feed_forward.experts.{proj}"]
             assert got.dtype == torch.float32 and torch.equal(got, expected), hf
             checked += 1
@@ -405,8 +461,9 @@ def test_mxfp4_import_equals_transformers_dequantization(tmp_path):
     def read(hf_name, offset, shape):
         return stored[hf_name][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
-    block = spec.hf.block_from_hf("layers.1.feed_forward.experts.gate_up_proj", read, args, frozenset(stored),
-                                  (2, 32, 0), (2, 32, 128))
+    block = spec.hf.block_from_hf(
+        "layers.1.feed_forward.experts.gate_up_proj", read, args, frozenset(stored), (2, 32, 0), (2, 32, 128)
+    )
     torch.testing.assert_close(block, ours["layers.1.feed_forward.experts.gate_up_proj"][2:4, 32:64], atol=0, rtol=0)
 
 
@@ -423,12 +480,28 @@ def test_mxfp4_scales_that_do_not_match_the_blocks_are_refused_before_launch(tmp
     gpt_oss_mxfp4_folder(folder, spec.args_for_training("debugmodel", 4096, 256), bad_scales=True)
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, NGPU="1", PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(["./run_train.sh", "--model.name", "gpt_oss", "--job.dump_folder", str(tmp_path / "out"),
-                           "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder)],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            "./run_train.sh",
+            "--model.name",
+            "gpt_oss",
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path",
+            str(folder),
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert ("model.layers.0.mlp.experts.gate_up_proj: MXFP4 scales (8, 512, 9) (torch.uint8) do not match blocks "
-            "(8, 512, 8, 16)") in proc.stderr, proc.stderr
+    assert (
+        "model.layers.0.mlp.experts.gate_up_proj: MXFP4 scales (8, 512, 9) (torch.uint8) do not match blocks "
+        "(8, 512, 8, 16)"
+    ) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 

@@ -12,8 +12,13 @@ from conftest import materialized
 from torchtitan.config.errors import UserError
 from torchtitan.models.registry import get_model_spec
 
-CASES = [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_tied"), ("qwen3", "debugmodel_moe"),
-         ("qwen3_5", "debugmodel_moe")]
+CASES = [
+    ("llama3", "debugmodel"),
+    ("qwen3", "debugmodel"),
+    ("qwen3", "debugmodel_tied"),
+    ("qwen3", "debugmodel_moe"),
+    ("qwen3_5", "debugmodel_moe"),
+]
 IDS = [f"{family}-{flavor}" for family, flavor in CASES]
 
 
@@ -38,8 +43,9 @@ def fused(hf_sd: dict, args) -> dict:
     out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
     for i in range(args.n_layers):
         per_expert = [f"model.layers.{i}.mlp.experts.{x}.{{}}.weight" for x in range(args.moe.num_experts)]
-        gate, up, down = (torch.stack([hf_sd[k.format(p)] for k in per_expert])
-                          for p in ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (
+            torch.stack([hf_sd[k.format(p)] for k in per_expert]) for p in ("gate_proj", "up_proj", "down_proj")
+        )
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"model.layers.{i}.mlp.experts.down_proj"] = down
     return out
@@ -102,7 +108,8 @@ def test_per_tensor_import_is_from_hf(family, flavor):
                 assert wanted["layers.1.feed_forward.experts.w2"] == ["model.layers.1.mlp.experts.down_proj"]
             else:
                 assert wanted["layers.1.feed_forward.experts.w2"] == [
-                    f"model.layers.1.mlp.experts.{x}.down_proj.weight" for x in range(e)]
+                    f"model.layers.1.mlp.experts.{x}.down_proj.weight" for x in range(e)
+                ]
     if moe(args):
         # Layers may differ in layout: each layer's is read from the names present.
         hub, fused_sd = layouts(adapter, args, sd).values()
@@ -142,8 +149,10 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 def header_tensors(path) -> dict[str, torch.Tensor]:
     """Meta tensors with the names, shapes and dtypes of a safetensors file's header; no data read."""
     with safe_open(str(path), framework="pt") as f:
-        return {k: torch.empty(f.get_slice(k).get_shape(), device="meta", dtype=_DTYPES[f.get_slice(k).get_dtype()])
-                for k in f.keys()}
+        return {
+            k: torch.empty(f.get_slice(k).get_shape(), device="meta", dtype=_DTYPES[f.get_slice(k).get_dtype()])
+            for k in f.keys()
+        }
 
 
 def assert_same_user_error(adapter, args, real: dict, meta: dict):
@@ -159,15 +168,26 @@ META_CASES = [
     ("llama3", "debugmodel", "hub", "model.layers.2.mlp.up_proj.weight", "model.layers.1.self_attn.k_proj.weight"),
     ("qwen3", "debugmodel", "hub", "model.norm.weight", "model.layers.1.self_attn.v_proj.weight"),
     ("qwen3", "debugmodel_tied", "hub", "model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight"),
-    ("qwen3", "debugmodel_moe", "hub", "model.layers.3.mlp.experts.5.up_proj.weight",
-     "model.layers.0.mlp.experts.1.down_proj.weight"),
-    ("qwen3", "debugmodel_moe", "fused", "model.layers.2.mlp.experts.down_proj",
-     "model.layers.1.mlp.experts.gate_up_proj"),
+    (
+        "qwen3",
+        "debugmodel_moe",
+        "hub",
+        "model.layers.3.mlp.experts.5.up_proj.weight",
+        "model.layers.0.mlp.experts.1.down_proj.weight",
+    ),
+    (
+        "qwen3",
+        "debugmodel_moe",
+        "fused",
+        "model.layers.2.mlp.experts.down_proj",
+        "model.layers.1.mlp.experts.gate_up_proj",
+    ),
 ]
 
 
-@pytest.mark.parametrize("family, flavor, layout, missing, wrong", META_CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in META_CASES])
+@pytest.mark.parametrize(
+    "family, flavor, layout, missing, wrong", META_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in META_CASES]
+)
 def test_from_hf_checks_meta_tensors_of_a_folder(tmp_path, family, flavor, layout, missing, wrong):
     adapter, args, sd = build(family, flavor)
     real = {k: v.to(torch.bfloat16).contiguous() for k, v in layouts(adapter, args, sd)[layout].items()}
@@ -186,17 +206,24 @@ def test_from_hf_checks_meta_tensors_of_a_folder(tmp_path, family, flavor, layou
     if tied(args):
         assert out["output.weight"] is out["tok_embeddings.weight"]
         # A stored copy of the embedding cannot be compared on meta: its value check waits for the data.
-        assert adapter.from_hf({**meta, "lm_head.weight": meta["model.embed_tokens.weight"].clone()}, args).keys() \
+        assert (
+            adapter.from_hf({**meta, "lm_head.weight": meta["model.embed_tokens.weight"].clone()}, args).keys()
             == sd.keys()
+        )
     # Per tensor on meta as well.
     for name in sd:
         names = adapter.hf_names(name, args, frozenset(meta))
         assert adapter.tensor_from_hf(name, {n: meta[n] for n in names}, args).shape == sd[name].shape, name
 
     # A missing key and a wrong shape: the UserError of real tensors, word for word.
-    assert_same_user_error(adapter, args, {k: v for k, v in real.items() if k != missing},
-                           {k: v for k, v in meta.items() if k != missing})
+    assert_same_user_error(
+        adapter, args, {k: v for k, v in real.items() if k != missing}, {k: v for k, v in meta.items() if k != missing}
+    )
     shape = list(real[wrong].shape)
     shape[0] += 1
-    assert_same_user_error(adapter, args, {**real, wrong: torch.zeros(shape, dtype=torch.bfloat16)},
-                           {**meta, wrong: torch.empty(shape, device="meta", dtype=torch.bfloat16)})
+    assert_same_user_error(
+        adapter,
+        args,
+        {**real, wrong: torch.zeros(shape, dtype=torch.bfloat16)},
+        {**meta, wrong: torch.empty(shape, device="meta", dtype=torch.bfloat16)},
+    )

@@ -73,7 +73,8 @@ def test_flops_per_token_tied_and_untied():
     args = flavors["8B"]
     assert model_size(args).embedding == VOCAB * 4096
     assert flops_per_token(args, 8192) == pytest.approx(
-        6 * (8_190_735_360 - VOCAB * 4096) + 12 * 36 * (32 * 128) * 8193 / 2, rel=1e-12)
+        6 * (8_190_735_360 - VOCAB * 4096) + 12 * 36 * (32 * 128) * 8193 / 2, rel=1e-12
+    )
     # Tying changes the parameter count, not the FLOPs.
     d = flavors["debugmodel"]
     assert model_size(flavors["debugmodel_tied"]).total == model_size(d).total - d.vocab_size * d.dim
@@ -254,11 +255,26 @@ def test_hf_config_is_read_by_transformers_as_qwen3():
     assert config.rope_parameters["rope_theta"] == 1e6 and set(config.layer_types) == {"full_attention"}
     # A published config.json (transformers 4.51 spelling) gives the flavor's args.
     published = {
-        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 128,
-        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
-        "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 36,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
         "vocab_size": 151936,
     }
     assert args_from_hf_config(published) == flavors["8B"]
@@ -270,8 +286,10 @@ def test_hf_config_is_read_by_transformers_as_qwen3():
         ({"attention_bias": True}, r"attention_bias = True"),
         # Sliding windows convert (tests/models/test_qwen3_sliding_window.py), but not a sliding layer before a
         # full one (our args slide layers max_window_layers and later), nor sliding layers without a window.
-        ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
-         r"layer_types = '1 x sliding_attention, 1 x full_attention'.*later layer attends fully"),
+        (
+            {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+            r"layer_types = '1 x sliding_attention, 1 x full_attention'.*later layer attends fully",
+        ),
         ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types = .*but no window"),
         ({"hidden_size": None}, r"lacks hidden_size"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope_parameters"),
@@ -294,8 +312,11 @@ def test_wrong_keys_and_shapes_are_named():
     hf = to_hf(materialized(Transformer, args).state_dict(), args)
     del hf["model.layers.1.self_attn.q_norm.weight"]
     hf["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128)
-    with pytest.raises(UserError, match=r"unknown keys model\.layers\.0\.self_attn\.q_proj\.bias.*missing keys "
-                                        r"model\.layers\.1\.self_attn\.q_norm\.weight"):
+    with pytest.raises(
+        UserError,
+        match=r"unknown keys model\.layers\.0\.self_attn\.q_proj\.bias.*missing keys "
+        r"model\.layers\.1\.self_attn\.q_norm\.weight",
+    ):
         from_hf(hf, args)
     # Untied weights given to a tied model (and back): lm_head is unknown / differs, missing when untied.
     hf = to_hf(materialized(Transformer, args).state_dict(), args)

@@ -25,16 +25,29 @@ def hf_text_config(args, **extra):
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim, linear_num_key_heads=args.linear_num_key_heads,
-        linear_num_value_heads=args.linear_num_value_heads, linear_key_head_dim=args.linear_key_head_dim,
-        linear_value_head_dim=args.linear_value_head_dim, linear_conv_kernel_dim=args.conv_kernel,
-        full_attention_interval=args.full_attention_interval, rms_norm_eps=args.norm_eps,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        linear_num_key_heads=args.linear_num_key_heads,
+        linear_num_value_heads=args.linear_num_value_heads,
+        linear_key_head_dim=args.linear_key_head_dim,
+        linear_value_head_dim=args.linear_value_head_dim,
+        linear_conv_kernel_dim=args.conv_kernel,
+        full_attention_interval=args.full_attention_interval,
+        rms_norm_eps=args.norm_eps,
         max_position_embeddings=args.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta,
-                         "partial_rotary_factor": args.partial_rotary_factor},
-        tie_word_embeddings=args.tie_word_embeddings, **extra)
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+        tie_word_embeddings=args.tie_word_embeddings,
+        **extra,
+    )
 
 
 def test_layer_types_are_transformers():
@@ -79,13 +92,20 @@ def test_a_document_does_not_see_the_documents_before_it():
     assert (a - causal).abs().max() > 1e-2  # without the mask the earlier document does reach it
 
 
-@pytest.mark.parametrize("change, dims_, says", [
-    ({}, dims(cp=4, tp=2), r"context_parallel_degree = 4 must divide the 2 DeltaNet key heads .* the largest degree "
-                           r"that works is 2"),
-    ({"linear_num_key_heads": 3, "linear_num_value_heads": 6}, dims(cp=2), "the largest degree that works is 1"),
-    ({"linear_num_value_heads": 6}, dims(), "not a multiple of linear_num_key_heads"),
-    ({"conv_kernel": 0}, dims(), "kernel of at least 1"),
-])
+@pytest.mark.parametrize(
+    "change, dims_, says",
+    [
+        (
+            {},
+            dims(cp=4, tp=2),
+            r"context_parallel_degree = 4 must divide the 2 DeltaNet key heads .* the largest degree "
+            r"that works is 2",
+        ),
+        ({"linear_num_key_heads": 3, "linear_num_value_heads": 6}, dims(cp=2), "the largest degree that works is 1"),
+        ({"linear_num_value_heads": 6}, dims(), "not a multiple of linear_num_key_heads"),
+        ({"conv_kernel": 0}, dims(), "kernel of at least 1"),
+    ],
+)
 def test_refused_before_launch(change, dims_, says):
     with pytest.raises(UserError, match=says):
         SPEC.validate(dataclasses.replace(DEBUG, **change), dims_)
@@ -119,8 +139,10 @@ def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path)
     for f in tmp_path.glob("*.safetensors"):
         hf_sd.update(load_file(f))
     import json
-    assert SPEC.hf.args_from_config(json.loads((tmp_path / "config.json").read_text())) == \
-        dataclasses.replace(args, delta_chunk=64)
+
+    assert SPEC.hf.args_from_config(json.loads((tmp_path / "config.json").read_text())) == dataclasses.replace(
+        args, delta_chunk=64
+    )
     ours = SPEC.model_cls(args)
     ours.init_weights(seed=0)
     ours.load_state_dict(SPEC.hf.from_hf(hf_sd, args))
@@ -147,9 +169,24 @@ def test_context_parallel_that_splits_a_deltanet_head_is_refused_before_launch_w
 
     # Checked before any process starts: 8 "processes" (TP 2 x CP 4) on this 2-core host start none.
     env = dict(os.environ, NGPU="8", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    done = subprocess.run(["./run_train.sh", "--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "4",
-                           "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            "./run_train.sh",
+            "--model.name",
+            "qwen3_5",
+            "--parallelism.context_parallel_degree",
+            "4",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "must divide the 2 DeltaNet key heads of a tensor-parallel rank" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
@@ -166,13 +203,34 @@ def test_the_planner_and_memory_estimation_estimate_the_family():
     from conftest import REPO
 
     config = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "qwen3_5"]
-    done = subprocess.run([sys.executable, "-m", "torchtitan.preflight", *config, "--memory_estimation.enabled"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "WORLD_SIZE": "2"})
+    done = subprocess.run(
+        [sys.executable, "-m", "torchtitan.preflight", *config, "--memory_estimation.enabled"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "WORLD_SIZE": "2"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("memory estimate for fsdp2 with AC none: ") and "activations" in done.stdout
-    planned = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *config, "--ngpu", "4",
-                              "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--no-simulate"],
-                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    planned = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "plan.py"),
+            *config,
+            "--ngpu",
+            "4",
+            "--gpus_per_node",
+            "4",
+            "--gpu_memory_gib",
+            "80",
+            "--no-simulate",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "qwen3_5 debugmodel" in planned.stdout and "layouts fit" in planned.stdout
     assert "activation_counts" not in planned.stdout + planned.stderr
@@ -187,12 +245,22 @@ def test_a_folder_with_the_vision_tower_only_is_refused_before_launch(tmp_path):
     from torchtitan.config import UserError
     from torchtitan.preflight import model_args_for_run
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5VisionModel"], "model_type": "qwen3_5",
-                                                      "vision_config": {"depth": 2, "hidden_size": 64}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3_5VisionModel"],
+                "model_type": "qwen3_5",
+                "vision_config": {"depth": 2, "hidden_size": 64},
+            }
+        )
+    )
     save_file({"model.visual.patch_embed.proj.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
-    cfg = debug_config("--model.name", "qwen3_5", "--checkpoint.initial_load_path", str(tmp_path),
-                       "--checkpoint.initial_load_in_hf")
-    with pytest.raises(UserError, match=r"config\.json describes a vision tower only \(vision_config, no text_config\)"):
+    cfg = debug_config(
+        "--model.name", "qwen3_5", "--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf"
+    )
+    with pytest.raises(
+        UserError, match=r"config\.json describes a vision tower only \(vision_config, no text_config\)"
+    ):
         model_args_for_run(SPEC, cfg, 4096)
 
 
@@ -209,11 +277,15 @@ def test_the_language_model_of_a_multimodal_folder_gives_transformers_logits(tmp
     args = dataclasses.replace(DEBUG, vocab_size=512, max_seq_len=80, delta_chunk=32)
     text = SPEC.hf.config(args)
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True, "mrope_section": [3, 3, 2]}
-    vision = qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(depth=1, hidden_size=32, num_heads=2,
-                                                               intermediate_size=64, out_hidden_size=args.dim)
+    vision = qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=args.dim
+    )
     torch.manual_seed(0)
-    theirs = qwen3_5.Qwen3_5ForConditionalGeneration(
-        qwen3_5.Qwen3_5Config(text_config=text, vision_config=vision.to_dict())).float().eval()
+    theirs = (
+        qwen3_5.Qwen3_5ForConditionalGeneration(qwen3_5.Qwen3_5Config(text_config=text, vision_config=vision.to_dict()))
+        .float()
+        .eval()
+    )
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
@@ -242,13 +314,16 @@ def test_the_fla_kernel_is_refused_where_it_cannot_run():
     env = dict(os.environ, NGPU="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
 
     def refused(*args: str) -> str:
-        proc = subprocess.run(["./run_train.sh", *TINY, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            ["./run_train.sh", *TINY, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
         return proc.stderr
 
     assert "model.delta_rule_kernel = 'fla' runs flash-linear-attention's Triton kernel, which needs CUDA" in refused(
-        "--model.name", "qwen3_5", "--model.delta_rule_kernel", "fla")
+        "--model.name", "qwen3_5", "--model.delta_rule_kernel", "fla"
+    )
     assert "model.delta_rule_kernel is set, but model 'llama3' has no gated delta rule" in refused(
-        "--model.delta_rule_kernel", "torch")
+        "--model.delta_rule_kernel", "torch"
+    )
     assert "delta_rule_kernel" in refused("--model.name", "qwen3_5", "--model.delta_rule_kernel", "triton")

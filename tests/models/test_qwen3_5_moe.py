@@ -38,12 +38,20 @@ def test_published_size_counts_as_transformers():
     args = SPEC.flavors["35B-A3B"]
     config = qwen3_5_moe.Qwen3_5MoeTextConfig()
     assert list(args.layer_types) == list(config.layer_types)
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, config.vocab_size) == (args.dim, args.n_layers, args.n_heads, args.n_kv_heads,
-                                                    args.head_dim, args.vocab_size)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-            config.shared_expert_intermediate_size) == (args.moe.num_experts, args.moe.top_k, args.moe.hidden_dim,
-                                                        args.moe.shared_width)
+    assert (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.vocab_size,
+    ) == (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim, args.vocab_size)
+    assert (
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        config.shared_expert_intermediate_size,
+    ) == (args.moe.num_experts, args.moe.top_k, args.moe.hidden_dim, args.moe.shared_width)
     with torch.device("meta"):
         theirs = sum(p.numel() for p in qwen3_5_moe.Qwen3_5MoeForCausalLM(config).parameters())
     size = SPEC.size(args)
@@ -71,15 +79,31 @@ def test_moe_block_computes_transformers_sparse_moe_block():
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
     dim, e, h, sh = 32, 8, 16, 24
-    config = qwen3_5_moe.Qwen3_5MoeTextConfig(hidden_size=dim, num_experts=e, num_experts_per_tok=2,
-                                              moe_intermediate_size=h, shared_expert_intermediate_size=sh)
+    config = qwen3_5_moe.Qwen3_5MoeTextConfig(
+        hidden_size=dim,
+        num_experts=e,
+        num_experts_per_tok=2,
+        moe_intermediate_size=h,
+        shared_expert_intermediate_size=sh,
+    )
     torch.manual_seed(0)
     theirs = Qwen3_5MoeSparseMoeBlock(config).float()
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    ours = MoE(dim, MoEArgs(num_experts=e, top_k=2, hidden_dim=h, num_shared_experts=1, shared_hidden_dim=sh,
-                            shared_gate=True, route_norm=True, load_balance_coeff=None))
+    ours = MoE(
+        dim,
+        MoEArgs(
+            num_experts=e,
+            top_k=2,
+            hidden_dim=h,
+            num_shared_experts=1,
+            shared_hidden_dim=sh,
+            shared_gate=True,
+            route_norm=True,
+            load_balance_coeff=None,
+        ),
+    )
     with torch.no_grad():
         ours.router.gate.weight.copy_(theirs.gate.weight)
         gate, up = theirs.experts.gate_up_proj.chunk(2, dim=1)
@@ -94,11 +118,14 @@ def test_moe_block_computes_transformers_sparse_moe_block():
         assert (ours(x) - theirs(x)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("change, dims_, says", [
-    ({}, dims(ep=3), r"num_experts = 8 is not divisible by parallelism.expert_parallel_degree = 3"),
-    ({"moe": MoEArgs(num_experts=8, top_k=2, shared_gate=True)}, dims(), "num_shared_experts = 0"),
-    ({"moe": MoEArgs(num_experts=8, top_k=9)}, dims(), "top_k = 9 must be between 1 and num_experts = 8"),
-])
+@pytest.mark.parametrize(
+    "change, dims_, says",
+    [
+        ({}, dims(ep=3), r"num_experts = 8 is not divisible by parallelism.expert_parallel_degree = 3"),
+        ({"moe": MoEArgs(num_experts=8, top_k=2, shared_gate=True)}, dims(), "num_shared_experts = 0"),
+        ({"moe": MoEArgs(num_experts=8, top_k=9)}, dims(), "top_k = 9 must be between 1 and num_experts = 8"),
+    ],
+)
 def test_refused_before_launch(change, dims_, says):
     with pytest.raises(UserError, match=says):
         SPEC.validate(dataclasses.replace(DEBUG, **change), dims_)
@@ -108,17 +135,31 @@ def hf_moe_config(args):
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
     return Qwen3_5MoeTextConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-        linear_num_key_heads=args.linear_num_key_heads, linear_num_value_heads=args.linear_num_value_heads,
-        linear_key_head_dim=args.linear_key_head_dim, linear_value_head_dim=args.linear_value_head_dim,
-        linear_conv_kernel_dim=args.conv_kernel, full_attention_interval=args.full_attention_interval,
-        rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta,
-                         "partial_rotary_factor": args.partial_rotary_factor},
-        num_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
-        moe_intermediate_size=args.moe.hidden_dim, shared_expert_intermediate_size=args.moe.shared_width,
-        tie_word_embeddings=args.tie_word_embeddings)
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        linear_num_key_heads=args.linear_num_key_heads,
+        linear_num_value_heads=args.linear_num_value_heads,
+        linear_key_head_dim=args.linear_key_head_dim,
+        linear_value_head_dim=args.linear_value_head_dim,
+        linear_conv_kernel_dim=args.conv_kernel,
+        full_attention_interval=args.full_attention_interval,
+        rms_norm_eps=args.norm_eps,
+        max_position_embeddings=args.max_seq_len,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+        num_experts=args.moe.num_experts,
+        num_experts_per_tok=args.moe.top_k,
+        moe_intermediate_size=args.moe.hidden_dim,
+        shared_expert_intermediate_size=args.moe.shared_width,
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
 
 
 def _random_hf_model(args, seed=0):
@@ -170,8 +211,10 @@ def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path)
 
     folder = tmp_path / "ours"
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in SPEC.hf.to_hf(ours.state_dict(), args).items()},
-              str(folder / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in SPEC.hf.to_hf(ours.state_dict(), args).items()},
+        str(folder / "model.safetensors"),
+    )
     (folder / "config.json").write_text(json.dumps(SPEC.hf.config(args)))
     back, info = Qwen3_5MoeForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info
@@ -195,11 +238,32 @@ def test_the_planner_ranks_expert_parallel_layouts_of_the_moe_flavor():
 
     from conftest import REPO
 
-    config = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "qwen3_5",
-              "--model.flavor", "debugmodel_moe"]
-    planned = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *config, "--ngpu", "4",
-                              "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--no-simulate"],
-                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    config = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.name",
+        "qwen3_5",
+        "--model.flavor",
+        "debugmodel_moe",
+    ]
+    planned = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "plan.py"),
+            *config,
+            "--ngpu",
+            "4",
+            "--gpus_per_node",
+            "4",
+            "--gpu_memory_gib",
+            "80",
+            "--no-simulate",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "qwen3_5 debugmodel_moe" in planned.stdout and "layouts fit" in planned.stdout
     assert "xep2" in planned.stdout

@@ -23,8 +23,17 @@ E, TOP_K, HIDDEN, DIM = 4, 2, 32, 64
 
 
 def moe_args(route_norm: bool = True, **kw):
-    base = dict(dim=DIM, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128, vocab_size=128,
-                max_seq_len=64, moe=MoEArgs(num_experts=E, top_k=TOP_K, hidden_dim=HIDDEN, route_norm=route_norm))
+    base = dict(
+        dim=DIM,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=128,
+        vocab_size=128,
+        max_seq_len=64,
+        moe=MoEArgs(num_experts=E, top_k=TOP_K, hidden_dim=HIDDEN, route_norm=route_norm),
+    )
     base.update(kw)
     return SPEC.args_cls(**base)
 
@@ -129,9 +138,18 @@ def test_export_drops_a_nonzero_bias_with_a_warning_and_refuses_other_routing(ca
 def test_save_pretrained_imports_with_transformers_logits(tmp_path, route_norm):
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=DIM, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, moe_intermediate_size=HIDDEN, num_experts=E,
-        num_experts_per_tok=TOP_K, norm_topk_prob=route_norm, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=DIM,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=HIDDEN,
+        num_experts=E,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=route_norm,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(config).eval()
@@ -165,15 +183,40 @@ def test_save_pretrained_imports_with_transformers_logits(tmp_path, route_norm):
 def test_published_30b_a3b_config_gives_the_flavor():
     # Qwen/Qwen3-30B-A3B config.json (transformers 4.51 spelling).
     published = {
-        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
-        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     }
     assert args_from_hf_config(published) == SPEC.flavors["30B-A3B"]
     # transformers 5 writes num_local_experts; without head_dim, Qwen3MoeConfig's attention uses hidden / heads.
@@ -232,8 +275,11 @@ def test_wrong_expert_keys_and_shapes_are_named():
     sd = materialized(SPEC.model_cls, args).state_dict()
     hub, fused = _hub_and_fused(args, sd)
     del hub["model.layers.1.mlp.experts.3.up_proj.weight"]
-    with pytest.raises(UserError, match=r"Qwen3-MoE model with 2 layers, 4 experts.*"
-                                        r"missing keys model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+    with pytest.raises(
+        UserError,
+        match=r"Qwen3-MoE model with 2 layers, 4 experts.*"
+        r"missing keys model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight",
+    ):
         from_hf(hub, args)
     both = {**fused, "model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(HIDDEN, DIM)}
     with pytest.raises(UserError, match=r"unknown keys model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight"):
@@ -264,8 +310,15 @@ def test_wrong_expert_keys_and_shapes_are_named():
         # A window converts on every layer only (max_window_layers 0): transformers 5 ignores max_window_layers
         # (here the number of layers, as our no-window export writes it) and earlier releases do not.
         ({"use_sliding_window": True, "sliding_window": 8}, r"max_window_layers = 2.*ignores max_window_layers"),
-        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
-          "layer_types": ["full_attention", "sliding_attention"]}, r"layer_types = .*no per-layer types"),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 0,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            r"layer_types = .*no per-layer types",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope_parameters"),
     ],
 )

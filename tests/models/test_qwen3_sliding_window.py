@@ -19,9 +19,18 @@ from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 transformers = pytest.importorskip("transformers")
 
 WINDOW, FIRST_SLIDING, LAYERS, VOCAB, SEQ = 5, 2, 4, 256, 24
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_parameters={"rope_type": "default",
-            "rope_theta": 10000.0}, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    tie_word_embeddings=False,
+)
 
 
 @torch.no_grad()
@@ -40,8 +49,9 @@ def randomize(model: torch.nn.Module, seed: int = 1):
 
 
 def hf_qwen3(**config) -> "transformers.PreTrainedModel":
-    cfg = transformers.Qwen3Config(**{**TINY, "use_sliding_window": True, "sliding_window": WINDOW,
-                                      "max_window_layers": FIRST_SLIDING, **config})
+    cfg = transformers.Qwen3Config(
+        **{**TINY, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": FIRST_SLIDING, **config}
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).float().eval()
@@ -78,8 +88,10 @@ def test_windowed_qwen3_matches_transformers_and_the_window_matters():
         off_by_one = (one_wider(x) - theirs).abs().max().item()
         every_layer = ours_from(hf, dataclasses.replace(args, max_window_layers=0))
         off_in_layers = (every_layer(x) - theirs).abs().max().item()
-    print(f"max |logit diff| vs transformers: {diff:.2e}; without the window {off_by_none:.2e}; "
-          f"window + 1 {off_by_one:.2e}; every layer windowed {off_in_layers:.2e}")
+    print(
+        f"max |logit diff| vs transformers: {diff:.2e}; without the window {off_by_none:.2e}; "
+        f"window + 1 {off_by_one:.2e}; every layer windowed {off_in_layers:.2e}"
+    )
     assert diff < 1e-4
     assert min(off_by_none, off_by_one, off_in_layers) > 1e-2
     # Positions within the window of the start see every earlier token: the same logits there.
@@ -92,15 +104,27 @@ def test_transformers_loads_our_windowed_export(tmp_path):
 
     from safetensors.torch import save_file
 
-    args = ModelArgs(dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96, vocab_size=VOCAB,
-                     max_seq_len=64, rope_theta=10000.0, sliding_window=WINDOW, max_window_layers=1)
+    args = ModelArgs(
+        dim=64,
+        n_layers=LAYERS,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=96,
+        vocab_size=VOCAB,
+        max_seq_len=64,
+        rope_theta=10000.0,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    )
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=3)
     randomize(model)
-    save_file({k: v.contiguous() for k, v in to_hf(model.state_dict(), args).items()},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in to_hf(model.state_dict(), args).items()}, str(tmp_path / "model.safetensors")
+    )
     (tmp_path / "config.json").write_text(json.dumps(hf_config(args)))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
     assert hf.config.layer_types == ["full_attention"] + ["sliding_attention"] * 3
@@ -111,11 +135,23 @@ def test_transformers_loads_our_windowed_export(tmp_path):
 
 
 def test_config_round_trip_and_what_transformers_builds_from_it():
-    args = ModelArgs(dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96, vocab_size=VOCAB,
-                     sliding_window=WINDOW, max_window_layers=FIRST_SLIDING)
+    args = ModelArgs(
+        dim=64,
+        n_layers=LAYERS,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=96,
+        vocab_size=VOCAB,
+        sliding_window=WINDOW,
+        max_window_layers=FIRST_SLIDING,
+    )
     written = hf_config(args)
     assert (written["use_sliding_window"], written["sliding_window"], written["max_window_layers"]) == (
-        True, WINDOW, FIRST_SLIDING)
+        True,
+        WINDOW,
+        FIRST_SLIDING,
+    )
     assert args_from_hf_config(written) == args
     # transformers derives the same layer types from the fields alone as the list we write.
     without_list = {k: v for k, v in written.items() if k not in ("architectures", "layer_types")}
@@ -146,8 +182,21 @@ def test_config_round_trip_and_what_transformers_builds_from_it():
     ],
 )
 def test_hf_window_fields_import_as_transformers_reads_them(change, window, first_sliding):
-    config = {**hf_config(ModelArgs(dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
-                                    vocab_size=VOCAB, sliding_window=WINDOW, max_window_layers=FIRST_SLIDING))}
+    config = {
+        **hf_config(
+            ModelArgs(
+                dim=64,
+                n_layers=LAYERS,
+                n_heads=4,
+                n_kv_heads=2,
+                head_dim=16,
+                hidden_dim=96,
+                vocab_size=VOCAB,
+                sliding_window=WINDOW,
+                max_window_layers=FIRST_SLIDING,
+            )
+        )
+    }
     change = dict(change)
     drop = change.pop("_drop", None)
     config.update(change)
@@ -156,18 +205,23 @@ def test_hf_window_fields_import_as_transformers_reads_them(change, window, firs
     assert (args.sliding_window, args.max_window_layers) == (window, first_sliding)
     hf = transformers.Qwen3Config(**{k: v for k, v in config.items() if k != "architectures"})
     assert [args.layer_window(i) for i in range(LAYERS)] == [
-        hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+        hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types
+    ]
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         # Sliding then full: max_window_layers cannot say it.
-        ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
-         r"layer_types = '1 x sliding_attention, 1 x full_attention, 2 x sliding_attention'.*layer 0 slides but a "
-         r"later layer attends fully"),
-        ({"layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]},
-         r"layer_types .*layer 1 slides"),
+        (
+            {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
+            r"layer_types = '1 x sliding_attention, 1 x full_attention, 2 x sliding_attention'.*layer 0 slides but a "
+            r"later layer attends fully",
+        ),
+        (
+            {"layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]},
+            r"layer_types .*layer 1 slides",
+        ),
         ({"layer_types": ["full_attention"] * 2 + ["chunked_attention"] * 2}, r"layer_types = \['chunked_attention'\]"),
         ({"layer_types": ["full_attention"] * 3}, r"layer_types .*one type for each of the 4 layers"),
         # Sliding layers with no window: transformers' config sets sliding_window None without use_sliding_window.
@@ -176,8 +230,19 @@ def test_hf_window_fields_import_as_transformers_reads_them(change, window, firs
     ],
 )
 def test_inexpressible_window_configs_are_user_errors(change, message):
-    config = hf_config(ModelArgs(dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
-                                 vocab_size=VOCAB, sliding_window=WINDOW, max_window_layers=FIRST_SLIDING))
+    config = hf_config(
+        ModelArgs(
+            dim=64,
+            n_layers=LAYERS,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            hidden_dim=96,
+            vocab_size=VOCAB,
+            sliding_window=WINDOW,
+            max_window_layers=FIRST_SLIDING,
+        )
+    )
     with pytest.raises(UserError, match=message):
         args_from_hf_config({**config, **change})
 
@@ -204,8 +269,8 @@ def test_window_composes_with_documents():
         for b, row in enumerate(lengths):
             start = 0
             for n in row:
-                alone = model(x[b:b + 1, start:start + n])
-                worst = max(worst, (packed[b:b + 1, start:start + n] - alone).abs().max().item())
+                alone = model(x[b : b + 1, start : start + n])
+                worst = max(worst, (packed[b : b + 1, start : start + n] - alone).abs().max().item())
                 start += n
         # The documents do change one another's logits without the document mask.
         mixed = (model(x)[0, 9:20] - model(x[:1, 9:20])[0]).abs().max().item()
@@ -218,8 +283,16 @@ def test_window_composes_with_documents():
 
 
 def test_windowed_qwen3_moe_matches_transformers():
-    moe_config = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                      use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
+    moe_config = dict(
+        TINY,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=0,
+    )
     cfg = transformers.Qwen3MoeConfig(**moe_config)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -240,8 +313,16 @@ def test_windowed_qwen3_moe_matches_transformers():
 
 
 def test_qwen3_moe_window_on_some_layers_is_refused_both_ways():
-    args = ModelArgs(dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB,
-                     moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, route_norm=True), sliding_window=WINDOW)
+    args = ModelArgs(
+        dim=64,
+        n_layers=LAYERS,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, route_norm=True),
+        sliding_window=WINDOW,
+    )
     written = hf_config(args)
     assert (written["use_sliding_window"], written["max_window_layers"]) == (True, 0)
     assert "layer_types" not in written  # Qwen3MoeConfig has none

@@ -71,8 +71,11 @@ def test_the_same_flavor_again_is_fine_a_different_one_is_refused(tmp_path):
     runpy.run_path(str(module))
     runpy.run_path(str(module))  # a module imported twice registers equal args again
     assert get_model_args("llama3", "tiny") == tiny_args()
-    with pytest.raises(UserError, match=r"register_flavor\('llama3', 'tiny', \.\.\.\): model 'llama3' already has a "
-                                        r"flavor 'tiny' with other args \(dim 128 -> 64\); choose another flavor name"):
+    with pytest.raises(
+        UserError,
+        match=r"register_flavor\('llama3', 'tiny', \.\.\.\): model 'llama3' already has a "
+        r"flavor 'tiny' with other args \(dim 128 -> 64\); choose another flavor name",
+    ):
         register_flavor("llama3", "tiny", dataclasses.replace(tiny_args(), dim=64))
     # A built-in flavor is not redefined, but naming it with its own args is harmless.
     with pytest.raises(UserError, match="already has a flavor 'debugmodel' with other args"):
@@ -81,11 +84,17 @@ def test_the_same_flavor_again_is_fine_a_different_one_is_refused(tmp_path):
 
 
 def test_bad_registrations_are_refused_with_the_fix():
-    with pytest.raises(UserError, match=r"register_flavor: unknown model 'llama4'; registered models: deepseek_v3, gpt_oss, llama3, qwen3.* "
-                                        r"\(a family of your own must be registered with register_model first\)"):
+    with pytest.raises(
+        UserError,
+        match=r"register_flavor: unknown model 'llama4'; registered models: deepseek_v3, gpt_oss, llama3, qwen3.* "
+        r"\(a family of your own must be registered with register_model first\)",
+    ):
         register_flavor("llama4", "tiny", tiny_args())
-    with pytest.raises(UserError, match=r"args must be a torchtitan\.models\.qwen3\.args\.ModelArgs \(the args_cls of "
-                                        r"model 'qwen3'\), got a torchtitan\.models\.llama3\.args\.ModelArgs"):
+    with pytest.raises(
+        UserError,
+        match=r"args must be a torchtitan\.models\.qwen3\.args\.ModelArgs \(the args_cls of "
+        r"model 'qwen3'\), got a torchtitan\.models\.llama3\.args\.ModelArgs",
+    ):
         register_flavor("qwen3", "tiny", tiny_args())
     with pytest.raises(UserError, match="args must be"):
         register_flavor("llama3", "tiny", {"dim": 128})
@@ -96,8 +105,11 @@ def test_bad_registrations_are_refused_with_the_fix():
 
 def test_a_duplicate_model_name_is_refused_and_points_at_register_flavor():
     spec = get_model_spec("llama3")
-    with pytest.raises(UserError, match=r"register_model: a model named 'llama3' is built into torchtitan; give yours "
-                                        r"another name .* call register_flavor\('llama3', FLAVOR_NAME, args\)"):
+    with pytest.raises(
+        UserError,
+        match=r"register_model: a model named 'llama3' is built into torchtitan; give yours "
+        r"another name .* call register_flavor\('llama3', FLAVOR_NAME, args\)",
+    ):
         register_model(dataclasses.replace(spec, flavors={**spec.flavors, "tiny": tiny_args()}))
     fork = dataclasses.replace(spec, name="llama3_fork")
     register_model(fork)
@@ -116,16 +128,21 @@ def test_a_registered_family_takes_flavors_too():
 
 
 def test_an_unknown_flavor_says_how_to_add_one():
-    with pytest.raises(UserError, match=r"unknown model.flavor 'tiny' for model 'llama3'; available flavors: "
-                                        r"debugmodel, .*; to add one, call torchtitan\.models\.registry\.register_flavor"
-                                        r"\('llama3', 'tiny', args\) in a module named by experimental\.custom_import"):
+    with pytest.raises(
+        UserError,
+        match=r"unknown model.flavor 'tiny' for model 'llama3'; available flavors: "
+        r"debugmodel, .*; to add one, call torchtitan\.models\.registry\.register_flavor"
+        r"\('llama3', 'tiny', args\) in a module named by experimental\.custom_import",
+    ):
         get_model_args("llama3", "tiny")
 
 
 def test_a_user_error_raised_by_the_custom_module_reaches_the_caller_unchanged(tmp_path):
     module = tmp_path / "dup_family.py"
-    module.write_text("import dataclasses\nfrom torchtitan.models.registry import get_model_spec, register_model\n"
-                      "register_model(dataclasses.replace(get_model_spec('qwen3'), name='llama3'))\n")
+    module.write_text(
+        "import dataclasses\nfrom torchtitan.models.registry import get_model_spec, register_model\n"
+        "register_model(dataclasses.replace(get_model_spec('qwen3'), name='llama3'))\n"
+    )
     with pytest.raises(UserError, match="^register_model: a model named 'llama3' is built into torchtitan"):
         import_custom_module(str(module))
     assert "torchtitan_custom_dup_family" not in sys.modules  # not half-imported: a retry imports it again
@@ -144,8 +161,18 @@ def test_the_trainer_trains_and_resumes_a_flavor_added_by_custom_import(tmp_path
     assert f"```python\n{MY_FLAVORS}```" in (REPO / "docs" / "models.md").read_text()  # the documented example
     (tmp_path / "my_flavors.py").write_text(MY_FLAVORS)
     # As in docs/models.md: the file named relative to the working directory.
-    job = ["--experimental.custom_import", "my_flavors.py", "--model.flavor", "tiny", "--job.dump_folder", "out",
-           "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
+    job = [
+        "--experimental.custom_import",
+        "my_flavors.py",
+        "--model.flavor",
+        "tiny",
+        "--job.dump_folder",
+        "out",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.no-last_save_model_only",
+    ]
     first = train(tmp_path, *job, "--training.steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training llama3 tiny: " in first.stderr
@@ -158,14 +185,25 @@ def test_the_trainer_trains_and_resumes_a_flavor_added_by_custom_import(tmp_path
 
 
 def test_a_duplicate_model_in_the_custom_module_is_one_line_and_exit_2(tmp_path):
-    (tmp_path / "my_family.py").write_text(textwrap.dedent("""\
+    (tmp_path / "my_family.py").write_text(
+        textwrap.dedent("""\
         import dataclasses
         from torchtitan.models.registry import get_model_spec, register_model
         spec = get_model_spec("llama3")
         register_model(dataclasses.replace(spec, flavors={**spec.flavors, "tiny": spec.flavors["debugmodel"]}))
-    """))
-    proc = train(tmp_path, "--experimental.custom_import", "my_family.py", "--model.flavor", "tiny",
-                 "--job.dump_folder", "out", "--training.steps", "2")
+    """)
+    )
+    proc = train(
+        tmp_path,
+        "--experimental.custom_import",
+        "my_family.py",
+        "--model.flavor",
+        "tiny",
+        "--job.dump_folder",
+        "out",
+        "--training.steps",
+        "2",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "register_model" in line]
@@ -184,17 +222,21 @@ def test_help_and_docs_name_every_shipped_family(monkeypatch):
 
     shipped = registry.builtin_model_names()
     assert {"llama3", "qwen3", "deepseek_v3"} <= set(shipped)
-    for command in (["./run_train.sh", "--help"], [sys.executable, "-m", "torchtitan.train", "--help"],
-                    [sys.executable, "-m", "torchtitan.preflight", "--help"]):
+    for command in (
+        ["./run_train.sh", "--help"],
+        [sys.executable, "-m", "torchtitan.train", "--help"],
+        [sys.executable, "-m", "torchtitan.preflight", "--help"],
+    ):
         env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
         shown = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120).stdout
         lines = shown.splitlines()
         at = next(i for i, line in enumerate(lines) if line.startswith("  --model.name "))
-        assert lines[at + 2] == f"      Shipped: {', '.join(shipped)}.", (command, lines[at:at + 3])
+        assert lines[at + 2] == f"      Shipped: {', '.join(shipped)}.", (command, lines[at : at + 3])
     monkeypatch.setitem(registry._BUILTIN, "later_family", "torchtitan.models.later_family")
     # Its spec as if its module had been imported (flavors are listed under model.flavor).
-    monkeypatch.setitem(registry._BUILT, "later_family", dataclasses.replace(registry.get_model_spec("llama3"),
-                                                                            name="later_family"))
+    monkeypatch.setitem(
+        registry._BUILT, "later_family", dataclasses.replace(registry.get_model_spec("llama3"), name="later_family")
+    )
     shown = registry.help_with_families(help_text())
     assert "later_family." in shown and "      later_family: debugmodel, " in shown
     monkeypatch.delitem(registry._BUILTIN, "later_family")

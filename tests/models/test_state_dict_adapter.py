@@ -80,8 +80,20 @@ def test_config_round_trip_keeps_every_dimension(name):
     assert (config["torch_dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
     assert (config["rope_scaling"] is None) == (args.rope_scaling is None)
     back = args_from_hf_config(config)
-    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps",
-                  "rope_theta", "rope_scaling", "tie_word_embeddings", "max_seq_len", "head_dim"):
+    for field in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "ffn_hidden_dim",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "max_seq_len",
+        "head_dim",
+    ):
         assert getattr(back, field) == getattr(args, field), field
 
 

@@ -21,10 +21,13 @@ def config(*args: str):
     return load_config(DEBUG + list(args))
 
 
-@pytest.mark.parametrize("act_bytes,measured", [
-    (4, {"allgather": 10.000, "alltoall": 3.969, "ulysses": 0.031}),
-    (2, {"allgather": 10.000, "alltoall": 6.938, "ulysses": 0.063}),
-])
+@pytest.mark.parametrize(
+    "act_bytes,measured",
+    [
+        (4, {"allgather": 10.000, "alltoall": 3.969, "ulysses": 0.031}),
+        (2, {"allgather": 10.000, "alltoall": 6.938, "ulysses": 0.063}),
+    ],
+)
 def test_counts_what_one_attention_call_keeps(act_bytes, measured):
     # Measured 2026-12-06 on 2 gloo ranks (llama3 debugmodel's 16 heads of 16, 1,024 local tokens of a
     # 2,048-token sequence): the bytes of the tensors one attention call saves for backward, less those
@@ -34,17 +37,30 @@ def test_counts_what_one_attention_call_keeps(act_bytes, measured):
     p = planning_of(config())
     tokens, seq, unit = 1024, 2048, 1024 * 256 * act_bytes
     for method, got in measured.items():
-        par = config(*(ULYSSES if method == "ulysses" else ["--parallelism.context_parallel_rotate_method", method]),
-                     "--parallelism.context_parallel_degree", "2").parallelism
+        par = config(
+            *(ULYSSES if method == "ulysses" else ["--parallelism.context_parallel_rotate_method", method]),
+            "--parallelism.context_parallel_degree",
+            "2",
+        ).parallelism
         counted = cp_attention_bytes(p.args, par, 2, 1, tokens, seq, act_bytes, documents=False) / unit
         assert counted == pytest.approx(got, abs=0.07), method
 
 
 def test_the_estimate_follows_the_method():
-    long = ["--training.seq_len", "8192", "--training.local_batch_size", "1", "--parallelism.context_parallel_degree",
-            "2", "--training.mixed_precision_param", "float32"]
-    est = {name: estimate_config(config(*long, *extra), 2, "cpu")
-           for name, extra in (("gathered", GATHERED), ("rotating", ROTATING), ("ulysses", ULYSSES))}
+    long = [
+        "--training.seq_len",
+        "8192",
+        "--training.local_batch_size",
+        "1",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+    ]
+    est = {
+        name: estimate_config(config(*long, *extra), 2, "cpu")
+        for name, extra in (("gathered", GATHERED), ("rotating", ROTATING), ("ulysses", ULYSSES))
+    }
     assert [e.layout() for e in est.values()] == ["cp2", "cp2r", "cp2u"]
     act = {name: e.memory.activations for name, e in est.items()}
     # Ulysses < the rotating ring < the gathered ring, whose mask of 4,096 x 8,192 float32 (128 MiB a
@@ -64,17 +80,30 @@ def test_the_estimate_follows_the_method():
 
 
 def test_the_plan_picks_the_method_that_fits():
-    args = ["--training.seq_len", "16384", "--parallelism.context_parallel_degree", "2", "--training.global_batch_size",
-            "1", "--training.local_batch_size", "1"]
+    args = [
+        "--training.seq_len",
+        "16384",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--training.global_batch_size",
+        "1",
+        "--training.local_batch_size",
+        "1",
+    ]
     cfg = config(*args)
     p = planning_of(cfg)
-    methods = [(c.parallelism.context_parallel_method, c.parallelism.context_parallel_rotate_method)
-               for c in candidates(cfg, 2, 2, p.spec, p.args) if c.activation_checkpoint.mode == "none"]
+    methods = [
+        (c.parallelism.context_parallel_method, c.parallelism.context_parallel_rotate_method)
+        for c in candidates(cfg, 2, 2, p.spec, p.args)
+        if c.activation_checkpoint.mode == "none"
+    ]
     assert methods == [("ring", "allgather"), ("ring", "alltoall"), ("ulysses", "allgather")]
     # Without checkpointing at 16,384 tokens: only Ulysses fits between its estimate and the rings'.
     none = ["--activation_checkpoint.mode", "none"]
-    need = {name: estimate_config(config(*args, *none, *extra), 2, "cpu").memory.total
-            for name, extra in (("cp2", GATHERED), ("cp2r", ROTATING), ("cp2u", ULYSSES))}
+    need = {
+        name: estimate_config(config(*args, *none, *extra), 2, "cpu").memory.total
+        for name, extra in (("cp2", GATHERED), ("cp2r", ROTATING), ("cp2u", ULYSSES))
+    }
     assert need["cp2u"] < need["cp2r"] < need["cp2"]
     budget = (need["cp2u"] + need["cp2r"]) / 2
     ranking = plan(cfg, 2, 2, budget, device_type="cpu")
@@ -82,4 +111,6 @@ def test_the_plan_picks_the_method_that_fits():
     assert chosen == {"cp2u"}, [(e.layout(), e.ac(), e.memory.total / GiB) for e in ranking.fits]
     # A recipe that sets the rotating ring keeps it.
     fixed = config("--training.seq_len", "16384", "--parallelism.context_parallel_degree", "2", *ROTATING)
-    assert {c.parallelism.context_parallel_rotate_method for c in candidates(fixed, 2, 2, p.spec, p.args)} == {"alltoall"}
+    assert {c.parallelism.context_parallel_rotate_method for c in candidates(fixed, 2, 2, p.spec, p.args)} == {
+        "alltoall"
+    }

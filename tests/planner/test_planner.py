@@ -37,16 +37,27 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 LAYOUTS = {
     "fsdp4": (4, []),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "hsdp2x2": (
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    ),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "pp2_1f1b_fsdp2": (4, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
     "pp2_zbv": (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     "cp2_tp2": (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
-    "tied_pp2_tp2": (4, ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--parallelism.tensor_parallel_degree",
-                         "2"] + PP2),
-    "moe_ep2_tp2": (8, MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
-    "moe_ep4_hsdp": (8, MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree",
-                               "2"]),
+    "tied_pp2_tp2": (
+        4,
+        ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", "--parallelism.tensor_parallel_degree", "2"]
+        + PP2,
+    ),
+    "moe_ep2_tp2": (
+        8,
+        MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    ),
+    "moe_ep4_hsdp": (
+        8,
+        MOE + ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+    ),
     "dsv3_pp2_ep2": (8, DSV3 + PP2 + ["--parallelism.expert_parallel_degree", "2"]),
     # The last stage keeps a copy of the input embedding for multi-token prediction.
     "dsv3_mtp_pp2": (4, DSV3 + PP2 + ["--model.mtp_depth", "1"]),
@@ -77,13 +88,46 @@ def test_analytic_shards_equal_the_simulated_ones(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,args", [
-    (512, ["--model.flavor", "405B", "--training.seq_len", "8192", "--parallelism.tensor_parallel_degree", "8",
-           "--parallelism.pipeline_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "4"]),
-    (256, ["--model.name", "qwen3", "--model.flavor", "235B-A22B", "--training.seq_len", "4096",
-           "--parallelism.tensor_parallel_degree", "4", "--parallelism.pipeline_parallel_degree", "4",
-           "--parallelism.data_parallel_shard_degree", "16", "--parallelism.expert_parallel_degree", "8"]),
-], ids=["llama3_405B_512", "qwen3_235B_A22B_256"])
+@pytest.mark.parametrize(
+    "world,args",
+    [
+        (
+            512,
+            [
+                "--model.flavor",
+                "405B",
+                "--training.seq_len",
+                "8192",
+                "--parallelism.tensor_parallel_degree",
+                "8",
+                "--parallelism.pipeline_parallel_degree",
+                "16",
+                "--parallelism.data_parallel_shard_degree",
+                "4",
+            ],
+        ),
+        (
+            256,
+            [
+                "--model.name",
+                "qwen3",
+                "--model.flavor",
+                "235B-A22B",
+                "--training.seq_len",
+                "4096",
+                "--parallelism.tensor_parallel_degree",
+                "4",
+                "--parallelism.pipeline_parallel_degree",
+                "4",
+                "--parallelism.data_parallel_shard_degree",
+                "16",
+                "--parallelism.expert_parallel_degree",
+                "8",
+            ],
+        ),
+    ],
+    ids=["llama3_405B_512", "qwen3_235B_A22B_256"],
+)
 def test_simulation_at_scale(world, args):
     analytic = check_against_simulation(world, args)
     assert len(analytic) == 4 if world == 256 else 16
@@ -132,13 +176,17 @@ def test_the_logits_terms_follow_the_loss_chunk_size():
     assert memory(*big) == memory(*big, "--training.loss_chunk_tokens", "1024")
     assert memory(*big).logits < memory(*big, "--training.loss_chunk_tokens", "0").logits / 2
     tp2 = ("--parallelism.tensor_parallel_degree", "2")
-    assert estimate_config(config(*big, *tp2), 2, "cpu").memory == estimate_config(
-        config(*big, *tp2, "--training.loss_chunk_tokens", "0"), 2, "cpu").memory
+    assert (
+        estimate_config(config(*big, *tp2), 2, "cpu").memory
+        == estimate_config(config(*big, *tp2, "--training.loss_chunk_tokens", "0"), 2, "cpu").memory
+    )
     # [memory_estimation] prints the same estimate before launch (in GiB to 2 places: 0.02 and 0.01).
     from torchtitan.preflight import preflight
 
-    lines = [preflight(config("--memory_estimation.enabled", *args), 1).memory_estimate
-             for args in ((), ("--training.loss_chunk_tokens", "128"))]
+    lines = [
+        preflight(config("--memory_estimation.enabled", *args), 1).memory_estimate
+        for args in ((), ("--training.loss_chunk_tokens", "128"))
+    ]
     logits = [float(re.search(r"logits ([0-9.]+)", line).group(1)) for line in lines]
     assert logits[1] < logits[0], lines
 
@@ -153,21 +201,43 @@ def test_context_parallel_methods_are_searched_and_costed():
     # times (and the gradients back): 4 (cp - 1) hidden units; Ulysses 8 (cp - 1) / cp.
     assert [cp_volume("ring", p.args, cp, 1) for cp in (2, 4, 8)] == [4, 12, 28]
     assert [cp_volume("ulysses", p.args, cp, 1) for cp in (2, 4, 8)] == [4, 6, 7]
-    layouts = {(c.parallelism.context_parallel_degree, c.parallelism.tensor_parallel_degree,
-                c.parallelism.context_parallel_method) for c in candidates(cfg, 8, 8, p.spec, p.args)}
+    layouts = {
+        (
+            c.parallelism.context_parallel_degree,
+            c.parallelism.tensor_parallel_degree,
+            c.parallelism.context_parallel_method,
+        )
+        for c in candidates(cfg, 8, 8, p.spec, p.args)
+    }
     assert {(2, 1, "ring"), (2, 1, "ulysses"), (8, 1, "ulysses"), (4, 2, "ulysses")} <= layouts
     ring = estimate_config(config("--training.seq_len", "4096", "--parallelism.context_parallel_degree", "4"), 4, "cpu")
-    uly = estimate_config(config("--training.seq_len", "4096", "--parallelism.context_parallel_degree", "4",
-                                 "--parallelism.context_parallel_method", "ulysses"), 4, "cpu")
+    uly = estimate_config(
+        config(
+            "--training.seq_len",
+            "4096",
+            "--parallelism.context_parallel_degree",
+            "4",
+            "--parallelism.context_parallel_method",
+            "ulysses",
+        ),
+        4,
+        "cpu",
+    )
     assert uly.time.communication < ring.time.communication and uly.layout() == "cp4u" and ring.layout() == "cp4"
     # A recipe that asks for Ulysses keeps it; a degree that cannot split the heads offers the ring only.
     fixed = config("--training.seq_len", "4096", "--parallelism.context_parallel_method", "ulysses")
-    assert {c.parallelism.context_parallel_method for c in candidates(fixed, 8, 8, p.spec, p.args)
-            if c.parallelism.context_parallel_degree > 1} == {"ulysses"}
+    assert {
+        c.parallelism.context_parallel_method
+        for c in candidates(fixed, 8, 8, p.spec, p.args)
+        if c.parallelism.context_parallel_degree > 1
+    } == {"ulysses"}
     qwen = config("--model.name", "qwen3", "--training.seq_len", "4096", "--training.global_batch_size", "8")
     q = planning_of(qwen)  # 8 query heads: TP 4 leaves 2 per rank, so CP 4 and 8 are ring only
-    methods = {(c.parallelism.context_parallel_degree, c.parallelism.context_parallel_method)
-               for c in candidates(qwen, 16, 16, q.spec, q.args) if c.parallelism.tensor_parallel_degree == 4}
+    methods = {
+        (c.parallelism.context_parallel_degree, c.parallelism.context_parallel_method)
+        for c in candidates(qwen, 16, 16, q.spec, q.args)
+        if c.parallelism.tensor_parallel_degree == 4
+    }
     assert (4, "ring") in methods and (2, "ulysses") in methods and (4, "ulysses") not in methods
 
 
@@ -177,13 +247,16 @@ def run_plan(*args: str, cwd=REPO):
 
 def test_plan_writes_the_best_layout_as_a_recipe(tmp_path):
     out = tmp_path / "best.toml"
-    proc = run_plan(*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "4", "--device", "cpu",
-                    "--output", str(out))
+    proc = run_plan(
+        *DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "4", "--device", "cpu", "--output", str(out)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "every parameter shard equals the estimate's" in proc.stdout
     # The CPU peak is measured now and says what its figures are worth; never rounded to "0.0".
-    assert re.search(r"peak (?!0\.0 |0 )[0-9][0-9.e-]* TFLOP/s \(measured now on this host's CPU: it moves with the load",
-                     proc.stdout), proc.stdout
+    assert re.search(
+        r"peak (?!0\.0 |0 )[0-9][0-9.e-]* TFLOP/s \(measured now on this host's CPU: it moves with the load",
+        proc.stdout,
+    ), proc.stdout
     assert f"wrote {out}: NGPU=4 CONFIG_FILE={out} ./run_train.sh\n" in proc.stdout  # per node, as the docs say
     rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("1  ")]
     best = rows[0].split()[1]
@@ -195,26 +268,67 @@ def test_plan_writes_the_best_layout_as_a_recipe(tmp_path):
     assert again.returncode == 2 and "exists" in again.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--ngpu", "12", "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--parallelism.tensor_parallel_degree", "8"],
-     "does not divide the world size 12"),
-    (["--ngpu", "12", "--gpus_per_node", "8", "--gpu_memory_gib", "80"],
-     "12 devices is not a whole number of nodes of 8"),
-    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.flavor", "nope"], "unknown model.flavor 'nope'"),
-    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.sliding_window", "64"], "has no sliding-window attention"),
-    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
-      "8"], "the recipe fixes pipeline_parallel_degree = 8: cannot split"),
-    (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.tokenizer_path", "/nonexistent"],
-     "the trainer refuses every layout of llama3 debugmodel on 8 devices"),
-    (["--ngpu", "8", "--gpu_memory_gib", "nan"], "--gpu_memory_gib must be a positive number"),
-    (["--ngpu", "eight", "--gpu_memory_gib", "80"], "argument --ngpu: invalid int value: 'eight'"),
-    (["--ngpu", "8", "--gpu_memory_gib", "80", "--top", "0"], "--top must be 1 or more"),
-    (["--ngpu", "8", "--gpu_memory_gib", "80", "--efficiency", "2"], "--efficiency is the fraction of the peak"),
-    (["--ngpu", "2", "--gpu_memory_gib", "0.001", "--device", "cpu"], "the smallest needs"),
-    (["--ngpu", "2", "--gpu_memory_gib", "80", "--experimental.custom_import",
-      str(REPO / "tests" / "models" / "test_custom_family.py"), "--model.name", "tiny_nope", "--model.flavor", "debug"],
-     "its spec has no activation_counts"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            [
+                "--ngpu",
+                "12",
+                "--gpus_per_node",
+                "4",
+                "--gpu_memory_gib",
+                "80",
+                "--parallelism.tensor_parallel_degree",
+                "8",
+            ],
+            "does not divide the world size 12",
+        ),
+        (
+            ["--ngpu", "12", "--gpus_per_node", "8", "--gpu_memory_gib", "80"],
+            "12 devices is not a whole number of nodes of 8",
+        ),
+        (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.flavor", "nope"], "unknown model.flavor 'nope'"),
+        (["--ngpu", "8", "--gpu_memory_gib", "80", "--model.sliding_window", "64"], "has no sliding-window attention"),
+        (
+            [
+                "--ngpu",
+                "8",
+                "--gpu_memory_gib",
+                "80",
+                "--model.name",
+                "deepseek_v3",
+                "--parallelism.pipeline_parallel_degree",
+                "8",
+            ],
+            "the recipe fixes pipeline_parallel_degree = 8: cannot split",
+        ),
+        (
+            ["--ngpu", "8", "--gpu_memory_gib", "80", "--model.tokenizer_path", "/nonexistent"],
+            "the trainer refuses every layout of llama3 debugmodel on 8 devices",
+        ),
+        (["--ngpu", "8", "--gpu_memory_gib", "nan"], "--gpu_memory_gib must be a positive number"),
+        (["--ngpu", "eight", "--gpu_memory_gib", "80"], "argument --ngpu: invalid int value: 'eight'"),
+        (["--ngpu", "8", "--gpu_memory_gib", "80", "--top", "0"], "--top must be 1 or more"),
+        (["--ngpu", "8", "--gpu_memory_gib", "80", "--efficiency", "2"], "--efficiency is the fraction of the peak"),
+        (["--ngpu", "2", "--gpu_memory_gib", "0.001", "--device", "cpu"], "the smallest needs"),
+        (
+            [
+                "--ngpu",
+                "2",
+                "--gpu_memory_gib",
+                "80",
+                "--experimental.custom_import",
+                str(REPO / "tests" / "models" / "test_custom_family.py"),
+                "--model.name",
+                "tiny_nope",
+                "--model.flavor",
+                "debug",
+            ],
+            "its spec has no activation_counts",
+        ),
+    ],
+)
 def test_plan_refuses_bad_input(args, message):
     proc = run_plan(*DEBUG, *args)
     assert proc.returncode == 2, proc.stderr
@@ -222,18 +336,22 @@ def test_plan_refuses_bad_input(args, message):
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
 
 
-@pytest.mark.parametrize("where,message", [
-    ("{tmp}/missing/best.toml", "the folder {tmp}/missing does not exist"),
-    ("{tmp}/a_file/best.toml", "{tmp}/a_file is a file, not a folder"),
-    ("/proc/best.toml", "cannot create anything in /proc"),
-])
+@pytest.mark.parametrize(
+    "where,message",
+    [
+        ("{tmp}/missing/best.toml", "the folder {tmp}/missing does not exist"),
+        ("{tmp}/a_file/best.toml", "{tmp}/a_file is a file, not a folder"),
+        ("/proc/best.toml", "cannot create anything in /proc"),
+    ],
+)
 def test_an_output_that_cannot_be_written_is_refused_before_planning(tmp_path, where, message):
     (tmp_path / "a_file").write_text("x")
     proc = run_plan(*DEBUG, "--ngpu", "8", "--gpu_memory_gib", "80", "--output", where.format(tmp=tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: --output {where.format(tmp=tmp_path)}: "
-                                                   f"{message.format(tmp=tmp_path)}"), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: --output {where.format(tmp=tmp_path)}: {message.format(tmp=tmp_path)}"
+    ), lines
     assert proc.stdout == ""  # nothing was planned: the plan's first line comes after the search
 
 
@@ -257,8 +375,12 @@ def test_a_multi_token_prediction_plan_never_picks_a_zero_bubble_layout(plan_scr
     assert all(refusal(e.cfg, 8, "cuda") is None for e in ranking.fits)
     assert any("ZBVZeroBubble splits each backward" in why for why in ranking.refused)
     out = tmp_path / "best.toml"
-    assert plan_script.main([*MTP_ZBV, "--ngpu", "8", "--gpu_memory_gib", "80", "--top", "5", "--no-simulate",
-                             "--output", str(out)]) == 0
+    assert (
+        plan_script.main(
+            [*MTP_ZBV, "--ngpu", "8", "--gpu_memory_gib", "80", "--top", "5", "--no-simulate", "--output", str(out)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"wrote {out}: NGPU=8 CONFIG_FILE={out} ./run_train.sh\n" in printed and "measured now" not in printed
     assert "the trainer's preflight refused" in printed and "pp2xfsdp4 with AC none" in printed
@@ -271,8 +393,20 @@ def test_a_multi_token_prediction_plan_never_picks_a_zero_bubble_layout(plan_scr
 def test_layouts_are_judged_for_the_device_planned_for(plan_script, capsys):
     """FlexAttention trains on CUDA only: a CUDA plan of a flex recipe made on this CPU host is not
     refused, a CPU plan is."""
-    args = [*DEBUG, "--ngpu", "2", "--gpus_per_node", "2", "--gpu_memory_gib", "80", "--no-simulate", "--top", "1",
-            "--model.attn_backend", "flex"]
+    args = [
+        *DEBUG,
+        "--ngpu",
+        "2",
+        "--gpus_per_node",
+        "2",
+        "--gpu_memory_gib",
+        "80",
+        "--no-simulate",
+        "--top",
+        "1",
+        "--model.attn_backend",
+        "flex",
+    ]
     assert plan_script.main(args) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert plan_script.main([*args, "--device", "cpu"]) == 2
@@ -284,20 +418,46 @@ def test_keys_the_trainer_accepts_plan(plan_script, capsys):
     and multi-token prediction under a pipeline (the last stage's copy of the embedding)."""
     mtp_pp2 = DSV3 + ["--model.mtp_depth", "1", "--parallelism.pipeline_parallel_degree", "2"]
     for extra in (["--training.seq_len", "7"], mtp_pp2):
-        assert plan_script.main([*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--top", "1",
-                                 *extra]) == 0, capsys.readouterr().err
+        assert (
+            plan_script.main(
+                [*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "80", "--top", "1", *extra]
+            )
+            == 0
+        ), capsys.readouterr().err
         assert "every parameter shard equals the estimate's" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_the_written_recipe_trains_on_4_processes(tmp_path):
     out = tmp_path / "best.toml"
-    proc = run_plan(*DEBUG, "--ngpu", "4", "--gpus_per_node", "4", "--gpu_memory_gib", "4", "--device", "cpu",
-                    "--no-simulate", "--output", str(out), "--training.steps", "4", "--job.dump_folder",
-                    str(tmp_path / "run"), "--checkpoint.no-enable_checkpoint")
+    proc = run_plan(
+        *DEBUG,
+        "--ngpu",
+        "4",
+        "--gpus_per_node",
+        "4",
+        "--gpu_memory_gib",
+        "4",
+        "--device",
+        "cpu",
+        "--no-simulate",
+        "--output",
+        str(out),
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--checkpoint.no-enable_checkpoint",
+    )
     assert proc.returncode == 0, proc.stderr
-    train = subprocess.run(["bash", "run_train.sh"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                           env={**__import__("os").environ, "NGPU": "4", "CONFIG_FILE": str(out)})
+    train = subprocess.run(
+        ["bash", "run_train.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "NGPU": "4", "CONFIG_FILE": str(out)},
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) >= 2
@@ -306,8 +466,14 @@ def test_the_written_recipe_trains_on_4_processes(tmp_path):
 def preflight(*args: str):
     import os
 
-    return subprocess.run([sys.executable, "-m", "torchtitan.preflight", *DEBUG, "--memory_estimation.enabled", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "WORLD_SIZE": "2"})
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan.preflight", *DEBUG, "--memory_estimation.enabled", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "WORLD_SIZE": "2"},
+    )
 
 
 def test_memory_estimation_prints_the_estimate_before_launch():
@@ -330,11 +496,24 @@ def test_the_published_405B_layout_fits_80_GiB():
     """Llama 3 405B's published training layout (TP 8 x PP 16 x data parallel, full checkpointing, seq 8192)."""
     from torchtitan.planner.memory import GiB
 
-    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml"),
-                       "--parallelism.pipeline_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "4",
-                       "--training.global_batch_size", "256"])
-    e = estimate_config(cfg, 512, "cuda", __import__("torchtitan.planner.timing", fromlist=["Hardware"]).Hardware(
-        989e12, 0.4, 450e9, 50e9, 8))
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "llama3_405b.toml"),
+            "--parallelism.pipeline_parallel_degree",
+            "16",
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--training.global_batch_size",
+            "256",
+        ]
+    )
+    e = estimate_config(
+        cfg,
+        512,
+        "cuda",
+        __import__("torchtitan.planner.timing", fromlist=["Hardware"]).Hardware(989e12, 0.4, 450e9, 50e9, 8),
+    )
     assert e.layout() == "pp16xfsdp4xtp8" and e.ac() == "full"
     assert 10 * GiB < e.memory.total < 80 * GiB
 
@@ -362,9 +541,20 @@ def test_a_replica_group_recipe_is_planned_without_asking_its_lighthouse():
 
     threading.Thread(target=accept, daemon=True).start()
     try:
-        cfg = load_config([*DEBUG, "--fault_tolerance.enabled", "--fault_tolerance.group_count", "2",
-                           "--fault_tolerance.lighthouse", f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           "--fault_tolerance.timeout_seconds", "1", "--training.global_batch_size", "8"])
+        cfg = load_config(
+            [
+                *DEBUG,
+                "--fault_tolerance.enabled",
+                "--fault_tolerance.group_count",
+                "2",
+                "--fault_tolerance.lighthouse",
+                f"http://127.0.0.1:{silent.getsockname()[1]}",
+                "--fault_tolerance.timeout_seconds",
+                "1",
+                "--training.global_batch_size",
+                "8",
+            ]
+        )
         ranking = plan(cfg, 4, 4, 80 * 2**30, "cpu", keep=3)
         assert ranking.fits and not accepted
     finally:

@@ -12,13 +12,19 @@ from conftest import MODEL, REPO, load_script
 
 SCRIPT = REPO / "scripts" / "benchmark.py"
 TINY = [
-    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-    "--training.seq_len", "16",
-    "--training.local_batch_size", "1",
-    "--training.mixed_precision_param", "float32",
+    "--job.config_file",
+    str(REPO / "train_configs" / "debug_model.toml"),
+    "--training.seq_len",
+    "16",
+    "--training.local_batch_size",
+    "1",
+    "--training.mixed_precision_param",
+    "float32",
     "--metrics.no-enable_tensorboard",
-    "--metrics.device_peak_tflops", "1",  # skips the one-second matmul measurement in each process
-    "--model.tokenizer_path", str(MODEL),
+    "--metrics.device_peak_tflops",
+    "1",  # skips the one-second matmul measurement in each process
+    "--model.tokenizer_path",
+    str(MODEL),
 ]
 
 
@@ -29,14 +35,24 @@ def bench():
 
 def run(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_own_options_are_taken_out_and_overrides_keep_their_order(bench):
     opts, rest = bench.split_argv(
-        ["--nproc=2", "--job.config_file", "r.toml", "--steps", "7", "--training.compile", "--warmup", "3",
-         "--training.seq_len=64"]
+        [
+            "--nproc=2",
+            "--job.config_file",
+            "r.toml",
+            "--steps",
+            "7",
+            "--training.compile",
+            "--warmup",
+            "3",
+            "--training.seq_len=64",
+        ]
     )
     assert (opts["nproc"], opts["steps"], opts["warmup"], opts["threads"]) == (2, 7, 3, None)
     assert rest == ["--job.config_file", "r.toml", "--training.compile", "--training.seq_len=64"]
@@ -54,21 +70,27 @@ def test_forced_framework_settings_win_over_the_users(bench):
 
 
 def test_summary_is_the_median_after_warmup_and_the_peak_memory(bench):
-    steps = [{"step": i, "tps": tps, "tflops": tps / 10, "mfu": tps / 100, "memory_gib": mem}
-             for i, (tps, mem) in enumerate([(1, 0.5), (100, 0.7), (10, 0.8), (30, 0.8), (20, 0.9)], start=1)]
+    steps = [
+        {"step": i, "tps": tps, "tflops": tps / 10, "mfu": tps / 100, "memory_gib": mem}
+        for i, (tps, mem) in enumerate([(1, 0.5), (100, 0.7), (10, 0.8), (30, 0.8), (20, 0.9)], start=1)
+    ]
     s = bench.summarize([{"steps": steps, "peak_tflops": 2.0, "threads": 1}], warmup=2)
     assert (s["tps"], s["tflops"], s["mfu"], s["memory_gib"], s["steps_measured"]) == (20, 2, 0.2, 0.9, 3)
     # Repeats pool their steps after warm-up.
     again = [dict(r, tps=r["tps"] + 1000, memory_gib=0.1) for r in steps]
-    s2 = bench.summarize([{"steps": steps, "peak_tflops": 2.0, "threads": 1},
-                          {"steps": again, "peak_tflops": 4.0, "threads": 1}], warmup=2)
+    s2 = bench.summarize(
+        [{"steps": steps, "peak_tflops": 2.0, "threads": 1}, {"steps": again, "peak_tflops": 4.0, "threads": 1}],
+        warmup=2,
+    )
     assert (s2["tps"], s2["memory_gib"], s2["peak_tflops"], s2["steps_measured"]) == (520, 0.9, 3.0, 6)
     table = bench.format_table(s, dict(s, tps=10))
     assert any(line.startswith("tokens/s per device") and line.endswith("2.000") for line in table)
 
 
-@pytest.mark.parametrize("mode, option, expected", [("none", "2", []), ("full", "2", [0, 1, 2]),
-                                                     ("selective", "2", [0, 2]), ("selective", "3", [0])])
+@pytest.mark.parametrize(
+    "mode, option, expected",
+    [("none", "2", []), ("full", "2", [0, 1, 2]), ("selective", "2", [0, 2]), ("selective", "3", [0])],
+)
 def test_bare_loop_checkpoints_the_blocks_the_trainer_does(bench, mode, option, expected):
     import torch
 
@@ -96,8 +118,14 @@ def test_user_mistakes_stop_before_any_launch():
     assert proc.returncode == 2 and "did you mean '--training.steps'" in proc.stderr
     proc = run(*TINY, "--steps", "3", "--warmup", "3", timeout=60)
     assert proc.returncode == 2 and "--steps > --warmup" in proc.stderr
-    proc = run(*TINY, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-               "op", timeout=60)
+    proc = run(
+        *TINY,
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        timeout=60,
+    )
     assert proc.returncode == 2 and "checkpoints whole blocks only" in proc.stderr
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
         # The bare loop would run FSDP on twice the global batch: unlike work, refused.
@@ -120,13 +148,18 @@ def test_one_process_end_to_end():
     check_report(proc)
     # Two repeats, in alternating order.
     assert [line.split(":")[0] for line in proc.stdout.splitlines() if " tokens/s, " in line] == [
-        "framework", "bare", "bare", "framework"]
+        "framework",
+        "bare",
+        "bare",
+        "framework",
+    ]
 
 
 @pytest.mark.slow
 def test_two_processes_with_activation_checkpointing():
-    check_report(run(*TINY, "--nproc", "2", "--steps", "3", "--warmup", "1", "--activation_checkpoint.mode", "full",
-                     timeout=300))
+    check_report(
+        run(*TINY, "--nproc", "2", "--steps", "3", "--warmup", "1", "--activation_checkpoint.mode", "full", timeout=300)
+    )
 
 
 def test_muon_is_compared_with_adamw_not_with_the_bare_loop(bench):
@@ -139,8 +172,11 @@ def test_muon_is_compared_with_adamw_not_with_the_bare_loop(bench):
 def test_optimizers_end_to_end():
     proc = run(*TINY, "--optimizers", "1", "--steps", "3", "--warmup", "1", "--optimizer.muon_lr", "0.01")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["AdamW"], ["Muon"])
-            and "tokens/s," not in line}
+    rows = {
+        line.split()[0]: line.split()
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] in (["AdamW"], ["Muon"]) and "tokens/s," not in line
+    }
     assert rows.keys() == {"AdamW", "Muon"}
     assert rows["AdamW"][-1] == rows["Muon"][-1]  # the step-1 loss: the same model and data
     assert re.fullmatch(r"step time Muon/AdamW: \d+\.\d\d", proc.stdout.strip().splitlines()[-1])

@@ -14,8 +14,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def rows(out: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
-            if re.match(r"\| \d", line)]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if re.match(r"\| \d", line)]
 
 
 def test_kernels_table_with_the_token_by_token_check():

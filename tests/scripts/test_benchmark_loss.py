@@ -21,14 +21,38 @@ def run(*argv: str) -> list[str]:
 
 
 def test_the_output_layer_cases_print_their_rows():
-    rows = run("--tokens", "64", "--dim", "16", "--vocab", "512", "--dtype", "float32,bfloat16", "--chunks", "0,16",
-               "--recompute", "16")
+    rows = run(
+        "--tokens",
+        "64",
+        "--dim",
+        "16",
+        "--vocab",
+        "512",
+        "--dtype",
+        "float32,bfloat16",
+        "--chunks",
+        "0,16",
+        "--recompute",
+        "16",
+    )
     assert len(rows) == 6
     assert [r.split(" | ")[2] for r in rows[:3]] == ["whole logits", "16", "16 (recompute in backward)"]
 
 
 def test_whole_steps_train_the_same_model_chunked():
-    rows = run("--step", "debugmodel", "--vocab", "512", "--tokens", "32", "--steps", "2", "--dtype", "float32",
-               "--chunks", "0,8")
+    rows = run(
+        "--step",
+        "debugmodel",
+        "--vocab",
+        "512",
+        "--tokens",
+        "32",
+        "--steps",
+        "2",
+        "--dtype",
+        "float32",
+        "--chunks",
+        "0,8",
+    )
     losses = [float(r.split(" | ")[4]) for r in rows]
     assert len(rows) == 2 and abs(losses[0] - losses[1]) < 1e-4, rows

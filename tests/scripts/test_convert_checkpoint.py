@@ -21,8 +21,17 @@ SPEC = get_model_spec("llama3")
 Transformer = SPEC.model_cls
 ARGS = SPEC.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
 QWEN = get_model_spec("qwen3")
-QWEN_TIED = QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128, vocab_size=128,
-                          max_seq_len=64, tie_word_embeddings=True)
+QWEN_TIED = QWEN.args_cls(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=128,
+    vocab_size=128,
+    max_seq_len=64,
+    tie_word_embeddings=True,
+)
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:
@@ -48,8 +57,13 @@ def write_checkpoint(folder: Path, spec, args) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": sd, "optimizer": optimizer}, checkpoint_id=folder, no_dist=True)
-    train_state = {"format_version": 1, "step": 5, "tokens": 640, "model_only": False,
-                   "model": {"name": spec.name, "flavor": "tiny", "args": asdict(args)}}
+    train_state = {
+        "format_version": 1,
+        "step": 5,
+        "tokens": 640,
+        "model_only": False,
+        "model": {"name": spec.name, "flavor": "tiny", "args": asdict(args)},
+    }
     (folder / "train_state.json").write_text(json.dumps(train_state))
     return sd
 
@@ -83,9 +97,21 @@ def test_qwen3_tied_to_transformers_and_back(tmp_path):
 
 QWEN3_5 = get_model_spec("qwen3_5")
 # DeltaNet, attention, DeltaNet, attention.
-QWEN3_5_SMALL = QWEN3_5.args_cls(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                                 vocab_size=128, max_seq_len=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                                 linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2)
+QWEN3_5_SMALL = QWEN3_5.args_cls(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    hidden_dim=128,
+    vocab_size=128,
+    max_seq_len=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    full_attention_interval=2,
+)
 
 
 def test_from_hf_converts_a_published_qwen3_5_folder(tmp_path, script, capsys):
@@ -163,11 +189,14 @@ def test_user_errors(tmp_path, checkpoint, script, capsys):
     # A multimodal config is read by its language model's model_type: one that no family reads, and a vision
     # tower alone, are named as such (before any weight is read).
     (tmp_path / "vl").mkdir()
-    (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "mistral3", "vision_config": {},
-                                                             "text_config": {"model_type": "mistral"}}))
+    (tmp_path / "vl" / "config.json").write_text(
+        json.dumps({"model_type": "mistral3", "vision_config": {}, "text_config": {"model_type": "mistral"}})
+    )
     assert script.main(["from-hf", str(tmp_path / "vl"), str(tmp_path / "dcp")]) == 2
-    assert "has text_config.model_type (inside model_type 'mistral3') = 'mistral', which no registered model reads; " \
-           "supported: " in capsys.readouterr().err
+    assert (
+        "has text_config.model_type (inside model_type 'mistral3') = 'mistral', which no registered model reads; "
+        "supported: " in capsys.readouterr().err
+    )
     (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}}))
     assert script.main(["from-hf", str(tmp_path / "vl"), str(tmp_path / "dcp")]) == 2
     assert "describes a vision tower only (vision_config, no text_config)" in capsys.readouterr().err
@@ -194,8 +223,9 @@ print("PEAK_GROWTH_KB", status("VmHWM:") - before)
 
 def peak_growth_mib(*argv) -> float:
     """The converter's peak resident memory above what its imports took, in a fresh process."""
-    proc = subprocess.run([sys.executable, "-c", PEAK, str(SCRIPT), *map(str, argv)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK, str(SCRIPT), *map(str, argv)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return int(proc.stdout.split("PEAK_GROWTH_KB")[-1]) / 1024
 
@@ -205,8 +235,9 @@ def test_conversion_streams_one_file_at_a_time(tmp_path):
     memory growth under half its size (the whole model in memory, as before streaming, is more than
     its size): to-hf holds about one 8 MiB output file, from-hf about one tensor (measured: 52 and
     39 MiB)."""
-    args = SPEC.args_cls(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, vocab_size=1024, multiple_of=256,
-                         max_seq_len=64)
+    args = SPEC.args_cls(
+        dim=512, n_layers=12, n_heads=8, n_kv_heads=4, vocab_size=1024, multiple_of=256, max_seq_len=64
+    )
     with torch.device("meta"):
         model = SPEC.model_cls(args)
     model.to_empty(device="cpu")
@@ -217,8 +248,13 @@ def test_conversion_streams_one_file_at_a_time(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": sd}, checkpoint_id=folder, no_dist=True)
-    train_state = {"format_version": 1, "step": 5, "tokens": 640, "model_only": True,
-                   "model": {"name": "llama3", "flavor": "big", "args": asdict(args)}}
+    train_state = {
+        "format_version": 1,
+        "step": 5,
+        "tokens": 640,
+        "model_only": True,
+        "model": {"name": "llama3", "flavor": "big", "args": asdict(args)},
+    }
     (folder / "train_state.json").write_text(json.dumps(train_state))
     del model
     to_hf = peak_growth_mib("to-hf", folder, tmp_path / "hf", "--max-shard-mb", "8")

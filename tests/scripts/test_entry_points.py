@@ -29,22 +29,25 @@ def places(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("path,kwargs,message", [
-    ("new.toml", {}, None),
-    ("a/b/new", {}, None),  # missing parents may be created
-    ("a/new.toml", {"create_parents": False}, "the folder {t}/a does not exist"),
-    ("file/out", {}, "{t}/file is a file, not a folder"),
-    ("file/a/out", {"create_parents": False}, "{t}/file is a file, not a folder"),
-    ("file", {}, "already exists as a file"),
-    ("file", {"existing": "replace_file"}, None),
-    ("full", {"existing": "replace_file"}, "already exists as a folder (it must be a file)"),
-    ("empty", {"existing": "empty_folder"}, None),
-    ("full", {"existing": "empty_folder"}, "already exists and is not empty"),
-    ("full", {"existing": "write_into"}, None),
-    ("file", {"existing": "write_into"}, "already exists as a file (it must be a folder)"),
-    ("/proc/out", {}, "cannot create anything in /proc"),
-    ("/proc/a/b", {}, "cannot create anything in /proc"),
-])
+@pytest.mark.parametrize(
+    "path,kwargs,message",
+    [
+        ("new.toml", {}, None),
+        ("a/b/new", {}, None),  # missing parents may be created
+        ("a/new.toml", {"create_parents": False}, "the folder {t}/a does not exist"),
+        ("file/out", {}, "{t}/file is a file, not a folder"),
+        ("file/a/out", {"create_parents": False}, "{t}/file is a file, not a folder"),
+        ("file", {}, "already exists as a file"),
+        ("file", {"existing": "replace_file"}, None),
+        ("full", {"existing": "replace_file"}, "already exists as a folder (it must be a file)"),
+        ("empty", {"existing": "empty_folder"}, None),
+        ("full", {"existing": "empty_folder"}, "already exists and is not empty"),
+        ("full", {"existing": "write_into"}, None),
+        ("file", {"existing": "write_into"}, "already exists as a file (it must be a folder)"),
+        ("/proc/out", {}, "cannot create anything in /proc"),
+        ("/proc/a/b", {}, "cannot create anything in /proc"),
+    ],
+)
 def test_output_paths(places, path, kwargs, message):
     full = path if path.startswith("/") else str(places / path)
     if message is None:
@@ -89,8 +92,14 @@ def test_argument_mistakes_are_user_errors():
 
 
 def run(argv: list[str], env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, *map(str, argv)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -103,49 +112,79 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
 
 CASES = {
     # Outputs: checked before the input is read (the input here does not even exist) or any work.
-    "convert under a file": (["convert_checkpoint.py", "to-hf", "{t}/nope", "{t}/file/hf"],
-                             "error: OUTPUT {t}/file/hf: {t}/file is a file, not a folder"),
-    "convert into /proc": (["convert_checkpoint.py", "from-hf", "{t}/nope", "/proc/step-0"],
-                           "error: OUTPUT /proc/step-0: cannot create anything in /proc"),
-    "convert into a non-empty folder": (["convert_checkpoint.py", "to-hf", "{t}/nope", "{t}/full"],
-                                        "already exists and is not empty"),
-    "benchmark_hf make into an existing folder": (["benchmark_hf.py", "make", "{t}/empty"],
-                                                  "error: FOLDER {t}/empty already exists as a folder"),
-    "benchmark_hf make an unknown flavor": (["benchmark_hf.py", "make", "{t}/new", "--flavor", "nope"],
-                                            "unknown model.flavor 'nope'"),
-    "benchmark_hf run a missing folder": (["benchmark_hf.py", "run", "{t}/nope"],
-                                          "error: FOLDER {t}/nope does not exist or is not a folder"),
-    "train_tokenizer into /proc": (["train_tokenizer.py", "--output", "/proc/tok.model"],
-                                   "error: --output /proc/tok.model: cannot create anything in /proc"),
-    "train_tokenizer vocabulary 0": (["train_tokenizer.py", "--vocab-size", "0"],
-                                     "argument --vocab-size: must be 1 or more, got 0"),
-    "short_documents under a file": (["short_documents.py", "{t}/file/docs.jsonl"],
-                                     "{t}/file is a file, not a folder"),
-    "short_documents 0 lines": (["short_documents.py", "{t}/docs.jsonl", "--lines", "0"],
-                                "argument --lines: must be 1 or more"),
-    "fetch_tokenizer under a file": (["fetch_tokenizer.py", "org/model", "--out", "{t}/file/tok"],
-                                     "error: --out {t}/file/tok: {t}/file is a file, not a folder"),
-    "pretokenize 0 documents per chunk": (["pretokenize.py", "python_stdlib", "{t}/tokens", "--tokenizer", "x",
-                                           "--chunk-docs", "0"], "argument --chunk-docs: must be 1 or more"),
+    "convert under a file": (
+        ["convert_checkpoint.py", "to-hf", "{t}/nope", "{t}/file/hf"],
+        "error: OUTPUT {t}/file/hf: {t}/file is a file, not a folder",
+    ),
+    "convert into /proc": (
+        ["convert_checkpoint.py", "from-hf", "{t}/nope", "/proc/step-0"],
+        "error: OUTPUT /proc/step-0: cannot create anything in /proc",
+    ),
+    "convert into a non-empty folder": (
+        ["convert_checkpoint.py", "to-hf", "{t}/nope", "{t}/full"],
+        "already exists and is not empty",
+    ),
+    "benchmark_hf make into an existing folder": (
+        ["benchmark_hf.py", "make", "{t}/empty"],
+        "error: FOLDER {t}/empty already exists as a folder",
+    ),
+    "benchmark_hf make an unknown flavor": (
+        ["benchmark_hf.py", "make", "{t}/new", "--flavor", "nope"],
+        "unknown model.flavor 'nope'",
+    ),
+    "benchmark_hf run a missing folder": (
+        ["benchmark_hf.py", "run", "{t}/nope"],
+        "error: FOLDER {t}/nope does not exist or is not a folder",
+    ),
+    "train_tokenizer into /proc": (
+        ["train_tokenizer.py", "--output", "/proc/tok.model"],
+        "error: --output /proc/tok.model: cannot create anything in /proc",
+    ),
+    "train_tokenizer vocabulary 0": (
+        ["train_tokenizer.py", "--vocab-size", "0"],
+        "argument --vocab-size: must be 1 or more, got 0",
+    ),
+    "short_documents under a file": (["short_documents.py", "{t}/file/docs.jsonl"], "{t}/file is a file, not a folder"),
+    "short_documents 0 lines": (
+        ["short_documents.py", "{t}/docs.jsonl", "--lines", "0"],
+        "argument --lines: must be 1 or more",
+    ),
+    "fetch_tokenizer under a file": (
+        ["fetch_tokenizer.py", "org/model", "--out", "{t}/file/tok"],
+        "error: --out {t}/file/tok: {t}/file is a file, not a folder",
+    ),
+    "pretokenize 0 documents per chunk": (
+        ["pretokenize.py", "python_stdlib", "{t}/tokens", "--tokenizer", "x", "--chunk-docs", "0"],
+        "argument --chunk-docs: must be 1 or more",
+    ),
     "pretokenize without arguments": (["pretokenize.py"], "the following arguments are required"),
     "benchmark_data data-parallel degree 0": (["benchmark_data.py", "--dp", "1,0"], "argument --dp: each must be 1"),
-    "benchmark_data under a file": (["benchmark_data.py", "--folder", "{t}/file/tokens"],
-                                    "{t}/file is a file, not a folder"),
-    "validate_memory_estimate unknown layout": (["validate_memory_estimate.py", "--only", "nope"],
-                                                "--only nope: no such layout"),
+    "benchmark_data under a file": (
+        ["benchmark_data.py", "--folder", "{t}/file/tokens"],
+        "{t}/file is a file, not a folder",
+    ),
+    "validate_memory_estimate unknown layout": (
+        ["validate_memory_estimate.py", "--only", "nope"],
+        "--only nope: no such layout",
+    ),
     "benchmark_startup unknown mode": (["benchmark_startup.py", "--modes", "nope"], "unknown modes ['nope']"),
     "benchmark_startup bad count": (["benchmark_startup.py", "--nproc", "x"], "--nproc must be an integer"),
-    "benchmark_recovery bad kill step": (["benchmark_recovery.py", "--kill-after", "100"],
-                                         "--kill-after must be an integer from 1 to 99, got '100'"),
+    "benchmark_recovery bad kill step": (
+        ["benchmark_recovery.py", "--kill-after", "100"],
+        "--kill-after must be an integer from 1 to 99, got '100'",
+    ),
     "benchmark_recovery bad override": (["benchmark_recovery.py", "--training.steps", "x"], "training.steps"),
     # The trainer's own checks before any run is launched.
     "benchmark_cp unknown variant": (["benchmark_cp.py", "--variants", "ring"], "--variants: unknown ['ring']"),
     "benchmark_cp Ulysses degree that cannot split the heads": (
         ["benchmark_cp.py", "--nproc", "3", "--seq", "96", "--variants", "ulysses"],
-        "The largest degree that works is 2"),
+        "The largest degree that works is 2",
+    ),
     "benchmark unknown flavor": (["benchmark.py", "--model.flavor", "nope"], "unknown model.flavor 'nope'"),
-    "generate seed": (["generate.py", "--checkpoint", "{t}", "--prompt", "x", "--seed", "-1"],
-                      "--seed must be in [0, 2**64)"),
+    "generate seed": (
+        ["generate.py", "--checkpoint", "{t}", "--prompt", "x", "--seed", "-1"],
+        "--seed must be in [0, 2**64)",
+    ),
 }
 
 

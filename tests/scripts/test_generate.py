@@ -22,16 +22,54 @@ SCRIPT = REPO / "scripts" / "generate.py"
 LLAMA, QWEN, QWEN3_5 = get_model_spec("llama3"), get_model_spec("qwen3"), get_model_spec("qwen3_5")
 SMALL = {
     "llama3": (LLAMA, small_llama3_args()),
-    "qwen3_tied": (QWEN, QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
-                                       vocab_size=128, max_seq_len=64, tie_word_embeddings=True)),
-    "qwen3_moe": (QWEN, QWEN.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                                      vocab_size=128, max_seq_len=64,
-                                      moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, route_norm=True))),
+    "qwen3_tied": (
+        QWEN,
+        QWEN.args_cls(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=32,
+            hidden_dim=128,
+            vocab_size=128,
+            max_seq_len=64,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_moe": (
+        QWEN,
+        QWEN.args_cls(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            hidden_dim=128,
+            vocab_size=128,
+            max_seq_len=64,
+            moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, route_norm=True),
+        ),
+    ),
     # DeltaNet, attention, DeltaNet, attention; chunks of 8, so a prompt of 10 spans two.
-    "qwen3_5": (QWEN3_5, QWEN3_5.args_cls(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                                          vocab_size=128, max_seq_len=64, linear_num_key_heads=2,
-                                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                                          full_attention_interval=2, delta_chunk=8)),
+    "qwen3_5": (
+        QWEN3_5,
+        QWEN3_5.args_cls(
+            dim=64,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            hidden_dim=128,
+            vocab_size=128,
+            max_seq_len=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            full_attention_interval=2,
+            delta_chunk=8,
+        ),
+    ),
 }
 
 
@@ -102,8 +140,8 @@ def test_kv_cache_logits_equal_the_training_forward(family):
     chunk = model(x[:, 10:13], cache=cache, start_pos=10)
     assert_close(chunk, model(x[:, :13])[:, 10:])
     for pos in range(13, 24):
-        step = model(x[:, pos:pos + 1], cache=cache, start_pos=pos)
-        assert_close(step[:, 0], model(x[:, :pos + 1])[:, -1])
+        step = model(x[:, pos : pos + 1], cache=cache, start_pos=pos)
+        assert_close(step[:, 0], model(x[:, : pos + 1])[:, -1])
     # A wrong position is seen: the same token at another position gives other logits.
     again = model(x[:, 23:24], cache=kv_caches(model, 24), start_pos=0)
     assert (again - step).abs().max().item() > 1e-2
@@ -126,7 +164,7 @@ def test_generate_with_and_without_cache_gives_the_same_tokens(gen, family):
     assert sampled == gen.generate(model, prompt, 20, temperature=1.0, top_k=20, top_p=0.9, seed=5, use_cache=False)
     assert sampled != greedy and sampled != gen.generate(model, prompt, 20, temperature=1.0, seed=6)
     # Stops after EOS, EOS included.
-    assert gen.generate(model, prompt, 20, eos_id=greedy[4]) == greedy[:greedy.index(greedy[4]) + 1]
+    assert gen.generate(model, prompt, 20, eos_id=greedy[4]) == greedy[: greedy.index(greedy[4]) + 1]
 
 
 def test_sample_next_filters(gen):
@@ -146,8 +184,17 @@ def test_sample_next_filters(gen):
 
 
 def hf_model(transformers, kind: str):
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, bos_token_id=1, eos_token_id=127, pad_token_id=0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=127,
+        pad_token_id=0,
+    )
     if kind == "llama":
         config = transformers.LlamaConfig(intermediate_size=96, **common)
         cls = transformers.LlamaForCausalLM
@@ -155,23 +202,50 @@ def hf_model(transformers, kind: str):
         config = transformers.Qwen3Config(intermediate_size=96, head_dim=32, tie_word_embeddings=True, **common)
         cls = transformers.Qwen3ForCausalLM
     elif kind == "gpt_oss":  # sinks, a window of 5 on layer 0, YaRN over 16 original positions, biased experts
-        config = transformers.GptOssConfig(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                           sliding_window=5, layer_types=None, rope_parameters={
-                                               "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                                               "original_max_position_embeddings": 16, "beta_fast": 32.0,
-                                               "beta_slow": 1.0, "truncate": False}, **common)
+        config = transformers.GptOssConfig(
+            intermediate_size=32,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            layer_types=None,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            **common,
+        )
         config._attn_implementation = "eager"
         cls = transformers.GptOssForCausalLM
     elif kind == "qwen3_5":  # a gated DeltaNet layer, then a gated attention layer
         from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-        config = Qwen3_5TextConfig(intermediate_size=96, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                                   linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2,
-                                   **common)
+        config = Qwen3_5TextConfig(
+            intermediate_size=96,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            full_attention_interval=2,
+            **common,
+        )
         cls = Qwen3_5ForCausalLM
     else:
-        config = transformers.Qwen3MoeConfig(intermediate_size=96, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                             num_experts_per_tok=2, norm_topk_prob=True, **common)
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=96,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **common,
+        )
         cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -190,8 +264,14 @@ def test_greedy_from_imported_hf_model_equals_transformers_generate(gen, tmp_pat
     ours = gen.generate(model, prompt, 30, eos_id=127)
     with torch.no_grad():
         # The attention mask is given: inferred from pad_token_id, it would hide a prompt token 0.
-        theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=30, eos_token_id=127, pad_token_id=0)[0, len(prompt):]
+        theirs = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=30,
+            eos_token_id=127,
+            pad_token_id=0,
+        )[0, len(prompt) :]
     theirs = theirs.tolist()
     assert ours == theirs
     assert len(ours) == 30 and len(set(ours)) > 5  # not a degenerate repetition
@@ -212,14 +292,27 @@ def debug_checkpoints(tmp_path_factory):
     sd = model.state_dict()
     write_dcp_model(tmp / "step-0", sd, LLAMA, args, "debugmodel")
     save_hf(tmp / "hf", sd, LLAMA.hf, args, torch.float32)
-    write_dcp_model(tmp / "qwen" / "step-3", small_model("qwen3_tied").state_dict(), QWEN, SMALL["qwen3_tied"][1],
-                    "small")
+    write_dcp_model(
+        tmp / "qwen" / "step-3", small_model("qwen3_tied").state_dict(), QWEN, SMALL["qwen3_tied"][1], "small"
+    )
     (tmp / "empty").mkdir()
     return tmp, model.eval()
 
 
-SAMPLING = ["--prompt", "def main(argv):\n", "--max_new_tokens", "12", "--temperature", "0.8", "--top_k", "50",
-            "--top_p", "0.95", "--seed", "3"]
+SAMPLING = [
+    "--prompt",
+    "def main(argv):\n",
+    "--max_new_tokens",
+    "12",
+    "--temperature",
+    "0.8",
+    "--top_k",
+    "50",
+    "--top_p",
+    "0.95",
+    "--seed",
+    "3",
+]
 
 
 def test_cli_prints_the_same_continuation_from_dcp_and_hf(gen, debug_checkpoints, capsys):
@@ -287,7 +380,9 @@ def test_without_a_recipe_the_checkpoint_is_read_with_a_tokenizer_it_can_take(ge
     tmp, _ = debug_checkpoints
     assert gen.main(["--checkpoint", str(tmp / "qwen"), "--prompt", "x", "--max_new_tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: the tokenizer") and "has 4096 tokens, more than the vocabulary of qwen3" in err[-1]
+    assert (
+        err[-1].startswith("error: the tokenizer") and "has 4096 tokens, more than the vocabulary of qwen3" in err[-1]
+    )
     assert not any("Traceback" in line for line in err)
 
 
@@ -295,16 +390,25 @@ def test_without_a_recipe_the_checkpoint_is_read_with_a_tokenizer_it_can_take(ge
     "argv, message",
     [
         (["--prompt", "x" * 300], "longer than the model's context of 64 tokens"),
-        (["--prompt", "def f", "--max_new_tokens", "62"], "plus --max_new_tokens 62 is 65 tokens, beyond the model's "
-                                                          "context of 64 tokens (its max_seq_len); ask for at most 61"),
+        (
+            ["--prompt", "def f", "--max_new_tokens", "62"],
+            "plus --max_new_tokens 62 is 65 tokens, beyond the model's "
+            "context of 64 tokens (its max_seq_len); ask for at most 61",
+        ),
         # A folder of step-N folders: its newest.
-        (["--checkpoint", "{tmp}/qwen"], "holds qwen3 (dim 64, n_layers 2, n_heads 4, vocab_size 128) (step 0 of "
-                                         "qwen3 'small' in {tmp}/qwen/step-3), but the recipe builds llama3 "
-                                         "(dim 256, n_layers 6, n_heads 16, vocab_size 4096), flavor 'debugmodel' "
-                                         "(another model family)"),
-        (["--model.flavor", "10M"], "but the recipe builds llama3 (dim 320, n_layers 6, n_heads 8, vocab_size 4096), "
-                                    "flavor '10M' (57 tensors differ, e.g. tok_embeddings.weight: checkpoint "
-                                    "(4096, 256) vs recipe (4096, 320))"),
+        (
+            ["--checkpoint", "{tmp}/qwen"],
+            "holds qwen3 (dim 64, n_layers 2, n_heads 4, vocab_size 128) (step 0 of "
+            "qwen3 'small' in {tmp}/qwen/step-3), but the recipe builds llama3 "
+            "(dim 256, n_layers 6, n_heads 16, vocab_size 4096), flavor 'debugmodel' "
+            "(another model family)",
+        ),
+        (
+            ["--model.flavor", "10M"],
+            "but the recipe builds llama3 (dim 320, n_layers 6, n_heads 8, vocab_size 4096), "
+            "flavor '10M' (57 tensors differ, e.g. tok_embeddings.weight: checkpoint "
+            "(4096, 256) vs recipe (4096, 320))",
+        ),
         (["--checkpoint", "{tmp}/nope"], "checkpoint {tmp}/nope does not exist"),
         (["--checkpoint", "{tmp}/qwen/step-3/train_state.json"], "is a file"),
         (["--checkpoint", "{tmp}/empty"], "is neither a checkpoint"),
@@ -335,12 +439,20 @@ def test_mistakes_are_one_line_and_exit_2(gen, debug_checkpoints, capsys, argv, 
 def test_script_as_a_command_exits_2_with_one_line(debug_checkpoints):
     tmp, _ = debug_checkpoints
     argv = [*RECIPE, "--checkpoint", str(tmp / "nope"), "--prompt", "x"]
-    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120, cwd=tmp,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [f"error: checkpoint {tmp / 'nope'} does not exist; give a step-N "
-                                                "checkpoint folder (e.g. outputs/checkpoint/step-200) or a Hugging "
-                                                "Face folder (config.json + *.safetensors)"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: checkpoint {tmp / 'nope'} does not exist; give a step-N "
+        "checkpoint folder (e.g. outputs/checkpoint/step-200) or a Hugging "
+        "Face folder (config.json + *.safetensors)"
+    ]
 
 
 # ---- a checkpoint saved under tensor parallel ----
@@ -352,9 +464,24 @@ def test_tensor_parallel_checkpoint_generates_like_its_hf_export(gen, tmp_path, 
     step-1 folder and exported by the trainer as a Hugging Face folder (gathered to full tensors):
     both load to the same logits, and the command line prints from the step-1 folder what the
     export generates."""
-    launch({"tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-                   "--model.name", "qwen3", "--training.steps", "1", "--checkpoint.enable_checkpoint",
-                   "--checkpoint.last_save_in_hf"]}, 2, tmp_path)
+    launch(
+        {
+            "tp": [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--model.name",
+                "qwen3",
+                "--training.steps",
+                "1",
+                "--checkpoint.enable_checkpoint",
+                "--checkpoint.last_save_in_hf",
+            ]
+        },
+        2,
+        tmp_path,
+    )
     folder = tmp_path / "tp" / "checkpoint"
     spec, sd, args, where = gen.read_weights(folder / "step-1")
     _, hf_sd, hf_args, _ = gen.read_weights(folder / "step-1-hf")
@@ -365,8 +492,9 @@ def test_tensor_parallel_checkpoint_generates_like_its_hf_export(gen, tmp_path, 
         assert torch.equal(ours(x), exported(x))
     assert gen.main([*RECIPE, "--model.name", "qwen3", "--checkpoint", str(folder / "step-1"), *SAMPLING]) == 0
     tokenizer = Tokenizer(MODEL)
-    new = gen.generate(exported, tokenizer.encode("def main(argv):\n", True, False), 12, 0.8, 50, 0.95, 3,
-                       tokenizer.eos_id)
+    new = gen.generate(
+        exported, tokenizer.encode("def main(argv):\n", True, False), 12, 0.8, 50, 0.95, 3, tokenizer.eos_id
+    )
     assert capsys.readouterr().out == tokenizer.decode([t for t in new if t != tokenizer.eos_id]) + "\n"
 
 

@@ -18,12 +18,26 @@ from conftest import REPO
 @pytest.mark.slow
 def test_estimates_are_within_10_percent_of_the_allocated_peak():
     rows = ["single_fp32", "fsdp2_op_ac", "fsdp2_pp2_1f1b", "dsv3_mtp_fsdp2", "gpt_oss_fsdp2", "cp2_2k"]
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "validate_memory_estimate.py"), "--allocated-only",
-                           "--only", ",".join(rows),
-                           # float32: the planner's float32 model, at a speed every CPU has (bf16 is tens of
-                           # times slower on one without native bf16 arithmetic)
-                           "--training.mixed_precision_param", "float32"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "validate_memory_estimate.py"),
+            "--allocated-only",
+            "--only",
+            ",".join(rows),
+            # float32: the planner's float32 model, at a speed every CPU has (bf16 is tens of
+            # times slower on one without native bf16 arithmetic)
+            "--training.mixed_precision_param",
+            "float32",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| \d+ \| \d+ \| \d+ \| ([-+][\d.]+)%", proc.stdout, re.M)}
+    errors = {
+        m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| \d+ \| \d+ \| \d+ \| ([-+][\d.]+)%", proc.stdout, re.M)
+    }
     assert sorted(errors) == sorted(rows), proc.stdout
     assert all(abs(e) < 10 for e in errors.values()), proc.stdout

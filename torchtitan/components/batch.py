@@ -43,8 +43,9 @@ class BatchRule:
     prepare_window: Callable | None = None
     labels_to_forward: bool = False  # the labels are forward's `labels` too (the model computes the loss)
 
-    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
-                doc_ids: torch.Tensor | None = None):
+    def prepare(
+        self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device, doc_ids: torch.Tensor | None = None
+    ):
         """(inputs, labels, keyword inputs of forward) of this rank, on `device`: the keyword inputs
         are `doc_ids` with block-causal attention and the family's own (prepare_window). `doc_ids`:
         the batch's own document ids (None: from document_end_id)."""
@@ -125,8 +126,14 @@ def document_end_of(dataloader, block_causal: bool, ignore_cross_document: bool)
     end = getattr(dataset, "document_end_id", None)
     if getattr(dataset, "yields_document_ids", False):
         return end
-    needs = [what for what, on in (("model.attn_mask_type = 'block_causal'", block_causal),
-                                   ("training.ignore_cross_document_labels", ignore_cross_document)) if on]
+    needs = [
+        what
+        for what, on in (
+            ("model.attn_mask_type = 'block_causal'", block_causal),
+            ("training.ignore_cross_document_labels", ignore_cross_document),
+        )
+        if on
+    ]
     if needs and end is None:
         raise UserError(
             f"{' and '.join(needs)} needs the document boundaries of the training data, but its loader "

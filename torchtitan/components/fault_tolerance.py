@@ -85,16 +85,23 @@ def start_local_lighthouse(port: int) -> str | None:
         if not os.access(binary, os.X_OK):
             raise UserError(f"LIGHTHOUSE_PORT needs torchft's torchft_lighthouse next to {sys.executable}: {INSTALL}")
         with open(base + ".log", "w") as log:
-            proc = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                [binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 30
         while lighthouse_silence(address, 1) is not None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 with open(base + ".log", errors="replace") as log:
                     last = (log.read().strip().splitlines() or ["(no output)"])[-1][:300]
-                raise UserError(f"LIGHTHOUSE_PORT={port}: the torchft lighthouse did not start on 127.0.0.1:{port} "
-                                f"({last}); is the port taken by another program? Choose another LIGHTHOUSE_PORT")
+                raise UserError(
+                    f"LIGHTHOUSE_PORT={port}: the torchft lighthouse did not start on 127.0.0.1:{port} "
+                    f"({last}); is the port taken by another program? Choose another LIGHTHOUSE_PORT"
+                )
             time.sleep(0.2)
     return f"started a torchft lighthouse at {address} (pid {proc.pid}; log {base}.log; stop it with kill {proc.pid})"
 
@@ -148,8 +155,9 @@ def collective_error(e: BaseException) -> str:
     reads "read error from 127.0.0.1:43213: connection reset by peer"), or the error's type."""
     text = (str(e) or type(e).__name__).strip().splitlines()[0]
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)  # gloo's [file:line]
-    text = re.sub(r"^(Read|Write) error \[([^\]]+)\]:(\d+):\s*", lambda m: f"{m[1].lower()} error from {m[2]}:{m[3]}: ",
-                  text)
+    text = re.sub(
+        r"^(Read|Write) error \[([^\]]+)\]:(\d+):\s*", lambda m: f"{m[1].lower()} error from {m[2]}:{m[3]}: ", text
+    )
     return text[:300]
 
 
@@ -167,10 +175,11 @@ class DiLoCo:
         self.params = [p for part in trainer.parts for p in part.parameters()]
         with torch.no_grad():
             self.reference = [_local(p.detach()).clone() for p in self.params]
-        self.outer = torch.optim.SGD(self.reference, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                     nesterov=cfg.outer_nesterov)
+        self.outer = torch.optim.SGD(
+            self.reference, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov
+        )
         ckpt = trainer.cfg.checkpoint
-        self.folder = (os.path.join(trainer.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None)
+        self.folder = os.path.join(trainer.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None
         if start_step > 0 and self.folder is not None:
             path = self._path(start_step)
             if os.path.isfile(path):
@@ -178,8 +187,10 @@ class DiLoCo:
                 logger.info(f"DiLoCo: reference weights and outer optimizer state of step {start_step} from {path}")
             else:
                 # A checkpoint of a run without DiLoCo (or of another layout): said, not silent.
-                logger.warning(f"DiLoCo: no {path} (the checkpoint was not written by a DiLoCo run of this layout): "
-                               f"the loaded weights are the reference weights and the outer momentum starts at zero")
+                logger.warning(
+                    f"DiLoCo: no {path} (the checkpoint was not written by a DiLoCo run of this layout): "
+                    f"the loaded weights are the reference weights and the outer momentum starts at zero"
+                )
 
     def _path(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}-rank-{self.trainer.rank}.pt")
@@ -230,7 +241,7 @@ class DiLoCo:
         suffix = f"-rank-{self.trainer.rank}.pt"
         for name in os.listdir(self.folder):
             if name.startswith("step-") and name.endswith(suffix):
-                step = int(name[5:-len(suffix)])
+                step = int(name[5 : -len(suffix)])
                 if step < newest and not os.path.isdir(self.trainer.checkpointer.folder.step(step)):
                     os.remove(os.path.join(self.folder, name))
 
@@ -265,11 +276,20 @@ class ReplicaGroups:
             self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             addr, port = "127.0.0.1", self.store.port
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-            min_replica_size=cfg.min_groups, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds), connect_timeout=timeout,
-            rank=trainer.rank, world_size=trainer.dims.world_size, store_addr=addr, store_port=int(port),
-            lighthouse_addr=cfg.lighthouse, replica_id=f"group{cfg.group_id}",
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=cfg.min_groups,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+            connect_timeout=timeout,
+            rank=trainer.rank,
+            world_size=trainer.dims.world_size,
+            store_addr=addr,
+            store_port=int(port),
+            lighthouse_addr=cfg.lighthouse,
+            replica_id=f"group{cfg.group_id}",
             checkpoint_transport=weights_only_transport(timeout),
             # Every group initializes the same weights from training.seed (and loads the same checkpoint).
             init_sync=False,
@@ -279,11 +299,16 @@ class ReplicaGroups:
         self.manager.register_state_dict_fn("trainer", self.heal, self.state_dict)
         if cfg.sync == "diloco":
             self.diloco = DiLoCo(cfg, trainer, start_step)
-        logger.info(f"fault tolerance: replica group {cfg.group_id} of {cfg.group_count} (at least {cfg.min_groups} "
-                    f"to commit a step), lighthouse {cfg.lighthouse}" + (
-                        f"; DiLoCo: the weight deltas averaged every {cfg.sync_every} step(s), outer SGD lr "
-                        f"{cfg.outer_lr}, momentum {cfg.outer_momentum}{', Nesterov' if cfg.outer_nesterov else ''}"
-                        if self.diloco else "; gradients averaged at every step"))
+        logger.info(
+            f"fault tolerance: replica group {cfg.group_id} of {cfg.group_count} (at least {cfg.min_groups} "
+            f"to commit a step), lighthouse {cfg.lighthouse}"
+            + (
+                f"; DiLoCo: the weight deltas averaged every {cfg.sync_every} step(s), outer SGD lr "
+                f"{cfg.outer_lr}, momentum {cfg.outer_momentum}{', Nesterov' if cfg.outer_nesterov else ''}"
+                if self.diloco
+                else "; gradients averaged at every step"
+            )
+        )
 
     def join(self, start_step: int) -> int:
         """The first quorum, before the loop: a fresh run waits for all groups; a group behind the live ones (one
@@ -306,8 +331,10 @@ class ReplicaGroups:
             return start_step
         # The data position: this group's own lanes, advanced past the batches of the steps the others took.
         self._advance_lanes(self.healed_step - start_step)
-        logger.info(f"fault tolerance: healed from a live replica group at step {self.healed_step} (weights, "
-                    f"optimizer state, learning-rate schedule; data lanes advanced)")
+        logger.info(
+            f"fault tolerance: healed from a live replica group at step {self.healed_step} (weights, "
+            f"optimizer state, learning-rate schedule; data lanes advanced)"
+        )
         return self.healed_step
 
     def _advance_lanes(self, steps: int):
@@ -336,20 +363,25 @@ class ReplicaGroups:
         excluded = t.cfg.checkpoint.exclude_from_loading
         if start_step > 0 and wrote != reads and "dataloader" in excluded and "train_state" not in excluded:
             self._advance_lanes(start_step)
-            logger.info(f"the checkpoint of step {start_step} was written by "
-                        f"{f'{wrote} replica group(s)' if wrote else 'a run without replica groups'}, another data "
-                        f"layout: this run's lanes start at its step (advanced past {start_step} steps)")
+            logger.info(
+                f"the checkpoint of step {start_step} was written by "
+                f"{f'{wrote} replica group(s)' if wrote else 'a run without replica groups'}, another data "
+                f"layout: this run's lanes start at its step (advanced past {start_step} steps)"
+            )
 
     def state_dict(self) -> dict:
         """What a live group sends to one that heals (torchft's checkpoint transport, rank r to rank r): this rank's
         local shards of the weights and optimizer state, the schedules and the last step done."""
         t = self.trainer
-        return {"step": self.last_step, "steps_taken": t.optim.steps_taken,
-                "model": [_tree_local(part.state_dict()) for part in t.parts],
-                "optimizers": [_tree_local(opt.state_dict()) for opt in t.optim.optimizers],
-                "schedulers": [sched.state_dict() for sched in t.optim.schedulers],
-                "counters": dict(t.checkpointer.counters),
-                **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})}
+        return {
+            "step": self.last_step,
+            "steps_taken": t.optim.steps_taken,
+            "model": [_tree_local(part.state_dict()) for part in t.parts],
+            "optimizers": [_tree_local(opt.state_dict()) for opt in t.optim.optimizers],
+            "schedulers": [sched.state_dict() for sched in t.optim.schedulers],
+            "counters": dict(t.checkpointer.counters),
+            **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {}),
+        }
 
     def heal(self, state: dict):
         """Load a live group's state_dict (in start_quorum, before the step's forward)."""
@@ -364,8 +396,9 @@ class ReplicaGroups:
                 p = params[index]
                 for key, v in values.items():
                     if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0:
-                        values[key] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                                         stride=p.stride())
+                        values[key] = DTensor.from_local(
+                            v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                        )
             opt.load_state_dict(received)
         for sched, received in zip(t.optim.schedulers, state["schedulers"]):
             sched.load_state_dict(received)
@@ -404,8 +437,10 @@ class ReplicaGroups:
                 f"live one) or lower min_groups"
             )
         if self.manager.num_participants() != self.participants:
-            logger.info(f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
-                        f"quorum (was {self.participants})")
+            logger.info(
+                f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
+                f"quorum (was {self.participants})"
+            )
         self.participants = self.manager.num_participants()
         self._check_group_ids(done)
 
@@ -437,7 +472,8 @@ class ReplicaGroups:
             live = holders - newcomers
             raise UserError(
                 f"step {done + 1}: fault_tolerance.group_id = {self.cfg.group_id} is the id of {holders} replica "
-                f"groups in this quorum" + (f" ({live} of them already training)" if live and joining else "")
+                f"groups in this quorum"
+                + (f" ({live} of them already training)" if live and joining else "")
                 + f"; each group reads the data lanes of its id, so they would train the same batches; start each "
                 f"group with its own fault_tolerance.group_id, 0..{g - 1}"
             )
@@ -461,7 +497,7 @@ class ReplicaGroups:
             self.manager.allreduce(flat, reduce_op=op).wait()
             offset = 0
             for t in same:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def should_commit(self, step: int) -> bool:
@@ -516,8 +552,10 @@ class ReplicaGroups:
         else:
             counters = self.trainer.checkpointer.counters
             counters["uncommitted_syncs"] = counters.get("uncommitted_syncs", 0) + 1
-            logger.warning(f"step {step}: the DiLoCo sync is not committed ({self._why()}); the weights go back to "
-                           f"those of the last sync")
+            logger.warning(
+                f"step {step}: the DiLoCo sync is not committed ({self._why()}); the weights go back to "
+                f"those of the last sync"
+            )
 
     def _allreduce(self, tensors: list[torch.Tensor]):
         """Average `tensors` in place over the live groups: one flat all-reduce per dtype."""
@@ -527,7 +565,7 @@ class ReplicaGroups:
             self.manager.allreduce(flat).wait()
             offset = 0
             for t in same:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def _why(self) -> str:

@@ -70,8 +70,10 @@ def high_precision_reason(fqn: str, linear: nn.Linear, cfg: Float8, high_precisi
         return f"float8.filter_fqns entry {matches[0]!r}"
     dims = (linear.in_features, linear.out_features)
     if any(d % _FLOAT8_DIM_MULTIPLE for d in dims):
-        return (f"in/out features {dims[0]}x{dims[1]} are not both multiples of {_FLOAT8_DIM_MULTIPLE}, which "
-                f"float8 matmuls need")
+        return (
+            f"in/out features {dims[0]}x{dims[1]} are not both multiples of {_FLOAT8_DIM_MULTIPLE}, which "
+            f"float8 matmuls need"
+        )
     return None
 
 

@@ -62,9 +62,11 @@ def slow_cpu_bfloat16() -> str | None:
     fp32 = measure_matmul_tflops(torch.float32, seconds=0.2, n=256)
     if bf16 * 2 >= fp32:
         return None
-    return (f"this CPU multiplies bfloat16 matrices at {bf16 * 1e3:.1f} GFLOP/s and float32 ones at {fp32 * 1e3:.1f}: "
-            f"it has no native bfloat16 arithmetic, and training.mixed_precision_param = bfloat16 makes the model's "
-            f"matmuls about {fp32 / bf16:.0f}x slower here; --training.mixed_precision_param float32 trains faster on it")
+    return (
+        f"this CPU multiplies bfloat16 matrices at {bf16 * 1e3:.1f} GFLOP/s and float32 ones at {fp32 * 1e3:.1f}: "
+        f"it has no native bfloat16 arithmetic, and training.mixed_precision_param = bfloat16 makes the model's "
+        f"matmuls about {fp32 / bf16:.0f}x slower here; --training.mixed_precision_param float32 trains faster on it"
+    )
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
@@ -101,8 +103,7 @@ class MfuPeak:
     re-measurement needs a step faster than the raised peak, so there are rarely more than one or two.
     `probe_s` is the time the last `fields` call spent measuring (to leave out of the step rate)."""
 
-    def __init__(self, tflops: float, source: str, probe: Callable[[], float] | None = None,
-                 probe_share: float = 0.05):
+    def __init__(self, tflops: float, source: str, probe: Callable[[], float] | None = None, probe_share: float = 0.05):
         self.tflops, self.source, self.probe, self.probe_share = tflops, source, probe, probe_share
         self.previous = "the start-up measurement"  # what the peak is, for the note when it is exceeded
         self.probes, self.probe_total, self.probe_s = 0, 0.0, 0.0
@@ -115,8 +116,11 @@ class MfuPeak:
         tflops, source = device_peak_tflops(device, dtype, configured)
         if not source.startswith("measured"):
             return cls(tflops, source)
-        return cls(tflops, source + "; raised when a step achieves more",
-                   probe=lambda: measure_matmul_tflops(dtype, seconds=0.5))
+        return cls(
+            tflops,
+            source + "; raised when a step achieves more",
+            probe=lambda: measure_matmul_tflops(dtype, seconds=0.5),
+        )
 
     def _may_probe(self) -> bool:
         if self.probes == 0:
@@ -143,20 +147,26 @@ class MfuPeak:
             else:
                 self.tflops = achieved
                 also = f" and a re-measurement ({remeasured:.3g})" if remeasured is not None else ""
-                note = (f"peak raised to the achieved rate: {self.previous} ({old:.3g} TFLOP/s){also} "
-                        f"{'were' if also else 'was'} below it")
+                note = (
+                    f"peak raised to the achieved rate: {self.previous} ({old:.3g} TFLOP/s){also} "
+                    f"{'were' if also else 'was'} below it"
+                )
                 self.previous = "an earlier achieved rate"
         elif achieved > self.tflops:
             note = f"above 100%: the peak, {self.tflops:.4g} TFLOP/s {self.source}, is below the achieved rate"
             if not self.warned:
                 self.warned = True
-                fix = ("metrics.device_peak_tflops should be one device's peak in the training dtype"
-                       if self.source == "configured" else
-                       "the table holds dense bf16 peaks (fp8 or sparse matmuls run faster) or the model's "
-                       "FLOP count is too high; set metrics.device_peak_tflops to the device's peak")
-                logger.warning(f"a step achieved {achieved:.4g} TFLOP/s per device, above the MFU peak of "
-                               f"{self.tflops:.4g} TFLOP/s {self.source}: its MFU reads above 100% (and each such "
-                               f"line says so); {fix}")
+                fix = (
+                    "metrics.device_peak_tflops should be one device's peak in the training dtype"
+                    if self.source == "configured"
+                    else "the table holds dense bf16 peaks (fp8 or sparse matmuls run faster) or the model's "
+                    "FLOP count is too high; set metrics.device_peak_tflops to the device's peak"
+                )
+                logger.warning(
+                    f"a step achieved {achieved:.4g} TFLOP/s per device, above the MFU peak of "
+                    f"{self.tflops:.4g} TFLOP/s {self.source}: its MFU reads above 100% (and each such "
+                    f"line says so); {fix}"
+                )
         if note is None and self.probe is not None and not self.said_rough:
             # The first line says once, next to the figure, that a measured CPU peak moves with the load.
             note = ROUGH_MFU_NOTE
@@ -180,9 +190,24 @@ def peak_memory_gib(device: torch.device) -> float:
 # Intervals between logged lines whose rate gives the time left (eta).
 ETA_WINDOW = 3
 
-_STANDARD = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "time", "tokens", "skipped_steps",
-             "data_wait_s", "peak_tflops", "mfu_note",
-             "step_time_max_over_median", "straggler_rank"}  # a straggler has a line of its own (components/watchdog.py)
+_STANDARD = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tps",
+    "tflops",
+    "mfu",
+    "memory_gib",
+    "time",
+    "tokens",
+    "skipped_steps",
+    "data_wait_s",
+    "peak_tflops",
+    "mfu_note",
+    "step_time_max_over_median",
+    "straggler_rank",
+}  # a straggler has a line of its own (components/watchdog.py)
 
 
 _COLORS = {"step": "\033[36m", "loss": "\033[32m", "memory": "\033[33m", "tps": "\033[34m", "mfu": "\033[35m"}
@@ -198,10 +223,12 @@ def duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def step_line(values: dict, extra: str = "", color: bool = False, total_steps: int | None = None,
-              eta_seconds: float | None = None) -> str:
+def step_line(
+    values: dict, extra: str = "", color: bool = False, total_steps: int | None = None, eta_seconds: float | None = None
+) -> str:
     """The console summary of a logged step; ANSI-colored field names when `color`. With
     `total_steps`, the step reads N/total; with `eta_seconds`, the time left closes the line."""
+
     def name(key: str) -> str:
         return f"{_COLORS[key]}{key}:\033[0m" if color and key in _COLORS else f"{key}:"
 
@@ -253,8 +280,12 @@ def start_wandb(dump_folder: str, run_config: dict | None, resume: bool):
             run_id = f.read().strip() or None
     mode = wandb_mode()
     run = wandb.init(
-        project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=dump_folder, config=run_config, id=run_id,
-        resume="allow" if run_id else None, mode=mode,
+        project=os.environ.get("WANDB_PROJECT", "torchtitan"),
+        dir=dump_folder,
+        config=run_config,
+        id=run_id,
+        resume="allow" if run_id else None,
+        mode=mode,
     )
     with open(id_file, "w") as f:
         f.write(run.id)
@@ -268,8 +299,17 @@ class MetricsLogger:
     Weights & Biases and metrics.jsonl. Values must already be global (reduced over ranks) where
     that matters."""
 
-    def __init__(self, cfg: Metrics, dump_folder: str, write: bool, append: bool = False, color: bool = False,
-                 total_steps: int | None = None, start_step: int = 0, run_config: dict | None = None):
+    def __init__(
+        self,
+        cfg: Metrics,
+        dump_folder: str,
+        write: bool,
+        append: bool = False,
+        color: bool = False,
+        total_steps: int | None = None,
+        start_step: int = 0,
+        run_config: dict | None = None,
+    ):
         self.write = write
         self.color = color
         self.total_steps = total_steps
@@ -368,8 +408,10 @@ def left_behind(dump_folder: str, cfg: Metrics, checkpoint: str | None, hf_folde
     and its Hugging Face export."""
     files = "config.toml, metrics.jsonl" + (f", {cfg.save_tb_folder}/ (TensorBoard)" if cfg.enable_tensorboard else "")
     if checkpoint is None:
-        saved = ("no checkpoint: checkpointing is off (checkpoint.enable_checkpoint; turn it on to keep one for "
-                 "resuming" + (")" if hf_folder else ", scripts/generate.py and the Hugging Face export)"))
+        saved = (
+            "no checkpoint: checkpointing is off (checkpoint.enable_checkpoint; turn it on to keep one for "
+            "resuming" + (")" if hf_folder else ", scripts/generate.py and the Hugging Face export)")
+        )
     else:
         saved = f"checkpoint {checkpoint}"
     return f"left in {dump_folder}: {files}; {saved}" + (f"; Hugging Face folder {hf_folder}" if hf_folder else "")
@@ -384,6 +426,7 @@ def rewind_metrics(path: str, start_step: int):
         return
     with open(path) as f:
         lines = f.read().splitlines()
+
     def before_resume(line: str) -> bool:
         try:
             return json.loads(line).get("step", 0) <= start_step

@@ -152,8 +152,15 @@ class SpreadOrthogonalization:
             shape = list(update.shape)
             shape[split] = max(sizes)
             mine = update.new_empty(shape, dtype=torch.bfloat16)
-            scatters.append((mine, split, sizes[me], dist.scatter(mine, pieces, group=group, group_src=owner,
-                                                                   async_op=True), pieces))
+            scatters.append(
+                (
+                    mine,
+                    split,
+                    sizes[me],
+                    dist.scatter(mine, pieces, group=group, group_src=owner, async_op=True),
+                    pieces,
+                )
+            )
         out = []
         for mine, split, size, work, _ in scatters:
             work.wait()
@@ -180,15 +187,34 @@ class MuonAdamW(torch.optim.Optimizer):
     (SpreadOrthogonalization) rather than repeating it on each.
     """
 
-    def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 momentum: float = DEFAULT_MOMENTUM, nesterov: bool = DEFAULT_NESTEROV,
-                 ns_steps: int = DEFAULT_NS_STEPS, adjust_lr: str = DEFAULT_ADJUST_LR,
-                 implementation: str = "for-loop", state_dtype: torch.dtype = torch.float32,
-                 spread: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        momentum: float = DEFAULT_MOMENTUM,
+        nesterov: bool = DEFAULT_NESTEROV,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr: str = DEFAULT_ADJUST_LR,
+        implementation: str = "for-loop",
+        state_dtype: torch.dtype = torch.float32,
+        spread: bool = True,
+    ):
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_steps=ns_steps, adjust_lr=adjust_lr, algorithm="adamw")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adjust_lr=adjust_lr,
+            algorithm="adamw",
+        )
         super().__init__(params, defaults)
         self.implementation, self.state_dtype, self.spread = implementation, state_dtype, spread
         for group in self.param_groups:
@@ -255,11 +281,21 @@ class MuonAdamW(torch.optim.Optimizer):
         states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
         beta1, beta2 = group["betas"]
         torch_adamw(
-            params, [p.grad for p in params], [s[0] for s in states], [s[1] for s in states], [],
+            params,
+            [p.grad for p in params],
+            [s[0] for s in states],
+            [s[1] for s in states],
+            [],
             [self.state[p]["step"] for p in params],
-            foreach=self.implementation == "foreach", fused=self.implementation == "fused",
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
+            foreach=self.implementation == "foreach",
+            fused=self.implementation == "fused",
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )
 
     def _adamw_step_low_precision_state(self, group: dict, params: list[torch.Tensor]):
@@ -285,6 +321,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def state_bytes(optimizers) -> int:
     """Bytes of optimizer state held by this rank (local shards of DTensors)."""
-    return sum(local_part(t).numel() * local_part(t).element_size()
-               for opt in optimizers for state in opt.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor))
+    return sum(
+        local_part(t).numel() * local_part(t).element_size()
+        for opt in optimizers
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )

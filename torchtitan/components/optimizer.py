@@ -60,8 +60,9 @@ def _parameters_with_owners(model: nn.Module) -> list[tuple[nn.Parameter, list[s
     return list(found.values())
 
 
-def classify_parameters(model: nn.Module, cfg: OptimizerConfig, adamw_params: tuple[str, ...] = ()
-                        ) -> tuple[dict[str, GroupSettings], set[str]]:
+def classify_parameters(
+    model: nn.Module, cfg: OptimizerConfig, adamw_params: tuple[str, ...] = ()
+) -> tuple[dict[str, GroupSettings], set[str]]:
     """{every parameter name of `model`: its group}, and the optimizer.param_groups patterns that
     matched a parameter. `adamw_params`: the model spec's patterns of matrices Muon leaves to AdamW."""
     rules = parse_param_groups(cfg.param_groups)
@@ -70,16 +71,24 @@ def classify_parameters(model: nn.Module, cfg: OptimizerConfig, adamw_params: tu
     table: dict[str, GroupSettings] = {}
     matched: set[str] = set()
     for p, names, owners in _parameters_with_owners(model):
-        norm_or_bias = (p.dim() < 2 or any(isinstance(m, NORM_MODULES) for m in owners)
-                        or any(n.rsplit(".", 1)[-1].endswith("bias") for n in names))
+        norm_or_bias = (
+            p.dim() < 2
+            or any(isinstance(m, NORM_MODULES) for m in owners)
+            or any(n.rsplit(".", 1)[-1].endswith("bias") for n in names)
+        )
         embedding = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in owners)
-        excluded = ((norm_or_bias and not cfg.weight_decay_norms_and_biases)
-                    or (embedding and not cfg.weight_decay_embeddings))
+        excluded = (norm_or_bias and not cfg.weight_decay_norms_and_biases) or (
+            embedding and not cfg.weight_decay_embeddings
+        )
         default_decay = 0.0 if excluded else cfg.weight_decay
         rule = next((r for r, regex in compiled if any(regex.search(n) for n in names)), None)
         algorithm = "adamw"
-        if cfg.name == "Muon" and not (norm_or_bias or embedding or (rule is not None and rule.adamw)
-                                       or any(regex.search(n) for regex in adamw_only for n in names)):
+        if cfg.name == "Muon" and not (
+            norm_or_bias
+            or embedding
+            or (rule is not None and rule.adamw)
+            or any(regex.search(n) for regex in adamw_only for n in names)
+        ):
             algorithm = "muon"
         if rule is None:
             settings = GroupSettings("no_decay" if excluded else "decay", 1.0, default_decay, algorithm)
@@ -88,8 +97,9 @@ def classify_parameters(model: nn.Module, cfg: OptimizerConfig, adamw_params: tu
             if rule.weight_decay is not None:
                 settings = GroupSettings(rule.pattern, rule.lr_mult, rule.weight_decay, algorithm)
             else:
-                settings = GroupSettings(rule.pattern + (" no_decay" if excluded else ""), rule.lr_mult,
-                                         default_decay, algorithm)
+                settings = GroupSettings(
+                    rule.pattern + (" no_decay" if excluded else ""), rule.lr_mult, default_decay, algorithm
+                )
         for n in names:
             table[n] = settings
     return table, matched
@@ -140,14 +150,19 @@ def muon_settings(cfg: OptimizerConfig) -> dict:
     def given(value, default):
         return default if value is None else value
 
-    return dict(lr=given(cfg.muon_lr, cfg.lr), momentum=given(cfg.muon_momentum, muon.DEFAULT_MOMENTUM),
-                nesterov=given(cfg.muon_nesterov, muon.DEFAULT_NESTEROV),
-                ns_steps=given(cfg.muon_ns_steps, muon.DEFAULT_NS_STEPS),
-                adjust_lr=given(cfg.muon_adjust_lr, muon.DEFAULT_ADJUST_LR))
+    return dict(
+        lr=given(cfg.muon_lr, cfg.lr),
+        momentum=given(cfg.muon_momentum, muon.DEFAULT_MOMENTUM),
+        nesterov=given(cfg.muon_nesterov, muon.DEFAULT_NESTEROV),
+        ns_steps=given(cfg.muon_ns_steps, muon.DEFAULT_NS_STEPS),
+        adjust_lr=given(cfg.muon_adjust_lr, muon.DEFAULT_ADJUST_LR),
+    )
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, groups: dict[str, GroupSettings] | None = None,
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    groups: dict[str, GroupSettings] | None = None,
     adamw_params: tuple[str, ...] = (),
 ) -> torch.optim.Optimizer:
     """The optimizer of `model` (a whole model, or a pipeline stage given the whole model's `groups`
@@ -181,17 +196,25 @@ def build_optimizer(
         from torchtitan.components.muon import MuonAdamW
 
         settings = {k: v for k, v in muon.items() if k != "lr"}
-        return MuonAdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                         weight_decay=cfg.weight_decay, implementation=cfg.implementation,
-                         state_dtype=getattr(torch, cfg.state_dtype), **settings)
+        return MuonAdamW(
+            param_groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            implementation=cfg.implementation,
+            state_dtype=getattr(torch, cfg.state_dtype),
+            **settings,
+        )
     impl = {
         "fused": {"fused": True, "foreach": False},
         "foreach": {"fused": False, "foreach": True},
         "for-loop": {"fused": False, "foreach": False},
     }[cfg.implementation]
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    return cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-               **impl)
+    return cls(
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
+    )
 
 
 def describe_groups(optimizers: list[torch.optim.Optimizer]) -> str:
@@ -201,8 +224,10 @@ def describe_groups(optimizers: list[torch.optim.Optimizer]) -> str:
         for g in opt.param_groups:
             key = (g.get("name", "?"), g.get("algorithm"), g.get("lr_mult", 1.0), g["weight_decay"])
             counts[key] = counts.get(key, 0) + sum(p.numel() for p in g["params"])
-    return "; ".join(f"{name}{f' ({algo})' if algo else ''}: {n:,} parameters, lr x{mult:g}, weight decay {wd:g}"
-                     for (name, algo, mult, wd), n in counts.items())
+    return "; ".join(
+        f"{name}{f' ({algo})' if algo else ''}: {n:,} parameters, lr x{mult:g}, weight decay {wd:g}"
+        for (name, algo, mult, wd), n in counts.items()
+    )
 
 
 class OptimizerGroup:
@@ -211,8 +236,15 @@ class OptimizerGroup:
     `whole_model` (e.g. on the meta device): the model the parts were split from, whose names and
     modules decide the parameter groups; None when the parts together are the whole model."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, lr_cfg, total_steps: int,
-                 whole_model: nn.Module | None = None, adamw_params: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        cfg: OptimizerConfig,
+        lr_cfg,
+        total_steps: int,
+        whole_model: nn.Module | None = None,
+        adamw_params: tuple[str, ...] = (),
+    ):
         from torchtitan.components.lr_scheduler import build_lr_scheduler
 
         if whole_model is not None:
@@ -242,8 +274,9 @@ class OptimizerGroup:
         if self.steps_taken == 1:  # the state exists from the first step on
             from torchtitan.components.muon import state_bytes
 
-            logger.info(f"optimizer state ({self.state_dtype}): {state_bytes(self.optimizers) / 2**20:,.2f} MiB "
-                        f"on this rank")
+            logger.info(
+                f"optimizer state ({self.state_dtype}): {state_bytes(self.optimizers) / 2**20:,.2f} MiB on this rank"
+            )
 
     def step_schedulers(self):
         """Advance the learning-rate schedules alone (a skipped step)."""

@@ -113,7 +113,9 @@ class RunLock:
                 os.fsync(f.fileno())
             break
         else:
-            raise UserError(f"could not take the lock {self.path}: another run keeps taking it; choose another job.dump_folder")
+            raise UserError(
+                f"could not take the lock {self.path}: another run keeps taking it; choose another job.dump_folder"
+            )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
         self._thread.start()

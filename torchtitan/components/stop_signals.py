@@ -38,8 +38,10 @@ class StopSignals:
             # The launcher passes on the signal that a scheduler or the terminal also sent here: a repeat
             # within a second is that copy. A later second Ctrl-C ends the process without saving.
             if signum == signal.SIGINT == getattr(signal, self.received) and time.monotonic() - self._at > 1.0:
-                logger.error("a second SIGINT (Ctrl-C): exiting without finishing the step or saving (the "
-                             "checkpoints already published are complete)")
+                logger.error(
+                    "a second SIGINT (Ctrl-C): exiting without finishing the step or saving (the "
+                    "checkpoints already published are complete)"
+                )
                 logging.shutdown()
                 os._exit(128 + signal.SIGINT)
             return

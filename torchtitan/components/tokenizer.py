@@ -63,23 +63,33 @@ _KINDS_HINT = (
 # numbers in groups of up to three digits; a run of other symbols, optionally led by a space, with
 # the line breaks that follow it; whitespace ending in line breaks; whitespace not followed by a
 # non-space (so a word keeps its single leading space); any remaining whitespace.
-LLAMA3_PATTERN = "|".join([
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",
-    r"[^\r\n\p{L}\p{N}]?\p{L}+",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+LLAMA3_PATTERN = "|".join(
+    [
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",
+        r"[^\r\n\p{L}\p{N}]?\p{L}+",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 
 def llama3_special_tokens(first_id: int) -> dict[str, int]:
     """Llama 3's 256 special tokens (the 3.1 names), numbered from `first_id` (128000 in Llama 3)."""
     names = [
-        "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-        "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
-        "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|reserved_special_token_2|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
     ]
     names += [f"<|reserved_special_token_{i}|>" for i in range(3, 3 + 256 - len(names))]
     return {name: first_id + i for i, name in enumerate(names)}
@@ -108,8 +118,9 @@ def detect(path: str | Path) -> tuple[str, Path]:
         hint = ""
         for candidate in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
             if candidate.is_file():
-                hint = (f"; or, to use the {candidate.relative_to(path)} it has, set "
-                        f"model.tokenizer_path = '{candidate}'")
+                hint = (
+                    f"; or, to use the {candidate.relative_to(path)} it has, set model.tokenizer_path = '{candidate}'"
+                )
                 break
         raise UserError(
             f"tokenizer folder {path} has no tokenizer.json (it holds: {', '.join(held) or 'nothing'}); a Hugging "
@@ -282,20 +293,26 @@ class _SpecialConfig:
             self.added = {}
             decoder = config["added_tokens_decoder"]
             if not isinstance(decoder, dict):
-                raise UserError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder must be an object of "
-                                "id -> token; fix the file or fetch it again")
+                raise UserError(
+                    f"{folder / 'tokenizer_config.json'}: added_tokens_decoder must be an object of "
+                    "id -> token; fix the file or fetch it again"
+                )
             for key, entry in decoder.items():
                 text = _token_text(entry, "tokenizer_config.json", folder, f"added_tokens_decoder[{key}]")
                 if not str(key).isdigit() or not text:  # an empty token cannot be added
-                    raise UserError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder entry {key!r} is not "
-                                    "'<id>': {\"content\": <token>}; fix the file or fetch it again")
+                    raise UserError(
+                        f"{folder / 'tokenizer_config.json'}: added_tokens_decoder entry {key!r} is not "
+                        "'<id>': {\"content\": <token>}; fix the file or fetch it again"
+                    )
                 # Only the flags the entry sets: the others keep tokenizers.AddedToken's defaults, as in
                 # transformers (which builds AddedToken(**entry)).
                 flags = {f: entry[f] for f in _ADDED_TOKEN_FLAGS if f in entry} if isinstance(entry, dict) else {}
                 for flag, value in flags.items():
                     if not isinstance(value, bool):
-                        raise UserError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder[{key}].{flag} "
-                                        f"is {value!r}, not true or false; fix the file or fetch it again")
+                        raise UserError(
+                            f"{folder / 'tokenizer_config.json'}: added_tokens_decoder[{key}].{flag} "
+                            f"is {value!r}, not true or false; fix the file or fetch it again"
+                        )
                 self.added[int(key)] = (text, flags)
 
     def _read(self, file: Path) -> dict:
@@ -330,9 +347,7 @@ def _token_text(value, file: str, folder: Path, key: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise UserError(
-        f"{folder / file}: {key} is {value!r}, not a token (a string or {{\"content\": ...}}); fix the file"
-    )
+    raise UserError(f'{folder / file}: {key} is {value!r}, not a token (a string or {{"content": ...}}); fix the file')
 
 
 def _resolve_bos_eos(config: _SpecialConfig, lookup, where: str, default_bos=_UNSET, default_eos=_UNSET):
@@ -441,8 +456,9 @@ def _add_config_tokens(tok, config: _SpecialConfig, path: Path) -> None:
     for token, declared in queued:
         text, now = token.content, tok.token_to_id(token.content)
         if before[text] is None:
-            where = f"declared {declared}" if declared is not None else (
-                "bos_token" if text == config.bos else "eos_token")
+            where = (
+                f"declared {declared}" if declared is not None else ("bos_token" if text == config.bos else "eos_token")
+            )
             appended.append(f"{text!r} as {now} ({where})")
             before[text] = now  # a repeated entry is reported once
         elif declared is not None and declared != now:
@@ -450,15 +466,20 @@ def _add_config_tokens(tok, config: _SpecialConfig, path: Path) -> None:
     if appended or kept:
         parts = []
         if appended:
-            parts.append(f"appended {len(appended)} token(s) that {path.name} lacks after its vocabulary: "
-                         + ", ".join(appended))
+            parts.append(
+                f"appended {len(appended)} token(s) that {path.name} lacks after its vocabulary: " + ", ".join(appended)
+            )
         if kept:
-            parts.append(f"kept {path.name}'s id for {len(kept)} token(s) the config places elsewhere: "
-                         + ", ".join(kept))
+            parts.append(
+                f"kept {path.name}'s id for {len(kept)} token(s) the config places elsewhere: " + ", ".join(kept)
+            )
         logger.warning(
             "%s: tokenizer_config.json and %s disagree; loaded as transformers does: %s. To silence this, fetch "
             "the files together (scripts/fetch_tokenizer.py) or save the tokenizer again with transformers",
-            path.parent, path.name, "; ".join(parts))
+            path.parent,
+            path.name,
+            "; ".join(parts),
+        )
 
 
 # ---- tiktoken ---------------------------------------------------------------------------------
@@ -539,8 +560,11 @@ class _Tiktoken:
             name=path.stem, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
         )
         self._ranks = ranks
-        self._known = None if len(ranks) + len(specials) == self._enc.max_token_value + 1 else (
-            frozenset(ranks.values()) | frozenset(specials.values()))
+        self._known = (
+            None
+            if len(ranks) + len(specials) == self._enc.max_token_value + 1
+            else (frozenset(ranks.values()) | frozenset(specials.values()))
+        )
         self.vocab_size = self._enc.max_token_value + 1
         self.bos_id, self.eos_id = _resolve_bos_eos(config, specials.get, where, default_bos, default_eos)
 

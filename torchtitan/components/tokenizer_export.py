@@ -25,8 +25,14 @@ from torchtitan.config.errors import UserError
 from torchtitan.components.tokenizer import HF, LLAMA3_PATTERN, SENTENCEPIECE, Tokenizer, read_tiktoken_ranks
 
 # The files of a Hugging Face tokenizer folder, copied when present.
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "vocab.json", "merges.txt")
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 # Model types whose folders transformers (5.x) tokenizes with a class of its own whatever tokenizer_config.json names
@@ -55,15 +61,20 @@ def export_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> list[str
                 shutil.copy2(source / name, folder / name)
         return sorted(set(names) | _load_as_written(folder))
     if importlib.util.find_spec("tokenizers") is None:
-        raise UserError("writing the tokenizer in Hugging Face form needs the tokenizers package: pip install "
-                        "tokenizers (or pip install 'torchtitan[tokenizers]')")
+        raise UserError(
+            "writing the tokenizer in Hugging Face form needs the tokenizers package: pip install "
+            "tokenizers (or pip install 'torchtitan[tokenizers]')"
+        )
     backend = _sentencepiece_bpe(tok) if tok.kind == SENTENCEPIECE else _tiktoken_bpe(tok)
     _add_specials(backend, tok)
     backend.save(str(folder / "tokenizer.json"))
     names = {v: k for k, v in tok.special_tokens.items()}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": names[tok.eos_id],
-              "bos_token": names.get(tok.bos_id) if tok.bos_id is not None else None,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": names[tok.eos_id],
+        "bos_token": names.get(tok.bos_id) if tok.bos_id is not None else None,
+        "clean_up_tokenization_spaces": False,
+    }
     unk = getattr(backend.model, "unk_token", None)
     if unk:
         config["unk_token"] = unk
@@ -84,8 +95,9 @@ def _load_as_written(folder: Path) -> set[str]:
         return set()
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    config.update(tokenizer_class="PreTrainedTokenizerFast",
-                  auto_map={"AutoTokenizer": [None, "PreTrainedTokenizerFast"]})
+    config.update(
+        tokenizer_class="PreTrainedTokenizerFast", auto_map={"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
+    )
     path.write_text(json.dumps(config, indent=2) + "\n")
     return {"tokenizer_config.json"}
 
@@ -99,13 +111,16 @@ def _add_specials(backend, tok: Tokenizer) -> None:
     backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text, _ in specials])
     for text, token_id in specials:
         if backend.token_to_id(text) != token_id:
-            raise UserError(f"{tok.path}: special token {text!r} would get id {backend.token_to_id(text)} in "
-                            f"tokenizer.json instead of {token_id}; this tokenizer cannot be written in Hugging "
-                            "Face form")
+            raise UserError(
+                f"{tok.path}: special token {text!r} would get id {backend.token_to_id(text)} in "
+                f"tokenizer.json instead of {token_id}; this tokenizer cannot be written in Hugging "
+                "Face form"
+            )
     if tok.bos_id is not None:
         bos = tok.decode([tok.bos_id], skip_special_tokens=False)
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+        )
 
 
 def _sentencepiece_bpe(tok: Tokenizer):
@@ -116,31 +131,52 @@ def _sentencepiece_bpe(tok: Tokenizer):
     proto.ParseFromString(tok.path.read_bytes())
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     kind = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(trainer.model_type)
-    unsupported = [what for what, bad in [
-        (f"model type {kind} (only BPE is written)", kind != "BPE"),
-        (f"normalization rule {norm.name!r} (only 'identity')", norm.name != "identity"),
-        ("add_dummy_prefix", norm.add_dummy_prefix), ("remove_extra_whitespaces", norm.remove_extra_whitespaces),
-        ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
-        ("split_by_whitespace off", not trainer.split_by_whitespace),
-    ] if bad]
+    unsupported = [
+        what
+        for what, bad in [
+            (f"model type {kind} (only BPE is written)", kind != "BPE"),
+            (f"normalization rule {norm.name!r} (only 'identity')", norm.name != "identity"),
+            ("add_dummy_prefix", norm.add_dummy_prefix),
+            ("remove_extra_whitespaces", norm.remove_extra_whitespaces),
+            ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
+            ("split_by_whitespace off", not trainer.split_by_whitespace),
+        ]
+        if bad
+    ]
     if unsupported:
-        raise UserError(f"sentencepiece model {tok.path} cannot be written as a Hugging Face tokenizer that encodes "
-                        f"alike: {', '.join(unsupported)}; export without it (the weights are unaffected) and "
-                        "tokenize with torchtitan.components.tokenizer.Tokenizer")
+        raise UserError(
+            f"sentencepiece model {tok.path} cannot be written as a Hugging Face tokenizer that encodes "
+            f"alike: {', '.join(unsupported)}; export without it (the weights are unaffected) and "
+            "tokenize with torchtitan.components.tokenizer.Tokenizer"
+        )
     normal = sentencepiece_model_pb2.ModelProto.SentencePiece.Type.Value("NORMAL")
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     plain = {p.piece for p in proto.pieces if p.type == normal}
-    merges = sorted((i, vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:])
-                    for piece, i in vocab.items() if piece in plain
-                    for k in range(1, len(piece)) if piece[:k] in plain and piece[k:] in plain)
+    merges = sorted(
+        (i, vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:])
+        for piece, i in vocab.items()
+        if piece in plain
+        for k in range(1, len(piece))
+        if piece[:k] in plain and piece[k:] in plain
+    )
     unk = proto.pieces[trainer.unk_id].piece
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=unk,
-                                     byte_fallback=trainer.byte_fallback, fuse_unk=True))
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in merges],
+            unk_token=unk,
+            byte_fallback=trainer.byte_fallback,
+            fuse_unk=True,
+        )
+    )
     space = "\u2581"
     backend.normalizer = normalizers.Replace(" ", space)
     # A word: a run of spaces with the non-spaces after it, or non-spaces at the start, or trailing spaces.
-    word = f"{space}+[^{space}]+|[^{space}]+|{space}+" if trainer.allow_whitespace_only_pieces else \
-        f"{space}?[^{space}]+|{space}"
+    word = (
+        f"{space}+[^{space}]+|[^{space}]+|{space}+"
+        if trainer.allow_whitespace_only_pieces
+        else f"{space}?[^{space}]+|{space}"
+    )
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(word), behavior="isolated")
     backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
@@ -157,11 +193,13 @@ def _tiktoken_bpe(tok: Tokenizer):
         if len(token) > 1:
             left, right = _last_merge(token, ranks, rank)
             merges.append((text(left), text(right)))
-    backend = HFTokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()}, merges=merges,
-                                     ignore_merges=False))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend = HFTokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()}, merges=merges, ignore_merges=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -173,18 +211,21 @@ def _last_merge(token: bytes, ranks: dict[bytes, int], rank: int) -> tuple[bytes
         best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
         if ranks.get(parts[best] + parts[best + 1], rank) >= rank:
             break
-        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
     if len(parts) != 2:
-        raise UserError(f"tiktoken token {token!r} (rank {rank}) is not reachable by merging lower-ranked tokens, so "
-                        "the file cannot be written as a Hugging Face BPE; export without it and tokenize with "
-                        "torchtitan.components.tokenizer.Tokenizer")
+        raise UserError(
+            f"tiktoken token {token!r} (rank {rank}) is not reachable by merging lower-ranked tokens, so "
+            "the file cannot be written as a Hugging Face BPE; export without it and tokenize with "
+            "torchtitan.components.tokenizer.Tokenizer"
+        )
     return parts[0], parts[1]
 
 
 def _byte_chars() -> dict[int, str]:
     """GPT-2's printable character for each byte, the alphabet of byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

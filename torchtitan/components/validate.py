@@ -69,8 +69,10 @@ CACHE_TOKENS = 2**26
 
 def _is_stdlib_test_dir(rel_dir: str) -> bool:
     parts = rel_dir.split("/")
-    return any(p in ("test", "tests") for p in parts) or rel_dir == "idlelib/idle_test" or rel_dir.startswith(
-        "idlelib/idle_test/"
+    return (
+        any(p in ("test", "tests") for p in parts)
+        or rel_dir == "idlelib/idle_test"
+        or rel_dir.startswith("idlelib/idle_test/")
     )
 
 
@@ -144,7 +146,9 @@ def build_source(cfg: Validation, training: Training | None = None, tokenizer: T
         return sources.build_source(as_training)[0]
     except UserError as e:  # the training loader's messages name the training keys
         message = str(e).replace("training.dataset_text_field", "training.dataset_text_field (read for validation too)")
-        raise UserError("validation: " + re.sub(r"training\.(dataset_path|dataset|shuffle_documents)", r"validation.\1", message)) from None
+        raise UserError(
+            "validation: " + re.sub(r"training\.(dataset_path|dataset|shuffle_documents)", r"validation.\1", message)
+        ) from None
 
 
 def _mix_source(cfg: Validation, training: Training | None, tokenizer: Tokenizer | None, spec: str):
@@ -202,8 +206,16 @@ def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
 class ValidationData:
     """This rank's share of each global validation batch, from the start of the set on every call."""
 
-    def __init__(self, source, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_degree: int, max_batches: int):
+    def __init__(
+        self,
+        source,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        max_batches: int,
+    ):
         self.source, self.tokenizer = source, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.global_batch_size = local_batch_size * dp_degree
@@ -268,8 +280,10 @@ def preflight_validation(v: Validation, training: Training, tokenizer: Tokenizer
     if found < need:
         where = f" at {v.dataset_path}" if v.dataset_path else ""
         name = f"validation.dataset_mix {v.dataset_mix}" if v.dataset_mix else f"validation set {v.dataset}{where}"
-        what = "is empty: it holds no text" if found == 0 and not any(source.documents(0)) else (
-            f"is too small: it holds {found} sequence(s) of validation.seq_len + 1 = {seq_len + 1} tokens"
+        what = (
+            "is empty: it holds no text"
+            if found == 0 and not any(source.documents(0))
+            else (f"is too small: it holds {found} sequence(s) of validation.seq_len + 1 = {seq_len + 1} tokens")
         )
         raise UserError(
             f"{name} {what}, fewer than one global validation batch of "
@@ -301,8 +315,17 @@ class Validator:
     `sum_over_ranks(sums)`: the tensor summed over the ranks that split a batch's tokens, taken from
     the rank that holds the loss."""
 
-    def __init__(self, cfg: Validation, training_steps: int, data: ValidationData, parts: list[nn.Module],
-                 loss_fn, batch_rule, sum_over_ranks, device: torch.device):
+    def __init__(
+        self,
+        cfg: Validation,
+        training_steps: int,
+        data: ValidationData,
+        parts: list[nn.Module],
+        loss_fn,
+        batch_rule,
+        sum_over_ranks,
+        device: torch.device,
+    ):
         self.cfg, self.training_steps, self.data, self.parts = cfg, training_steps, data, parts
         self.loss_fn, self.batch_rule, self.sum_over_ranks, self.device = loss_fn, batch_rule, sum_over_ranks, device
 
@@ -349,4 +372,3 @@ class Validator:
             "validation_tokens": batches * self.data.global_batch_size * self.data.seq_len,
             "validation_time": time.perf_counter() - start,
         }
-

@@ -43,11 +43,15 @@ STALL_EXIT = 1  # the exit status of a rank whose phase ran past its timeout
 
 # kind -> (config key of its timeout, what may be the cause)
 PHASE_KINDS = {
-    "data": ("comm.data_timeout_seconds",
-             "a read that blocks: a network file system that stopped answering, a named pipe with no writer, a data "
-             "worker that stopped (training.data_workers)"),
-    "checkpoint": ("comm.checkpoint_timeout_seconds",
-                   "storage that stopped answering (the checkpoints already published are complete)"),
+    "data": (
+        "comm.data_timeout_seconds",
+        "a read that blocks: a network file system that stopped answering, a named pipe with no writer, a data "
+        "worker that stopped (training.data_workers)",
+    ),
+    "checkpoint": (
+        "comm.checkpoint_timeout_seconds",
+        "storage that stopped answering (the checkpoints already published are complete)",
+    ),
 }
 
 # Thread states of /proc/.../stat that count as the rank's own time: running or ready to run, and waiting
@@ -78,7 +82,7 @@ def ratios(seconds: list[float]) -> list[float]:
     """Each rank's seconds per step over the median of the other ranks' (inf over a median of 0)."""
     out = []
     for rank, own in enumerate(seconds):
-        others = median(seconds[:rank] + seconds[rank + 1:])
+        others = median(seconds[:rank] + seconds[rank + 1 :])
         out.append(own / others if others > 0 else (float("inf") if own > 0 else 1.0))
     return out
 
@@ -121,8 +125,15 @@ class Watchdog:
     """Active inside its `with` block (one at a time per process): the phases of the thread that entered it
     are watched, and that thread's own time is measured for the straggler comparison."""
 
-    def __init__(self, data_timeout: float, checkpoint_timeout: float, straggler_factor: float,
-                 straggler_windows: int, device: torch.device, rank: int = 0):
+    def __init__(
+        self,
+        data_timeout: float,
+        checkpoint_timeout: float,
+        straggler_factor: float,
+        straggler_windows: int,
+        device: torch.device,
+        rank: int = 0,
+    ):
         self.timeouts = {"data": data_timeout, "checkpoint": checkpoint_timeout}
         self.factor, self.device, self.rank = straggler_factor, device, rank
         self.windows: collections.deque = collections.deque(maxlen=max(straggler_windows, 1))
@@ -206,11 +217,13 @@ class Watchdog:
         self.windows.append(seconds)
         latest = ratios(seconds)
         fields = {"step_time_max_over_median": max(latest)}
-        slow = persistent_straggler(list(self.windows), self.factor) if len(self.windows) == self.windows.maxlen else None
+        slow = (
+            persistent_straggler(list(self.windows), self.factor) if len(self.windows) == self.windows.maxlen else None
+        )
         if slow is not None:
             fields["straggler_rank"] = slow
             if self.rank == 0:
-                others = median(seconds[:slow] + seconds[slow + 1:])
+                others = median(seconds[:slow] + seconds[slow + 1 :])
                 logger.warning(
                     f"straggler: rank {slow} spent {seconds[slow]:.3f}s per step of its own work (computing or reading "
                     f"data, not waiting for its peers) by step {step}, {latest[slow]:.2f}x the median of the other ranks "
@@ -222,8 +235,14 @@ class Watchdog:
 
 def from_config(comm: Comm, metrics: Metrics, device: torch.device, rank: int) -> Watchdog:
     """The watchdog of [comm]'s phase timeouts and [metrics]' straggler comparison."""
-    return Watchdog(comm.data_timeout_seconds, comm.checkpoint_timeout_seconds, metrics.straggler_factor,
-                    metrics.straggler_windows, device, rank)
+    return Watchdog(
+        comm.data_timeout_seconds,
+        comm.checkpoint_timeout_seconds,
+        metrics.straggler_factor,
+        metrics.straggler_windows,
+        device,
+        rank,
+    )
 
 
 def stall(phase: Phase):

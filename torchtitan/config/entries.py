@@ -11,8 +11,9 @@ from fractions import Fraction
 from torchtitan.config.errors import UserError
 
 
-PARAM_GROUP_SYNTAX = ("PATTERN [lr_mult=X] [weight_decay=Y] [optimizer=AdamW], e.g. 'tok_embeddings lr_mult=0.5 "
-                      "weight_decay=0'")
+PARAM_GROUP_SYNTAX = (
+    "PATTERN [lr_mult=X] [weight_decay=Y] [optimizer=AdamW], e.g. 'tok_embeddings lr_mult=0.5 weight_decay=0'"
+)
 PARAM_GROUP_OPTIONS = ("lr_mult", "weight_decay", "optimizer")
 
 
@@ -48,13 +49,20 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
                 if text.lower() == "adamw" and "adamw" not in values:
                     values["adamw"] = True
                     continue
-                problems.append(f"{entry!r}: optimizer = {text!r} " + (
-                    "is given twice" if "adamw" in values else
-                    "is not an option; optimizer=AdamW (with optimizer.name = 'Muon') gives the matched parameters "
-                    "to AdamW"))
+                problems.append(
+                    f"{entry!r}: optimizer = {text!r} "
+                    + (
+                        "is given twice"
+                        if "adamw" in values
+                        else "is not an option; optimizer=AdamW (with optimizer.name = 'Muon') gives the matched parameters "
+                        "to AdamW"
+                    )
+                )
             elif not sep or name not in PARAM_GROUP_OPTIONS:
-                problems.append(f"{entry!r}: {option!r} is not an option; write {PARAM_GROUP_SYNTAX} (the pattern "
-                                f"cannot contain spaces)")
+                problems.append(
+                    f"{entry!r}: {option!r} is not an option; write {PARAM_GROUP_SYNTAX} (the pattern "
+                    f"cannot contain spaces)"
+                )
             elif name in values:
                 problems.append(f"{entry!r}: {name} is given twice")
             elif value is None or not math.isfinite(value):
@@ -77,8 +85,10 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
     patterns = [r.pattern for r in rules]
     duplicates = sorted({p for p in patterns if patterns.count(p) > 1})
     if duplicates:
-        problems.append(f"{', '.join(map(repr, duplicates))} appears more than once; the first entry would take "
-                        f"every parameter it matches, so give each pattern once")
+        problems.append(
+            f"{', '.join(map(repr, duplicates))} appears more than once; the first entry would take "
+            f"every parameter it matches, so give each pattern once"
+        )
     if problems:
         raise UserError(f"{key}: " + "; ".join(problems))
     return rules
@@ -141,7 +151,7 @@ HF_PREFIX = "hf:"  # a mixture's SOURCE that names a Hugging Face dataset
 def _source_identity(spec: str) -> str:
     """What a mixture's SOURCE reads, whatever its spelling: the real path of a file or folder (trailing
     slashes, `./`, `..` and links resolved), else the name itself (a named dataset, hf:ORG/NAME)."""
-    path = spec[len(HF_PREFIX):] if spec.startswith(HF_PREFIX) else spec
+    path = spec[len(HF_PREFIX) :] if spec.startswith(HF_PREFIX) else spec
     return os.path.realpath(path) if path and os.path.exists(path) else spec
 
 
@@ -154,15 +164,20 @@ def _repeated_sources(specs: list[str]) -> list[str]:
     for identity, names in named.items():
         if len(names) > 1:
             names = list(dict.fromkeys(names))
-            same = (f"{names[0]} appears more than once" if len(names) == 1 else
-                    f"{' and '.join(map(repr, names))} are the same source ({identity})")
+            same = (
+                f"{names[0]} appears more than once"
+                if len(names) == 1
+                else f"{' and '.join(map(repr, names))} are the same source ({identity})"
+            )
             problems.append(f"{same}; give each source once with its total weight")
     paths = [(identity, names[0]) for identity, names in named.items() if os.path.isabs(identity)]
     for outer, outer_spec in paths:
         for inner, inner_spec in paths:
             if inner.startswith(outer.rstrip(os.sep) + os.sep):
-                problems.append(f"{inner_spec!r} is inside {outer_spec!r}, so its documents would be read by both "
-                                "sources; give each document to one source (raise a weight instead of listing it twice)")
+                problems.append(
+                    f"{inner_spec!r} is inside {outer_spec!r}, so its documents would be read by both "
+                    "sources; give each document to one source (raise a weight instead of listing it twice)"
+                )
     return problems
 
 

@@ -45,9 +45,12 @@ def run_main(main: Callable[..., "int | None"], *args, help_status: int = 0) -> 
             raise  # a module of the project itself: a bug
         # The optional packages are asked for by name where they are used; a missing one here is the environment.
         sys.stdout.flush()
-        print(f"error: this Python ({sys.executable}) has no module '{e.name}': activate the project's environment "
-              f"(source .venv/bin/activate; bash scripts/setup.sh creates it) or install the package", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: this Python ({sys.executable}) has no module '{e.name}': activate the project's environment "
+            f"(source .venv/bin/activate; bash scripts/setup.sh creates it) or install the package",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     return 0 if code is None else code
 
@@ -68,8 +71,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_output_path(path: "str | os.PathLike", what: str, *, existing: str = "refuse",
-                      create_parents: bool = True) -> None:
+def check_output_path(
+    path: "str | os.PathLike", what: str, *, existing: str = "refuse", create_parents: bool = True
+) -> None:
     """UserError unless `path` can be written, checked before the expensive work so that a bad output
     path costs nothing. `what` names it in the message (e.g. "--output", "OUTPUT").
 
@@ -94,15 +98,17 @@ def check_output_path(path: "str | os.PathLike", what: str, *, existing: str = "
                 with open(full, "ab"):  # opened for writing, nothing written
                     pass
             except OSError as e:
-                raise UserError(f"{what} {path} exists and cannot be written ({e.strerror}); choose another "
-                                "path") from None
+                raise UserError(
+                    f"{what} {path} exists and cannot be written ({e.strerror}); choose another path"
+                ) from None
             return
         if existing == "empty_folder" and is_dir:
             raise UserError(f"{what} {path} already exists and is not empty; choose a new path or delete it")
         want = {"replace_file": "a file", "write_into": "a folder", "empty_folder": "a new or empty folder"}
         need = f" (it must be {want[existing]})" if existing in want else ""
-        raise UserError(f"{what} {path} already exists as a {'folder' if is_dir else 'file'}{need}; choose a new "
-                        "path or delete it")
+        raise UserError(
+            f"{what} {path} already exists as a {'folder' if is_dir else 'file'}{need}; choose a new path or delete it"
+        )
     parent = os.path.dirname(full)
     if not create_parents and not os.path.isdir(parent):
         blocker = _first_non_folder(parent)
@@ -132,5 +138,7 @@ def _check_creatable(folder: str, what: str, path: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=folder))
     except OSError as e:
-        raise UserError(f"{what} {path}: cannot create anything in {folder} ({e.strerror}); choose a path in a "
-                        "folder you can write to") from None
+        raise UserError(
+            f"{what} {path}: cannot create anything in {folder} ({e.strerror}); choose a path in a "
+            "folder you can write to"
+        ) from None

@@ -16,14 +16,14 @@ class Job:
     config_file: str | None = opt(None, "Path of the TOML recipe to load.")
     base_config: str | None = opt(
         None,
-        "A recipe this one inherits from (path relative to this recipe's folder); "
-        "keys set here override the base's.",
+        "A recipe this one inherits from (path relative to this recipe's folder); keys set here override the base's.",
     )
     dump_folder: str = opt("./outputs", "Folder for the resolved config, metrics.jsonl and TensorBoard logs.")
     description: str = opt("", "Free text describing the job, printed at start.")
     print_args: bool = opt(
-        False, "Print the resolved config at start (it is always written to {dump_folder}/config.toml, and the "
-               "start-up says where)."
+        False,
+        "Print the resolved config at start (it is always written to {dump_folder}/config.toml, and the "
+        "start-up says where).",
     )
     use_for_integration_test: bool = opt(
         False, "A tag for test runners that select recipes (the reference framework's CI reads it); training does not."
@@ -80,14 +80,17 @@ class Metrics:
     )
 
     def check(self) -> list[str]:
-        return positive("metrics", self, "log_freq", "straggler_windows") + failed((
-            self.device_peak_tflops >= 0,
-            f"metrics.device_peak_tflops must be 0 (auto) or more, got {self.device_peak_tflops}",
-        ), (
-            self.straggler_factor == 0 or self.straggler_factor > 1,
-            f"metrics.straggler_factor must be 0 (off) or more than 1 (a rank slower than the others' median by "
-            f"that factor), got {self.straggler_factor}",
-        ))
+        return positive("metrics", self, "log_freq", "straggler_windows") + failed(
+            (
+                self.device_peak_tflops >= 0,
+                f"metrics.device_peak_tflops must be 0 (auto) or more, got {self.device_peak_tflops}",
+            ),
+            (
+                self.straggler_factor == 0 or self.straggler_factor > 1,
+                f"metrics.straggler_factor must be 0 (off) or more than 1 (a rank slower than the others' median by "
+                f"that factor), got {self.straggler_factor}",
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ class Checkpoint:
     )
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1: newest).")
     exclude_from_loading: list[str] = opt(
-        [], "Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."
+        [],
+        "Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state.",
     )
     initial_load_path: str | None = opt(
         None,
@@ -133,9 +137,7 @@ class Checkpoint:
         "or a Hugging Face folder with initial_load_in_hf).",
     )
     initial_load_model_only: bool = opt(True, "Load only the model weights from initial_load_path.")
-    initial_load_in_hf: bool = opt(
-        False, "initial_load_path is a Hugging Face folder (config.json + *.safetensors)."
-    )
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + *.safetensors).")
     last_save_model_only: bool = opt(
         True, "The save at the last step holds the model weights only (in export_dtype), for inference."
     )
@@ -167,14 +169,20 @@ class Checkpoint:
         return problems + failed(
             (self.hf_max_shard_mb >= 1, f"checkpoint.hf_max_shard_mb must be 1 or more, got {self.hf_max_shard_mb}"),
             (self.interval > 0, f"checkpoint.interval must be a positive integer, got {self.interval}"),
-            (self.keep_latest_k >= 0,
-             f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {self.keep_latest_k}"),
+            (
+                self.keep_latest_k >= 0,
+                f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {self.keep_latest_k}",
+            ),
             (self.load_step >= -1, f"checkpoint.load_step must be -1 (newest) or a step number, got {self.load_step}"),
-            (not (self.initial_load_in_hf and not self.initial_load_model_only),
-             "checkpoint.initial_load_in_hf loads weights only; set checkpoint.initial_load_model_only = true"),
-            (not (self.create_seed_checkpoint and not self.enable_checkpoint),
-             "checkpoint.create_seed_checkpoint writes into the checkpoint folder; also set "
-             "checkpoint.enable_checkpoint = true"),
+            (
+                not (self.initial_load_in_hf and not self.initial_load_model_only),
+                "checkpoint.initial_load_in_hf loads weights only; set checkpoint.initial_load_model_only = true",
+            ),
+            (
+                not (self.create_seed_checkpoint and not self.enable_checkpoint),
+                "checkpoint.create_seed_checkpoint writes into the checkpoint folder; also set "
+                "checkpoint.enable_checkpoint = true",
+            ),
         )
 
 

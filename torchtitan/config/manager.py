@@ -29,7 +29,6 @@ _CLI = None
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Schema lookups
 
@@ -160,15 +159,42 @@ def _expected(tp: object, origin: str | None) -> str:
 
 # What other trainers and papers call a key that has another name here (whole words of a key).
 KEY_SYNONYMS = {
-    "learning_rate": "lr", "max_lr": "lr", "peak_lr": "lr", "lr_warmup_steps": "warmup_steps",
-    "num_warmup_steps": "warmup_steps", "warmup": "warmup_steps", "max_steps": "steps", "num_steps": "steps",
-    "total_steps": "steps", "train_steps": "steps", "training_steps": "steps", "iterations": "steps",
-    "batch_size": "local_batch_size", "micro_batch_size": "local_batch_size", "sequence_length": "seq_len",
-    "seq_length": "seq_len", "max_seq_len": "seq_len", "max_seq_length": "seq_len", "context_length": "seq_len",
-    "max_grad_norm": "max_norm", "grad_clip": "max_norm", "clip_grad_norm": "max_norm", "gradient_clipping": "max_norm",
-    "wd": "weight_decay", "epsilon": "eps", "adam_beta1": "beta1", "adam_beta2": "beta2", "adam_eps": "eps",
-    "output_dir": "dump_folder", "save_dir": "dump_folder", "save_interval": "interval", "save_steps": "interval",
-    "logging_steps": "log_freq", "log_interval": "log_freq", "model_name": "name", "random_seed": "seed",
+    "learning_rate": "lr",
+    "max_lr": "lr",
+    "peak_lr": "lr",
+    "lr_warmup_steps": "warmup_steps",
+    "num_warmup_steps": "warmup_steps",
+    "warmup": "warmup_steps",
+    "max_steps": "steps",
+    "num_steps": "steps",
+    "total_steps": "steps",
+    "train_steps": "steps",
+    "training_steps": "steps",
+    "iterations": "steps",
+    "batch_size": "local_batch_size",
+    "micro_batch_size": "local_batch_size",
+    "sequence_length": "seq_len",
+    "seq_length": "seq_len",
+    "max_seq_len": "seq_len",
+    "max_seq_length": "seq_len",
+    "context_length": "seq_len",
+    "max_grad_norm": "max_norm",
+    "grad_clip": "max_norm",
+    "clip_grad_norm": "max_norm",
+    "gradient_clipping": "max_norm",
+    "wd": "weight_decay",
+    "epsilon": "eps",
+    "adam_beta1": "beta1",
+    "adam_beta2": "beta2",
+    "adam_eps": "eps",
+    "output_dir": "dump_folder",
+    "save_dir": "dump_folder",
+    "save_interval": "interval",
+    "save_steps": "interval",
+    "logging_steps": "log_freq",
+    "log_interval": "log_freq",
+    "model_name": "name",
+    "random_seed": "seed",
 }
 
 
@@ -186,9 +212,11 @@ def _closest(name: str, candidates: list[str]) -> str | None:
         if phrase == key.lower() and lead + ours in candidates:
             return lead + ours
     words = _words(key) - {""}
+
     def shared(candidate: str) -> int:
         c_section, c_dot, c_key = candidate.rpartition(".")
         return len(words & _words(c_key)) if c_section + c_dot == lead else 0
+
     best = max(candidates, key=lambda c: (shared(c), difflib.SequenceMatcher(None, name, c).ratio()), default=None)
     if best is not None and shared(best) and shared(best) * 2 >= len(words):
         return best
@@ -263,9 +291,7 @@ def _check_toml_value(section: str, key: str, value: object, tp: object, origin:
     elif inner == list[list[str]]:
         ok = isinstance(value, list) and all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value)
     if not ok:
-        raise UserError(
-            f"{section}.{key}: expected {_expected(tp, origin)}, got {_show(value)} ({_from(origin)})"
-        )
+        raise UserError(f"{section}.{key}: expected {_expected(tp, origin)}, got {_show(value)} ({_from(origin)})")
     return value
 
 
@@ -361,7 +387,9 @@ def _parse_cli_value(section: str, key: str, text: str, tp: object) -> object:
     elif inner == list[str]:
         value = [item.strip() for item in text.split(",") if item.strip()]
     elif inner == list[list[str]]:  # groups separated by ';', items by ','
-        value = [[item.strip() for item in group.split(",") if item.strip()] for group in text.split(";") if group.strip()]
+        value = [
+            [item.strip() for item in group.split(",") if item.strip()] for group in text.split(";") if group.strip()
+        ]
     elif typing.get_origin(inner) is Literal:
         ok = text in typing.get_args(inner)
     if not ok:
@@ -588,10 +616,16 @@ def help_text(values: dict | None = None, recipe: str | None = None, unread: str
         "lists: a,b,c; optional values: none or null to unset; '-' may replace '_' in names.",
     ]
     if recipe is not None:
-        lines += ["", f"Values marked 'here' are what this job sets: recipe {recipe} (and its base recipes) and the "
-                      "command line."]
+        lines += [
+            "",
+            f"Values marked 'here' are what this job sets: recipe {recipe} (and its base recipes) and the "
+            "command line.",
+        ]
     if unread is not None:
-        lines += ["", f"(The defaults alone: the recipe or the arguments given with --help could not be read: {unread})"]
+        lines += [
+            "",
+            f"(The defaults alone: the recipe or the arguments given with --help could not be read: {unread})",
+        ]
     for section, cls in _section_classes().items():
         lines += ["", f"[{section}]"]
         types = _field_types(section)

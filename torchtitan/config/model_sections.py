@@ -67,18 +67,28 @@ class Model:
 
     def check(self) -> list[str]:
         return failed(
-            (self.sliding_window is None or self.sliding_window > 0,
-             f"model.sliding_window must be a positive number of positions, got {self.sliding_window}; leave it "
-             f"unset for attention over every earlier position"),
-            (self.max_window_layers is None or self.max_window_layers >= 0,
-             f"model.max_window_layers must be 0 or more, got {self.max_window_layers}"),
-            (self.mtp_depth is None or self.mtp_depth >= 0,
-             f"model.mtp_depth must be 0 (no multi-token prediction) or more, got {self.mtp_depth}"),
-            (self.mtp_loss_weight is None or self.mtp_loss_weight >= 0,
-             f"model.mtp_loss_weight must be 0 or more, got {self.mtp_loss_weight}"),
-            (not self.use_flex_attn or self.attn_backend in ("auto", "flex"),
-             f"model.use_flex_attn = true asks for FlexAttention but model.attn_backend = {self.attn_backend!r}; "
-             f"keep one"),
+            (
+                self.sliding_window is None or self.sliding_window > 0,
+                f"model.sliding_window must be a positive number of positions, got {self.sliding_window}; leave it "
+                f"unset for attention over every earlier position",
+            ),
+            (
+                self.max_window_layers is None or self.max_window_layers >= 0,
+                f"model.max_window_layers must be 0 or more, got {self.max_window_layers}",
+            ),
+            (
+                self.mtp_depth is None or self.mtp_depth >= 0,
+                f"model.mtp_depth must be 0 (no multi-token prediction) or more, got {self.mtp_depth}",
+            ),
+            (
+                self.mtp_loss_weight is None or self.mtp_loss_weight >= 0,
+                f"model.mtp_loss_weight must be 0 or more, got {self.mtp_loss_weight}",
+            ),
+            (
+                not self.use_flex_attn or self.attn_backend in ("auto", "flex"),
+                f"model.use_flex_attn = true asks for FlexAttention but model.attn_backend = {self.attn_backend!r}; "
+                f"keep one",
+            ),
         ) + [
             f"model.converters: unknown converter {c!r}; the only one is 'float8'"
             for c in self.converters
@@ -101,11 +111,13 @@ class ActivationCheckpoint:
 
     def check(self) -> list[str]:
         option = self.selective_ac_option
-        return failed((
-            self.mode != "selective" or option == "op" or (option.isdigit() and int(option) > 0),
-            f"activation_checkpoint.selective_ac_option must be a positive integer (checkpoint every N-th block) "
-            f"or 'op' (operator-level policy), got {option!r}",
-        ))
+        return failed(
+            (
+                self.mode != "selective" or option == "op" or (option.isdigit() and int(option) > 0),
+                f"activation_checkpoint.selective_ac_option must be a positive integer (checkpoint every N-th block) "
+                f"or 'op' (operator-level policy), got {option!r}",
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -119,21 +131,23 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(
         False, "Compute all float8 weight scales in one fused step after the optimizer (with float8 all-gather)."
     )
-    filter_fqns: list[str] = opt(
-        ["output"], "Linear layers whose name contains any of these stay in high precision."
-    )
+    filter_fqns: list[str] = opt(["output"], "Linear layers whose name contains any of these stay in high precision.")
     emulate: bool = opt(False, "Emulate float8 matmuls in high precision (for testing on hardware without float8).")
 
     def check(self) -> list[str]:
-        return failed((
-            not self.precompute_float8_dynamic_scale_for_fsdp or self.enable_fsdp_float8_all_gather,
-            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true",
-        ))
+        return failed(
+            (
+                not self.precompute_float8_dynamic_scale_for_fsdp or self.enable_fsdp_float8_all_gather,
+                "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true",
+            )
+        )
 
 
 @dataclass(frozen=True)
 class MoE:
-    top_k: int | None = opt(None, "Experts per token (unset: the flavor's); changes the model's compute, not its weights.")
+    top_k: int | None = opt(
+        None, "Experts per token (unset: the flavor's); changes the model's compute, not its weights."
+    )
     load_balance_coeff: float | None = opt(
         None,
         "Update rate of the auxiliary-loss-free expert bias (moved after every step toward equal expert loads); "

@@ -17,9 +17,14 @@ ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "du
 # more than 1 (Parallelism.unread_keys).
 TENSOR_PARALLEL_KEYS = ("disable_loss_parallel",)
 CONTEXT_PARALLEL_KEYS = ("context_parallel_method", "context_parallel_rotate_method", "context_parallel_ring_overlap")
-PIPELINE_KEYS = ("pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
-                 "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
-                 "pipeline_parallel_last_stage_less_layers")
+PIPELINE_KEYS = (
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_schedule_csv",
+    "pipeline_parallel_microbatch_size",
+    "pipeline_parallel_layers_per_stage",
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
+)
 
 
 def _show(value) -> str:
@@ -31,9 +36,7 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(
         1, "Replicas (DDP, or HSDP's replicate dimension when data_parallel_shard_degree > 1)."
     )
-    data_parallel_shard_degree: int = opt(
-        -1, "FSDP shard degree; -1 fills the ranks left over by the other degrees."
-    )
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 fills the ranks left over by the other degrees.")
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
         "default",
         "Free gathered parameters after forward (always), keep them until backward (never), "
@@ -121,51 +124,71 @@ class Parallelism:
             if getattr(self, degree) == 1:
                 problems += [
                     f"parallelism.{k} = {_show(getattr(self, k))} is only read with {what}, and {degree} is 1; set "
-                    f"parallelism.{degree} > 1 or remove it" for k in changed_keys(self, *keys)
+                    f"parallelism.{degree} > 1 or remove it"
+                    for k in changed_keys(self, *keys)
                 ]
         return problems
 
     def check(self) -> list[str]:
-        degrees = ("data_parallel_replicate_degree", "pipeline_parallel_degree", "pipeline_parallel_microbatch_size",
-                   "tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree")
+        degrees = (
+            "data_parallel_replicate_degree",
+            "pipeline_parallel_degree",
+            "pipeline_parallel_microbatch_size",
+            "tensor_parallel_degree",
+            "expert_parallel_degree",
+            "context_parallel_degree",
+        )
         fewer = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
         splits = ("module_fqns_per_model_part", "pipeline_parallel_split_points")
         pp = self.pipeline_parallel_degree
-        problems = [f"parallelism.{k} must be 1 or more, got {getattr(self, k)}" for k in degrees
-                    if not getattr(self, k) >= 1]
-        problems += [f"parallelism.{k} must be 0 or more, got {getattr(self, k)}" for k in fewer
-                     if not getattr(self, k) >= 0]
+        problems = [
+            f"parallelism.{k} must be 1 or more, got {getattr(self, k)}" for k in degrees if not getattr(self, k) >= 1
+        ]
+        problems += [
+            f"parallelism.{k} must be 0 or more, got {getattr(self, k)}" for k in fewer if not getattr(self, k) >= 0
+        ]
         problems += [
             f"parallelism.{k} splits the model into pipeline stages, but pipeline_parallel_degree is {pp}; set "
-            f"pipeline_parallel_degree > 1 or remove it" for k in splits if getattr(self, k) and not pp > 1
+            f"pipeline_parallel_degree > 1 or remove it"
+            for k in splits
+            if getattr(self, k) and not pp > 1
         ]
-        problems += failed((
-            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
-            f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
-            f"got {self.data_parallel_shard_degree}",
-        ))
-        problems += failed((
-            self.context_parallel_ring_overlap
-            or (self.context_parallel_method == "ring" and self.context_parallel_rotate_method == "alltoall"),
-            "parallelism.context_parallel_ring_overlap = false: only the rotating ring (context_parallel_method = "
-            "'ring', context_parallel_rotate_method = 'alltoall') has transfers to overlap; remove it or choose "
-            "the rotating ring",
-        ), (
-            not (self.context_parallel_method == "ulysses" and self.context_parallel_rotate_method != "allgather"),
-            f"parallelism.context_parallel_rotate_method = {self.context_parallel_rotate_method!r} chooses how the "
-            "ring passes keys and values, but context_parallel_method = 'ulysses' has no ring; remove it or set "
-            "context_parallel_method = 'ring'",
-        ))
+        problems += failed(
+            (
+                self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+                f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
+                f"got {self.data_parallel_shard_degree}",
+            )
+        )
+        problems += failed(
+            (
+                self.context_parallel_ring_overlap
+                or (self.context_parallel_method == "ring" and self.context_parallel_rotate_method == "alltoall"),
+                "parallelism.context_parallel_ring_overlap = false: only the rotating ring (context_parallel_method = "
+                "'ring', context_parallel_rotate_method = 'alltoall') has transfers to overlap; remove it or choose "
+                "the rotating ring",
+            ),
+            (
+                not (self.context_parallel_method == "ulysses" and self.context_parallel_rotate_method != "allgather"),
+                f"parallelism.context_parallel_rotate_method = {self.context_parallel_rotate_method!r} chooses how the "
+                "ring passes keys and values, but context_parallel_method = 'ulysses' has no ring; remove it or set "
+                "context_parallel_method = 'ring'",
+            ),
+        )
         if pp > 1:
             explicit = [k for k in splits if getattr(self, k)]
             csv = self.pipeline_parallel_schedule_csv
             problems += failed(
-                (len(explicit) < 2,
-                 "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split "
-                 "the pipeline; set one of them"),
-                (not (explicit and self.pipeline_parallel_layers_per_stage is not None),
-                 f"parallelism.{explicit[0] if explicit else ''} and parallelism.pipeline_parallel_layers_per_stage "
-                 "both split the pipeline; set one of them"),
+                (
+                    len(explicit) < 2,
+                    "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split "
+                    "the pipeline; set one of them",
+                ),
+                (
+                    not (explicit and self.pipeline_parallel_layers_per_stage is not None),
+                    f"parallelism.{explicit[0] if explicit else ''} and parallelism.pipeline_parallel_layers_per_stage "
+                    "both split the pipeline; set one of them",
+                ),
                 (not csv or os.path.isfile(csv), f"parallelism.pipeline_parallel_schedule_csv: {csv} does not exist"),
             )
         return problems
@@ -211,10 +234,12 @@ class Comm:
             for key in ("data_timeout_seconds", "checkpoint_timeout_seconds")
             if not getattr(self, key) >= 0
         ]
-        return problems + failed((
-            self.trace_buf_size >= 0,
-            f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {self.trace_buf_size}",
-        ))
+        return problems + failed(
+            (
+                self.trace_buf_size >= 0,
+                f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {self.trace_buf_size}",
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -230,20 +255,24 @@ class FaultTolerance:
     group_count: int = opt(1, "Replica groups of the job (the same in every group); each reads its own data lanes.")
     group_id: int = opt(0, "This group's id, 0..group_count-1.")
     min_groups: int = opt(
-        1, "Groups that must take part in a step for it to be committed; with fewer alive, a step waits up to "
-           "quorum_timeout_seconds for more, then the run stops.",
+        1,
+        "Groups that must take part in a step for it to be committed; with fewer alive, a step waits up to "
+        "quorum_timeout_seconds for more, then the run stops.",
     )
     lighthouse: str = opt(
-        "", "Address of the torchft lighthouse that forms the groups' quorum, http://HOST:PORT (start one with "
-            "torchft_lighthouse --min_replicas 1 --bind HOST:PORT, or run_train.sh with LIGHTHOUSE_PORT).",
+        "",
+        "Address of the torchft lighthouse that forms the groups' quorum, http://HOST:PORT (start one with "
+        "torchft_lighthouse --min_replicas 1 --bind HOST:PORT, or run_train.sh with LIGHTHOUSE_PORT).",
     )
     timeout_seconds: int = opt(
-        30, "Timeout of the groups' gradient average and commit vote, and of the lighthouse's first answer "
-            "(checked before launch). A group that stops answering is dropped after it.",
+        30,
+        "Timeout of the groups' gradient average and commit vote, and of the lighthouse's first answer "
+        "(checked before launch). A group that stops answering is dropped after it.",
     )
     quorum_timeout_seconds: int = opt(
-        120, "How long a step waits for a quorum of at least min_groups groups (a fresh run's first step: of all "
-             "group_count groups, then it starts with those present).",
+        120,
+        "How long a step waits for a quorum of at least min_groups groups (a fresh run's first step: of all "
+        "group_count groups, then it starts with those present).",
     )
     sync: Literal["every_step", "diloco"] = opt(
         "every_step",
@@ -251,21 +280,31 @@ class FaultTolerance:
         "(semi-synchronous) trains each group alone for sync_every steps, then averages the groups' weight deltas "
         "and applies them with an outer SGD optimizer (outer_lr, outer_momentum, outer_nesterov).",
     )
-    sync_every: int = opt(100, "diloco: local steps between two averages of the weight deltas (H); only read under "
-                               "sync = 'diloco' (another value is refused under every_step).")
-    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate on the averaged weight delta (1 with no "
-                               "momentum: the groups' average weights); only read under sync = 'diloco'.")
+    sync_every: int = opt(
+        100,
+        "diloco: local steps between two averages of the weight deltas (H); only read under "
+        "sync = 'diloco' (another value is refused under every_step).",
+    )
+    outer_lr: float = opt(
+        0.7,
+        "diloco: the outer SGD's learning rate on the averaged weight delta (1 with no "
+        "momentum: the groups' average weights); only read under sync = 'diloco'.",
+    )
     outer_momentum: float = opt(0.9, "diloco: the outer SGD's momentum, 0 <= m < 1; only read under sync = 'diloco'.")
-    outer_nesterov: bool = opt(True, "diloco: Nesterov momentum in the outer SGD (needs outer_momentum > 0); only "
-                                     "read under sync = 'diloco'.")
+    outer_nesterov: bool = opt(
+        True, "diloco: Nesterov momentum in the outer SGD (needs outer_momentum > 0); only read under sync = 'diloco'."
+    )
 
     def check(self) -> list[str]:
         if not self.enabled:
             # Each key says which job this is (a group of several, its data lanes, how it syncs): set without
             # replica groups, the run would train as a plain run instead, and exit 0.
-            return [f"fault_tolerance.{key} = {getattr(self, key)!r} is only read with fault_tolerance.enabled; "
-                    f"enable fault tolerance (--fault_tolerance.enabled) or remove it"
-                    for key in changed_keys(self) if key != "enabled"]
+            return [
+                f"fault_tolerance.{key} = {getattr(self, key)!r} is only read with fault_tolerance.enabled; "
+                f"enable fault tolerance (--fault_tolerance.enabled) or remove it"
+                for key in changed_keys(self)
+                if key != "enabled"
+            ]
         problems = [
             f"fault_tolerance.{key} must be a positive integer, got {getattr(self, key)}; set it to 1 or more"
             for key in ("group_count", "min_groups", "timeout_seconds", "quorum_timeout_seconds", "sync_every")
@@ -279,22 +318,36 @@ class FaultTolerance:
             ]
         else:
             problems += failed(
-                (0 < self.outer_lr < float("inf"), f"fault_tolerance.outer_lr must be a positive number, got "
-                                                   f"{self.outer_lr}"),
-                (0 <= self.outer_momentum < 1, f"fault_tolerance.outer_momentum must be in [0, 1), got "
-                                               f"{self.outer_momentum}"),
-                (self.outer_momentum > 0 or not self.outer_nesterov,
-                 "fault_tolerance.outer_nesterov needs fault_tolerance.outer_momentum > 0; set "
-                 "--fault_tolerance.no-outer_nesterov for an outer SGD without momentum"),
+                (
+                    0 < self.outer_lr < float("inf"),
+                    f"fault_tolerance.outer_lr must be a positive number, got {self.outer_lr}",
+                ),
+                (
+                    0 <= self.outer_momentum < 1,
+                    f"fault_tolerance.outer_momentum must be in [0, 1), got {self.outer_momentum}",
+                ),
+                (
+                    self.outer_momentum > 0 or not self.outer_nesterov,
+                    "fault_tolerance.outer_nesterov needs fault_tolerance.outer_momentum > 0; set "
+                    "--fault_tolerance.no-outer_nesterov for an outer SGD without momentum",
+                ),
             )
-        return problems + failed(
-            (0 <= self.group_id < self.group_count,
-             f"fault_tolerance.group_id = {self.group_id} is outside 0..group_count-1 "
-             f"(fault_tolerance.group_count = {self.group_count})"),
-            (self.min_groups <= self.group_count,
-             f"fault_tolerance.min_groups = {self.min_groups} is above fault_tolerance.group_count = "
-             f"{self.group_count}: no step could ever be committed"),
-        ) + lighthouse_address_problems(self.lighthouse)
+        return (
+            problems
+            + failed(
+                (
+                    0 <= self.group_id < self.group_count,
+                    f"fault_tolerance.group_id = {self.group_id} is outside 0..group_count-1 "
+                    f"(fault_tolerance.group_count = {self.group_count})",
+                ),
+                (
+                    self.min_groups <= self.group_count,
+                    f"fault_tolerance.min_groups = {self.min_groups} is above fault_tolerance.group_count = "
+                    f"{self.group_count}: no step could ever be committed",
+                ),
+            )
+            + lighthouse_address_problems(self.lighthouse)
+        )
 
 
 def lighthouse_address_problems(address: str) -> list[str]:

@@ -38,8 +38,10 @@ def _range_rules(name: str, section) -> list[str]:
         if isinstance(value, int) and abs(value) > MAX_INT:
             problems.append(f"{name}.{f.name} = {value} does not fit a 64-bit integer (at most {MAX_INT:,} in size)")
         elif f.name.endswith("_seconds") and value > MAX_SECONDS:
-            problems.append(f"{name}.{f.name} = {value} is more than a year ({MAX_SECONDS:,} seconds), the longest "
-                            f"duration a run takes; set a shorter one")
+            problems.append(
+                f"{name}.{f.name} = {value} is more than a year ({MAX_SECONDS:,} seconds), the longest "
+                f"duration a run takes; set a shorter one"
+            )
     return problems
 
 

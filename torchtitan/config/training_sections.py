@@ -37,13 +37,14 @@ class Optimizer:
         "parameter, as this version did before.",
     )
     weight_decay_embeddings: bool = opt(
-        True, "Decay the token embeddings (nn.Embedding weights; a tied output layer shares them); false leaves them undecayed."
+        True,
+        "Decay the token embeddings (nn.Embedding weights; a tied output layer shares them); false leaves them undecayed.",
     )
     param_groups: list[str] = opt(
         [],
         "Groups of parameters with their own learning rate and weight decay: entries "
         "'PATTERN [lr_mult=X] [weight_decay=Y]', e.g. [\"tok_embeddings lr_mult=0.5 weight_decay=0\", "
-        "\"layers\\\\.0\\\\. lr_mult=0.1\"] (on the command line comma-separated: a pattern given there cannot "
+        '"layers\\\\.0\\\\. lr_mult=0.1"] (on the command line comma-separated: a pattern given there cannot '
         "contain a comma). PATTERN is a regular expression searched in each parameter's full name (e.g. "
         "layers.0.attention.wq.weight; anchor it with ^ and $), the same in every parallel layout; a parameter "
         "several patterns match joins the first entry's group. lr_mult (default 1) multiplies the scheduled "
@@ -84,14 +85,22 @@ class Optimizer:
             (self.weight_decay >= 0, f"optimizer.weight_decay must be 0 or more, got {self.weight_decay}"),
             (0 <= self.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {self.beta1}"),
             (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}"),
-            (self.muon_lr is None or 0 < self.muon_lr < math.inf,
-             f"optimizer.muon_lr must be a finite number greater than 0, got {self.muon_lr}"),
-            (self.muon_momentum is None or 0 <= self.muon_momentum < 1,
-             f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}"),
-            (self.muon_ns_steps is None or 1 <= self.muon_ns_steps <= 99,
-             f"optimizer.muon_ns_steps must be between 1 and 99, got {self.muon_ns_steps}"),
-            (self.state_dtype == "float32" or self.name != "Adam",
-             "optimizer.state_dtype = 'bfloat16' works with optimizer.name = 'AdamW' or 'Muon', not 'Adam'"),
+            (
+                self.muon_lr is None or 0 < self.muon_lr < math.inf,
+                f"optimizer.muon_lr must be a finite number greater than 0, got {self.muon_lr}",
+            ),
+            (
+                self.muon_momentum is None or 0 <= self.muon_momentum < 1,
+                f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}",
+            ),
+            (
+                self.muon_ns_steps is None or 1 <= self.muon_ns_steps <= 99,
+                f"optimizer.muon_ns_steps must be between 1 and 99, got {self.muon_ns_steps}",
+            ),
+            (
+                self.state_dtype == "float32" or self.name != "Adam",
+                "optimizer.state_dtype = 'bfloat16' works with optimizer.name = 'AdamW' or 'Muon', not 'Adam'",
+            ),
         )
         muon_keys = [f"optimizer.{k}" for k in MUON_KEYS if getattr(self, k) is not None]
         if muon_keys and self.name != "Muon":
@@ -106,9 +115,11 @@ class Optimizer:
             problems.append(str(e))
             forced = []
         if forced and self.name != "Muon":
-            problems.append(f"optimizer.param_groups: optimizer=AdamW ({', '.join(map(repr, forced))}) chooses between "
-                            f"Muon and AdamW, and optimizer.name is {self.name!r}; remove it or set optimizer.name = "
-                            f"'Muon'")
+            problems.append(
+                f"optimizer.param_groups: optimizer=AdamW ({', '.join(map(repr, forced))}) chooses between "
+                f"Muon and AdamW, and optimizer.name is {self.name!r}; remove it or set optimizer.name = "
+                f"'Muon'"
+            )
         return problems
 
 
@@ -126,9 +137,11 @@ class LRScheduler:
     def check(self) -> list[str]:
         return failed(
             (self.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be 0 or more, got {self.warmup_steps}"),
-            (self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
-             f"lr_scheduler.decay_ratio must be in [0, 1] (or unset to decay over all steps after warmup), got "
-             f"{self.decay_ratio}"),
+            (
+                self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
+                f"lr_scheduler.decay_ratio must be in [0, 1] (or unset to decay over all steps after warmup), got "
+                f"{self.decay_ratio}",
+            ),
             (0 <= self.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must be in [0, 1], got {self.min_lr_factor}"),
         )
 
@@ -187,7 +200,7 @@ class Training:
     dataset_mix: list[str] = opt(
         [],
         "A mixture of sources instead of dataset and dataset_path: WEIGHT:SOURCE entries, e.g. "
-        "[\"0.6:data/web\", \"0.4:python_stdlib\"] (on the command line 0.6:data/web,0.4:python_stdlib). A weight is "
+        '["0.6:data/web", "0.4:python_stdlib"] (on the command line 0.6:data/web,0.4:python_stdlib). A weight is '
         "the share of training sequences (hence tokens) its source supplies; weights are normalized. SOURCE: a path (a "
         "data file or folder of any supported format, or a token folder), python_stdlib, c4, c4_test, or hf:NAME (a "
         "Hugging Face dataset streamed through datasets); SOURCE#FIELD reads the text from that source's own field or "
@@ -248,19 +261,15 @@ class Training:
         "[tokens, vocabulary] logits never exist whole: only one chunk's logits, each token's log-sum-exp and "
         "label logit, and the gradients. The same loss and gradients (to round-off) on every layout; the output "
         "layer's activation memory falls from tokens x vocabulary to loss_chunk_tokens x vocabulary (see "
-        "docs/performance.md for when it pays). 0: the whole logits at once. \"auto\": chunks of 1,024 tokens where a micro-batch on one rank has 2,048 tokens or more and its float32 logits (tokens x vocabulary shard x 4 bytes) would take 256 MiB or more, and where the model and layout can chunk; the whole logits otherwise.",
+        'docs/performance.md for when it pays). 0: the whole logits at once. "auto": chunks of 1,024 tokens where a micro-batch on one rank has 2,048 tokens or more and its float32 logits (tokens x vocabulary shard x 4 bytes) would take 256 MiB or more, and where the model and layout can chunk; the whole logits otherwise.',
     )
     max_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
     mixed_precision_param: Literal["bfloat16", "float32"] = opt(
         "bfloat16", "Dtype of parameters in forward/backward (FSDP mixed precision, or autocast without FSDP)."
     )
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
-        "float32", "Dtype of the FSDP gradient reduction."
-    )
-    compile: bool = opt(
-        False, "torch.compile each transformer block (after activation checkpointing, before FSDP)."
-    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Dtype of the FSDP gradient reduction.")
+    compile: bool = opt(False, "torch.compile each transformer block (after activation checkpointing, before FSDP).")
     enable_cpu_offload: bool = opt(
         False,
         "Keep parameters, gradients and optimizer state in host memory between uses (FSDP2 offload; "
@@ -279,25 +288,39 @@ class Training:
     )
 
     def check(self) -> list[str]:
-        return _data_rules("training", self) + positive(
-            "training", self, "seq_len", "steps", "gc_freq", "max_skipped_steps_in_a_row"
-        ) + failed(
-            (self.global_batch_size == -1 or self.global_batch_size > 0,
-             f"training.global_batch_size must be -1 (local_batch_size x data-parallel degree) or a positive "
-             f"integer, got {self.global_batch_size}"),
-            (self.max_norm >= 0, f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}"),
-            (self.loss_chunk_tokens == "auto" or self.loss_chunk_tokens >= 0,
-             f"training.loss_chunk_tokens must be \"auto\", 0 (the whole logits at once) or a positive number of tokens, got "
-             f"{self.loss_chunk_tokens}"),
-            (self.shuffle_buffer >= 1,
-             f"training.shuffle_buffer must be 1 or more documents, got {self.shuffle_buffer}"),
-            (self.data_workers >= 0,
-             f"training.data_workers must be 0 (read in the trainer) or more, got {self.data_workers}"),
-            (self.dataset != "tokens" or self.data_workers == 0,
-             f'training.data_workers = {self.data_workers} with training.dataset = "tokens": a token folder has '
-             "nothing to tokenize and is read memory-mapped in the trainer; set data_workers = 0"),
-            (bool(self.dataset_text_field),
-             "training.dataset_text_field is empty; set it to the field or column holding the text (default 'text')"),
+        return (
+            _data_rules("training", self)
+            + positive("training", self, "seq_len", "steps", "gc_freq", "max_skipped_steps_in_a_row")
+            + failed(
+                (
+                    self.global_batch_size == -1 or self.global_batch_size > 0,
+                    f"training.global_batch_size must be -1 (local_batch_size x data-parallel degree) or a positive "
+                    f"integer, got {self.global_batch_size}",
+                ),
+                (self.max_norm >= 0, f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}"),
+                (
+                    self.loss_chunk_tokens == "auto" or self.loss_chunk_tokens >= 0,
+                    f'training.loss_chunk_tokens must be "auto", 0 (the whole logits at once) or a positive number of tokens, got '
+                    f"{self.loss_chunk_tokens}",
+                ),
+                (
+                    self.shuffle_buffer >= 1,
+                    f"training.shuffle_buffer must be 1 or more documents, got {self.shuffle_buffer}",
+                ),
+                (
+                    self.data_workers >= 0,
+                    f"training.data_workers must be 0 (read in the trainer) or more, got {self.data_workers}",
+                ),
+                (
+                    self.dataset != "tokens" or self.data_workers == 0,
+                    f'training.data_workers = {self.data_workers} with training.dataset = "tokens": a token folder has '
+                    "nothing to tokenize and is read memory-mapped in the trainer; set data_workers = 0",
+                ),
+                (
+                    bool(self.dataset_text_field),
+                    "training.dataset_text_field is empty; set it to the field or column holding the text (default 'text')",
+                ),
+            )
         )
 
 
@@ -340,12 +363,22 @@ class Validation:
     def check(self) -> list[str]:
         if not self.enabled:
             return []  # a disabled section loads with any values (reference recipes name their own sets)
-        return _data_rules("validation", self) + positive("validation", self, "freq") + failed(
-            (self.steps == -1 or self.steps > 0,
-             f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {self.steps}"),
-            (self.dataset in VALIDATION_DATASETS,
-             f"validation.dataset = {self.dataset!r} is not available here; choose one of "
-             f"{', '.join(VALIDATION_DATASETS)} (local and huggingface read validation.dataset_path)"),
-            (self.seq_len == -1 or self.seq_len > 0,
-             f"validation.seq_len must be -1 (training.seq_len) or a positive integer, got {self.seq_len}"),
+        return (
+            _data_rules("validation", self)
+            + positive("validation", self, "freq")
+            + failed(
+                (
+                    self.steps == -1 or self.steps > 0,
+                    f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {self.steps}",
+                ),
+                (
+                    self.dataset in VALIDATION_DATASETS,
+                    f"validation.dataset = {self.dataset!r} is not available here; choose one of "
+                    f"{', '.join(VALIDATION_DATASETS)} (local and huggingface read validation.dataset_path)",
+                ),
+                (
+                    self.seq_len == -1 or self.seq_len > 0,
+                    f"validation.seq_len must be -1 (training.seq_len) or a positive integer, got {self.seq_len}",
+                ),
+            )
         )

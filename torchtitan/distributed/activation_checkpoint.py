@@ -84,10 +84,14 @@ def _run_profiler_marks_in_recompute() -> None:
     from torch.utils import checkpoint as torch_checkpoint
 
     profiler = torch.ops.profiler
-    torch_checkpoint.SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default,
-                                             profiler._record_function_enter.default,
-                                             profiler._record_function_exit.default,
-                                             profiler._record_function_exit._RecordFunction})
+    torch_checkpoint.SAC_IGNORED_OPS.update(
+        {
+            profiler._record_function_enter_new.default,
+            profiler._record_function_enter.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
 
 
 def op_policy_context():
@@ -127,7 +131,12 @@ def _checkpointed_class(cls: type) -> type:
         # so snapshotting the RNG state per block per step would be pure cost.
         policy = {} if self._ac_context_fn is None else {"context_fn": self._ac_context_fn}
         return checkpoint(
-            functools.partial(cls.forward, self), *args, use_reentrant=False, preserve_rng_state=False, **policy, **kwargs
+            functools.partial(cls.forward, self),
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,
+            **policy,
+            **kwargs,
         )
 
     attrs = {"forward": forward, "_ac_checkpointed": True, "__module__": cls.__module__}

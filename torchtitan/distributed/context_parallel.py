@@ -94,8 +94,9 @@ def _shift(x: torch.Tensor, group, offset: int, async_op: bool = False):
     send[(rank + offset) % size] = flat.numel()
     recv[(rank - offset) % size] = flat.numel()
     out = torch.empty_like(flat)
-    work = dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group,
-                                  async_op=async_op)
+    work = dist.all_to_all_single(
+        out, flat, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=async_op
+    )
     return (out.view(x.shape), work) if async_op else out.view(x.shape)
 
 
@@ -190,12 +191,15 @@ def _pair_masked_out(q_id: int, k_id: int, chunk: int, window: int | None) -> bo
     return window is not None and q_id * chunk - ((k_id + 1) * chunk - 1) >= window
 
 
-def _pair_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-               window: int | None):
+def _pair_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, window: int | None
+):
     """The mask of a chunk pair as block_attention's function of query rows: built a slice at a time,
     in forward and again in backward, from the positions and document ids it holds."""
+
     def rows(start: int, stop: int) -> torch.Tensor:
         return visible(q_pos[start:stop], k_pos, None if q_doc is None else q_doc[:, start:stop], k_doc, window)
+
     return rows
 
 
@@ -221,8 +225,15 @@ class ContextParallelAttention:
         self.overlap = overlap  # the rotating ring: transfer the next block while computing on this one
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                 window: int | None = None, return_lse: bool = False):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        window: int | None = None,
+        return_lse: bool = False,
+    ):
         repeats = q.shape[1] // k.shape[1]
         if self.rotate_method == "allgather":
             return self._allgather(q, k, v, repeats, doc_ids, window, return_lse)
@@ -284,8 +295,13 @@ class ContextParallelAttention:
                         continue
                     mask = None  # an earlier chunk with neither documents nor window: all visible
                     if k_id == q_id or doc_ids is not None or window is not None:
-                        mask = _pair_mask(_chunk_positions(q_id, chunk, q.device),
-                                          _chunk_positions(k_id, chunk, q.device), q_docs[qi], k_docs[ki], window)
+                        mask = _pair_mask(
+                            _chunk_positions(q_id, chunk, q.device),
+                            _chunk_positions(k_id, chunk, q.device),
+                            q_docs[qi],
+                            k_docs[ki],
+                            window,
+                        )
                     parts[qi].append(block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
             if not last:
                 kv = _RotateWait.apply(incoming, transfer)
@@ -389,12 +405,21 @@ class UlyssesAttention:
         self.kernel = kernel
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                 window: int | None = None, return_lse: bool = False):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        window: int | None = None,
+        return_lse: bool = False,
+    ):
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads % self.cp:
-            raise ValueError(f"context_parallel_method = 'ulysses' with degree {self.cp} cannot split the {heads} "
-                             "query heads of a rank (preflight refuses this)")
+            raise ValueError(
+                f"context_parallel_method = 'ulysses' with degree {self.cp} cannot split the {heads} "
+                "query heads of a rank (preflight refuses this)"
+            )
         repeats = kv_replicas(heads, kv_heads, self.cp)
         ex = self.exchange
         q_all = ex.to_heads(q)
@@ -420,8 +445,16 @@ def describe_cp(parallelism) -> str:
     return "Ulysses, all-to-all around the kernel"
 
 
-def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attention_path: str,
-             blocks=None, method: str = "ring", overlap: bool = True) -> None:
+def apply_cp(
+    model: nn.Module,
+    cp_mesh,
+    seq_len: int,
+    rotate_method: str,
+    attention_path: str,
+    blocks=None,
+    method: str = "ring",
+    overlap: bool = True,
+) -> None:
     """Make `model` (a decoder or a pipeline stage of one) run on this rank's share of each sequence:
     the attention of every block (`block.<attention_path>.attention_fn`; `blocks`, default the
     model's layers) becomes context-parallel and the model's rotary positions the global positions
@@ -433,7 +466,7 @@ def apply_cp(model: nn.Module, cp_mesh, seq_len: int, rotate_method: str, attent
     ring = ContextParallelAttention(cp_mesh, rotate_method, overlap) if method == "ring" else None
     exchange = HeadExchange(cp_mesh)  # one, so that its per-batch document gather is shared
     wrapped: dict = {}  # one Ulysses wrapper per kernel
-    for block in (model.layers.values() if blocks is None else blocks):
+    for block in model.layers.values() if blocks is None else blocks:
         module = block.get_submodule(attention_path)
         if hasattr(module, "set_head_exchange"):
             # A mixer that is not attention (gated DeltaNet) goes head-parallel by all-to-all itself.

@@ -107,8 +107,11 @@ class ParallelDims:
         else:
             kind = ""
         parts = (
-            (["PP"] if self.pp_enabled else []) + ([kind] if kind else []) + (["CP"] if self.cp_enabled else [])
-            + (["TP"] if self.tp_enabled else []) + (["EP"] if self.ep_enabled else [])
+            (["PP"] if self.pp_enabled else [])
+            + ([kind] if kind else [])
+            + (["CP"] if self.cp_enabled else [])
+            + (["TP"] if self.tp_enabled else [])
+            + (["EP"] if self.ep_enabled else [])
         )
         ep = f" (experts: ep={self.ep} of dp_shard x cp)" if self.ep_enabled else ""
         return (
@@ -132,8 +135,9 @@ class ParallelDims:
             mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
             return mesh
 
-        return _kept(("experts", device_type, self.pp, self.dp_replicate, self.dp_shard * self.cp, self.ep, self.tp),
-                     build)
+        return _kept(
+            ("experts", device_type, self.pp, self.dp_replicate, self.dp_shard * self.cp, self.ep, self.tp), build
+        )
 
     def build_mesh(self, device_type: str):
         """A mesh with dims (pp, dp_replicate, dp_shard, cp, tp): tp innermost so tensor-parallel peers are

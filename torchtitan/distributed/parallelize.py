@@ -38,15 +38,28 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise ValueError(f"model {spec.name} has no tensor-parallel plan in its spec")
-        apply_tp(model, mesh["tp"], spec.tp_plan, loss_parallel=not parallelism.disable_loss_parallel,
-                 blocks=spec.blocks(model))
+        apply_tp(
+            model,
+            mesh["tp"],
+            spec.tp_plan,
+            loss_parallel=not parallelism.disable_loss_parallel,
+            blocks=spec.blocks(model),
+        )
         if parallelism.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp_enabled:
         if spec.cp_attention is None:
             raise ValueError(f"model {spec.name} does not support context parallel (its spec has no cp_attention)")
-        apply_cp(model, mesh["cp"], training.seq_len, parallelism.context_parallel_rotate_method, spec.cp_attention,
-                 spec.blocks(model), parallelism.context_parallel_method, parallelism.context_parallel_ring_overlap)
+        apply_cp(
+            model,
+            mesh["cp"],
+            training.seq_len,
+            parallelism.context_parallel_rotate_method,
+            spec.cp_attention,
+            spec.blocks(model),
+            parallelism.context_parallel_method,
+            parallelism.context_parallel_ring_overlap,
+        )
     ac = inputs.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if training.compile:
@@ -55,7 +68,9 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
     if dims.fsdp_enabled:
         # HSDP when there is a replicate dimension: a 2D mesh; plain FSDP: the shard dimension alone.
         # Context-parallel ranks join the shard dimension (mesh "dp_shard_cp").
-        dp_mesh = submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else submesh(mesh, "dp_shard_cp")
+        dp_mesh = (
+            submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else submesh(mesh, "dp_shard_cp")
+        )
         if dims.pp_enabled:  # a pipeline stage: the schedule decides when blocks may reshard
             return apply_fsdp_to_stage(
                 model,

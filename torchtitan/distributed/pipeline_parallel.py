@@ -85,8 +85,11 @@ def splits_backward(schedule_name: str, csv_path: str | None) -> bool:
     if csv_path:
         from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
 
-        return any(a.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT)
-                   for row in csv_schedule_actions(csv_path) for a in row)
+        return any(
+            a.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT)
+            for row in csv_schedule_actions(csv_path)
+            for a in row
+        )
     return schedule_name.lower() in ZERO_BUBBLE_SCHEDULES
 
 
@@ -95,7 +98,7 @@ def is_single_stage_schedule(schedule_name: str) -> bool:
 
 
 def schedule_style(schedule_name: str) -> str:
-    """"v" for the V-shaped schedules, "loop" (stage i on rank i % pp) for all others."""
+    """ "v" for the V-shaped schedules, "loop" (stage i on rank i % pp) for all others."""
     _schedule_class(schedule_name)
     return "v" if schedule_name.lower() in V_SCHEDULES else "loop"
 
@@ -228,7 +231,7 @@ def split_module_names(
                 f"cannot split model n_layers = {n_layers} into {num_stages} pipeline stages with "
                 f"pipeline_parallel_layers_per_stage = {layers_per_stage}, pipeline_parallel_first_stage_less_layers = "
                 f"{first_less}, pipeline_parallel_last_stage_less_layers = {last_less}: "
-            f"layers per stage would be {counts}"
+                f"layers per stage would be {counts}"
             )
     parts, start = [], 0
     for i, count in enumerate(counts):
@@ -246,7 +249,9 @@ def _module_order(layout: PipelineLayout, n_layers: int) -> dict[str, int]:
     return {name: i for i, name in enumerate(layout.module_names(n_layers))}
 
 
-def _check_explicit_split(layout: PipelineLayout, n_layers: int, num_stages: int, parts: list[list[str]]) -> list[list[str]]:
+def _check_explicit_split(
+    layout: PipelineLayout, n_layers: int, num_stages: int, parts: list[list[str]]
+) -> list[list[str]]:
     key = "parallelism.module_fqns_per_model_part"
     if len(parts) != num_stages:
         raise UserError(f"{key} has {len(parts)} model parts but the pipeline has {num_stages} stages")
@@ -267,7 +272,9 @@ def _check_explicit_split(layout: PipelineLayout, n_layers: int, num_stages: int
     return [list(p) for p in parts]
 
 
-def shared_weights(model: nn.Module, parts: list[list[str]], layout: PipelineLayout | None = None) -> list[dict[int, str]]:
+def shared_weights(
+    model: nn.Module, parts: list[list[str]], layout: PipelineLayout | None = None
+) -> list[dict[int, str]]:
     """The parameters that modules of two or more stages use (an input embedding tied to the output
     layer, a module borrowed by another stage: `layout.shared`): for each, {stage id: the name it has
     on that stage}. Each stage gets its own copy, which distributed.shared_weights keeps equal."""
@@ -276,7 +283,7 @@ def shared_weights(model: nn.Module, parts: list[list[str]], layout: PipelineLay
     for name, param in model.named_parameters(remove_duplicate=False):
         module = name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
         users.setdefault(id(param), {}).setdefault(stage_of[module], name)
-    for module, reader in (layout.shared if layout is not None else ()):
+    for module, reader in layout.shared if layout is not None else ():
         if getattr(model, reader, None) is None or stage_of[reader] == stage_of[module]:
             continue
         for name, param in getattr(model, module).named_parameters(prefix=module):
@@ -302,8 +309,11 @@ def build_stage_model(
     known = {*layout.before, *layout.after} | {f"layers.{k}" for k in model.layers}
     if keep - known:
         raise UserError(f"model part names unknown modules {sorted(keep - known)}")
-    borrowed = {module for module, reader in layout.shared
-                if reader in keep and module not in keep and getattr(model, reader, None) is not None}
+    borrowed = {
+        module
+        for module, reader in layout.shared
+        if reader in keep and module not in keep and getattr(model, reader, None) is not None
+    }
     for name in (*layout.before, *layout.after):
         if name not in keep and name not in borrowed:
             setattr(model, name, None)
@@ -417,8 +427,15 @@ class StepLoss:
         return self.loss_sum_fn(logits, labels) * self.scale
 
 
-def pipeline_step(schedule, inputs: torch.Tensor, labels: torch.Tensor, is_first: bool, is_last: bool,
-                  kwargs: dict | None = None, forward_only: bool = False):
+def pipeline_step(
+    schedule,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    is_first: bool,
+    is_last: bool,
+    kwargs: dict | None = None,
+    forward_only: bool = False,
+):
     """One forward + backward of the local batch (`forward_only`: the forward, on a schedule from
     forward_only_schedule). Only the rank with the first stage needs `inputs` and only the rank with
     the last stage needs `labels` (other ranks may pass anything); every rank passes the keyword
@@ -434,8 +451,14 @@ def pipeline_step(schedule, inputs: torch.Tensor, labels: torch.Tensor, is_first
     return torch.stack([loss.detach() for loss in losses]).sum()
 
 
-def warm_up_schedule(pipeline: "Pipeline", parts: list[nn.Module], step_loss: StepLoss, inputs: torch.Tensor,
-                     labels: torch.Tensor, kwargs: dict):
+def warm_up_schedule(
+    pipeline: "Pipeline",
+    parts: list[nn.Module],
+    step_loss: StepLoss,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    kwargs: dict,
+):
     """torch's pipeline schedules infer the stages' tensor shapes with a real forward and backward
     inside their first step. Done once before training (on a batch of zeros), with the model in eval
     mode and the gradients dropped, so that modules that keep training statistics (an MoE's token
@@ -525,7 +548,6 @@ def apply_fsdp_to_stage(
     return apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, policy, cpu_offload, sharded_apart, apart_mesh)
 
 
-
 # ---- The trainer's view: this rank's stages and their schedule ----
 
 
@@ -556,9 +578,7 @@ class Pipeline:
         return stage_rank(stage, self.pp_mesh.size(), self.style)
 
 
-def split_for_rank(
-    whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh
-) -> tuple[list[nn.Module], Pipeline]:
+def split_for_rank(whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh) -> tuple[list[nn.Module], Pipeline]:
     """This rank's stage models (still on the meta device, full-model FQNs) and their placement."""
     parts = plan_split(layout, len(whole.layers), pp_mesh.size(), parallelism)
     num_stages = len(parts)

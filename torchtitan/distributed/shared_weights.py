@@ -102,8 +102,9 @@ class SharedWeights:
         return names
 
 
-def build_shared_weights(ties: list[dict[int, str]], parts: list[nn.Module], stage_ids: list[int],
-                         rank_of_stage, mesh) -> SharedWeights:
+def build_shared_weights(
+    ties: list[dict[int, str]], parts: list[nn.Module], stage_ids: list[int], rank_of_stage, mesh
+) -> SharedWeights:
     """This rank's SharedWeights. `ties`: for each shared weight, {stage id: its name there}, the same
     list on every rank (pipeline_parallel.shared_weights); `rank_of_stage(stage id)` is the pp rank
     holding that stage; `mesh` the world mesh with a "pp" dimension. Every rank must call this (it

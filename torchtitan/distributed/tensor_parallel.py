@@ -19,6 +19,7 @@ top), so gradient clipping combines one kind of gradient into one global norm.
 from contextlib import nullcontext
 
 from torch import nn
+
 # Renamed: apply_tp's `loss_parallel` argument would shadow it.
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 from torch.distributed.tensor.parallel import parallelize_module
@@ -62,12 +63,15 @@ def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel:
     """
     shared = _shared_parameter_names(model)
     # Modules absent on a pipeline stage are None and simply skipped (a key may reach into one: "mtp.*.norm").
-    top = {name: style for name, style in plan.top(loss_parallel).items()
-           if getattr(model, name.split(".")[0], None) is not None}
+    top = {
+        name: style
+        for name, style in plan.top(loss_parallel).items()
+        if getattr(model, name.split(".")[0], None) is not None
+    }
     if top:
         parallelize_module(model, tp_mesh, top)
     done = set()
-    for block in (model.layers.values() if blocks is None else blocks):
+    for block in model.layers.values() if blocks is None else blocks:
         if id(block) not in done:
             done.add(id(block))
             parallelize_module(block, tp_mesh, plan.block(block))

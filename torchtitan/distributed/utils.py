@@ -75,8 +75,9 @@ def init_distributed(timeout_seconds: int, trace_buf_size: int = 0) -> tuple[tor
             # torchrun's agent keeps one store across restarts (--max-restarts), so a restarted worker
             # would read the dead attempt's process-group addresses and wait for them: keep each
             # attempt's keys apart.
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                  is_master=False, timeout=timeout)
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+            )
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"torchtitan/attempt-{attempt}", store)
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -120,8 +121,11 @@ def stop_with_launcher(poll_s: float = 1.0):
         while True:
             time.sleep(poll_s)
             if os.getppid() != parent:
-                print(f"[rank{os.environ.get('RANK', '0')}] the launcher (pid {parent}) is gone; stopping",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[rank{os.environ.get('RANK', '0')}] the launcher (pid {parent}) is gone; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()

@@ -74,14 +74,18 @@ def register_flavor(model_name: str, flavor_name: str, args: Any) -> None:
             f"(a family of your own must be registered with register_model first)"
         )
     if not isinstance(flavor_name, str) or not flavor_name:
-        raise UserError(f"register_flavor({model_name!r}, ...): the flavor name must be a non-empty string, "
-                        f"got {flavor_name!r}")
+        raise UserError(
+            f"register_flavor({model_name!r}, ...): the flavor name must be a non-empty string, got {flavor_name!r}"
+        )
     spec = get_model_spec(model_name)
     cls = spec.args_cls
     if not isinstance(args, cls):
         example = next(iter(spec.flavors), None)
-        hint = (f"; e.g. dataclasses.replace(get_model_args({model_name!r}, {example!r}), dim=..., n_layers=...)"
-                if example is not None else "")
+        hint = (
+            f"; e.g. dataclasses.replace(get_model_args({model_name!r}, {example!r}), dim=..., n_layers=...)"
+            if example is not None
+            else ""
+        )
         raise UserError(
             f"register_flavor({model_name!r}, {flavor_name!r}, ...): args must be a {cls.__module__}.{cls.__qualname__} "
             f"(the args_cls of model {model_name!r}), got a {type(args).__module__}.{type(args).__qualname__}{hint}"
@@ -102,8 +106,11 @@ def _differences(old: Any, new: Any) -> str:
     """'dim 256 -> 128, n_layers 6 -> 2': the fields of two args that differ."""
     if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
         return f"{old!r} -> {new!r}"
-    changed = [f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}" for f in dataclasses.fields(old)
-               if getattr(old, f.name) != getattr(new, f.name)]
+    changed = [
+        f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
+        for f in dataclasses.fields(old)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
     return ", ".join(changed) or "not equal"
 
 
@@ -124,7 +131,9 @@ def help_with_families(text: str) -> str:
         if line.startswith("  --model.name "):
             lines.insert(i + 2, f"      Shipped: {', '.join(builtin_model_names())}.")
         elif line.startswith("  --model.flavor "):
-            lines[i + 2:i + 2] = [f"      {name}: {', '.join(get_model_spec(name).flavors)}" for name in model_names()]
+            lines[i + 2 : i + 2] = [
+                f"      {name}: {', '.join(get_model_spec(name).flavors)}" for name in model_names()
+            ]
     return "\n".join(lines)
 
 
@@ -175,9 +184,12 @@ def spec_for_hf_config(config: dict, where: str = "the Hugging Face config") -> 
         spec = get_model_spec(name)
         if spec.hf is not None and model_type in spec.hf.model_types:
             return spec
-    known = sorted(t for n in model_names() if get_model_spec(n).hf is not None for t in get_model_spec(n).hf.model_types)
-    field = ("model_type" if text is config
-             else f"text_config.model_type (inside model_type {config.get('model_type')!r})")
+    known = sorted(
+        t for n in model_names() if get_model_spec(n).hf is not None for t in get_model_spec(n).hf.model_types
+    )
+    field = (
+        "model_type" if text is config else f"text_config.model_type (inside model_type {config.get('model_type')!r})"
+    )
     raise UserError(
         f"{where} has {field} = {model_type!r}, which no registered model reads; supported: {', '.join(known)}; "
         "a family defined outside torchtitan is found once the module named by experimental.custom_import "

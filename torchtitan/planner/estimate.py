@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from torchtitan.config import UserError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.spec import meta_model
-from torchtitan.planner.memory import GiB, MemoryEstimate, estimate_memory, missing_counts, optimizer_states, param_shards
+from torchtitan.planner.memory import (
+    GiB,
+    MemoryEstimate,
+    estimate_memory,
+    missing_counts,
+    optimizer_states,
+    param_shards,
+)
 from torchtitan.planner.timing import Hardware, StepTime, step_time
 
 
@@ -30,9 +37,14 @@ class Estimate:
 
     def layout(self) -> str:
         d = self.dims
-        parts = [f"pp{d.pp}" if d.pp > 1 else "", f"rep{d.dp_replicate}" if d.dp_replicate > 1 else "",
-                 f"fsdp{d.dp_shard}" if d.dp_shard > 1 else "", self._cp(),
-                 f"tp{d.tp}" if d.tp > 1 else "", f"ep{d.ep}" if d.ep > 1 else ""]
+        parts = [
+            f"pp{d.pp}" if d.pp > 1 else "",
+            f"rep{d.dp_replicate}" if d.dp_replicate > 1 else "",
+            f"fsdp{d.dp_shard}" if d.dp_shard > 1 else "",
+            self._cp(),
+            f"tp{d.tp}" if d.tp > 1 else "",
+            f"ep{d.ep}" if d.ep > 1 else "",
+        ]
         return "x".join(p for p in parts if p) or "single"
 
     def _cp(self) -> str:
@@ -47,7 +59,6 @@ class Estimate:
     def ac(self) -> str:
         ac = self.cfg.activation_checkpoint
         return ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
-
 
 
 def default_hardware(device_type: str, gpus_per_node: int, cfg) -> Hardware:
@@ -89,6 +100,7 @@ def _cpu_matmul_peak(dtype: str, threads: int) -> float:
 CPU_EFFICIENCY = {"float32": 0.44, "bfloat16": 0.061, "float16": 0.061}
 CPU_BANDWIDTH = 1.0e9
 
+
 @dataclass
 class Planning:
     """What every layout of one recipe shares, computed once: the spec, the args, the meta model, the
@@ -107,13 +119,26 @@ class Planning:
         """For the model `spec` builds from `args` (preflight.model_args_for_run) under `cfg`."""
         model = meta_model(spec, args)
         moe_blocks = len(spec.expert_layers(model)) if spec.expert_layers is not None else 0
-        return cls(spec, args, model, spec.flops_per_token(args, cfg.training.seq_len), moe_blocks,
-                   optimizer_states(spec, model, cfg.optimizer))
+        return cls(
+            spec,
+            args,
+            model,
+            spec.flops_per_token(args, cfg.training.seq_len),
+            moe_blocks,
+            optimizer_states(spec, model, cfg.optimizer),
+        )
 
     def param_shards(self, dims, par):
-        key = (dims, par.pipeline_parallel_schedule, par.disable_loss_parallel, par.pipeline_parallel_layers_per_stage,
-               tuple(par.pipeline_parallel_split_points), tuple(map(tuple, par.module_fqns_per_model_part)),
-               par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers)
+        key = (
+            dims,
+            par.pipeline_parallel_schedule,
+            par.disable_loss_parallel,
+            par.pipeline_parallel_layers_per_stage,
+            tuple(par.pipeline_parallel_split_points),
+            tuple(map(tuple, par.module_fqns_per_model_part)),
+            par.pipeline_parallel_first_stage_less_layers,
+            par.pipeline_parallel_last_stage_less_layers,
+        )
         if key not in self.shards:
             self.shards[key] = param_shards(self.spec, self.model, dims, par)
         return self.shards[key]
@@ -141,10 +166,9 @@ FIXES = {
     "optimizer": "more FSDP or pipeline ranks (the optimizer state is sharded with the parameters)",
     "activations": "activation checkpointing, a smaller micro-batch, or more TP / CP ranks",
     "logits": "training.loss_chunk_tokens (the output layer and the loss a chunk of tokens at a time), tensor "
-              "parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
+    "parallel with loss parallel (splits the vocabulary), or a smaller micro-batch",
     "buffers": "resharding after forward (parallelism.fsdp_reshard_after_forward = 'always') or more TP ranks",
 }
-
 
 
 def device_memory(device_type: str, processes_per_node: int) -> tuple[float, str]:
@@ -167,12 +191,16 @@ def check_memory(cfg, world_size: int, device_type: str, processes_per_node: int
     e = estimate_layout(cfg, world_size, device_type, p, hw)
     capacity, what = device_memory(device_type, processes_per_node)
     terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in e.memory.terms().items() if value)
-    line = (f"memory estimate for {e.layout()} with AC {e.ac()}: {e.memory.total / GiB:.2f} GiB per rank (largest, "
-            f"pipeline rank {e.memory.pp_rank}; {terms} GiB) of {capacity / GiB:.2f} GiB, {what}")
+    line = (
+        f"memory estimate for {e.layout()} with AC {e.ac()}: {e.memory.total / GiB:.2f} GiB per rank (largest, "
+        f"pipeline rank {e.memory.pp_rank}; {terms} GiB) of {capacity / GiB:.2f} GiB, {what}"
+    )
     if e.memory.total > capacity:
         largest = e.memory.largest()
-        raise UserError(f"memory_estimation: {e.layout()} needs an estimated {e.memory.total / GiB:.2f} GiB per rank, "
-                        f"more than the {capacity / GiB:.2f} GiB of {what}; the largest term is {largest} "
-                        f"({e.memory.terms()[largest] / GiB:.2f} GiB): {FIXES[largest]} (scripts/plan.py compares "
-                        f"every layout)")
+        raise UserError(
+            f"memory_estimation: {e.layout()} needs an estimated {e.memory.total / GiB:.2f} GiB per rank, "
+            f"more than the {capacity / GiB:.2f} GiB of {what}; the largest term is {largest} "
+            f"({e.memory.terms()[largest] / GiB:.2f} GiB): {FIXES[largest]} (scripts/plan.py compares "
+            f"every layout)"
+        )
     return line

@@ -82,9 +82,16 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.logits + self.buffers
 
     def terms(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "logits": self.logits, "buffers": self.buffers,
-                "fragmentation": self.subtotal * (self.fragmentation - 1), "reserved": self.reserved}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "buffers": self.buffers,
+            "fragmentation": self.subtotal * (self.fragmentation - 1),
+            "reserved": self.reserved,
+        }
 
     def largest(self) -> str:
         """The largest of the terms a layout can change (fragmentation and the reserve follow them)."""
@@ -163,8 +170,9 @@ def param_table(spec, model: nn.Module, loss_parallel: bool) -> list[ParamInfo]:
         table = []
         for name, p in model.named_parameters(remove_duplicate=False):
             first.setdefault(id(p), name)
-            table.append(ParamInfo(name, _top_module(name), tuple(p.shape), id(p) in experts, tp_dims.get(name),
-                                   first[id(p)]))
+            table.append(
+                ParamInfo(name, _top_module(name), tuple(p.shape), id(p) in experts, tp_dims.get(name), first[id(p)])
+            )
         per_model[loss_parallel] = table
     return per_model[loss_parallel]
 
@@ -206,7 +214,9 @@ def _top_module(name: str) -> str:
 def _dedup_tied(table: list[ParamInfo], held: dict[str, Shard]) -> dict[str, Shard]:
     """One entry per Parameter object: a tied embedding and output layer held by one stage are one
     tensor, under its first name."""
-    return {i.name: held[i.name] for i in table if i.name in held and not (i.first_name != i.name and i.first_name in held)}
+    return {
+        i.name: held[i.name] for i in table if i.name in held and not (i.first_name != i.name and i.first_name in held)
+    }
 
 
 def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[int, list[str]]:
@@ -215,17 +225,25 @@ def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[
         return {0: spec.pipeline.module_names(n_layers) + _extra_top_modules(spec, model)}
     parts = plan_split(spec.pipeline, n_layers, dims.pp, parallelism)
     style = schedule_style(parallelism.pipeline_parallel_schedule)
-    return {r: [m for s in stage_ids_for_rank(r, dims.pp, len(parts), style)
-                for m in parts[s] + _borrowed(spec, model, parts[s])]
-            for r in range(dims.pp)}
+    return {
+        r: [
+            m
+            for s in stage_ids_for_rank(r, dims.pp, len(parts), style)
+            for m in parts[s] + _borrowed(spec, model, parts[s])
+        ]
+        for r in range(dims.pp)
+    }
 
 
 def _borrowed(spec, model: nn.Module, part: list[str]) -> list[str]:
     """The modules a stage keeps a copy of for a module it holds (spec.pipeline.shared, e.g. the input
     embedding for multi-token prediction on the last stage), as pipeline_parallel.build_stage_model
     does. (Two stages of one rank that both hold it count it once here.)"""
-    return [module for module, reader in spec.pipeline.shared
-            if reader in part and module not in part and getattr(model, reader, None) is not None]
+    return [
+        module
+        for module, reader in spec.pipeline.shared
+        if reader in part and module not in part and getattr(model, reader, None) is not None
+    ]
 
 
 def _float8_gathered(spec, model: nn.Module, cfg) -> set[str]:
@@ -235,8 +253,11 @@ def _float8_gathered(spec, model: nn.Module, cfg) -> set[str]:
         return set()
     from torchtitan.components.float8 import high_precision_reason
 
-    return {f"{fqn}.weight" for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
-            and high_precision_reason(fqn, m, cfg.float8, spec.high_precision) is None}
+    return {
+        f"{fqn}.weight"
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and high_precision_reason(fqn, m, cfg.float8, spec.high_precision) is None
+    }
 
 
 def _extra_blocks(spec, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -275,8 +296,11 @@ def block_bytes_per_token(counts, tp: int, act_bytes: int, mode: str, autocast: 
     if mode == "op":
         return counts.op_kept / tp * act_bytes + counts.op_fp32 / tp * 4
     if autocast:
-        return ((counts.split - counts.autocast_moved) / tp + counts.gathered + counts.autocast_casts) * act_bytes \
-            + (counts.fp32 + counts.autocast_moved) / tp * 4 + counts.int64 / tp * 8
+        return (
+            ((counts.split - counts.autocast_moved) / tp + counts.gathered + counts.autocast_casts) * act_bytes
+            + (counts.fp32 + counts.autocast_moved) / tp * 4
+            + counts.int64 / tp * 8
+        )
     return (counts.split / tp + counts.gathered) * act_bytes + counts.fp32 / tp * 4 + counts.int64 / tp * 8
 
 
@@ -299,8 +323,9 @@ def _attention_dims(args) -> tuple[int, int, int]:
     return heads, qk, getattr(args, "v_head_dim", None) or qk
 
 
-def cp_attention_bytes(args, par, cp: int, tp: int, tokens: int, seq_len: int, act_bytes: int,
-                       documents: bool) -> float:
+def cp_attention_bytes(
+    args, par, cp: int, tp: int, tokens: int, seq_len: int, act_bytes: int, documents: bool
+) -> float:
     """What one block's context-parallel attention keeps for backward beyond what the family's counts hold
     for a flash kernel on the local tokens (q, k and v repeated to every query head, the output and
     the log-sum-exp), for a micro-batch of `tokens` local tokens of sequences of `seq_len`. Saved tensors
@@ -328,14 +353,27 @@ def cp_attention_bytes(args, par, cp: int, tp: int, tokens: int, seq_len: int, a
     return kv + pairs - tokens * heads * v * act_bytes
 
 
-def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len: int, tp: int, act_bytes: int,
-                      ac_mode: str, ac_option: str, autocast: bool = False,
-                      attention_extra: float = 0.0) -> tuple[float, float]:
+def stage_activations(
+    spec,
+    args,
+    blocks: list[nn.Module],
+    tokens: int,
+    seq_len: int,
+    tp: int,
+    act_bytes: int,
+    ac_mode: str,
+    ac_option: str,
+    autocast: bool = False,
+    attention_extra: float = 0.0,
+) -> tuple[float, float]:
     """(bytes one micro-batch of `tokens` keeps over these blocks, the largest block's own: what its
     recomputation brings back under checkpointing). `attention_extra`: what each block's attention keeps
     beyond the counts (cp_attention_bytes), without checkpointing and under the op policy."""
-    per_block = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "none", autocast) * tokens
-                 + attention_extra for b in blocks]
+    per_block = [
+        block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "none", autocast) * tokens
+        + attention_extra
+        for b in blocks
+    ]
     if not per_block:
         return 0.0, 0.0
     dim = args.dim
@@ -344,8 +382,12 @@ def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len:
     if ac_mode == "full" or (ac_mode == "selective" and ac_option == "1"):
         kept = [boundary for _ in per_block]
     elif ac_mode == "selective" and ac_option == "op":
-        kept = [block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "op") * tokens + boundary
-                + attention_extra for b in blocks]
+        kept = [
+            block_bytes_per_token(block_counts(spec, args, b, seq_len), tp, act_bytes, "op") * tokens
+            + boundary
+            + attention_extra
+            for b in blocks
+        ]
     elif ac_mode == "selective":
         n = int(ac_option)
         kept = [boundary if i % n == 0 else full for i, full in enumerate(per_block)]
@@ -354,8 +396,9 @@ def stage_activations(spec, args, blocks: list[nn.Module], tokens: int, seq_len:
     return float(sum(kept)), float(max(per_block))
 
 
-def logits_bytes(args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int,
-                 output_kept: bool) -> tuple[float, float]:
+def logits_bytes(
+    args, tokens: int, tp: int, loss_parallel: bool, act_bytes: int, output_kept: bool
+) -> tuple[float, float]:
     """The last stage's output and loss: (what stays until the loss's backward: the final norm's input
     and gathered output, cross-entropy's float32 log-softmax and, where something holds the model's
     output (`output_kept`: a pipeline stage keeps it for its backward), the logits in the compute
@@ -396,9 +439,16 @@ def optimizer_states(spec, model: nn.Module, optimizer_cfg) -> dict[str, int]:
     return {name: 1 if g.algorithm == "muon" else 2 for name, g in groups.items()}
 
 
-def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
-                    shards: dict[int, dict[str, Shard]] | None = None,
-                    states: dict[str, int] | None = None) -> MemoryEstimate:
+def estimate_memory(
+    spec,
+    model: nn.Module,
+    args,
+    dims,
+    cfg,
+    device_type: str,
+    shards: dict[int, dict[str, Shard]] | None = None,
+    states: dict[str, int] | None = None,
+) -> MemoryEstimate:
     """The largest rank's memory for `cfg`'s layout (`dims`: ParallelDims) of the meta `model`
     (`shards`: its param_shards and `states`: its optimizer_states, when already computed). With CPU
     offload the parameters, gradients and optimizer state are in host memory: not counted."""
@@ -425,8 +475,13 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
     split_backward = dims.pp > 1 and splits_backward(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule_csv)
     chunk_tokens = resolve_chunk_tokens(cfg, spec, dims.tp, dims.cp, dims.pp, args.vocab_size, split_backward)
     # The methods of context parallel keep different tensors in attention (cp_attention_bytes).
-    attention_extra = cp_attention_bytes(args, par, dims.cp, dims.tp, tokens, t.seq_len, act_bytes,
-                                         cfg.model.attn_mask_type == "block_causal") if spec.cp_attention else 0.0
+    attention_extra = (
+        cp_attention_bytes(
+            args, par, dims.cp, dims.tp, tokens, t.seq_len, act_bytes, cfg.model.attn_mask_type == "block_causal"
+        )
+        if spec.cp_attention
+        else 0.0
+    )
     names = _module_names_by_pp_rank(spec, model, dims, par)
     float8_gathered = _float8_gathered(spec, model, cfg) if fsdp else set()
     extra_blocks = _extra_blocks(spec, model)
@@ -436,9 +491,22 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         n_params = sum(sh.local for sh in held.values())
         blocks = [model.get_submodule(m) for m in modules if m.startswith("layers.")]
         blocks += [b for top, b in extra_blocks if top in modules]
-        live, _ = live_microbatches(par.pipeline_parallel_schedule, dims.pp, pp_rank, n_micro) if dims.pp > 1 else (1, 1)
-        kept, recomputed = stage_activations(spec, args, blocks, tokens, seq, dims.tp, act_bytes, ac.mode,
-                                             ac.selective_ac_option, autocast, attention_extra)
+        live, _ = (
+            live_microbatches(par.pipeline_parallel_schedule, dims.pp, pp_rank, n_micro) if dims.pp > 1 else (1, 1)
+        )
+        kept, recomputed = stage_activations(
+            spec,
+            args,
+            blocks,
+            tokens,
+            seq,
+            dims.tp,
+            act_bytes,
+            ac.mode,
+            ac.selective_ac_option,
+            autocast,
+            attention_extra,
+        )
         last = spec.pipeline.after[-1] in modules
         # Logits come out in the training dtype under FSDP's policy and under autocast alike.
         logit_bytes = DTYPE_BYTES[t.mixed_precision_param]
@@ -447,8 +515,9 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         elif chunk_tokens:
             logits_kept, loss_backward = chunked_logits_bytes(args, tokens, dims.tp, logit_bytes, chunk_tokens)
         else:
-            logits_kept, loss_backward = logits_bytes(args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes,
-                                                      output_kept=dims.pp > 1)
+            logits_kept, loss_backward = logits_bytes(
+                args, tokens, dims.tp, not par.disable_loss_parallel, logit_bytes, output_kept=dims.pp > 1
+            )
         # Multi-token prediction's blocks feed the output layer and the loss again: their logits and
         # log-softmax are kept together; the loss's backward runs one output at a time.
         logits_kept *= 1 + sum(block_counts(spec, args, b, seq).outputs for b in blocks)
@@ -473,7 +542,8 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
             blocks_gathered = [v for m, v in per_module.items() if m.startswith("layers.")]
             largest_bytes, largest = max(blocks_gathered, default=(0.0, 0))
             resharded = par.fsdp_reshard_after_forward != "never" and not (
-                dims.pp > 1 and (par.fsdp_reshard_after_forward == "default" or split_backward))
+                dims.pp > 1 and (par.fsdp_reshard_after_forward == "default" or split_backward)
+            )
             gathered = 2 * largest_bytes if resharded else sum(b for b, _ in blocks_gathered)
             root = sum(b for m, (b, _) in per_module.items() if not m.startswith("layers."))
             # A pipeline stage's backward skips the gradient reduce-scatter until its last micro-batch
@@ -483,9 +553,14 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
         state = state_bytes * sum(sh.local * states.get(name, 2) for name, sh in held.items())
         on_device = 0 if t.enable_cpu_offload else 1
         estimate = MemoryEstimate(
-            params=4 * n_params * on_device, grads=grads * on_device, optimizer=state * on_device,
-            activations=activations, logits=logits, buffers=buffers,
-            fragmentation=FRAGMENTATION.get(device_type, 1.10), reserved=RESERVED.get(device_type, 0),
+            params=4 * n_params * on_device,
+            grads=grads * on_device,
+            optimizer=state * on_device,
+            activations=activations,
+            logits=logits,
+            buffers=buffers,
+            fragmentation=FRAGMENTATION.get(device_type, 1.10),
+            reserved=RESERVED.get(device_type, 0),
             pp_rank=pp_rank,
         )
         if best is None or estimate.total > best.total:
@@ -495,5 +570,6 @@ def estimate_memory(spec, model: nn.Module, args, dims, cfg, device_type: str,
 
 def replace(cfg, **sections):
     """`cfg` with some of its sections' keys replaced: replace(cfg, parallelism={"tensor_parallel_degree": 2})."""
-    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
-                                       for name, values in sections.items()})
+    return dataclasses.replace(
+        cfg, **{name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    )

@@ -73,8 +73,9 @@ def planning_of(cfg) -> Planning:
     return Planning.build(spec, planning_args(spec, cfg), cfg)
 
 
-def estimate_config(cfg, world_size: int, device_type: str, hw: Hardware | None = None,
-                    planning: Planning | None = None) -> Estimate:
+def estimate_config(
+    cfg, world_size: int, device_type: str, hw: Hardware | None = None, planning: Planning | None = None
+) -> Estimate:
     """Memory and step time of `cfg`'s own layout on `world_size` ranks."""
     return estimate_layout(cfg, world_size, device_type, planning or planning_of(cfg), hw)
 
@@ -87,9 +88,14 @@ def _fixed(cfg) -> dict[str, int]:
     """Degrees the recipe sets to something other than their defaults: kept as they are."""
     p = cfg.parallelism
     fixed = {}
-    for key, default in (("tensor_parallel_degree", 1), ("pipeline_parallel_degree", 1),
-                         ("context_parallel_degree", 1), ("expert_parallel_degree", 1),
-                         ("data_parallel_replicate_degree", 1), ("data_parallel_shard_degree", -1)):
+    for key, default in (
+        ("tensor_parallel_degree", 1),
+        ("pipeline_parallel_degree", 1),
+        ("context_parallel_degree", 1),
+        ("expert_parallel_degree", 1),
+        ("data_parallel_replicate_degree", 1),
+        ("data_parallel_shard_degree", -1),
+    ):
         if getattr(p, key) != default:
             fixed[key] = getattr(p, key)
     return fixed
@@ -101,12 +107,21 @@ def cp_methods(cfg, args, cp: int, tp: int) -> list[dict]:
     blocks' outputs in float32; memory.cp_attention_bytes) and Ulysses where cp divides the query heads
     of a TP rank; only the recipe's method where it sets one other than the default gathered ring."""
     p = cfg.parallelism
-    gathered = {"context_parallel_method": "ring", "context_parallel_rotate_method": "allgather",
-                "context_parallel_ring_overlap": True}
-    rotating = {"context_parallel_method": "ring", "context_parallel_rotate_method": "alltoall",
-                "context_parallel_ring_overlap": p.context_parallel_ring_overlap}
-    ulysses = {"context_parallel_method": "ulysses", "context_parallel_rotate_method": "allgather",
-               "context_parallel_ring_overlap": True}
+    gathered = {
+        "context_parallel_method": "ring",
+        "context_parallel_rotate_method": "allgather",
+        "context_parallel_ring_overlap": True,
+    }
+    rotating = {
+        "context_parallel_method": "ring",
+        "context_parallel_rotate_method": "alltoall",
+        "context_parallel_ring_overlap": p.context_parallel_ring_overlap,
+    }
+    ulysses = {
+        "context_parallel_method": "ulysses",
+        "context_parallel_rotate_method": "allgather",
+        "context_parallel_ring_overlap": True,
+    }
     if cp == 1:
         return [{}]
     if p.context_parallel_method == "ulysses":
@@ -122,8 +137,11 @@ def unused_keys_reset(tp: int, pp: int, cp: int) -> dict:
     are its preference for the layouts that use them, and the trainer refuses them where nothing reads them
     (Parallelism.unread_keys)."""
     defaults = Parallelism()
-    keys = [*(TENSOR_PARALLEL_KEYS if tp == 1 else ()), *(PIPELINE_KEYS if pp == 1 else ()),
-            *(CONTEXT_PARALLEL_KEYS if cp == 1 else ())]
+    keys = [
+        *(TENSOR_PARALLEL_KEYS if tp == 1 else ()),
+        *(PIPELINE_KEYS if pp == 1 else ()),
+        *(CONTEXT_PARALLEL_KEYS if cp == 1 else ()),
+    ]
     return {key: getattr(defaults, key) for key in keys}
 
 
@@ -150,8 +168,12 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
 
     fixed = _fixed(cfg)
     product = 1
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                "data_parallel_replicate_degree"):
+    for key in (
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "data_parallel_replicate_degree",
+    ):
         product *= fixed.get(key, 1)
     product *= fixed.get("data_parallel_shard_degree", 1)
     if world_size % product:
@@ -178,8 +200,9 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                 if "tensor_parallel_degree" in fixed:  # the recipe's own degree: no layout has another
                     raise UserError(f"the recipe fixes tensor_parallel_degree = {tp}: {e}") from None
                 continue
-        for pp in options("pipeline_parallel_degree", [p for p in range(1, args.n_layers + 1)
-                                                       if world_size % (tp * p) == 0]):
+        for pp in options(
+            "pipeline_parallel_degree", [p for p in range(1, args.n_layers + 1) if world_size % (tp * p) == 0]
+        ):
             if pp > 1:
                 try:
                     plan_split(spec.pipeline, args.n_layers, pp, cfg.parallelism)
@@ -194,29 +217,38 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
                 dp = world_size // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                replicas = [fixed["data_parallel_replicate_degree"]] if "data_parallel_replicate_degree" in fixed else \
-                    sorted({1, max(1, dp * tp * cp // gpus_per_node) if dp * tp * cp > gpus_per_node else 1})
+                replicas = (
+                    [fixed["data_parallel_replicate_degree"]]
+                    if "data_parallel_replicate_degree" in fixed
+                    else sorted({1, max(1, dp * tp * cp // gpus_per_node) if dp * tp * cp > gpus_per_node else 1})
+                )
                 for rep in replicas:
                     if dp % rep:
                         continue
                     shard = dp // rep
                     eps = [1]
                     if has_experts:
-                        eps = options("expert_parallel_degree",
-                                      [e for e in _powers_of_two(num_experts) if num_experts % e == 0
-                                       and (shard * cp) % e == 0])
+                        eps = options(
+                            "expert_parallel_degree",
+                            [e for e in _powers_of_two(num_experts) if num_experts % e == 0 and (shard * cp) % e == 0],
+                        )
                     for ep, (mode, option), method in itertools.product(eps, AC_MODES, cp_methods(cfg, args, cp, tp)):
                         local = global_batch // dp
                         micros = [m for m in (1, 2, 4, 8) if local % m == 0 and (pp == 1 or local // m >= pp)]
-                        for micro in (micros if pp > 1 else [local]):
+                        for micro in micros if pp > 1 else [local]:
                             yield replace(
                                 cfg,
-                                parallelism={**unused_keys_reset(tp, pp, cp),
-                                             "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
-                                             "context_parallel_degree": cp, "data_parallel_replicate_degree": rep,
-                                             "data_parallel_shard_degree": shard, "expert_parallel_degree": ep,
-                                             **({"pipeline_parallel_microbatch_size": micro} if pp > 1 else {}),
-                                             **method},
+                                parallelism={
+                                    **unused_keys_reset(tp, pp, cp),
+                                    "tensor_parallel_degree": tp,
+                                    "pipeline_parallel_degree": pp,
+                                    "context_parallel_degree": cp,
+                                    "data_parallel_replicate_degree": rep,
+                                    "data_parallel_shard_degree": shard,
+                                    "expert_parallel_degree": ep,
+                                    **({"pipeline_parallel_microbatch_size": micro} if pp > 1 else {}),
+                                    **method,
+                                },
                                 training={"local_batch_size": local, "global_batch_size": global_batch},
                                 activation_checkpoint={"mode": mode, "selective_ac_option": option},
                             )
@@ -245,8 +277,15 @@ def check_world(world_size: int, gpus_per_node: int) -> None:
         )
 
 
-def plan(cfg, world_size: int, gpus_per_node: int, memory_bytes: float, device_type: str = "cuda",
-         hw: Hardware | None = None, keep: int = 20) -> Ranking:
+def plan(
+    cfg,
+    world_size: int,
+    gpus_per_node: int,
+    memory_bytes: float,
+    device_type: str = "cuda",
+    hw: Hardware | None = None,
+    keep: int = 20,
+) -> Ranking:
     """Every layout estimated and ranked; then, fastest first, each checked as the trainer checks a job
     (refusal()) until `keep` accepted layouts fit `memory_bytes` per rank, and the smallest accepted
     one that does not fit is found. Checking stops there: preflight reads files and builds the model,
@@ -267,11 +306,18 @@ def plan(cfg, world_size: int, gpus_per_node: int, memory_bytes: float, device_t
             continue
         (fits if est.memory.total <= memory_bytes else too_big).append(est)
     if not fits and not too_big:
-        why = max(impossible, key=impossible.get) if impossible else (
-            "no data-parallel degree that the other degrees leave divides the global batch of "
-            f"{_global_batch(cfg, world_size)} sequences; set training.global_batch_size to a multiple of more of them")
-        raise UserError(f"no layout of {cfg.model.name} {cfg.model.flavor} can be formed on {world_size} ranks with "
-                        f"this recipe: {why}")
+        why = (
+            max(impossible, key=impossible.get)
+            if impossible
+            else (
+                "no data-parallel degree that the other degrees leave divides the global batch of "
+                f"{_global_batch(cfg, world_size)} sequences; set training.global_batch_size to a multiple of more of them"
+            )
+        )
+        raise UserError(
+            f"no layout of {cfg.model.name} {cfg.model.flavor} can be formed on {world_size} ranks with "
+            f"this recipe: {why}"
+        )
     fits.sort(key=lambda e: e.step_time)
     too_big.sort(key=lambda e: e.memory.total)
     refused: dict[str, list[str]] = {}
@@ -305,8 +351,9 @@ def refusal(cfg, world_size: int, device_type: str, read_data: bool = True) -> s
     return None
 
 
-def _accepted(estimates: list[Estimate], world_size: int, device_type: str, count: int,
-              refused: dict[str, list[str]]) -> list[Estimate]:
+def _accepted(
+    estimates: list[Estimate], world_size: int, device_type: str, count: int, refused: dict[str, list[str]]
+) -> list[Estimate]:
     """The first `count` of `estimates` (in their order) that the trainer accepts; those it refuses on
     the way are added to `refused`."""
     out = []
@@ -347,11 +394,15 @@ def refusals(refused: dict[str, list[str]]) -> str:
 
 
 def table(estimates: list[Estimate], limit: int = 20) -> str:
-    rows = ["rank  layout                  AC           micro  params  grads  optim  activ  logits  buffers  total GiB"
-            "  step s  tokens/s/dev   MFU"]
+    rows = [
+        "rank  layout                  AC           micro  params  grads  optim  activ  logits  buffers  total GiB"
+        "  step s  tokens/s/dev   MFU"
+    ]
     for i, e in enumerate(estimates[:limit], 1):
         m = e.memory
-        micro = e.cfg.parallelism.pipeline_parallel_microbatch_size if e.dims.pp > 1 else e.cfg.training.local_batch_size
+        micro = (
+            e.cfg.parallelism.pipeline_parallel_microbatch_size if e.dims.pp > 1 else e.cfg.training.local_batch_size
+        )
         rows.append(
             f"{i:>4}  {e.layout():<22}  {e.ac():<11}  {micro:>5}  {m.params / GiB:6.2f}  {m.grads / GiB:5.2f}  "
             f"{m.optimizer / GiB:5.2f}  {m.activations / GiB:5.2f}  {m.logits / GiB:6.2f}  {m.buffers / GiB:7.2f}  "
@@ -364,9 +415,11 @@ def explain(e: Estimate, memory_bytes: float) -> str:
     """What does not fit, for the best layout that does not."""
     terms = e.memory.terms()
     largest = e.memory.largest()
-    return (f"the best layout that does not fit, {e.layout()} with AC {e.ac()}, needs {e.memory.total / GiB:.2f} GiB "
-            f"per rank of {memory_bytes / GiB:.2f}; its largest term is {largest} ({terms[largest] / GiB:.2f} GiB): "
-            f"{FIXES[largest]}")
+    return (
+        f"the best layout that does not fit, {e.layout()} with AC {e.ac()}, needs {e.memory.total / GiB:.2f} GiB "
+        f"per rank of {memory_bytes / GiB:.2f}; its largest term is {largest} ({terms[largest] / GiB:.2f} GiB): "
+        f"{FIXES[largest]}"
+    )
 
 
 def write_recipe(e: Estimate, path: str, device_type: str = "cuda") -> None:
@@ -376,8 +429,10 @@ def write_recipe(e: Estimate, path: str, device_type: str = "cuda") -> None:
     from torchtitan.config import load_config
     from torchtitan.config.manager import config_to_toml
 
-    header = (f"# Written by scripts/plan.py: {e.layout()} with AC {e.ac()} on {e.dims.world_size} ranks; estimated "
-              f"{e.memory.total / GiB:.2f} GiB per rank, {e.step_time:.3f} s per step.\n")
+    header = (
+        f"# Written by scripts/plan.py: {e.layout()} with AC {e.ac()} on {e.dims.world_size} ranks; estimated "
+        f"{e.memory.total / GiB:.2f} GiB per rank, {e.step_time:.3f} s per step.\n"
+    )
     folder, name = os.path.split(os.path.abspath(path))
     partial = os.path.join(folder, f".{name}.partial-{os.getpid()}")
     try:
@@ -385,8 +440,10 @@ def write_recipe(e: Estimate, path: str, device_type: str = "cuda") -> None:
             f.write(header + config_to_toml(e.cfg))
         why = refusal(load_config(["--job.config_file", partial]), e.dims.world_size, device_type)
         if why is not None:
-            raise RuntimeError(f"the recipe written for {e.layout()} does not load back as the layout the planner "
-                               f"checked; the trainer refuses it: {why}")
+            raise RuntimeError(
+                f"the recipe written for {e.layout()} does not load back as the layout the planner "
+                f"checked; the trainer refuses it: {why}"
+            )
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -417,8 +474,9 @@ def check_by_simulation(e: Estimate) -> tuple[float, int]:
         want = {name: s.local for name, s in expected[pp_rank].items()}
         if held != want:
             wrong = sorted(set(held) ^ set(want)) or [n for n in held if held[n] != want[n]]
-            raise RuntimeError(f"the simulation of {e.layout()} disagrees with the estimate at pipeline rank {pp_rank}: "
-                               f"{wrong[:5]} (simulated {[held.get(n) for n in wrong[:5]]}, estimated "
-                               f"{[want.get(n) for n in wrong[:5]]})")
+            raise RuntimeError(
+                f"the simulation of {e.layout()} disagrees with the estimate at pipeline rank {pp_rank}: "
+                f"{wrong[:5]} (simulated {[held.get(n) for n in wrong[:5]]}, estimated "
+                f"{[want.get(n) for n in wrong[:5]]})"
+            )
     return time.perf_counter() - start, len(shapes)
-

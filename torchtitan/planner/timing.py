@@ -73,8 +73,9 @@ def cp_volume(method: str, args, cp: int, tp: int) -> float:
     return 2 * (2 + 2 * min(kv, heads) / heads) * _ring(cp)
 
 
-def step_time(flops_per_token: float, args, dims, cfg, gathered_elements: float, n_moe_blocks_per_stage: int,
-              hw: Hardware) -> StepTime:
+def step_time(
+    flops_per_token: float, args, dims, cfg, gathered_elements: float, n_moe_blocks_per_stage: int, hw: Hardware
+) -> StepTime:
     """Seconds per optimizer step. `flops_per_token`: the spec's training FLOPs per token;
     `gathered_elements`: the stage's parameters after TP and EP (what FSDP all-gathers)."""
     t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
@@ -103,12 +104,18 @@ def step_time(flops_per_token: float, args, dims, cfg, gathered_elements: float,
     if dims.tp > 1:
         comm += 8 * layers * hidden * _ring(dims.tp) / _bandwidth(hw, dims.tp)
     if dims.cp > 1:
-        comm += layers * cp_volume(par.context_parallel_method, args, dims.cp, dims.tp) * hidden / dims.tp \
+        comm += (
+            layers
+            * cp_volume(par.context_parallel_method, args, dims.cp, dims.tp)
+            * hidden
+            / dims.tp
             / _bandwidth(hw, dims.cp * dims.tp)
+        )
     if dims.ep > 1 and n_moe_blocks_per_stage:
         top_k = args.moe.top_k
-        comm += 4 * n_moe_blocks_per_stage * hidden / dims.tp * top_k * _ring(dims.ep) / _bandwidth(
-            hw, dims.ep * dims.tp)
+        comm += (
+            4 * n_moe_blocks_per_stage * hidden / dims.tp * top_k * _ring(dims.ep) / _bandwidth(hw, dims.ep * dims.tp)
+        )
     bubble = 0.0
     if dims.pp > 1:
         comm += 2 * hidden / dims.tp / _bandwidth(hw, dims.world_size)

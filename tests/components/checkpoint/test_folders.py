@@ -13,8 +13,17 @@ from torchtitan.config import UserError
 
 
 def test_keep_latest_k_and_last_save_model_only(tmp_path):
-    checkpoint_run(tmp_path, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
-                   "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16", steps=5)
+    checkpoint_run(
+        tmp_path,
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        steps=5,
+    )
     # step-4 is the newest full checkpoint: kept beside the weights-only step-5, step-3 purged.
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-4", "step-5"]
     last = read_metadata(str(tmp_path / "checkpoint" / "step-5"))

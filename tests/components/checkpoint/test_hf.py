@@ -41,8 +41,14 @@ def test_export_matches_transformers_logits(tmp_path, n_kv_heads):
 def test_import_from_transformers_matches_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 5e5},
     )
     torch.manual_seed(0)
@@ -66,14 +72,26 @@ def test_import_from_transformers_matches_logits(tmp_path):
 # Llama 3.2's config.json fields (tied embeddings, "llama3" rotary scaling) at a scale where the
 # scaling moves the rotary angles of a 48-token window: theta 100 and 16 original positions put the
 # head's pairs across the slowed, ramped and kept bands.
-LLAMA_3_2_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 16}
+LLAMA_3_2_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def llama_3_2_like(transformers, tmp_path, scaling=LLAMA_3_2_SCALING):
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
         rope_parameters={**scaling, "rope_theta": 100.0},
     )
     torch.manual_seed(0)
@@ -196,8 +214,14 @@ def test_unreadable_folders_are_user_errors(tmp_path):
 
 def sharded_folder(tmp_path, name="hf"):
     args = small_llama3_args()
-    save_hf(tmp_path / name, materialized(SPEC.model_cls, args).state_dict(), SPEC.hf, args, torch.float32,
-            max_shard_bytes=40_000)
+    save_hf(
+        tmp_path / name,
+        materialized(SPEC.model_cls, args).state_dict(),
+        SPEC.hf,
+        args,
+        torch.float32,
+        max_shard_bytes=40_000,
+    )
     return tmp_path / name, args
 
 
@@ -214,8 +238,11 @@ def test_bad_folders_are_refused_from_their_headers(tmp_path):
     index lists but no shard holds, a dtype a model cannot take, another flavor's shapes, another family."""
     folder, args = sharded_folder(tmp_path, "missing_shard")
     sorted(folder.glob("model-*.safetensors"))[1].unlink()
-    with pytest.raises(UserError, match=r"model.safetensors.index.json names model-0000\d-of-\d+.safetensors, which "
-                                        r"does not exist"):
+    with pytest.raises(
+        UserError,
+        match=r"model.safetensors.index.json names model-0000\d-of-\d+.safetensors, which "
+        r"does not exist",
+    ):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
 
     folder, _ = sharded_folder(tmp_path, "unlisted")
@@ -231,8 +258,11 @@ def test_bad_folders_are_refused_from_their_headers(tmp_path):
 
     # uint8 is read (gpt-oss's MXFP4 blocks and scales), but a family that does not dequantize it refuses it.
     folder = cast_folder(tmp_path, "uint8", torch.uint8)
-    with pytest.raises(UserError, match=r"our \S+ would be read from packed integer \(uint8\) data, which this "
-                                        r"family's import does not dequantize"):
+    with pytest.raises(
+        UserError,
+        match=r"our \S+ would be read from packed integer \(uint8\) data, which this "
+        r"family's import does not dequantize",
+    ):
         check_hf_folder(folder, SPEC.hf, meta_shapes(SPEC, args))
 
     folder, _ = sharded_folder(tmp_path, "flavor")

@@ -26,7 +26,9 @@ def test_rng_state_is_restored_by_effect(tmp_path):
 
     def run_drawing(folder, *extra):
         Drawing.draws = []
-        train(load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(folder), "--training.steps", "6", *extra]), Drawing)
+        train(
+            load_config([*CHECKPOINT_ARGS, "--job.dump_folder", str(folder), "--training.steps", "6", *extra]), Drawing
+        )
         return Drawing.draws
 
     straight_draws = run_drawing(tmp_path / "a")

@@ -37,10 +37,13 @@ def test_seed_checkpoint_starts_every_run(tmp_path):
 
 @pytest.mark.parametrize(
     "model, flavor, hf_class, extra",
-    [("llama3", "debugmodel", "LlamaForCausalLM", []), ("qwen3", "debugmodel", "Qwen3ForCausalLM", []),
-     ("qwen3", "debugmodel_tied", "Qwen3ForCausalLM", []),
-     # Qwen3-MoE's format has no routing bias: exported exactly when the bias stays zero.
-     ("qwen3", "debugmodel_moe", "Qwen3MoeForCausalLM", ["--moe.load_balance_coeff", "0"])],
+    [
+        ("llama3", "debugmodel", "LlamaForCausalLM", []),
+        ("qwen3", "debugmodel", "Qwen3ForCausalLM", []),
+        ("qwen3", "debugmodel_tied", "Qwen3ForCausalLM", []),
+        # Qwen3-MoE's format has no routing bias: exported exactly when the bias stays zero.
+        ("qwen3", "debugmodel_moe", "Qwen3MoeForCausalLM", ["--moe.load_balance_coeff", "0"]),
+    ],
 )
 def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path, model, flavor, hf_class, extra):
     transformers = pytest.importorskip("transformers")
@@ -64,10 +67,21 @@ def test_hf_export_at_last_step_and_import_as_initial_weights(tmp_path, model, f
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff < 1e-4
     # Starting from the export (Hugging Face import) or from the DCP save gives the same first step.
-    from_hf = checkpoint_run(tmp_path / "b", "--checkpoint.initial_load_path", str(hf_dir),
-                             "--checkpoint.initial_load_in_hf", *family, steps=1)
-    from_dcp = checkpoint_run(tmp_path / "c", "--checkpoint.initial_load_path",
-                              str(tmp_path / "a" / "checkpoint" / "step-2"), *family, steps=1)
+    from_hf = checkpoint_run(
+        tmp_path / "b",
+        "--checkpoint.initial_load_path",
+        str(hf_dir),
+        "--checkpoint.initial_load_in_hf",
+        *family,
+        steps=1,
+    )
+    from_dcp = checkpoint_run(
+        tmp_path / "c",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "a" / "checkpoint" / "step-2"),
+        *family,
+        steps=1,
+    )
     assert from_hf[0]["loss"] == pytest.approx(from_dcp[0]["loss"], abs=1e-6)
     fresh = checkpoint_run(tmp_path / "d", *family, steps=1)
     assert abs(fresh[0]["loss"] - from_hf[0]["loss"]) > 1e-3  # the imported weights were used
@@ -89,11 +103,21 @@ def test_hf_import_takes_the_folders_vocabulary_which_must_cover_the_tokenizer(t
         model.init_weights(seed=5)
         save_hf(tmp_path / f"hf{vocab}", model.state_dict(), spec.hf, args, torch.float32)
     with caplog.at_level(logging.INFO):
-        history = checkpoint_run(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf4160"),
-                                 "--checkpoint.initial_load_in_hf", steps=1)
+        history = checkpoint_run(
+            tmp_path / "run",
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "hf4160"),
+            "--checkpoint.initial_load_in_hf",
+            steps=1,
+        )
     assert "vocab 4,160: the sentencepiece tokenizer's 4,096 tokens padded to the initial Hugging Face" in caplog.text
     _, saved_args, _ = read_dcp_model(str(tmp_path / "run" / "checkpoint" / "step-1"), spec)
     assert saved_args.vocab_size == 4160 and math.isfinite(history[0]["loss"])
     with pytest.raises(UserError, match=r"hf4032/config.json has vocab_size 4,032, fewer than the 4,096 tokens"):
-        checkpoint_run(tmp_path / "narrow", "--checkpoint.initial_load_path", str(tmp_path / "hf4032"),
-                       "--checkpoint.initial_load_in_hf", steps=1)
+        checkpoint_run(
+            tmp_path / "narrow",
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "hf4032"),
+            "--checkpoint.initial_load_in_hf",
+            steps=1,
+        )

@@ -25,12 +25,20 @@ def test_resume_is_bit_identical(straight, tmp_path):
 def test_restarting_step_numbers_in_a_used_folder_is_refused(straight, tmp_path):
     folder, _ = straight
     shutil.copytree(folder / "checkpoint", tmp_path / "checkpoint")
-    with pytest.raises(UserError, match="exclude_from_loading names train_state.*already holds step-6.*initial_load_path"):
+    with pytest.raises(
+        UserError, match="exclude_from_loading names train_state.*already holds step-6.*initial_load_path"
+    ):
         checkpoint_run(tmp_path, "--checkpoint.exclude_from_loading", "train_state")
     # The suggested way: another dump folder, starting from step-6's full state at step 0.
-    started = checkpoint_run(tmp_path / "new", "--checkpoint.initial_load_path",
-                             str(tmp_path / "checkpoint" / "step-6"), "--checkpoint.no-initial_load_model_only",
-                             "--checkpoint.exclude_from_loading", "train_state", steps=3)
+    started = checkpoint_run(
+        tmp_path / "new",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "checkpoint" / "step-6"),
+        "--checkpoint.no-initial_load_model_only",
+        "--checkpoint.exclude_from_loading",
+        "train_state",
+        steps=3,
+    )
     assert [r["step"] for r in started] == [1, 2, 3]
     assert sorted(os.listdir(tmp_path / "new" / "checkpoint")) == ["step-3"]
 
@@ -54,7 +62,9 @@ def flip_byte(file: Path, offset: int):
     file.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["flipped_data_byte", "truncated_data_file", "flipped_state_file", "flipped_rng_file"])
+@pytest.mark.parametrize(
+    "damage", ["flipped_data_byte", "truncated_data_file", "flipped_state_file", "flipped_rng_file"]
+)
 def test_corrupt_newest_checkpoint_falls_back_to_the_newest_that_verifies(straight, tmp_path, damage):
     folder, history = straight
     shutil.copytree(folder / "checkpoint", tmp_path / "checkpoint")

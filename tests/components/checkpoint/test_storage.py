@@ -61,20 +61,33 @@ def _call(func: tuple[str, str], *args: bytes) -> bytes:
     """Protocol-4 opcodes for func(*args), func looked up by (module, name) as a pickle does."""
     import pickle
 
-    return _text(func[0]) + _text(func[1]) + pickle.STACK_GLOBAL + pickle.MARK + b"".join(args) + pickle.TUPLE + pickle.REDUCE
+    return (
+        _text(func[0])
+        + _text(func[1])
+        + pickle.STACK_GLOBAL
+        + pickle.MARK
+        + b"".join(args)
+        + pickle.TUPLE
+        + pickle.REDUCE
+    )
 
 
 ESCAPES = {  # each builds a pickle that creates the file `marker` when a plain unpickler loads it
     # pickle resolves a dotted name as an attribute path from the module: os.system through allowed modules
-    "dotted_from_dcp_module": lambda m: _call(("torch.distributed.checkpoint.filesystem", "os.system"), _text(f"touch {m}")),
+    "dotted_from_dcp_module": lambda m: _call(
+        ("torch.distributed.checkpoint.filesystem", "os.system"), _text(f"touch {m}")
+    ),
     "dotted_from_pathlib": lambda m: _call(("pathlib", "os.system"), _text(f"touch {m}")),
     "builtins_eval": lambda m: _call(("builtins", "eval"), _text(f"open({m!r}, 'w')")),
     "builtins_exec": lambda m: _call(("builtins", "exec"), _text(f"open({m!r}, 'w')")),
     # getattr on an allowed class reaches its methods: getattr(PosixPath(marker), "touch")()
-    "builtins_getattr": lambda m: _call(("builtins", "getattr"), _call(("pathlib", "PosixPath"), _text(m)), _text("touch"))
-    + _pickle_empty_call(),
+    "builtins_getattr": lambda m: (
+        _call(("builtins", "getattr"), _call(("pathlib", "PosixPath"), _text(m)), _text("touch")) + _pickle_empty_call()
+    ),
     # an allowed class given an argument that a harmful call produces
-    "allowed_class_harmful_argument": lambda m: _call(("pathlib", "PosixPath"), _call(("os", "system"), _text(f"touch {m}"))),
+    "allowed_class_harmful_argument": lambda m: _call(
+        ("pathlib", "PosixPath"), _call(("os", "system"), _text(f"touch {m}"))
+    ),
 }
 
 
@@ -116,8 +129,11 @@ def test_metadata_allow_list_is_exact_pairs():
 def test_checkpoint_of_another_model_names_keys_and_shapes(straight, tmp_path):
     dst = copy_step(straight[0], tmp_path)
     metadata = storage.read_metadata(str(dst))
-    model_sd = {"tok_embeddings.weight": torch.empty(4096, 128), "layers.0.attention.wq.weight": torch.empty(256, 256),
-                "extra.weight": torch.empty(3)}
+    model_sd = {
+        "tok_embeddings.weight": torch.empty(4096, 128),
+        "layers.0.attention.wq.weight": torch.empty(256, 256),
+        "extra.weight": torch.empty(3),
+    }
     with pytest.raises(UserError) as err:
         storage.check_model_matches(str(dst), metadata, model_sd)
     message = str(err.value)
@@ -134,7 +150,10 @@ def test_checkpoint_of_another_model_names_keys_and_shapes(straight, tmp_path):
 
 def test_dump_folder_on_a_filesystem_that_refuses_writes(tmp_path):
     # /proc refuses new entries even to root, for whom a permission check passes.
-    with pytest.raises(UserError, match=r"cannot write the config and metrics to /proc/torchtitan-test/run: /proc is not a writable folder"):
+    with pytest.raises(
+        UserError,
+        match=r"cannot write the config and metrics to /proc/torchtitan-test/run: /proc is not a writable folder",
+    ):
         checkpoint_run(Path("/proc/torchtitan-test/run"))
 
 

@@ -27,8 +27,9 @@ def test_corrupt_or_truncated_compressed_file(tmp_path, kind):
         take(iter(make_loader(path, 16, 4)), 400)
 
 
-@pytest.mark.parametrize("module,name,writer", [("zstandard", "d.jsonl.zst", write_zst),
-                                                ("pyarrow", "d.parquet", write_parquet)])
+@pytest.mark.parametrize(
+    "module,name,writer", [("zstandard", "d.jsonl.zst", write_zst), ("pyarrow", "d.parquet", write_parquet)]
+)
 def test_missing_optional_package(tmp_path, monkeypatch, module, name, writer):
     path = writer(tmp_path / name, ["a", "b"])
     monkeypatch.setitem(sys.modules, module, None)

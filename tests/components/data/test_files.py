@@ -9,9 +9,22 @@ import logging
 
 import pytest
 
-from conftest import (document_units, expected_stream, expected_windows, json_round_trip, jsonl_pieces, lane_windows,
-                      make_loader, random_docs, take, write_gz, write_jsonl, write_parquet, write_save_to_disk,
-                      write_zst)
+from conftest import (
+    document_units,
+    expected_stream,
+    expected_windows,
+    json_round_trip,
+    jsonl_pieces,
+    lane_windows,
+    make_loader,
+    random_docs,
+    take,
+    write_gz,
+    write_jsonl,
+    write_parquet,
+    write_save_to_disk,
+    write_zst,
+)
 from torchtitan.config.errors import UserError
 
 
@@ -78,8 +91,11 @@ def test_unknown_extension_in_a_folder(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.csv").write_text("text\nhello\n")
     (tmp_path / "c.jsonl.bz2").write_bytes(b"")
-    with pytest.raises(UserError, match=r"holds files of unsupported types: c.jsonl.bz2, sub/b.csv; supported: "
-                                        r".*Move the other files out"):
+    with pytest.raises(
+        UserError,
+        match=r"holds files of unsupported types: c.jsonl.bz2, sub/b.csv; supported: "
+        r".*Move the other files out",
+    ):
         make_loader(tmp_path, 8, 2)
 
 
@@ -104,7 +120,7 @@ def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, da
     folder = tmp_path / "shards"
     folder.mkdir()
     for k in range(6):
-        write_zst(folder / f"shard-{k}.jsonl.zst", docs[k * 40:(k + 1) * 40])
+        write_zst(folder / f"shard-{k}.jsonl.zst", docs[k * 40 : (k + 1) * 40])
     # ~21 tokens per document, 40 per shard, 32-token windows: 150 windows end in the last shard.
     loader = make_loader(folder, 31, 2, data_workers=data_workers)
     it = iter(loader)
@@ -120,8 +136,11 @@ def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, da
     for k in range(4):  # the shards before the position: same size, the second of their two frames garbage
         shard = folder / f"shard-{k}.jsonl.zst"  # (the first frame stays: the start-up checks read it)
         data = shard.read_bytes()
-        first = len(zstandard.ZstdCompressor().compress(
-            "".join(json.dumps({"text": d}) + "\n" for d in docs[k * 40:k * 40 + 20]).encode()))
+        first = len(
+            zstandard.ZstdCompressor().compress(
+                "".join(json.dumps({"text": d}) + "\n" for d in docs[k * 40 : k * 40 + 20]).encode()
+            )
+        )
         shard.write_bytes(data[:first] + b"\0" * (len(data) - first))
     resumed = make_loader(folder, 31, 2, data_workers=data_workers)
     resumed.load_state_dict(state)

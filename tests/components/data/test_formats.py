@@ -20,9 +20,24 @@ import zlib
 
 import pytest
 
-from conftest import (CharTokenizer, document_units, expected_stream, expected_windows, json_round_trip,
-                      jsonl_pieces, lane_windows, make_loader, random_docs, take, write_arrow, write_gz,
-                      write_jsonl, write_parquet, write_save_to_disk, write_zst)
+from conftest import (
+    CharTokenizer,
+    document_units,
+    expected_stream,
+    expected_windows,
+    json_round_trip,
+    jsonl_pieces,
+    lane_windows,
+    make_loader,
+    random_docs,
+    take,
+    write_arrow,
+    write_gz,
+    write_jsonl,
+    write_parquet,
+    write_save_to_disk,
+    write_zst,
+)
 from torchtitan.components.data import build_dataloader, compression
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
@@ -46,8 +61,9 @@ def jsonl(docs):
 
 def read_until_error(path):
     """The windows the loader delivers from `path` before it fails, and the failure's message."""
-    cfg = Training(dataset="local", dataset_path=str(path), seq_len=SEQ_LEN, local_batch_size=BATCH,
-                   shuffle_documents=False)
+    cfg = Training(
+        dataset="local", dataset_path=str(path), seq_len=SEQ_LEN, local_batch_size=BATCH, shuffle_documents=False
+    )
     windows = []
     with pytest.raises(UserError) as failure:
         for inputs, labels in build_dataloader(cfg, TOK, 0, 1, BATCH):
@@ -62,15 +78,18 @@ def assert_delivered(windows, docs, n):
     """The windows are the start of the token stream of `docs` and hold docs[:n], all of it but the
     tail that does not fill a batch: the run got as far as the message says."""
     stream = [t for d in docs for t in TOK.encode(d, bos=True, eos=True)]
-    assert windows == [stream[k * WINDOW:(k + 1) * WINDOW] for k in range(len(windows))]
+    assert windows == [stream[k * WINDOW : (k + 1) * WINDOW] for k in range(len(windows))]
     tokens = sum(len(d) + 2 for d in docs[:n])
     assert tokens - BATCH * WINDOW < len(windows) * WINDOW <= tokens
 
 
 def stream_failure(message):
     """(first byte, last byte, file size, frame start, lines read) of a compressed file's message."""
-    m = re.search(r" (?:in compressed bytes (\d+)-(\d+)|at byte (\d+)) of (\d+) \(in the (?:frame|member) that "
-                  r"starts at byte (\d+)\), (?:after line (\d+)|before the end of line 1): it is corrupt", message)
+    m = re.search(
+        r" (?:in compressed bytes (\d+)-(\d+)|at byte (\d+)) of (\d+) \(in the (?:frame|member) that "
+        r"starts at byte (\d+)\), (?:after line (\d+)|before the end of line 1): it is corrupt",
+        message,
+    )
     assert m, message
     first, last, at, size, start, lines = m.groups()
     first, last = (int(at), int(at)) if at else (int(first), int(last))
@@ -85,8 +104,10 @@ def zstd_frame(docs, lines_per_block):
     streaming compressor flushing makes them)."""
     zstandard = pytest.importorskip("zstandard")
     c = zstandard.ZstdCompressor().compressobj()
-    parts = [c.compress(jsonl(docs[i:i + lines_per_block])) + c.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
-             for i in range(0, len(docs), lines_per_block)]
+    parts = [
+        c.compress(jsonl(docs[i : i + lines_per_block])) + c.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        for i in range(0, len(docs), lines_per_block)
+    ]
     return b"".join(parts) + c.flush()
 
 
@@ -97,7 +118,7 @@ def zstd_blocks(frame):
     position = 4 + 1 + (1 - single_segment) + (0, 1, 2, 4)[descriptor & 3] + (single_segment, 2, 4, 8)[descriptor >> 6]
     blocks = []
     while True:
-        header = int.from_bytes(frame[position:position + 3], "little")
+        header = int.from_bytes(frame[position : position + 3], "little")
         blocks.append(position)
         kind, size = header >> 1 & 3, header >> 3
         position += 3 + (1 if kind == 1 else size)  # an RLE block holds its one byte
@@ -109,7 +130,7 @@ def zstd_blocks(frame):
 def zstd_file(tmp_path):
     """A .jsonl.zst of three frames of 300 lines, a block per 20 lines: (path, docs, frames)."""
     docs = documents(900, seed=1)
-    frames = [zstd_frame(docs[i:i + 300], 20) for i in range(0, 900, 300)]
+    frames = [zstd_frame(docs[i : i + 300], 20) for i in range(0, 900, 300)]
     path = tmp_path / "shard.jsonl.zst"
     path.write_bytes(b"".join(frames))
     return path, docs, frames
@@ -159,7 +180,7 @@ def gzip_member(docs, lines_per_flush):
     c = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
     member, markers = b"", []
     for i in range(0, len(docs), lines_per_flush):
-        member += c.compress(jsonl(docs[i:i + lines_per_flush])) + c.flush(zlib.Z_FULL_FLUSH)
+        member += c.compress(jsonl(docs[i : i + lines_per_flush])) + c.flush(zlib.Z_FULL_FLUSH)
         assert member.endswith(b"\x00\x00\xff\xff")
         markers.append(len(member) - 4)
     return member + c.flush(), markers
@@ -169,7 +190,7 @@ def gzip_member(docs, lines_per_flush):
 def gzip_file(tmp_path):
     """A .jsonl.gz of three members of 300 lines, flushed every 20 lines: (path, docs, members, markers)."""
     docs = documents(900, seed=2)
-    members, markers = zip(*(gzip_member(docs[i:i + 300], 20) for i in range(0, 900, 300)))
+    members, markers = zip(*(gzip_member(docs[i : i + 300], 20) for i in range(0, 900, 300)))
     path = tmp_path / "shard.jsonl.gz"
     path.write_bytes(b"".join(members))
     return path, docs, members, markers
@@ -186,8 +207,10 @@ def test_gzip_data_corrupt_in_a_middle_member_names_the_bytes_the_member_and_the
     path.write_bytes(bytes(data))
 
     windows, message = read_until_error(path)
-    assert "shard.jsonl.gz is not a readable gzip file (zlib: Error -3 while decompressing data: invalid stored " \
-           "block lengths) in compressed bytes" in message
+    assert (
+        "shard.jsonl.gz is not a readable gzip file (zlib: Error -3 while decompressing data: invalid stored "
+        "block lengths) in compressed bytes" in message
+    )
     first, last, size, member_start, lines = stream_failure(message)
     assert (size, member_start) == (len(data), start)
     assert first <= at <= last and last - first < compression._PIECE  # inflate checks NLEN once it has it all
@@ -199,12 +222,14 @@ def test_gzip_member_header_corrupt_names_the_member_and_the_line(gzip_file):
     path, docs, members, _ = gzip_file
     start = len(members[0]) + len(members[1])  # the last member
     data = bytearray(path.read_bytes())
-    data[start:start + 2] = b"PK"  # not the gzip magic
+    data[start : start + 2] = b"PK"  # not the gzip magic
     path.write_bytes(bytes(data))
 
     windows, message = read_until_error(path)
-    assert "shard.jsonl.gz is not a readable gzip file (zlib: Error -3 while decompressing data: incorrect header " \
-           "check) in compressed bytes" in message
+    assert (
+        "shard.jsonl.gz is not a readable gzip file (zlib: Error -3 while decompressing data: incorrect header "
+        "check) in compressed bytes" in message
+    )
     first, last, size, member_start, lines = stream_failure(message)
     assert (size, member_start, lines) == (len(data), start, 600)  # all of the first two members was read
     assert first <= start <= last
@@ -231,15 +256,16 @@ def test_good_multi_member_gzip_with_zero_padding_reads_every_document(tmp_path)
     docs = documents(200, seed=3)
     path = tmp_path / "shard.jsonl.gz"
     path.write_bytes(gzip_member(docs[:120], 7)[0] + bytes(16) + gzip_member(docs[120:], 9)[0] + bytes(5))
-    cfg = Training(dataset="local", dataset_path=str(path), seq_len=SEQ_LEN, local_batch_size=BATCH,
-                   shuffle_documents=False)
+    cfg = Training(
+        dataset="local", dataset_path=str(path), seq_len=SEQ_LEN, local_batch_size=BATCH, shuffle_documents=False
+    )
     windows = []
     for inputs, labels in build_dataloader(cfg, TOK, 0, 1, BATCH):
         windows += [row + [last] for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
         if len(windows) * WINDOW > sum(len(d) + 2 for d in docs):
             break  # into the second epoch: every document was read
     stream = [t for d in docs + docs for t in TOK.encode(d, bos=True, eos=True)]
-    assert windows == [stream[k * WINDOW:(k + 1) * WINDOW] for k in range(len(windows))]
+    assert windows == [stream[k * WINDOW : (k + 1) * WINDOW] for k in range(len(windows))]
 
 
 # --- parquet -------------------------------------------------------------------------------------
@@ -254,12 +280,15 @@ def test_parquet_row_group_corrupt_in_the_middle_names_the_group_and_its_rows(tm
     text = pq.ParquetFile(path).metadata.row_group(3).column(1)
     data = bytearray(path.read_bytes())
     # The header of the group's first data page: its footer (and metadata) still read.
-    data[text.data_page_offset:text.data_page_offset + 64] = bytes(64)
+    data[text.data_page_offset : text.data_page_offset + 64] = bytes(64)
     path.write_bytes(bytes(data))
 
     windows, message = read_until_error(path)
-    assert re.search(r"cannot read parquet file \S*shard.parquet: row group 3 of 8 \(rows 300-399; counted from 0\) "
-                     r"fails \(.+\); it is corrupt or truncated", message), message
+    assert re.search(
+        r"cannot read parquet file \S*shard.parquet: row group 3 of 8 \(rows 300-399; counted from 0\) "
+        r"fails \(.+\); it is corrupt or truncated",
+        message,
+    ), message
     assert_delivered(windows, docs, 300)
 
 
@@ -271,13 +300,16 @@ def test_parquet_failure_deep_in_a_large_row_group_names_the_rows_read(tmp_path)
     pq.write_table(pa.table({"text": docs}), path, row_group_size=3000, use_dictionary=False, compression="none")
     data = bytearray(path.read_bytes())
     at = data.index(docs[5500].encode())  # plain encoding: each value after its 4-byte length
-    data[at - 4:at] = (0x7FFFFFFF).to_bytes(4, "little")
+    data[at - 4 : at] = (0x7FFFFFFF).to_bytes(4, "little")
     path.write_bytes(bytes(data))
 
     windows, message = read_until_error(path)
     # Rows are read 1024 at a time: those of the batch that failed were not delivered.
-    assert re.search(r"shard.parquet: row group 1 of 2 \(rows 3000-5999, of which 3000-5047 were read; counted from "
-                     r"0\) fails \(.+\); it is corrupt", message), message
+    assert re.search(
+        r"shard.parquet: row group 1 of 2 \(rows 3000-5999, of which 3000-5047 were read; counted from "
+        r"0\) fails \(.+\); it is corrupt",
+        message,
+    ), message
     assert_delivered(windows, docs, 5048)
 
 
@@ -299,14 +331,17 @@ def test_arrow_record_batch_corrupt_names_the_batch(tmp_path, file_format):
             writer.write_batch(batch)
     sink.close()
     data = bytearray(path.read_bytes())
-    data[starts[5] + 8:starts[5] + 40] = b"\x7f" * 32  # batch 5's metadata (after its marker and length)
+    data[starts[5] + 8 : starts[5] + 40] = b"\x7f" * 32  # batch 5's metadata (after its marker and length)
     path.write_bytes(bytes(data))
     (tmp_path / "data" / "a.jsonl").write_bytes(jsonl(docs[:40]))  # read first: a folder is read in path order
 
     windows, message = read_until_error(path.parent)
     of = " of 10" if file_format else ""  # a stream does not say how many batches it has
-    assert re.search(rf"cannot read Arrow file \S*b.arrow: record batch 5{of} \(counted from 0, after 50 rows\) "
-                     r"fails \(.+\); it is corrupt or truncated", message), message
+    assert re.search(
+        rf"cannot read Arrow file \S*b.arrow: record batch 5{of} \(counted from 0, after 50 rows\) "
+        r"fails \(.+\); it is corrupt or truncated",
+        message,
+    ), message
     assert_delivered(windows, docs[:40], 40)
 
 
@@ -344,8 +379,12 @@ FORMATS = {
     "txt folder": (write_txt_folder, "docs", lambda docs: document_units(docs, 2), True),
     "parquet": (write_parquet, "d.parquet", lambda docs: [docs[:14], docs[14:]], False),  # 2 row groups each
     "arrow stream": (write_arrow, "d.arrow", lambda docs: document_units(docs, 2), True),
-    "arrow file": (lambda p, d: write_arrow(p, d, file_format=True), "d.arrow", lambda docs: document_units(docs, 2),
-                   True),
+    "arrow file": (
+        lambda p, d: write_arrow(p, d, file_format=True),
+        "d.arrow",
+        lambda docs: document_units(docs, 2),
+        True,
+    ),
     "save_to_disk": (write_save_to_disk, "ds", lambda docs: document_units(docs, 2), True),
     "DatasetDict": (write_dataset_dict, "dd", lambda docs: document_units(docs, 2), True),
 }
@@ -432,8 +471,11 @@ def test_line_without_a_text_string(tmp_path, line):
 
 def test_parquet_without_the_text_column_names_its_columns(tmp_path):
     path = write_parquet(tmp_path / "d.parquet", ["a", "b"], field="content")
-    with pytest.raises(UserError, match=r"d.parquet has no column 'text' \(its columns: id, content\); set "
-                                        r"training.dataset_text_field"):
+    with pytest.raises(
+        UserError,
+        match=r"d.parquet has no column 'text' \(its columns: id, content\); set "
+        r"training.dataset_text_field",
+    ):
         make_loader(path, 8, 2)
 
 

@@ -66,8 +66,9 @@ def test_fewer_files_than_lanes_split_parquet_by_row_group_and_json_lines_by_byt
     docs = [random_text(rng, 20, 60) for _ in range(40)]
     (tmp_path / "pq").mkdir()
     for k in range(2):
-        pq.write_table(pa.table({"text": docs[20 * k : 20 * k + 20]}), tmp_path / "pq" / f"{k}.parquet",
-                       row_group_size=5)  # 4 row groups each
+        pq.write_table(
+            pa.table({"text": docs[20 * k : 20 * k + 20]}), tmp_path / "pq" / f"{k}.parquet", row_group_size=5
+        )  # 4 row groups each
     source = FilesSource(str(tmp_path / "pq"))
     assert source.units(8) == [(f, j, 4) for f in range(2) for j in range(4)]  # a row group each
     assert source.units(16) == source.units(8)  # no finer than row groups
@@ -111,9 +112,16 @@ print(json.dumps({{"bytes": rchar() - before, "windows": windows}}))
 
 def read_as_rank(mix, rank, dp, global_batch, steps, seq_len):
     """What rank `rank` of `dp` reads, in a process of its own: the bytes, and a digest of each window."""
-    script = RANK_SCRIPT.format(paths=[str(TESTS), str(TESTS.parent)], mix=mix, seq_len=seq_len,
-                                local_batch=global_batch // dp, rank=rank, dp=dp, global_batch=global_batch,
-                                steps=steps)
+    script = RANK_SCRIPT.format(
+        paths=[str(TESTS), str(TESTS.parent)],
+        mix=mix,
+        seq_len=seq_len,
+        local_batch=global_batch // dp,
+        rank=rank,
+        dp=dp,
+        global_batch=global_batch,
+        steps=steps,
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -134,8 +142,9 @@ def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
     web, code, books = docs(4 * 1600), docs(4 * 1600), docs(4 * 1600)  # equal sizes for equal weights
     (tmp_path / "web").mkdir()  # 4 parquet shards of ~4.5 MB, 8 row groups each
     for k in range(4):
-        pq.write_table(pa.table({"text": web[1600 * k : 1600 * k + 1600]}), tmp_path / "web" / f"{k}.parquet",
-                       row_group_size=200)
+        pq.write_table(
+            pa.table({"text": web[1600 * k : 1600 * k + 1600]}), tmp_path / "web" / f"{k}.parquet", row_group_size=200
+        )
     (tmp_path / "code").mkdir()  # 4 jsonl.zst shards of ~3 MB
     for k in range(4):
         data = "".join(json.dumps({"text": d}) + "\n" for d in code[1600 * k : 1600 * k + 1600]).encode()
@@ -198,10 +207,18 @@ def test_a_small_shuffled_source_is_not_taken_for_too_small(tmp_path):
     """31 tokens in 3 documents, 8 lanes of 9-token windows: each lane needs documents from several
     epochs. In a cycle of 8 epochs every lane reads the whole source once, shuffled or not, so none
     is refused as empty or too small (with a new unit order every epoch, 16 of 40 seeds were)."""
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in ["abcdefghij", "", "KLMNOP klm", "abc"]))
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"text": x}) + "\n" for x in ["abcdefghij", "", "KLMNOP klm", "abc"])
+    )
     for seed in range(40):
-        cfg = Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl"), seq_len=8, local_batch_size=8,
-                       shuffle_documents=True, seed=seed)
+        cfg = Training(
+            dataset="local",
+            dataset_path=str(tmp_path / "d.jsonl"),
+            seq_len=8,
+            local_batch_size=8,
+            shuffle_documents=True,
+            seed=seed,
+        )
         inputs, _ = next(iter(build_dataloader(cfg, CharTokenizer(), 0, 1, 8)))
         assert inputs.shape == (8, 8)
 
@@ -231,8 +248,9 @@ def test_more_data_workers_than_lanes_start_one_per_lane_and_say_so(tmp_path, ca
     import logging
 
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
-    cfg = Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl"), seq_len=15, local_batch_size=2,
-                   data_workers=3)
+    cfg = Training(
+        dataset="local", dataset_path=str(tmp_path / "d.jsonl"), seq_len=15, local_batch_size=2, data_workers=3
+    )
     loader = build_dataloader(cfg, CharTokenizer(), 0, 1, 2)
     with caplog.at_level(logging.WARNING, logger="torchtitan.components.data"):
         next(iter(loader))
@@ -269,8 +287,14 @@ def one_document(kind: str, folder: Path, text: str) -> dict:
         from torchtitan.components.data.token_folder import pretokenize
 
         source = one_document("jsonl", folder / "text", text)["dataset_path"]
-        pretokenize(Files(source), CharTokenizer(), folder / "tokens", source_description={"description": source},
-                    workers=1, log=lambda *_: None)
+        pretokenize(
+            Files(source),
+            CharTokenizer(),
+            folder / "tokens",
+            source_description={"description": source},
+            workers=1,
+            log=lambda *_: None,
+        )
         return {"dataset": "tokens", "dataset_path": str(folder / "tokens")}
     if kind == "datasets":  # a datasets stream of one shard (a local folder: no network)
         pytest.importorskip("datasets")
@@ -279,16 +303,26 @@ def one_document(kind: str, folder: Path, text: str) -> dict:
     assert kind == "mixture"
     book = one_document("txt", folder / "book", text)["dataset_path"]
     rng = random.Random(1)
-    (folder / "many.jsonl").write_text("".join(json.dumps({"text": random_text(rng, 20, 200)}) + "\n"
-                                               for _ in range(300)))
+    (folder / "many.jsonl").write_text(
+        "".join(json.dumps({"text": random_text(rng, 20, 200)}) + "\n" for _ in range(300))
+    )
     return {"dataset_mix": [f"0.5:{book}", f"0.5:{folder / 'many.jsonl'}"]}
 
 
 def global_batches(keys: dict, seq_len: int, global_batch: int, dp: int, steps: int, shuffle: bool) -> list:
     """The rows of each global batch (rank 0's rows first), each row a window of seq_len + 1 tokens."""
-    iters = [iter(build_dataloader(Training(seq_len=seq_len, local_batch_size=global_batch // dp,
-                                            shuffle_documents=shuffle, **keys), CharTokenizer(), r, dp, global_batch))
-             for r in range(dp)]
+    iters = [
+        iter(
+            build_dataloader(
+                Training(seq_len=seq_len, local_batch_size=global_batch // dp, shuffle_documents=shuffle, **keys),
+                CharTokenizer(),
+                r,
+                dp,
+                global_batch,
+            )
+        )
+        for r in range(dp)
+    ]
     batches = []
     for _ in range(steps):
         rows = []
@@ -367,8 +401,11 @@ def test_a_version_4_state_loads_only_where_no_unit_is_shared(tmp_path):
             fresh.load_state_dict(state)
             assert torch.equal(next(iter(fresh))[0], next(it)[0])
         else:
-            with pytest.raises(UserError, match="version 4, from before lanes that share a source's unit read "
-                                                "different parts of it .* local has fewer units than lanes"):
+            with pytest.raises(
+                UserError,
+                match="version 4, from before lanes that share a source's unit read "
+                "different parts of it .* local has fewer units than lanes",
+            ):
                 fresh.load_state_dict(state)
                 next(iter(fresh))
 
@@ -388,10 +425,14 @@ def test_the_first_log_lines_say_how_the_data_was_cut(tmp_path, caplog):
     keys = one_document("txt", tmp_path, "a short book of thirty-one char")  # 33 tokens: 4 per lane
     with caplog.at_level("INFO"):
         global_batches(keys, 16, 8, 1, 1, False)
-    assert "data: local: 1 document, 1 unit for 8 lanes: up to 8 lanes share a unit (each lane reads a 1/8 " \
-           "part of a document's tokens)" in caplog.text
-    assert "dataset local is small for its lanes: a unit of 33 tokens is shared by 8 lanes, 4 tokens each per " \
-           "epoch, less than one sequence of seq_len + 1 = 17" in caplog.text
+    assert (
+        "data: local: 1 document, 1 unit for 8 lanes: up to 8 lanes share a unit (each lane reads a 1/8 "
+        "part of a document's tokens)" in caplog.text
+    )
+    assert (
+        "dataset local is small for its lanes: a unit of 33 tokens is shared by 8 lanes, 4 tokens each per "
+        "epoch, less than one sequence of seq_len + 1 = 17" in caplog.text
+    )
     assert "repeats the unit's tokens about 4.1 times" in caplog.text
 
 

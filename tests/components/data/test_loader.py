@@ -7,8 +7,18 @@ import json
 
 import pytest
 
-from conftest import (MODEL, document_units, json_round_trip, lane_position, lane_windows, make_loader, merged,
-                      random_docs, take, write_jsonl)
+from conftest import (
+    MODEL,
+    document_units,
+    json_round_trip,
+    lane_position,
+    lane_windows,
+    make_loader,
+    merged,
+    random_docs,
+    take,
+    write_jsonl,
+)
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
@@ -74,14 +84,27 @@ def test_resume_python_stdlib_mid_step():
     take(it, 3)
     state = json_round_trip(first.state_dict())
     # Rank 1 holds lanes 4-7: the first micro-batch of step 1 took lanes 4 and 5.
-    assert [[p, pos["next_sample"]] for p, (pos,) in state["dataset_state"]["lanes"]] == [[4, 2], [5, 2], [6, 1], [7, 1]]
+    assert [[p, pos["next_sample"]] for p, (pos,) in state["dataset_state"]["lanes"]] == [
+        [4, 2],
+        [5, 2],
+        [6, 1],
+        [7, 1],
+    ]
     assert state["dataset_state"]["shuffle_seed"] == 0  # shuffled by default, with training.seed
     uninterrupted = take(it, 3)
     resumed = make_loader(None, 32, 2, 2, 1, 8, tok=tok, dataset="python_stdlib", shuffle=None)
     resumed.load_state_dict(state)
     assert take(iter(resumed), 3) == uninterrupted
-    windows = lane_windows(document_units(stdlib_files(), 8), 8, 32, 40, tok, seed=0, random_access=True,
-                           text=lambda f: f.read_text(encoding="utf-8", errors="replace"))
+    windows = lane_windows(
+        document_units(stdlib_files(), 8),
+        8,
+        32,
+        40,
+        tok,
+        seed=0,
+        random_access=True,
+        text=lambda f: f.read_text(encoding="utf-8", errors="replace"),
+    )
     assert uninterrupted == windows[14:16] + windows[20:24]
 
 
@@ -152,8 +175,10 @@ def test_a_state_of_another_order_or_an_earlier_version_is_refused(shuffled_docs
     loader = make_loader(path, 16, 2, shuffle=True, seed=3)
     take(iter(loader), 2)
     state = json_round_trip(loader.state_dict())
-    for kwargs, fix in [({"shuffle": True, "seed": 4}, "training.seed = 3"),
-                        ({"shuffle": False}, "training.seed = 3 and training.shuffle_documents = true")]:
+    for kwargs, fix in [
+        ({"shuffle": True, "seed": 4}, "training.seed = 3"),
+        ({"shuffle": False}, "training.seed = 3 and training.shuffle_documents = true"),
+    ]:
         other = make_loader(path, 16, 2, **kwargs)
         other.load_state_dict(state)
         with pytest.raises(UserError, match=f"shuffled with seed 3, but this job .*{fix}"):
@@ -166,9 +191,21 @@ def test_a_state_of_another_order_or_an_earlier_version_is_refused(shuffled_docs
     with pytest.raises(UserError, match="stored order, but .*shuffle_documents = false"):
         next(iter(refused))
     # A state of version 1-3 (one stream per source, before lanes) is a position in another sample order.
-    old = {"version": 3, "seq_len": 16, "global_batch_size": 2, "next_sample": 6, "dataset": "local",
-           "dataset_path": str(path), "shuffle_seed": None, "num_documents": None, "shuffle_block": None,
-           "epoch": 0, "doc_index": 2, "token_offset": 5, "carry": []}
+    old = {
+        "version": 3,
+        "seq_len": 16,
+        "global_batch_size": 2,
+        "next_sample": 6,
+        "dataset": "local",
+        "dataset_path": str(path),
+        "shuffle_seed": None,
+        "num_documents": None,
+        "shuffle_block": None,
+        "epoch": 0,
+        "doc_index": 2,
+        "token_offset": 5,
+        "carry": [],
+    }
     resumed = make_loader(path, 16, 2)
     resumed.load_state_dict({**stored, "dataset_state": old})
     with pytest.raises(UserError, match="version 3, from before each rank read only its share.*exclude_from_loading"):

@@ -181,8 +181,9 @@ def merged(states: list[dict]) -> dict:
     for i, source in enumerate(data["mixture"]):
         layouts = [state["dataset_state"]["mixture"][i]["source_layout"] or {} for state in states]
         sections = {key for layout in layouts for key in layout}
-        source["source_layout"] = {key: {k: v for layout in layouts for k, v in layout.get(key, {}).items()}
-                                   for key in sections} or None
+        source["source_layout"] = {
+            key: {k: v for layout in layouts for k, v in layout.get(key, {}).items()} for key in sections
+        } or None
     return out
 
 
@@ -224,6 +225,7 @@ def test_a_state_loads_only_into_the_same_mixture(corpus):
     with pytest.raises(UserError, match="is for the mixture 1/2:.* but this job reads the mixture 1/5:"):
         other.load_state_dict(state)
         iter(other)  # a loader applies a loaded state when its next iterator is made
+
     def single():
         cfg = Training(dataset="local", dataset_path=str(corpus[0]), seq_len=16, local_batch_size=4)
         return build_dataloader(cfg, CHARS, 0, 1, 4)
@@ -240,13 +242,16 @@ def test_a_state_loads_only_into_the_same_mixture(corpus):
 # --- bad input -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mix, message", [
-    (["-0.5:a", "1:b"], "'-0.5:a': the weight is negative"),
-    (["0:a", "0:b"], "every weight is zero"),
-    (["x:a"], "'x:a': the weight 'x' is not a number"),
-    (["a"], "'a' is not WEIGHT:SOURCE"),
-    (["1:a", "2:a"], "a appears more than once"),
-])
+@pytest.mark.parametrize(
+    "mix, message",
+    [
+        (["-0.5:a", "1:b"], "'-0.5:a': the weight is negative"),
+        (["0:a", "0:b"], "every weight is zero"),
+        (["x:a"], "'x:a': the weight 'x' is not a number"),
+        (["a"], "'a' is not WEIGHT:SOURCE"),
+        (["1:a", "2:a"], "a appears more than once"),
+    ],
+)
 def test_bad_weights_are_refused(mix, message):
     with pytest.raises(UserError, match=message):
         parse_mix(mix, "training.dataset_mix")
@@ -256,8 +261,16 @@ def test_mixture_on_the_command_line_and_with_a_dataset_set_too(tmp_path):
     cfg = load_config(["--training.dataset_mix", "0.6:python_stdlib,0.4:c4_test"])
     assert cfg.training.dataset_mix == ["0.6:python_stdlib", "0.4:c4_test"]
     with pytest.raises(UserError, match="training.dataset_mix is set, so training.dataset .* not used"):
-        load_config(["--training.dataset_mix", "1:python_stdlib", "--training.dataset", "local",
-                     "--training.dataset_path", str(tmp_path)])
+        load_config(
+            [
+                "--training.dataset_mix",
+                "1:python_stdlib",
+                "--training.dataset",
+                "local",
+                "--training.dataset_path",
+                str(tmp_path),
+            ]
+        )
     with pytest.raises(UserError, match="the weight is negative"):
         load_config(["--training.dataset_mix", "-1:python_stdlib"])
 

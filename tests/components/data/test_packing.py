@@ -74,9 +74,12 @@ def test_dataset_smaller_than_one_sequence(tmp_path):
     # Data-parallel rank 0 (and run_train.sh's preflight, which builds its loader) refuses it as the loader
     # is built, for any number of lanes: each lane would read all of it.
     for lanes in (1, 2):
-        with pytest.raises(UserError, match=r"dataset local at \S*small.jsonl is too small: its documents "
-                                            r"tokenize to 9 tokens in all, fewer than one sequence of "
-                                            r"training.seq_len \+ 1 = 17"):
+        with pytest.raises(
+            UserError,
+            match=r"dataset local at \S*small.jsonl is too small: its documents "
+            r"tokenize to 9 tokens in all, fewer than one sequence of "
+            r"training.seq_len \+ 1 = 17",
+        ):
             make_loader(path, 16, lanes)
     # Another rank does not read for it at start; its lane finds it once it has read its share of 2 epochs
     # (both byte ranges of the file): all of it.
@@ -91,9 +94,12 @@ def test_each_source_of_a_mixture_must_fill_a_sequence_and_is_named(tmp_path):
     # With weights 9:1 the first samples all come from big.jsonl: without the check rank 0 would read
     # several steps before a lane first reached small.jsonl and found it too small.
     cfg = Training(dataset_mix=[f"0.9:{big}", f"0.1:{small}"], seq_len=16, local_batch_size=4)
-    with pytest.raises(UserError, match=rf"^training.dataset_mix source '{small}' is too small: its documents "
-                                        r"tokenize to 9 tokens in all.*; add data to it, remove it from "
-                                        r"training.dataset_mix, or lower training.seq_len$"):
+    with pytest.raises(
+        UserError,
+        match=rf"^training.dataset_mix source '{small}' is too small: its documents "
+        r"tokenize to 9 tokens in all.*; add data to it, remove it from "
+        r"training.dataset_mix, or lower training.seq_len$",
+    ):
         build_dataloader(cfg, CHARS, 0, 1, 4)
     enough = write_jsonl(tmp_path / "enough.jsonl", ["abcdefgh", "ijklmn"])  # 18 tokens: one sequence
     cfg = Training(dataset_mix=[f"0.9:{big}", f"0.1:{enough}"], seq_len=16, local_batch_size=4)
@@ -113,17 +119,31 @@ def test_the_start_up_check_reads_one_sequence_of_a_large_source_and_counts_a_to
     # A token folder's count is in its meta.json: no document is read to refuse it.
     (tmp_path / "small").mkdir()
     src = write_jsonl(tmp_path / "small" / "small.jsonl", ["abc", "de"])
-    pretokenize(FilesSource(str(src.parent)), CHARS, tmp_path / "tokens", source_description={"description": "small"},
-                workers=1, log=lambda *_: None)
+    pretokenize(
+        FilesSource(str(src.parent)),
+        CHARS,
+        tmp_path / "tokens",
+        source_description={"description": "small"},
+        workers=1,
+        log=lambda *_: None,
+    )
 
     def unread(self, start):
         raise AssertionError("a document of the token folder was read")
 
     monkeypatch.setattr(TokenFile, "documents", unread)
-    with pytest.raises(UserError, match=r"dataset tokens at \S*tokens is too small: its documents tokenize to 9 "
-                                        r"tokens in all, fewer than one sequence of training.seq_len \+ 1 = 17"):
-        build_dataloader(Training(dataset="tokens", dataset_path=str(tmp_path / "tokens"), seq_len=16,
-                                  local_batch_size=2), CHARS, 0, 1, 2)
+    with pytest.raises(
+        UserError,
+        match=r"dataset tokens at \S*tokens is too small: its documents tokenize to 9 "
+        r"tokens in all, fewer than one sequence of training.seq_len \+ 1 = 17",
+    ):
+        build_dataloader(
+            Training(dataset="tokens", dataset_path=str(tmp_path / "tokens"), seq_len=16, local_batch_size=2),
+            CHARS,
+            0,
+            1,
+            2,
+        )
 
 
 def test_a_validation_mixture_source_without_one_sequence_is_refused_by_its_entry(tmp_path):
@@ -135,8 +155,11 @@ def test_a_validation_mixture_source_without_one_sequence_is_refused_by_its_entr
     # The set ends where the schedule first asks a source past its end: at small.jsonl's first turn, after
     # 9 windows of big.jsonl, enough for the batch of 2, so small.jsonl would never be measured.
     cfg = Validation(enabled=True, dataset_mix=[f"0.9:{big}", f"0.1:{small}"], local_batch_size=2, seq_len=16)
-    with pytest.raises(UserError, match=rf"^validation.dataset_mix source '{small}' is too small: its documents "
-                                        r"tokenize to fewer than one sequence of validation.seq_len \+ 1 = 17 tokens"):
+    with pytest.raises(
+        UserError,
+        match=rf"^validation.dataset_mix source '{small}' is too small: its documents "
+        r"tokenize to fewer than one sequence of validation.seq_len \+ 1 = 17 tokens",
+    ):
         validate.preflight_validation(cfg, Training(), CHARS, 1)
     enough = write_jsonl(tmp_path / "enough.jsonl", ["abcdefgh", "ijklmn"])  # 18 tokens: one sequence
     cfg = Validation(enabled=True, dataset_mix=[f"0.9:{big}", f"0.1:{enough}"], local_batch_size=2, seq_len=16)

@@ -8,8 +8,20 @@ import logging
 
 import pytest
 
-from conftest import (LAYOUTS, json_round_trip, lane_documents, lane_position, lane_windows, make_loader, merged,
-                      random_docs, run_steps, shuffled_steps_from, steps_of, take)
+from conftest import (
+    LAYOUTS,
+    json_round_trip,
+    lane_documents,
+    lane_position,
+    lane_windows,
+    make_loader,
+    merged,
+    random_docs,
+    run_steps,
+    shuffled_steps_from,
+    steps_of,
+    take,
+)
 from torchtitan.components.data.shuffle import Permutation
 from torchtitan.config.errors import UserError
 
@@ -19,8 +31,11 @@ def test_permutation_is_a_seeded_bijection_different_per_epoch_and_seed():
         for epoch in range(3):
             order = [Permutation(n, 0, epoch)[i] for i in range(n)]
             assert sorted(order) == list(range(n))
-    orders = {(seed, epoch): tuple(Permutation(50, seed, epoch)[i] for i in range(50))
-              for seed in (0, 1, -3, 2**40) for epoch in (0, 1, 2)}
+    orders = {
+        (seed, epoch): tuple(Permutation(50, seed, epoch)[i] for i in range(50))
+        for seed in (0, 1, -3, 2**40)
+        for epoch in (0, 1, 2)
+    }
     assert len(set(orders.values())) == len(orders)  # all different
     assert orders[(0, 0)] == tuple(Permutation(50, 0, 0)[i] for i in range(50))  # deterministic
     # Pinned: a change of the order would silently change resumed runs.
@@ -58,7 +73,7 @@ def test_shuffled_resume_is_exact_mid_epoch(shuffled_docs, n):
     uninterrupted = take(it, 8)
     resumed = make_loader(path, 16, 2, shuffle=True)
     resumed.load_state_dict(state)
-    assert take(iter(resumed), 8) == uninterrupted == lane_windows(units, 2, 16, 2 * n + 16, seed=0)[2 * n:]
+    assert take(iter(resumed), 8) == uninterrupted == lane_windows(units, 2, 16, 2 * n + 16, seed=0)[2 * n :]
 
 
 def test_shuffled_step_boundary_state_loads_under_other_dp_degrees(shuffled_docs):
@@ -90,8 +105,10 @@ def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
     it = iter(loader)
     assert take(it, 30) == expected
     # The same global samples at dp 2 with 2 data workers; a state saved there mid-block continues at dp 1.
-    ranks = [make_loader(folder, 15, 1, dp_degree=2, dp_rank=r, shuffle=True, shuffle_buffer=7, seed=3,
-                         data_workers=2) for r in range(2)]
+    ranks = [
+        make_loader(folder, 15, 1, dp_degree=2, dp_rank=r, shuffle=True, shuffle_buffer=7, seed=3, data_workers=2)
+        for r in range(2)
+    ]
     its = [iter(r) for r in ranks]
     got = []
     for _ in range(11):

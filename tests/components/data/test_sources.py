@@ -10,9 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CHARS, MODEL, document_units, expected_windows, json_round_trip, jsonl_pieces, lane_documents,
-                      lane_position, lane_windows, make_loader, random_docs, take, write_gz, write_jsonl,
-                      write_parquet)
+from conftest import (
+    CHARS,
+    MODEL,
+    document_units,
+    expected_windows,
+    json_round_trip,
+    jsonl_pieces,
+    lane_documents,
+    lane_position,
+    lane_windows,
+    make_loader,
+    random_docs,
+    take,
+    write_gz,
+    write_jsonl,
+    write_parquet,
+)
 from torchtitan.components.data import build_dataloader, stdlib_files
 from torchtitan.components.data import sources as data_sources
 from torchtitan.components.tokenizer import Tokenizer
@@ -43,10 +57,17 @@ def test_python_stdlib_is_the_default_dataset_and_is_shuffled():
     files = stdlib_files()
     first = lane_documents(document_units(files, 2), 0, 2, 0, seed=0, random_access=True)[0]
     assert first != files[0]
-    assert inputs[0].tolist() == tok.encode(first.read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
+    assert (
+        inputs[0].tolist() == tok.encode(first.read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
+    )
     # shuffle_documents = false: stored (sorted path) order.
-    inputs, _ = next(iter(build_dataloader(Training(seq_len=16, local_batch_size=2, shuffle_documents=False), tok, 0, 1, 2)))
-    assert inputs[0].tolist() == tok.encode(files[0].read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
+    inputs, _ = next(
+        iter(build_dataloader(Training(seq_len=16, local_batch_size=2, shuffle_documents=False), tok, 0, 1, 2))
+    )
+    assert (
+        inputs[0].tolist()
+        == tok.encode(files[0].read_text(encoding="utf-8", errors="replace"), bos=True, eos=False)[:16]
+    )
 
 
 def install_fake_datasets(monkeypatch, rows):
@@ -106,12 +127,12 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     folder = tmp_path / "hub_like"
     folder.mkdir()
     for k in range(8):
-        write_jsonl(folder / f"part-{k}.jsonl", docs[k * 30:(k + 1) * 30])
+        write_jsonl(folder / f"part-{k}.jsonl", docs[k * 30 : (k + 1) * 30])
     # Two lanes: a unit per shard of the stream, lane 0 reading shards 0, 2, 4, 6 in epoch 0.
     loader = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
     it = iter(loader)
     reference = take(it, 75)  # 150 windows of 32 tokens, 75 per lane: into each lane's fourth shard
-    lanes = [[d for k in range(p, 8, 2) for d in docs[k * 30:(k + 1) * 30]] for p in range(2)]
+    lanes = [[d for k in range(p, 8, 2) for d in docs[k * 30 : (k + 1) * 30]] for p in range(2)]
     assert reference == lane_windows(lanes, 2, 31, 150)
     later = take(it, 3)
     fresh = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
@@ -130,7 +151,9 @@ def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_
     del state["dataset_state"]["source_layout"]  # without it, the resume reads the documents before it
     again = make_loader(folder, 31, 2, dataset="huggingface", data_workers=data_workers)
     again.load_state_dict(state)
-    with pytest.raises(UserError, match=r"huggingface dataset .*: reading up to document \d+ failed \(ArrowInvalid: JSON parse"):
+    with pytest.raises(
+        UserError, match=r"huggingface dataset .*: reading up to document \d+ failed \(ArrowInvalid: JSON parse"
+    ):
         take(iter(again), 3)
 
 
@@ -231,9 +254,12 @@ def write_c4_test(root, docs):
     """The reference layout: tests/assets/c4_test/data.json, one C4 record per line."""
     folder = root / "tests" / "assets" / "c4_test"
     folder.mkdir(parents=True)
-    (folder / "data.json").write_text("".join(
-        json.dumps({"text": d, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{i}"}) + "\n"
-        for i, d in enumerate(docs)))
+    (folder / "data.json").write_text(
+        "".join(
+            json.dumps({"text": d, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{i}"}) + "\n"
+            for i, d in enumerate(docs)
+        )
+    )
     return folder
 
 
@@ -258,7 +284,9 @@ def test_reference_llama3_8b_recipe_loads_and_names_the_offline_alternatives(tmp
 def test_c4_offline_is_refused_at_once_with_the_alternatives(monkeypatch):
     install_fake_datasets(monkeypatch, [{"text": "x"}])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="cannot be reached: HF_HUB_OFFLINE is set; offline alternatives: .*python_stdlib"):
+    with pytest.raises(
+        UserError, match="cannot be reached: HF_HUB_OFFLINE is set; offline alternatives: .*python_stdlib"
+    ):
         make_loader(None, 8, 2, dataset="c4", shuffle=None)
     # A network failure inside the library (found by reading the first document) says the same.
     monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -302,8 +330,11 @@ def test_c4_local_copy_reads_the_english_training_shards(tmp_path):
 
 def test_c4_test_reads_the_reference_sample_where_the_user_has_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=r"reads the reference torchtitan's C4 sample from tests/assets/c4_test .*"
-                                        r"copy tests/assets/c4_test from a checkout"):
+    with pytest.raises(
+        UserError,
+        match=r"reads the reference torchtitan's C4 sample from tests/assets/c4_test .*"
+        r"copy tests/assets/c4_test from a checkout",
+    ):
         make_loader(None, 8, 2, dataset="c4_test")
     docs = random_docs(15, seed=12)
     folder = write_c4_test(tmp_path, docs)

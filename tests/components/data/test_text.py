@@ -56,7 +56,7 @@ def binary(kind: str) -> bytes:
     if kind == "tokenizer model":
         return MODEL.read_bytes()  # a sentencepiece protobuf
     if kind == "executable":
-        return Path(sys.executable).resolve().read_bytes()[:1 << 16]
+        return Path(sys.executable).resolve().read_bytes()[: 1 << 16]
     if kind == "gzip without its extension":
         return gzip.compress(b'{"text": "a document"}\n' * 50)
     modules = encoded_stdlib_modules()
@@ -83,8 +83,11 @@ def test_a_binary_file_named_txt_is_refused_when_rank_0_builds_the_loader(tmp_pa
     with pytest.raises(UserError) as failure:
         build_dataloader(cfg, CharTokenizer(), 0, 1, 1)
     message = str(failure.value)
-    assert re.match(rf"{re.escape(str(tmp_path / name))} is not UTF-8 text: at byte {offset} {of} "
-                    rf"\(line {line}\), .*; {FIX}", message), message
+    assert re.match(
+        rf"{re.escape(str(tmp_path / name))} is not UTF-8 text: at byte {offset} {of} "
+        rf"\(line {line}\), .*; {FIX}",
+        message,
+    ), message
     assert "\n" not in message
 
 
@@ -112,8 +115,12 @@ def latin1_jsonl(bad_line: int, lines: int) -> tuple[bytes, list[str]]:
     texts = [f"document {i} " + "".join(rng.choice(string.ascii_letters) for _ in range(100)) for i in range(lines)]
     data = b"".join(
         json.dumps({"text": "café crème" if i == bad_line - 1 else t}, ensure_ascii=False).encode(
-            "latin-1" if i == bad_line - 1 else "utf-8") + b"\n" for i, t in enumerate(texts))
-    return data, texts[:bad_line - 1]
+            "latin-1" if i == bad_line - 1 else "utf-8"
+        )
+        + b"\n"
+        for i, t in enumerate(texts)
+    )
+    return data, texts[: bad_line - 1]
 
 
 @pytest.mark.parametrize("compress", [None, "gz", "zst"])
@@ -132,9 +139,10 @@ def test_a_latin1_line_deep_in_a_json_lines_file_stops_the_run_there_naming_its_
             windows += [row + [last] for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
     of = "of its decompressed data" if compress else "of the file"
     assert str(failure.value).startswith(
-        f"{path} is not UTF-8 text: at byte {offset} {of} (line 2001), 0xe9 is not UTF-8 (invalid continuation byte); ")
+        f"{path} is not UTF-8 text: at byte {offset} {of} (line 2001), 0xe9 is not UTF-8 (invalid continuation byte); "
+    )
     # Everything before the line was delivered; nothing of it or after it.
-    assert [t for w in windows for t in w] == tokens[:len(windows) * 256]
+    assert [t for w in windows for t in w] == tokens[: len(windows) * 256]
     assert len(tokens) - 256 < len(windows) * 256 <= len(tokens)
 
 
@@ -153,8 +161,11 @@ def test_a_json_array_and_a_long_txt_file_name_the_line(tmp_path):
     data = ("[" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "]").encode("latin-1")
     (tmp_path / "a.json").write_bytes(data)
     offset = data.index(b"\xef")
-    with pytest.raises(UserError, match=rf"a.json is not UTF-8 text: at byte {offset} of the file "
-                                        r"\(line 6\), 0xef is not UTF-8"):
+    with pytest.raises(
+        UserError,
+        match=rf"a.json is not UTF-8 text: at byte {offset} of the file "
+        r"\(line 6\), 0xef is not UTF-8",
+    ):
         make_loader(tmp_path / "a.json", 8, 1)
     text = ("x" * 99 + "\n") * 100 + "Größe\n"  # the ö past the first bytes: found when the file is read
     (tmp_path / "long.txt").write_bytes(text.encode("latin-1"))
@@ -177,8 +188,11 @@ def test_a_text_column_holding_bytes_that_are_not_utf8_names_the_row(tmp_path, f
     else:
         with pa.ipc.new_file(str(path), table.schema) as writer:
             writer.write_table(table)
-    with pytest.raises(UserError, match=rf"d.{fmt}: column 'text' of row 6 \(counted from 0\) is not UTF-8 text: at "
-                                        r"byte 0 of the value, 0xc4 is not UTF-8"):
+    with pytest.raises(
+        UserError,
+        match=rf"d.{fmt}: column 'text' of row 6 \(counted from 0\) is not UTF-8 text: at "
+        r"byte 0 of the value, 0xc4 is not UTF-8",
+    ):
         take(iter(make_loader(path, 8, 1)), 10)
 
 

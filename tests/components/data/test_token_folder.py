@@ -43,14 +43,28 @@ def write_jsonl(path, docs, compress=False):
 def tokenize(src, out, tok=CHARS, workers=2, **kwargs):
     from torchtitan.components.data.files import FilesSource as _FilesSource
 
-    return pretokenize(_FilesSource(str(src)), tok, out, source_description={"description": str(src)},
-                       workers=workers, chunk_docs=kwargs.pop("chunk_docs", 7), batch_docs=3, log=lambda *_: None,
-                       **kwargs)
+    return pretokenize(
+        _FilesSource(str(src)),
+        tok,
+        out,
+        source_description={"description": str(src)},
+        workers=workers,
+        chunk_docs=kwargs.pop("chunk_docs", 7),
+        batch_docs=3,
+        log=lambda *_: None,
+        **kwargs,
+    )
 
 
 def loader(dataset, path, seq_len, dp_degree=1, dp_rank=0, local_batch=2, tok=CHARS, shuffle=True, seed=0):
-    cfg = Training(dataset=dataset, dataset_path=str(path), seq_len=seq_len, local_batch_size=local_batch,
-                   shuffle_documents=shuffle, seed=seed)
+    cfg = Training(
+        dataset=dataset,
+        dataset_path=str(path),
+        seq_len=seq_len,
+        local_batch_size=local_batch,
+        shuffle_documents=shuffle,
+        seed=seed,
+    )
     return build_dataloader(cfg, tok, dp_rank, dp_degree, local_batch * dp_degree)
 
 
@@ -85,7 +99,7 @@ def lane_documents(docs, lanes, seed):
     """The documents each lane of a random-access source of `docs` reads in epoch 0 (lanes.py): the units
     (16 x lanes consecutive ranges of documents) at positions p, p + lanes, ... of the epoch's order."""
     k = min(len(docs), 16 * lanes)
-    units = [docs[i * len(docs) // k:(i + 1) * len(docs) // k] for i in range(k)]
+    units = [docs[i * len(docs) // k : (i + 1) * len(docs) // k] for i in range(k)]
     order = Permutation(k, seed, 0) if seed is not None else range(k)
     return [[d for j in range(p, k, lanes) for d in units[order[j]]] for p in range(lanes)]
 
@@ -117,7 +131,7 @@ def test_same_samples_as_a_streamed_text_source_in_one_lane_in_stored_order(corp
     for step in range(len(stream) // 17):  # two epochs
         a, b = next(text), next(tok)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
-        assert windows(b) == [stream[step * 17:(step + 1) * 17]], step
+        assert windows(b) == [stream[step * 17 : (step + 1) * 17]], step
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -127,8 +141,9 @@ def test_the_token_folder_deals_each_document_to_one_lane_per_epoch_under_every_
     gb, steps = 8, 20  # 20 * 17 tokens a lane: well past its first epoch (~150 tokens)
     runs = []
     for dp in (1, 2, 4):
-        iters = [iter(loader("tokens", corpus.tokens, 16, dp, r, local_batch=gb // dp, shuffle=shuffle))
-                 for r in range(dp)]
+        iters = [
+            iter(loader("tokens", corpus.tokens, 16, dp, r, local_batch=gb // dp, shuffle=shuffle)) for r in range(dp)
+        ]
         runs.append([w for _ in range(steps) for it in iters for w in windows(next(it))])
     assert runs[1] == runs[0] and runs[2] == runs[0]
     streams = lane_streams(runs[0], gb)
@@ -169,12 +184,15 @@ def test_a_corpus_smaller_than_a_step_wraps_as_in_the_text_pipeline(tmp_path):
                 for q in [(p + e) % 8 for e in range(24)]:
                     tokens = CHARS.encode(docs[q % 4], bos=True, eos=True) if docs[q % 4] else []
                     expected += tokens[q // 4 * len(tokens) // 2 : (q // 4 + 1) * len(tokens) // 2]
-                assert stream == expected[:len(stream)], p
+                assert stream == expected[: len(stream)], p
     src = write_jsonl(tmp_path / "small.jsonl", ["abc", "de"])  # 9 tokens: not one window of 17
     tokenize(src, tmp_path / "small")
     # In stored order a lane reads every unit once in 8 epochs: all of the corpus.
-    with pytest.raises(UserError, match="too small: one lane's share of 8 epochs tokenizes to 9 tokens, fewer than "
-                                        r"one sequence of seq_len \+ 1 = 17"):
+    with pytest.raises(
+        UserError,
+        match="too small: one lane's share of 8 epochs tokenizes to 9 tokens, fewer than "
+        r"one sequence of seq_len \+ 1 = 17",
+    ):
         next(iter(loader("tokens", tmp_path / "small", 16, 4, 3, shuffle=False)))
     with pytest.raises(UserError, match=r"too small: one lane's share of 8 epochs tokenizes to \d+ tokens"):
         next(iter(loader("tokens", tmp_path / "small", 16, 4, 3)))
@@ -375,8 +393,18 @@ def test_killed_pretokenize_script_resumes_to_the_same_output(tmp_path):
     """SIGKILL the real script mid-way: no meta.json; the same command finishes it, identical to a clean run."""
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(6000, seed=5, lo=100, hi=400))
     out = tmp_path / "killed"
-    cmd = [sys.executable, str(SCRIPT), str(src), str(out), "--tokenizer", str(MODEL), "--workers", "2",
-           "--chunk-docs", "100"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(src),
+        str(out),
+        "--tokenizer",
+        str(MODEL),
+        "--workers",
+        "2",
+        "--chunk-docs",
+        "100",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
@@ -503,10 +531,12 @@ def test_a_hub_dataset_is_recorded_by_name_config_and_data_files(tmp_path):
 
     def hub(name, commit, config="en"):
         url = f"hf://datasets/{name}@{commit}/{config}/part-0.json.gz"
-        stream = SimpleNamespace(info=SimpleNamespace(config_name=config),
-                                 _ex_iterable=SimpleNamespace(kwargs={"original_files": [url]}))
-        return script.describe_source(script.source_config(name, "huggingface"), SimpleNamespace(path=name,
-                                                                                                  dataset=stream))
+        stream = SimpleNamespace(
+            info=SimpleNamespace(config_name=config), _ex_iterable=SimpleNamespace(kwargs={"original_files": [url]})
+        )
+        return script.describe_source(
+            script.source_config(name, "huggingface"), SimpleNamespace(path=name, dataset=stream)
+        )
 
     first = hub("org/name", "a" * 40)
     assert first["path"] == "org/name" and first["stream"] == "org/name"  # not resolved as a local path
@@ -517,8 +547,16 @@ def test_a_hub_dataset_is_recorded_by_name_config_and_data_files(tmp_path):
 
     docs = _Stream(random_docs(30, seed=7, lo=1))
     out = tmp_path / "tok"
-    run = lambda description, **kw: pretokenize(docs, CHARS, out, source_description=description,  # noqa: E731
-                                                workers=1, chunk_docs=7, log=lambda *_: None, **kw)
+    run = lambda description, **kw: pretokenize(
+        docs,
+        CHARS,
+        out,
+        source_description=description,  # noqa: E731
+        workers=1,
+        chunk_docs=7,
+        log=lambda *_: None,
+        **kw,
+    )
     assert run(first, max_chunks=1) is None
     with pytest.raises(UserError, match=r"huggingface org/name has changed since .*dataset's data files or revision"):
         run(hub("org/name", "b" * 40))
@@ -551,11 +589,16 @@ def test_c4_reads_a_local_clones_training_shards(tmp_path, capsys, monkeypatch):
 
 def _unwritable_outputs(tmp):
     (tmp / "file").write_text("x")
-    cases = [(tmp / "file" / "out", f"{tmp / 'file'} is a file, not a folder"),
-             (tmp / "file", "it is a file, not a folder")]
+    cases = [
+        (tmp / "file" / "out", f"{tmp / 'file'} is a file, not a folder"),
+        (tmp / "file", "it is a file, not a folder"),
+    ]
     # Pseudo file systems refuse new folders even to root (the reason given varies by kernel).
-    cases += [(Path(root) / sub, "") for root, sub in (("/proc", "pretokenize-test/out"), ("/sys", "pretokenize-test"))
-              if Path(root).is_dir()]
+    cases += [
+        (Path(root) / sub, "")
+        for root, sub in (("/proc", "pretokenize-test/out"), ("/sys", "pretokenize-test"))
+        if Path(root).is_dir()
+    ]
     return cases
 
 
@@ -573,12 +616,18 @@ def test_an_output_folder_that_cannot_be_created_is_refused_first(tmp_path, caps
 def test_the_script_reports_a_bad_output_folder_without_a_traceback(tmp_path):
     (tmp_path / "file").write_text("x")
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(5, seed=10, lo=1))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(src), str(tmp_path / "file" / "out"), "--tokenizer",
-                           str(MODEL)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(src), str(tmp_path / "file" / "out"), "--tokenizer", str(MODEL)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == (f"error: cannot create the output folder {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} "
-                           "is a file, not a folder; give OUTPUT as a new folder in a place you can write to (or the "
-                           "folder of an interrupted run, to finish it)\n")
+    assert proc.stderr == (
+        f"error: cannot create the output folder {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} "
+        "is a file, not a folder; give OUTPUT as a new folder in a place you can write to (or the "
+        "folder of an interrupted run, to finish it)\n"
+    )
 
 
 def test_a_write_error_is_one_line_and_the_rerun_finishes(tmp_path, capsys):
@@ -595,8 +644,10 @@ def test_a_write_error_is_one_line_and_the_rerun_finishes(tmp_path, capsys):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: could not write the token folder {out}: File too large; free space on it and "
-                          "run the same command again (it continues after the last complete chunk)"), err
+    assert err.startswith(
+        f"error: could not write the token folder {out}: File too large; free space on it and "
+        "run the same command again (it continues after the last complete chunk)"
+    ), err
     assert 0 < json.loads((out / "progress.json").read_text())["docs_done"] < 300
     assert _run(capsys, *args) == (0, "")
     assert _run(capsys, src, tmp_path / "clean", *args[2:]) == (0, "")

@@ -12,8 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CharTokenizer, json_round_trip, jsonl_pieces, lane_position, lane_windows, make_loader, merged,
-                      random_docs, shuffled_steps_from, steps_of, take, write_jsonl)
+from conftest import (
+    CharTokenizer,
+    json_round_trip,
+    jsonl_pieces,
+    lane_position,
+    lane_windows,
+    make_loader,
+    merged,
+    random_docs,
+    shuffled_steps_from,
+    steps_of,
+    take,
+    write_jsonl,
+)
 from torchtitan.config.errors import UserError
 
 
@@ -95,8 +107,9 @@ def test_data_workers_are_refused_for_a_token_folder(tmp_path):
     from torchtitan.config import load_config
 
     with pytest.raises(UserError, match="a token folder has nothing to tokenize"):
-        load_config(["--training.dataset", "tokens", "--training.dataset_path", str(tmp_path),
-                     "--training.data_workers", "1"])
+        load_config(
+            ["--training.dataset", "tokens", "--training.dataset_path", str(tmp_path), "--training.data_workers", "1"]
+        )
 
 
 def test_workers_do_not_collect_an_abandoned_loader_they_inherit(tmp_path):

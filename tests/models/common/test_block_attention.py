@@ -95,7 +95,9 @@ def test_keeps_no_scores_for_backward():
     assert max(saved_numels(math_attention, q, k, v, mask)) >= scores
     # ... block_attention keeps q, k, v, the mask, the output and the lse: nothing of [batch, heads, q, k].
     kept = saved_numels(block_attention, q, k, v, mask)
-    assert sorted(kept) == sorted([q.numel(), k.numel(), v.numel(), Q * K, BATCH * HEADS * Q * V_DIM, BATCH * HEADS * Q])
+    assert sorted(kept) == sorted(
+        [q.numel(), k.numel(), v.numel(), Q * K, BATCH * HEADS * Q * V_DIM, BATCH * HEADS * Q]
+    )
     assert max(kept) < scores
     assert len(saved_numels(block_attention, q, k, v, lambda a, b: mask[..., a:b, :])) == 5  # a function: no mask kept
 

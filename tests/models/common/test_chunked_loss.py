@@ -117,7 +117,9 @@ def test_without_gradients_only_the_loss():
     inputs, labels = batch(args.vocab_size)
     model.loss_chunk_tokens = 5
     with torch.no_grad():
-        torch.testing.assert_close(model(inputs, labels=labels), spec.loss_sum_fn(model(inputs), labels), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            model(inputs, labels=labels), spec.loss_sum_fn(model(inputs), labels), rtol=1e-6, atol=0
+        )
 
 
 def test_deepseek_multi_token_prediction_chunked_equals_the_stacked_logits():

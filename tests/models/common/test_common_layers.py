@@ -23,8 +23,10 @@ def test_a_bf16_input_to_a_float32_norm_gives_the_unfused_values():
     assert torch.equal(HeadNorm(64, eps=1e-6).to(torch.bfloat16)(x), same(x))
 
 
-@pytest.mark.parametrize("name, flavor", [(name, flavor) for name in model_names()
-                                          for flavor in get_model_spec(name).flavors if flavor.startswith("debug")])
+@pytest.mark.parametrize(
+    "name, flavor",
+    [(name, flavor) for name in model_names() for flavor in get_model_spec(name).flavors if flavor.startswith("debug")],
+)
 def test_no_family_gives_rms_norm_mixed_dtypes_under_bf16_autocast(name, flavor, monkeypatch):
     """torch's rms_norm warns (once per process, "Mismatch dtype between input and weight") and takes its unfused
     path when they differ: checked at every call, since the warning itself shows only once."""

@@ -16,9 +16,13 @@ from torchtitan.models.registry import get_model_spec
 def test_moe_hooks_fill_the_spec_fields_once():
     spec = get_model_spec("qwen3")
     assert spec.moe == decoder.moe_hooks()
-    assert (spec.expert_layers, spec.pre_parallelize, spec.post_optimizer_step, spec.post_skipped_step,
-            spec.metrics) == (moe.expert_layers, moe.configure_moe, moe.balance_after_step, moe.drop_step_counts,
-                              moe.expert_load_metrics)
+    assert (
+        spec.expert_layers,
+        spec.pre_parallelize,
+        spec.post_optimizer_step,
+        spec.post_skipped_step,
+        spec.metrics,
+    ) == (moe.expert_layers, moe.configure_moe, moe.balance_after_step, moe.drop_step_counts, moe.expert_load_metrics)
     assert spec.high_precision == ("router.gate", "shared_gate")
     assert spec.adamw_params == (r"^output\.", r"\.router\.gate\.", r"\.shared_gate\.")
     # A copy passes the filled fields again: nothing is added twice.
@@ -30,9 +34,15 @@ def test_moe_hooks_fill_the_spec_fields_once():
 def test_a_hook_set_both_in_the_spec_and_in_its_moe_hooks_is_refused():
     llama = get_model_spec("llama3")
     with pytest.raises(ValueError, match="post_optimizer_step is set both"):
-        ModelSpec(**{f.name: getattr(llama, f.name) for f in dataclasses.fields(llama)
-                     if f.name not in ("post_optimizer_step", "moe")},
-                  post_optimizer_step=lambda parts, inputs: None, moe=decoder.moe_hooks())
+        ModelSpec(
+            **{
+                f.name: getattr(llama, f.name)
+                for f in dataclasses.fields(llama)
+                if f.name not in ("post_optimizer_step", "moe")
+            },
+            post_optimizer_step=lambda parts, inputs: None,
+            moe=decoder.moe_hooks(),
+        )
 
 
 class BiasedQwen3(decoder.Transformer):

@@ -15,7 +15,7 @@ def inputs(batch=2, seq=150, heads=3, dk=16, dv=8, seed=0):
     """q and k L2-normalized (q scaled by dk^-0.5), as gated DeltaNet feeds the rule; decays of up to
     exp(-2) per token; write strengths in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(batch, seq, heads, dk, generator=gen), dim=-1) * dk ** -0.5
+    q = F.normalize(torch.randn(batch, seq, heads, dk, generator=gen), dim=-1) * dk**-0.5
     k = F.normalize(torch.randn(batch, seq, heads, dk, generator=gen), dim=-1)
     v = torch.randn(batch, seq, heads, dv, generator=gen)
     g = -2 * torch.rand(batch, seq, heads, generator=gen)
@@ -25,8 +25,9 @@ def inputs(batch=2, seq=150, heads=3, dk=16, dv=8, seed=0):
 
 def documents(batch, seq, lengths):
     """[batch, seq] document ids: each row's documents of the given lengths, the last one cut at seq."""
-    return torch.tensor([([i for i, n in enumerate(row) for _ in range(n)] + [len(row)] * seq)[:seq]
-                         for row in lengths])
+    return torch.tensor(
+        [([i for i, n in enumerate(row) for _ in range(n)] + [len(row)] * seq)[:seq] for row in lengths]
+    )
 
 
 @pytest.mark.parametrize("seq, chunk", [(1, 64), (63, 64), (64, 64), (150, 64), (150, 16), (257, 32)])
@@ -53,7 +54,8 @@ def test_token_by_token_equals_transformers_reference():
     ours, ours_state = delta_rule.recurrent(q, k, v, g, beta, state=state)
     # transformers scales q by dk^-0.5 itself and takes the state as [batch, heads, dk, dv].
     theirs, theirs_state = qwen3_5.torch_recurrent_gated_delta_rule(
-        q * 16 ** 0.5, k, v, g, beta, initial_state=state, output_final_state=True)
+        q * 16**0.5, k, v, g, beta, initial_state=state, output_final_state=True
+    )
     torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=1e-5, rtol=0)
     torch.testing.assert_close(ours_state, theirs_state.float(), atol=1e-5, rtol=0)
 
@@ -79,8 +81,13 @@ def test_the_causal_convolution_restarts_at_each_document():
     docs = documents(1, 12, [[7, 5]])
     out = delta_rule.causal_conv(x, weight, docs)
     # As torch's depthwise conv1d with left padding, run on each document alone.
-    expect = torch.cat([F.conv1d(F.pad(part.transpose(1, 2), (3, 0)), weight[:, None], groups=5).transpose(1, 2)
-                        for part in (x[:, :7], x[:, 7:])], dim=1)
+    expect = torch.cat(
+        [
+            F.conv1d(F.pad(part.transpose(1, 2), (3, 0)), weight[:, None], groups=5).transpose(1, 2)
+            for part in (x[:, :7], x[:, 7:])
+        ],
+        dim=1,
+    )
     torch.testing.assert_close(out, expect, atol=1e-6, rtol=0)
 
 
@@ -92,8 +99,10 @@ def _fla_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final
     assert q.dtype == k.dtype == v.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     bounds = cu_seqlens.tolist()
-    pieces = [delta_rule.recurrent(q[:, a:b] * scale, k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])[0]
-              for a, b in zip(bounds[:-1], bounds[1:])]
+    pieces = [
+        delta_rule.recurrent(q[:, a:b] * scale, k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])[0]
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(pieces, dim=1), None
 
 

@@ -46,13 +46,16 @@ def tokens(batch=2, seq=10, seed=1):
     return torch.randn(batch, seq, DIM, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kw", [
-    {},
-    {"score_func": "sigmoid", "route_norm": True, "route_scale": 2.5},
-    {"num_shared_experts": 2},
-    {"num_expert_groups": 4, "num_limited_groups": 2, "score_func": "sigmoid"},
-    {"top_k": 8},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"score_func": "sigmoid", "route_norm": True, "route_scale": 2.5},
+        {"num_shared_experts": 2},
+        {"num_expert_groups": 4, "num_limited_groups": 2, "score_func": "sigmoid"},
+        {"top_k": 8},
+    ],
+)
 @pytest.mark.parametrize("grouped", [True, False])
 def test_matches_token_by_token_reference(kw, grouped, monkeypatch):
     monkeypatch.setitem(moe_module._GROUPED_MM_OK, ("cpu", torch.float32), grouped)
@@ -103,9 +106,13 @@ def test_node_limited_routing_uses_only_the_best_groups():
 
 
 def test_bad_args():
-    for kw, pattern in [({"top_k": 9}, "top_k = 9"), ({"score_func": "relu"}, "score_func"),
-                        ({"num_expert_groups": 3, "num_limited_groups": 1}, "does not divide"),
-                        ({"num_expert_groups": 4}, "go together"), ({"capacity_factor": 0.0}, "positive")]:
+    for kw, pattern in [
+        ({"top_k": 9}, "top_k = 9"),
+        ({"score_func": "relu"}, "score_func"),
+        ({"num_expert_groups": 3, "num_limited_groups": 1}, "does not divide"),
+        ({"num_expert_groups": 4}, "go together"),
+        ({"capacity_factor": 0.0}, "positive"),
+    ]:
         assert any(pattern in p for p in MoEArgs(**kw).check()), kw
         with pytest.raises(ValueError, match=pattern):
             MoE(DIM, MoEArgs(**kw))
@@ -194,10 +201,13 @@ def test_parameter_counts():
 
 # Published: Qwen3-30B-A3B "30.5B in total and 3.3B activated", Qwen3-235B-A22B "235B in total and
 # 22B activated" (model cards); exact totals from the dimensions of their config.json.
-@pytest.mark.parametrize("flavor, total, active, card", [
-    ("30B-A3B", 30_532_122_624, 3_353_032_704, (30.5, 3.3)),
-    ("235B-A22B", 235_093_634_560, 22_190_763_520, (235, 22)),
-])
+@pytest.mark.parametrize(
+    "flavor, total, active, card",
+    [
+        ("30B-A3B", 30_532_122_624, 3_353_032_704, (30.5, 3.3)),
+        ("235B-A22B", 235_093_634_560, 22_190_763_520, (235, 22)),
+    ],
+)
 def test_qwen3_moe_published_sizes(flavor, total, active, card):
     from torchtitan.models.registry import get_model_spec
 
@@ -212,6 +222,7 @@ def test_qwen3_moe_published_sizes(flavor, total, active, card):
     expected = 2 * a.vocab_size * a.dim + a.n_layers * per_layer + a.dim
     assert size.total == expected == total
     assert size.active == total - a.n_layers * (m.num_experts - m.top_k) * routed == active
+
     # The cards' figures are the counts cut (not rounded) to the digits shown: 3.353B is "3.3B".
     def cut(n, ndigits):
         return int(n / 1e9 * 10**ndigits) / 10**ndigits
@@ -220,7 +231,8 @@ def test_qwen3_moe_published_sizes(flavor, total, active, card):
     # FLOPs count the active parameters (minus the input embedding) and attention.
     # Causal attention: (4096 + 1) / 2 keys per query on average.
     assert spec.flops_per_token(args, 4096) == pytest.approx(
-        6 * (active - size.embedding) + 12 * a.n_layers * a.n_heads * a.head_dim * 4097 / 2, rel=1e-12)
+        6 * (active - size.embedding) + 12 * a.n_layers * a.n_heads * a.head_dim * 4097 / 2, rel=1e-12
+    )
 
 
 def test_an_expert_layer_without_the_expert_parallel_interface_is_named():
@@ -246,8 +258,11 @@ def test_experts_compute_in_autocasts_dtype_on_both_paths(grouped, input_dtype, 
     matmul's output), float32 gradients for the float32 weights, and the same values either way."""
     monkeypatch.setitem(moe_module._GROUPED_MM_OK, ("cpu", torch.bfloat16), grouped)
     calls = []
-    monkeypatch.setattr(moe_module, "_grouped", lambda *a: calls.append(1) or torch._grouped_mm(
-        a[0], a[1], offs=torch.cumsum(a[2], 0, dtype=torch.int32)))
+    monkeypatch.setattr(
+        moe_module,
+        "_grouped",
+        lambda *a: calls.append(1) or torch._grouped_mm(a[0], a[1], offs=torch.cumsum(a[2], 0, dtype=torch.int32)),
+    )
     experts = build(hidden_dim=16).experts  # bf16 rows of 32 bytes: torch._grouped_mm takes them
     counts = torch.tensor([3, 0, 5, 1, 0, 4, 2, 1])
     x = tokens(1, 16, seed=2).reshape(16, DIM).to(input_dtype).requires_grad_()

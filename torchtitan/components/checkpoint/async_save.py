@@ -41,7 +41,10 @@ class AsyncSaves:
         error = None
         try:
             result = dcp.async_save(
-                state, checkpoint_id=partial, process_group=self.pg, async_stager=self.stager,
+                state,
+                checkpoint_id=partial,
+                process_group=self.pg,
+                async_stager=self.stager,
                 no_dist=not self.folder.peers.distributed,
             )
             upload = getattr(result, "upload_completion", result)

@@ -85,8 +85,13 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
 # Weights a model can take (cast to its parameters' dtype when loaded).
 # U8: packed quantized weights (gpt-oss's MXFP4 blocks and scales), which only a family's adapter that
 # dequantizes them may take (check_hf_folder refuses a uint8 tensor that would reach the model as it is).
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-                       "U8": torch.uint8}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+}
 
 
 class HFFolder:
@@ -137,7 +142,9 @@ class HFFolder:
                         self.shapes[name] = tuple(piece.get_shape())
                         self.dtypes[name] = _SAFETENSORS_DTYPES[kind]
             except SafetensorError as e:
-                raise UserError(f"{path} is not a readable safetensors file ({e}); download or export it again") from None
+                raise UserError(
+                    f"{path} is not a readable safetensors file ({e}); download or export it again"
+                ) from None
         if weight_map is not None:
             absent = [n for n, file in weight_map.items() if self.file_of.get(n) != file]
             if absent:
@@ -156,7 +163,7 @@ class HFFolder:
         kept = {}
         for name in self.file_of:
             if name.startswith(LANGUAGE_MODEL):
-                kept["model." + name[len(LANGUAGE_MODEL):]] = name
+                kept["model." + name[len(LANGUAGE_MODEL) :]] = name
             elif not name.startswith("model."):
                 kept[name] = name
         self.stored = kept
@@ -192,8 +199,9 @@ def load_hf(
     return sd, hf_args
 
 
-def check_hf_folder(folder: str | os.PathLike, adapter: HFAdapter, expected_shapes: dict[str, tuple] | None = None,
-                    args=None):
+def check_hf_folder(
+    folder: str | os.PathLike, adapter: HFAdapter, expected_shapes: dict[str, tuple] | None = None, args=None
+):
     """Everything that can be refused before a weight is read: the config's family, the files, the
     dtypes, the tensor names and shapes (the adapter's conversion for `args`, default the config's,
     run on meta tensors) against `expected_shapes` (our name -> shape). Returns the args of its config.json."""
@@ -225,11 +233,17 @@ def meta_shapes(spec: ModelSpec, args) -> dict[str, tuple]:
 
 
 def check_shapes(
-    found: dict[str, tuple], expected: dict[str, tuple], where: str, fix: str = "choose the model flavor they were made for"
+    found: dict[str, tuple],
+    expected: dict[str, tuple],
+    where: str,
+    fix: str = "choose the model flavor they were made for",
 ):
     """UserError naming the first keys whose presence or shape differs from `expected`."""
-    problems = [f"{k}: missing" if k not in found else f"{k}: expected {shape}, found {found[k]}"
-                for k, shape in expected.items() if found.get(k) != shape]
+    problems = [
+        f"{k}: missing" if k not in found else f"{k}: expected {shape}, found {found[k]}"
+        for k, shape in expected.items()
+        if found.get(k) != shape
+    ]
     problems += [f"{k}: not in the model" for k in found if k not in expected]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

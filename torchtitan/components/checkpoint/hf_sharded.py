@@ -54,8 +54,9 @@ def _owned_tensors(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {name: t for part in parts for name, t in part.state_dict().items()}
 
 
-def load_hf_into(parts: list[nn.Module], folder: str | os.PathLike, adapter: HFAdapter, args,
-                 expected_shapes: dict[str, tuple]) -> dict:
+def load_hf_into(
+    parts: list[nn.Module], folder: str | os.PathLike, adapter: HFAdapter, args, expected_shapes: dict[str, tuple]
+) -> dict:
     """Fill this rank's model parts from a Hugging Face folder. Returns {bytes_read: by this rank,
     folder_bytes: the folder's tensors, peak_growth: this process's peak resident memory above its
     size when the load began (Linux; None elsewhere)}."""
@@ -147,9 +148,19 @@ def _stage_ranks(mesh) -> tuple[int, list[list[int]]]:
     return 0, [ranks.flatten().tolist()]
 
 
-def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: HFAdapter, args,
-                    model_shapes: dict[str, tuple], dtype: torch.dtype, mesh=None, max_shard_bytes: int = 5 * 2**30,
-                    bos_id: int | None = None, eos_id: int | None = None, tokenizer_path: str | None = None) -> dict:
+def save_hf_sharded(
+    folder: str | os.PathLike,
+    parts: list[nn.Module],
+    adapter: HFAdapter,
+    args,
+    model_shapes: dict[str, tuple],
+    dtype: torch.dtype,
+    mesh=None,
+    max_shard_bytes: int = 5 * 2**30,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    tokenizer_path: str | None = None,
+) -> dict:
     """Write the model held by every rank's parts as a Hugging Face folder (the hub's layout). All ranks
     call it. `model_shapes`: our name -> shape of the whole model, in model order (the same on every
     rank); `mesh`: the job's DeviceMesh (None: one process). Returns {files: this rank wrote}."""
@@ -197,8 +208,9 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
             for name in file_items:
                 whole = _whole_on(held[name], writer, dtype)
                 if rank == writer:
-                    tensors.update({k: v.to("cpu", dtype).contiguous()
-                                    for k, v in adapter.tensor_to_hf(name, whole, args).items()})
+                    tensors.update(
+                        {k: v.to("cpu", dtype).contiguous() for k, v in adapter.tensor_to_hf(name, whole, args).items()}
+                    )
                 del whole
             if rank == writer:
                 save_file(tensors, str(tmp / file), metadata={"format": "pt"})
@@ -210,8 +222,9 @@ def save_hf_sharded(folder: str | os.PathLike, parts: list[nn.Module], adapter: 
         write_json(tmp / GENERATION_CONFIG, generation)
         if len(files) > 1:
             total = sum(n for _, n, _ in items)
-            weight_map = {hf: file for file, file_items in zip(names, files) for name in file_items
-                          for hf in hf_shapes[name]}
+            weight_map = {
+                hf: file for file, file_items in zip(names, files) for name in file_items for hf in hf_shapes[name]
+            }
             write_json(tmp / HF_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
         if tokenizer_path is not None:
             try:
@@ -246,8 +259,9 @@ def _whole_on(t: torch.Tensor, writer: int, dtype: torch.dtype) -> torch.Tensor 
         coordinate = [int(c) for c in coordinate]
         if any(coordinate[i] != 0 for i in replicated):
             continue
-        shape, offset = _compute_local_shape_and_global_offset(t.shape, tuple(mesh.mesh.shape), coordinate,
-                                                               t.placements)
+        shape, offset = _compute_local_shape_and_global_offset(
+            t.shape, tuple(mesh.mesh.shape), coordinate, t.placements
+        )
         if math.prod(shape) == 0 or rank not in (sender, writer):
             continue
         if sender == writer:

@@ -146,8 +146,11 @@ def load_hf_weights(run: RunState, path: str) -> dict:
     start = time.perf_counter()
     info = run.model_info
     figures = load_hf_into(run.parts, path, info["hf_adapter"], info["hf_args"], info["shapes"])
-    growth = "" if figures["peak_growth"] is None else \
-        f"; its resident memory peaked {figures['peak_growth'] / 2**20:,.1f} MiB above its size before"
+    growth = (
+        ""
+        if figures["peak_growth"] is None
+        else f"; its resident memory peaked {figures['peak_growth'] / 2**20:,.1f} MiB above its size before"
+    )
     logger.info(
         f"loaded initial weights from the Hugging Face folder {path} in {time.perf_counter() - start:.1f}s "
         f"(this rank read {figures['bytes_read'] / 2**20:,.1f} MiB of its {figures['folder_bytes'] / 2**20:,.1f} "

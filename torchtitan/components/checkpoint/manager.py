@@ -90,8 +90,8 @@ class CheckpointManager:
     def should_save(self, step: int, last_step: int) -> bool:
         if not self.cfg.enable_checkpoint:
             return False
-        return step % self.cfg.interval == 0 or step == last_step or (
-            step == 1 and self.cfg.enable_first_step_checkpoint
+        return (
+            step % self.cfg.interval == 0 or step == last_step or (step == 1 and self.cfg.enable_first_step_checkpoint)
         )
 
     def save(self, step: int, tokens: int, last: bool = False):
@@ -148,20 +148,31 @@ class CheckpointManager:
 
     # -- exports --------------------------------------------------------------------------------
 
-    def export_hf(self, step: int, bos_id: int | None, eos_id: int | None, mesh=None,
-                  tokenizer_path: str | None = None):
+    def export_hf(
+        self, step: int, bos_id: int | None, eos_id: int | None, mesh=None, tokenizer_path: str | None = None
+    ):
         """Write the current weights as a Hugging Face folder {folder}/step-N-hf, every rank writing
         its share of the files (hf_sharded.save_hf_sharded); `mesh`: the job's DeviceMesh."""
         start = time.perf_counter()
         out = os.path.join(self.folder.path, f"step-{step}-hf")
         info = self.run.model_info
         figures = save_hf_sharded(
-            out, self.run.parts, info["hf_adapter"], info["hf_args"], info["shapes"],
-            DTYPES[self.cfg.export_dtype], mesh, self.cfg.hf_max_shard_mb * 2**20, bos_id=bos_id, eos_id=eos_id,
+            out,
+            self.run.parts,
+            info["hf_adapter"],
+            info["hf_args"],
+            info["shapes"],
+            DTYPES[self.cfg.export_dtype],
+            mesh,
+            self.cfg.hf_max_shard_mb * 2**20,
+            bos_id=bos_id,
+            eos_id=eos_id,
             tokenizer_path=tokenizer_path,
         )
-        logger.info(f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s "
-                    f"(this rank wrote {len(figures['files'])} file(s))")
+        logger.info(
+            f"exported Hugging Face weights to {out} in {time.perf_counter() - start:.1f}s "
+            f"(this rank wrote {len(figures['files'])} file(s))"
+        )
 
     def save_seed(self):
         """Write the freshly initialized weights as the model-only step-0 checkpoint."""

@@ -19,7 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 def preflight_checkpoint(
-    cfg: CheckpointConfig, dump_folder: str, world_size: int, device_type: str, seq_len: int, global_batch_size: int,
+    cfg: CheckpointConfig,
+    dump_folder: str,
+    world_size: int,
+    device_type: str,
+    seq_len: int,
+    global_batch_size: int,
     last_step: int,
 ):
     """File-level checks that need no process group, run before launch and on every rank: whatever the run will
@@ -72,11 +77,14 @@ def preflight_checkpoint(
                     f"the run resumes from {folder}/step-{resume_step}, saved with training.{key} = {saved[key]}, "
                     f"but this job has {now}; global sample positions depend on it, so keep {key} = {saved[key]} "
                     f"(with a new data-parallel degree, adjust local_batch_size so the global batch stays the same)"
-                    + ("" if key == "seq_len" else
-                       ". Replica groups (fault_tolerance) read group_count x the group's global batch: between a "
-                       "fault-tolerant run and a normal one, or another group_count, resume with "
-                       "--checkpoint.exclude_from_loading dataloader (the lanes then start at the checkpoint's step; "
-                       "docs/launching.md)")
+                    + (
+                        ""
+                        if key == "seq_len"
+                        else ". Replica groups (fault_tolerance) read group_count x the group's global batch: between a "
+                        "fault-tolerant run and a normal one, or another group_count, resume with "
+                        "--checkpoint.exclude_from_loading dataloader (the lanes then start at the checkpoint's step; "
+                        "docs/launching.md)"
+                    )
                 )
 
 
@@ -134,7 +142,8 @@ def choose_checkpoint(folder: CheckpointFolder, load_step: int) -> str | None:
         skipped.append((step, problem))
     if skipped:
         raise UserError(
-            f"no checkpoint in {folder.path} can be loaded: " + "; ".join(why for _, why in skipped)
+            f"no checkpoint in {folder.path} can be loaded: "
+            + "; ".join(why for _, why in skipped)
             + ". Nothing was moved or deleted; repair them, or move them away to start a new run"
         )
     return None

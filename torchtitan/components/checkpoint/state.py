@@ -46,7 +46,9 @@ class RunState:
             for k, v in list(sd["state"].items()):
                 source = loaded[renames.get(k, k)]
                 if source is not v:
-                    sd["state"][k] = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in source.items()}
+                    sd["state"][k] = {
+                        name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in source.items()
+                    }
 
     def state_dict(self, model_only: bool, export_dtype: str) -> dict:
         """What DCP writes: the model (in export_dtype when model-only), and the optimizer's state."""

@@ -74,12 +74,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
-        ("torch", "float32"), ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float64"),
-        ("torch", "int64"), ("torch", "int32"), ("torch", "int8"), ("torch", "uint8"), ("torch", "bool"),
-        ("torch", "float8_e4m3fn"), ("torch", "float8_e5m2"),
+        ("torch", "float32"),
+        ("torch", "bfloat16"),
+        ("torch", "float16"),
+        ("torch", "float64"),
+        ("torch", "int64"),
+        ("torch", "int32"),
+        ("torch", "int8"),
+        ("torch", "uint8"),
+        ("torch", "bool"),
+        ("torch", "float8_e4m3fn"),
+        ("torch", "float8_e5m2"),
         ("torch.serialization", "_get_layout"),  # looks a layout up by name in a fixed table
         ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # the checkpoint id DCP records
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),  # the checkpoint id DCP records
     }
 
     def find_class(self, module: str, name: str):
@@ -263,11 +272,13 @@ def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1) -> str | No
 def check_model_matches(path: str, metadata, model_sd: dict, prefix: str = "model.", partial: bool = False):
     """Name the first keys and shapes in which the checkpoint and the model differ. A pipeline rank
     holds part of the model (`partial`): the checkpoint may then hold keys this rank does not."""
-    stored = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    stored = {k[len(prefix) :]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
     missing = [k for k in wanted if k not in stored]
     unexpected = [] if partial else [k for k in stored if k not in wanted]
-    shapes = [f"{k}: checkpoint {stored[k]} vs model {wanted[k]}" for k in wanted if k in stored and stored[k] != wanted[k]]
+    shapes = [
+        f"{k}: checkpoint {stored[k]} vs model {wanted[k]}" for k in wanted if k in stored and stored[k] != wanted[k]
+    ]
     if missing or unexpected or shapes:
         lines = []
         if shapes:

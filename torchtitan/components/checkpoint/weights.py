@@ -64,13 +64,18 @@ def read_dcp_model(folder: str | os.PathLike, spec: ModelSpec) -> tuple[dict[str
     return sd, args, train_state
 
 
-def write_dcp_model(folder: str | os.PathLike, sd: dict[str, torch.Tensor], spec: ModelSpec, args, flavor: str = "custom") -> Path:
+def write_dcp_model(
+    folder: str | os.PathLike, sd: dict[str, torch.Tensor], spec: ModelSpec, args, flavor: str = "custom"
+) -> Path:
     """Write a model-only step-0 checkpoint (DCP files + train_state.json) that the trainer can start from."""
     with staging(folder) as tmp:
         with _single_process_dcp():
             dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=True)
         train_state = train_state_record(
-            step=0, tokens=0, model_only=True, world_size=1,
+            step=0,
+            tokens=0,
+            model_only=True,
+            world_size=1,
             model={"name": spec.name, "flavor": flavor, "args": asdict(args)},
             dtype=str(next(iter(sd.values())).dtype).removeprefix("torch."),
         )
@@ -79,8 +84,15 @@ def write_dcp_model(folder: str | os.PathLike, sd: dict[str, torch.Tensor], spec
     return Path(folder)
 
 
-def dcp_to_hf(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, spec: ModelSpec, dtype: torch.dtype,
-              max_shard_bytes: int = 5 * 2**30, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+def dcp_to_hf(
+    checkpoint_dir: str | os.PathLike,
+    output: str | os.PathLike,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 5 * 2**30,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+) -> dict:
     """Export the model part of a step-N checkpoint as a Hugging Face folder, one tensor at a time:
     each tensor is read from the checkpoint when its file is written, so the peak memory is about
     one file's tensors. Returns the checkpoint's train_state.json."""
@@ -100,14 +112,17 @@ def dcp_to_hf(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, spec
             tensors = {}
             for name in file_items:
                 whole = _read_dcp_tensor(folder, name, stored[name])
-                tensors.update({k: v.to(dtype).contiguous() for k, v in spec.hf.tensor_to_hf(name, whole, args).items()})
+                tensors.update(
+                    {k: v.to(dtype).contiguous() for k, v in spec.hf.tensor_to_hf(name, whole, args).items()}
+                )
                 del whole
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             del tensors
         if len(files) > 1:
             weight_map = {hf: file for file, file_items in zip(names, files) for n in file_items for hf in hf_names[n]}
-            write_json(tmp / HF_INDEX, {"metadata": {"total_size": sum(n for _, n, _ in items)},
-                                        "weight_map": weight_map})
+            write_json(
+                tmp / HF_INDEX, {"metadata": {"total_size": sum(n for _, n, _ in items)}, "weight_map": weight_map}
+            )
     return train_state
 
 
@@ -132,7 +147,10 @@ def hf_to_dcp(hf_folder: str | os.PathLike, output: str | os.PathLike, spec: Mod
             dcp.save({"model": placeholders}, storage_writer=writer, planner=_StreamingSavePlanner(load), no_dist=True)
         dtypes = {str(t.dtype).removeprefix("torch.") for t in placeholders.values() if t.is_floating_point()}
         train_state = train_state_record(
-            step=0, tokens=0, model_only=True, world_size=1,
+            step=0,
+            tokens=0,
+            model_only=True,
+            world_size=1,
             model={"name": spec.name, "flavor": flavor, "args": asdict(args)},
             dtype=sorted(dtypes)[0] if len(dtypes) == 1 else "mixed",
         )
@@ -165,8 +183,12 @@ def _dcp_model_metadata(folder: str, spec: ModelSpec):
         for key, md in metadata.items()
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    check_shapes({k: tuple(md.size) for k, md in stored.items()}, meta_shapes(spec, args), folder,
-                 f"its {STATE_FILE} describes another model; the checkpoint is damaged")
+    check_shapes(
+        {k: tuple(md.size) for k, md in stored.items()},
+        meta_shapes(spec, args),
+        folder,
+        f"its {STATE_FILE} describes another model; the checkpoint is damaged",
+    )
     return stored, args, train_state
 
 
@@ -187,8 +209,9 @@ def model_args_from_train_state(train_state: dict, spec: ModelSpec, where):
     try:
         return spec.args_from_dict(model["args"])
     except (KeyError, TypeError) as e:
-        raise UserError(f"{where}: model args do not fit model '{spec.name}' ({e}); it was written by another "
-                        "torchtitan version") from None
+        raise UserError(
+            f"{where}: model args do not fit model '{spec.name}' ({e}); it was written by another torchtitan version"
+        ) from None
 
 
 @contextmanager

@@ -50,8 +50,9 @@ def _corrupt(path: Path, compression: str, error: BaseException, where: str = ""
     )
 
 
-def _stream_where(compression: str, start: int, end: int, size: int, unit_start: int,
-                  lines: Callable[[], int] | None) -> str:
+def _stream_where(
+    compression: str, start: int, end: int, size: int, unit_start: int, lines: Callable[[], int] | None
+) -> str:
     """Where a compressed stream failed: the compressed bytes the decoder was given when it failed
     (start..end, end excluded), the frame or member they are in and, for a file read as lines, the
     last complete line read (the documents before it were delivered)."""
@@ -138,8 +139,9 @@ def _decoded_chunks(path: Path, compression: str, lines: Callable[[], int] | Non
             raise _corrupt(path, compression, EOFError(f"the file ends inside a {_UNIT[compression]}"), where)
 
 
-def byte_chunks(path: Path, compression: str | None, size: int = 1 << 20,
-                 lines: Callable[[], int] | None = None) -> Iterator[bytes]:
+def byte_chunks(
+    path: Path, compression: str | None, size: int = 1 << 20, lines: Callable[[], int] | None = None
+) -> Iterator[bytes]:
     """The (decompressed) bytes of a file, in chunks (of `size` bytes for an uncompressed file);
     decompression errors are UserErrors naming it and where it failed."""
     if compression is not None:
@@ -203,8 +205,9 @@ def not_text(path: Path, compression: str | None, offset: int, what: str, line: 
     )
 
 
-def check_text(data: bytes, path: Path, compression: str | None, start: int = 0, line: int | None = None,
-               final: bool = True):
+def check_text(
+    data: bytes, path: Path, compression: str | None, start: int = 0, line: int | None = None, final: bool = True
+):
     """Refuse `data`, bytes `start`.. of the file, where it is not text (text_problem). The error names the
     line: `line` where the data is one line of the file, else counted in `data` (from `start` = 0)."""
     problem = text_problem(data, final)

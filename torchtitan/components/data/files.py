@@ -63,8 +63,15 @@ class FilesSource:
     files and folders, *.md and LICENSE files are ignored; any other file must be data), or a
     `datasets` save_to_disk folder."""
 
-    def __init__(self, path: str, text_field: str = "text", name: str = "local",
-                 include: Callable[[str], bool] | None = None, skip_corrupt: bool = False, check_all: bool = True):
+    def __init__(
+        self,
+        path: str,
+        text_field: str = "text",
+        name: str = "local",
+        include: Callable[[str], bool] | None = None,
+        skip_corrupt: bool = False,
+        check_all: bool = True,
+    ):
         self.name, self.text_field = name, text_field
         # training.skip_corrupt_files: a file that fails past its start is read no further (a document
         # read by index: taken as empty), with a warning and a running count, instead of stopping the run.
@@ -203,8 +210,15 @@ class FilesSource:
     def _skip(self, i: int, error: UserError, what: str):
         path = self.paths[i]
         self.skipped[path] = self.skipped.get(path, 0) + 1
-        logger.warning("training.skip_corrupt_files: skipping %s of %s (%s); skipped so far: %d document(s) or "
-                       "file rest(s) in %d file(s)", what, path, error, sum(self.skipped.values()), len(self.skipped))
+        logger.warning(
+            "training.skip_corrupt_files: skipping %s of %s (%s); skipped so far: %d document(s) or "
+            "file rest(s) in %d file(s)",
+            what,
+            path,
+            error,
+            sum(self.skipped.values()),
+            len(self.skipped),
+        )
 
     def layout(self) -> dict | None:
         """Documents per unit of the units counted so far by reading them, with the file's size: saved

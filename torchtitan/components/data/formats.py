@@ -22,8 +22,16 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from torchtitan.components.data.compression import (INSTALL_DATA, byte_chunks, byte_lines, check_text, decode,
-                                                    open_raw, read_head, whole_text)
+from torchtitan.components.data.compression import (
+    INSTALL_DATA,
+    byte_chunks,
+    byte_lines,
+    check_text,
+    decode,
+    open_raw,
+    read_head,
+    whole_text,
+)
 from torchtitan.config.errors import UserError
 
 
@@ -48,8 +56,6 @@ def _import_pyarrow(path: Path, what: str):
             f"{path} is {what}: reading it needs the pyarrow package: pip install pyarrow (or {INSTALL_DATA})"
         ) from None
     return pyarrow
-
-
 
 
 def _check_text_start(path: Path, compression: str | None, chunks: list[bytes]):
@@ -304,10 +310,15 @@ def _check_column(pa, path: Path, schema, field: str, fix: str):
             f"training.dataset_text_field to the column holding the text{fix}"
         )
     kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        raise UserError(f"{path}: column {field!r} is of type {kind}, not text; set training.dataset_text_field "
-                        "to the column holding the text")
+    if not (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or getattr(pa.types, "is_string_view", lambda _: False)(kind)
+    ):
+        raise UserError(
+            f"{path}: column {field!r} is of type {kind}, not text; set training.dataset_text_field "
+            "to the column holding the text"
+        )
 
 
 class _ParquetFile:
@@ -323,8 +334,10 @@ class _ParquetFile:
             with self.pa.parquet.ParquetFile(path) as f:  # its footer: read once, kept for every later open
                 self.metadata, schema = f.metadata, f.schema_arrow
         except (OSError, self.pa.ArrowException) as e:
-            raise UserError(f"{path} is not a readable parquet file ({e}); it is corrupt or truncated: download or "
-                            "write it again, or remove it from the dataset") from None
+            raise UserError(
+                f"{path} is not a readable parquet file ({e}); it is corrupt or truncated: download or "
+                "write it again, or remove it from the dataset"
+            ) from None
         _check_column(self.pa, path, schema, field, "")
         self.row_groups = [self.metadata.row_group(i).num_rows for i in range(self.metadata.num_row_groups)]
 
@@ -345,8 +358,10 @@ class _ParquetFile:
         try:
             f = self.pa.parquet.ParquetFile(self.path, metadata=self.metadata)
         except (OSError, self.pa.ArrowException) as e:
-            raise UserError(f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
-                            "write it again, or remove it from the dataset") from None
+            raise UserError(
+                f"cannot read parquet file {self.path} ({e}); it is corrupt or truncated: download or "
+                "write it again, or remove it from the dataset"
+            ) from None
         with f:
             first = sum(self.row_groups[: groups.start])  # the number in the file of the row group's first row
             for group in groups:
@@ -407,8 +422,10 @@ class _ArrowFile:
             source.seek(0)
             return self.pa.ipc.open_stream(source)
         except (OSError, self.pa.ArrowException) as e:
-            raise UserError(f"{self.path} is not a readable Arrow IPC file ({e}); it is corrupt or truncated: write "
-                            "it again, or remove it from the dataset") from None
+            raise UserError(
+                f"{self.path} is not a readable Arrow IPC file ({e}); it is corrupt or truncated: write "
+                "it again, or remove it from the dataset"
+            ) from None
 
     def _batches(self) -> list:
         """The record batches, read one by one (zero-copy: their buffers stay in the memory map) so that

@@ -114,9 +114,12 @@ class SharedUnits:
         if n >= lanes:
             return f"{_count(n, 'unit')} for {_count(lanes, 'lane')} (each lane reads whole units, about {n / lanes:.3g} per epoch)"
         k = -(-lanes // n)
-        how = ("each lane reads a 1/%d part of a document's tokens" % k if self.source.random_access else
-               "each lane reads every %d-th document of its unit, or a 1/%d part of its tokens if it holds fewer "
-               "documents" % (k, k))
+        how = (
+            "each lane reads a 1/%d part of a document's tokens" % k
+            if self.source.random_access
+            else "each lane reads every %d-th document of its unit, or a 1/%d part of its tokens if it holds fewer "
+            "documents" % (k, k)
+        )
         return f"{_count(n, 'unit')} for {lanes} lanes: up to {k} lanes share a unit ({how})"
 
     def by_tokens(self, u: int, sharers: int) -> bool:
@@ -150,8 +153,14 @@ class SharedUnits:
                     "dataset %s is small for its lanes: a unit of %d tokens is shared by %d lanes, %d tokens each per "
                     "epoch, less than one sequence of seq_len + 1 = %d: each sample spans several epochs, and a step "
                     "repeats the unit's tokens about %.1f times; add data, or lower training.seq_len or the global "
-                    "batch size", self.source.name, len(tokens), sharers, len(tokens) // sharers, self.window_len,
-                    sharers * self.window_len / len(tokens))
+                    "batch size",
+                    self.source.name,
+                    len(tokens),
+                    sharers,
+                    len(tokens) // sharers,
+                    self.window_len,
+                    sharers * self.window_len / len(tokens),
+                )
         return self._tokens[u]
 
 
@@ -215,8 +224,11 @@ class LaneView:
             ranges = [self.units[u][share.part :: share.sharers] for u in share.units]
             ends = list(itertools.accumulate(len(r) for r in ranges))
             n = ends[-1] if ends else 0
-            order = Permutation(n, derived_seed(derived_seed(self.seed, epoch), self.lane), 0) if (
-                self.seed is not None and n) else None
+            order = (
+                Permutation(n, derived_seed(derived_seed(self.seed, epoch), self.lane), 0)
+                if (self.seed is not None and n)
+                else None
+            )
             self._index = (epoch, ranges, ends, order)
         return self._index
 

@@ -104,7 +104,12 @@ class Part:
             self._logged_epoch = epoch
             logger.warning(
                 "dataset %s: a lane read its share of epoch %d (%d document%s) and starts epoch %d (the data "
-                "repeats%s)", self.name, epoch - 1, documents, "" if documents == 1 else "s", epoch,
+                "repeats%s)",
+                self.name,
+                epoch - 1,
+                documents,
+                "" if documents == 1 else "s",
+                epoch,
                 ", in a new order" if self.shuffle_seed is not None else "",
             )
 
@@ -113,8 +118,9 @@ def _as_tokens(document):
     return document  # a token folder's documents are tokens already
 
 
-def open_part(source, tokenizer, name: str, path: str = "", shuffle_seed: int | None = None,
-              shuffle_block: int = 10_000) -> Part:
+def open_part(
+    source, tokenizer, name: str, path: str = "", shuffle_seed: int | None = None, shuffle_block: int = 10_000
+) -> Part:
     """`source`: a text source, tokenized by `tokenizer`; with tokenizer None, a source of token lists (a
     token file). `shuffle_seed`: each lane reads its share of each epoch shuffled (lanes.py); None: in
     stored order."""
@@ -157,9 +163,19 @@ class PackedDataset(IterableDataset):
     reads document boundaries; None: unknown.
     """
 
-    def __init__(self, parts: list[Part], seq_len: int, dp_rank: int, dp_degree: int, global_batch_size: int,
-                 weights: list[int] | None = None, specs: list[str] | None = None, workers: int = 0,
-                 gather: Callable[[object], list] | None = None, document_end_id: int | None = None):
+    def __init__(
+        self,
+        parts: list[Part],
+        seq_len: int,
+        dp_rank: int,
+        dp_degree: int,
+        global_batch_size: int,
+        weights: list[int] | None = None,
+        specs: list[str] | None = None,
+        workers: int = 0,
+        gather: Callable[[object], list] | None = None,
+        document_end_id: int | None = None,
+    ):
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_degree}")
         if global_batch_size < 1 or global_batch_size % dp_degree:
@@ -185,14 +201,18 @@ class PackedDataset(IterableDataset):
                 documents = "" if n is None else f"{n:,} document{'' if n == 1 else 's'}, "
                 # A mixture's source says its share of the samples (its weight over the weights' sum).
                 share = f" ({weights[i] / sum(weights):.1%} of the samples)" if weights is not None else ""
-                logger.info("data: %s%s: %s%s", part.name, share, documents,
-                            part.units(global_batch_size, seq_len).describe())
+                logger.info(
+                    "data: %s%s: %s%s", part.name, share, documents, part.units(global_batch_size, seq_len).describe()
+                )
             # Data-parallel rank 0, and run_train.sh's preflight (which builds rank 0's loader before launch),
             # refuse a source that cannot fill one sequence before any model is built, each of a mixture.
             for part in parts:
                 if weights is not None:
-                    part.check_fills_a_window(seq_len + 1, f"training.dataset_mix source {part.name!r}",
-                                              "add data to it, remove it from training.dataset_mix")
+                    part.check_fills_a_window(
+                        seq_len + 1,
+                        f"training.dataset_mix source {part.name!r}",
+                        "add data to it, remove it from training.dataset_mix",
+                    )
                 else:
                     at = f" at {part.path}" if part.path else ""
                     part.check_fills_a_window(seq_len + 1, f"dataset {part.name}{at}")
@@ -228,19 +248,24 @@ class PackedDataset(IterableDataset):
             return {}
         counts = counts_at(self.weights, self.pattern, samples)
         metrics = {f"data_share/{i}": c / max(samples, 1) for i, c in enumerate(counts)}
-        metrics.update({f"data_epoch/{i}": min(lane.streams[i].epoch for lane in self.lanes)
-                        for i in range(len(self.parts))})
+        metrics.update(
+            {f"data_epoch/{i}": min(lane.streams[i].epoch for lane in self.lanes) for i in range(len(self.parts))}
+        )
         return metrics
 
     def state_dict(self) -> dict:
-        local = {"lanes": {lane.index: lane.position() for lane in self.lanes},
-                 "layouts": [part.layout() for part in self.parts]}
+        local = {
+            "lanes": {lane.index: lane.position() for lane in self.lanes},
+            "layouts": [part.layout() for part in self.parts],
+        }
         lanes, layouts = {}, [None] * len(self.parts)
         for share in self.gather(local) if self.gather is not None else [local]:
             lanes.update(share["lanes"])
             layouts = [_merge_layouts(a, b) for a, b in zip(layouts, share["layouts"])]
         state = {
-            "version": STATE_VERSION, "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
+            "version": STATE_VERSION,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
             "dp_degree": self.dp_degree,
             "next_sample": sum(stream["next_sample"] for position in lanes.values() for stream in position),
             "lanes": [[p, lanes[p]] for p in sorted(lanes)],
@@ -261,7 +286,9 @@ class PackedDataset(IterableDataset):
                 "checkpoint.exclude_from_loading = ['dataloader']"
             )
         if version == 4:
-            changed = [part.name for part in self.parts if not part.units(self.global_batch_size, self.seq_len).same_as_v4]
+            changed = [
+                part.name for part in self.parts if not part.units(self.global_batch_size, self.seq_len).same_as_v4
+            ]
             if changed:
                 raise UserError(
                     f"the checkpoint's data loader state has version 4, from before lanes that share a source's unit "
@@ -295,7 +322,8 @@ class PackedDataset(IterableDataset):
                 "resume from a checkpoint the trainer saved"
             )
         if len({sum(s["next_sample"] for s in position) for position in lanes.values()}) > 1 and (
-                state["dp_degree"] != self.dp_degree):
+            state["dp_degree"] != self.dp_degree
+        ):
             raise UserError(
                 f"the data state was saved in the middle of a step (its lanes are at different samples) under "
                 f"data-parallel degree {state['dp_degree']}; only states saved at step boundaries load under a "
@@ -351,7 +379,9 @@ def _check_part(part: Part, state: dict):
     if state["dataset_path"] != part.path:
         logger.warning(
             "resuming data of %s from a state saved for %s: document positions are only "
-            "meaningful if the data is the same", part.path, state["dataset_path"],
+            "meaningful if the data is the same",
+            part.path,
+            state["dataset_path"],
         )
     saved_seed = state["shuffle_seed"]
     if saved_seed != part.shuffle_seed:
@@ -359,7 +389,8 @@ def _check_part(part: Part, state: dict):
             fix = "resume with training.shuffle_documents = false"
         else:
             fix = f"resume with training.seed = {saved_seed}" + (
-                " and training.shuffle_documents = true" if part.shuffle_seed is None else "")
+                " and training.shuffle_documents = true" if part.shuffle_seed is None else ""
+            )
         raise UserError(
             f"the checkpoint's data state reads documents of {part.name} in {_order_name(saved_seed)}, but this job "
             f"would read them in {_order_name(part.shuffle_seed)}: its position means nothing in another order; {fix}"
@@ -378,8 +409,13 @@ def _collate(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_dataloader(
-    cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, global_batch_size: int,
-    pin_memory: bool = False, gather: Callable[[object], list] | None = None,
+    cfg: Training,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_degree: int,
+    global_batch_size: int,
+    pin_memory: bool = False,
+    gather: Callable[[object], list] | None = None,
 ) -> StatefulDataLoader:
     """Batches (inputs, labels), each int64 [local_batch_size, seq_len], of this rank's samples; in
     page-locked memory with `pin_memory` (for non-blocking copies to a CUDA device). `gather`: an
@@ -398,21 +434,48 @@ def build_dataloader(
     if cfg.dataset_mix:
         fractions, specs = parse_mix(cfg.dataset_mix, "training.dataset_mix")
         parts = [_open_mix_part(cfg, tokenizer, spec, dp_rank == 0) for spec in specs]
-        dataset = PackedDataset(parts, cfg.seq_len, dp_rank, dp_degree, global_batch_size,
-                                weights=integer_weights(fractions), specs=specs, workers=cfg.data_workers,
-                                gather=gather, document_end_id=tokenizer.eos_id)
+        dataset = PackedDataset(
+            parts,
+            cfg.seq_len,
+            dp_rank,
+            dp_degree,
+            global_batch_size,
+            weights=integer_weights(fractions),
+            specs=specs,
+            workers=cfg.data_workers,
+            gather=gather,
+            document_end_id=tokenizer.eos_id,
+        )
     else:
         source, text_tokenizer, shuffle = open_source(cfg, tokenizer, dp_rank == 0)
-        part = open_part(source, text_tokenizer, cfg.dataset, cfg.dataset_path or "", cfg.seed if shuffle else None,
-                         cfg.shuffle_buffer)
-        dataset = PackedDataset([part], cfg.seq_len, dp_rank, dp_degree, global_batch_size,
-                                workers=cfg.data_workers, gather=gather, document_end_id=tokenizer.eos_id)
+        part = open_part(
+            source,
+            text_tokenizer,
+            cfg.dataset,
+            cfg.dataset_path or "",
+            cfg.seed if shuffle else None,
+            cfg.shuffle_buffer,
+        )
+        dataset = PackedDataset(
+            [part],
+            cfg.seq_len,
+            dp_rank,
+            dp_degree,
+            global_batch_size,
+            workers=cfg.data_workers,
+            gather=gather,
+            document_end_id=tokenizer.eos_id,
+        )
     with warnings.catch_warnings():
         # torchdata 0.11 calls a torch API that torch now deprecates; nothing for users to act on.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(
             # The dataset's own workers read the lanes (workers.py), and its state is the lanes' positions.
-            dataset, batch_size=cfg.local_batch_size, num_workers=0, collate_fn=_collate, pin_memory=pin_memory,
+            dataset,
+            batch_size=cfg.local_batch_size,
+            num_workers=0,
+            collate_fn=_collate,
+            pin_memory=pin_memory,
         )
 
 
@@ -436,12 +499,13 @@ def _open_mix_part(cfg: Training, tokenizer: Tokenizer, spec: str, check_all: bo
     try:
         source_spec, field = split_text_field(spec)  # SOURCE#FIELD: the source's own text field
         dataset, path = source_kind(source_spec)
-        as_single = dataclasses.replace(cfg, dataset=dataset, dataset_path=path, dataset_mix=[],
-                                        dataset_text_field=field or cfg.dataset_text_field)
+        as_single = dataclasses.replace(
+            cfg, dataset=dataset, dataset_path=path, dataset_mix=[], dataset_text_field=field or cfg.dataset_text_field
+        )
         source, text_tokenizer, shuffle = open_source(as_single, tokenizer, check_all)
         return open_part(source, text_tokenizer, spec, path or "", cfg.seed if shuffle else None, cfg.shuffle_buffer)
     except UserError as e:
-        message = str(e).replace("set training.dataset_path to", "change it to").replace(
-            "training.dataset_path", "the path")
+        message = (
+            str(e).replace("set training.dataset_path to", "change it to").replace("training.dataset_path", "the path")
+        )
         raise UserError(f"training.dataset_mix source {spec!r}: {message}") from None
-

@@ -88,7 +88,7 @@ def source_kind(spec: str) -> tuple[str, str | None]:
     """(training.dataset, dataset_path) that a mixture's SOURCE names: a dataset name, `hf:NAME`, a token
     folder (a folder with a meta.json) or local files. A path that does not exist is refused."""
     if spec.startswith(HF_PREFIX):
-        name = spec[len(HF_PREFIX):]
+        name = spec[len(HF_PREFIX) :]
         if not name:
             raise UserError(f"mixture source {spec!r} names no dataset; write hf:ORG/NAME or hf:/a/local/folder")
         return "huggingface", name

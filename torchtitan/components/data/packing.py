@@ -56,8 +56,13 @@ class TokenStream:
         self.on_new_epoch = None  # called with (name, epoch, documents of the epoch ended)
 
     def position(self) -> dict:
-        return {"next_sample": self.next_sample, "epoch": self.epoch, "doc_index": self.doc_index,
-                "token_offset": self.offset, "carry": list(self.carry)}
+        return {
+            "next_sample": self.next_sample,
+            "epoch": self.epoch,
+            "doc_index": self.doc_index,
+            "token_offset": self.offset,
+            "carry": list(self.carry),
+        }
 
     def seek(self, position: dict):
         self._close_documents()

@@ -1,6 +1,5 @@
 """The document order: a seeded pseudo-random permutation per epoch, computed per index."""
 
-
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 

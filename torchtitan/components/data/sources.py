@@ -50,10 +50,7 @@ def _stdlib_files() -> tuple[Path, ...]:
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         # Prune in place so os.walk never descends into excluded folders.
-        dirnames[:] = [
-            d for d in dirnames
-            if not _is_excluded_stdlib_dir(d if rel_dir == "." else f"{rel_dir}/{d}")
-        ]
+        dirnames[:] = [d for d in dirnames if not _is_excluded_stdlib_dir(d if rel_dir == "." else f"{rel_dir}/{d}")]
         found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
     return tuple(sorted(found, key=lambda p: p.relative_to(root).as_posix()))
 
@@ -86,13 +83,18 @@ class StdlibSource:
         return read_text(self.files[index])
 
 
-
 class HuggingFaceSource:
     name = "huggingface"
     random_access = False
 
-    def __init__(self, path: str, text_field: str = "text", config_name: str | None = None,
-                 name: str = "huggingface", hint: str = ""):
+    def __init__(
+        self,
+        path: str,
+        text_field: str = "text",
+        config_name: str | None = None,
+        name: str = "huggingface",
+        hint: str = "",
+    ):
         self.name, self.text_field = name, text_field
         try:
             import datasets
@@ -246,8 +248,14 @@ def _c4_source(cfg: Training, check_all: bool):
     path = cfg.dataset_path or C4_HUB
     if os.path.exists(path):
         root, include = _c4_local_include(Path(path)) if os.path.isdir(path) else (Path(path), None)
-        return FilesSource(str(root), cfg.dataset_text_field, name="c4", include=include,
-                           skip_corrupt=cfg.skip_corrupt_files, check_all=check_all)
+        return FilesSource(
+            str(root),
+            cfg.dataset_text_field,
+            name="c4",
+            include=include,
+            skip_corrupt=cfg.skip_corrupt_files,
+            check_all=check_all,
+        )
     hint = _offline_alternatives()
     try:
         import datasets  # noqa: F401
@@ -269,13 +277,14 @@ def _c4_test_source(cfg: Training, check_all: bool):
     if not os.path.exists(path):
         raise UserError(
             f"training.dataset = 'c4_test' reads the reference torchtitan's C4 sample from {path} (a folder holding "
-            f"data.json, one {{\"text\": ...}} object per line), relative to the working directory {os.getcwd()}, "
+            f'data.json, one {{"text": ...}} object per line), relative to the working directory {os.getcwd()}, '
             "and it is not there: copy tests/assets/c4_test from a checkout of https://github.com/pytorch/torchtitan "
             f"to {path}, or set training.dataset_path to where it is; or train on training.dataset = 'python_stdlib' "
             "(embedded) or 'local' files"
         )
-    return FilesSource(path, cfg.dataset_text_field, name="c4_test", skip_corrupt=cfg.skip_corrupt_files,
-                       check_all=check_all)
+    return FilesSource(
+        path, cfg.dataset_text_field, name="c4_test", skip_corrupt=cfg.skip_corrupt_files, check_all=check_all
+    )
 
 
 def build_source(cfg: Training, check_all: bool = True):
@@ -286,8 +295,9 @@ def build_source(cfg: Training, check_all: bool = True):
     if cfg.dataset == "python_stdlib":
         source = StdlibSource()
     elif cfg.dataset == "local" and cfg.dataset_path:
-        source = FilesSource(cfg.dataset_path, cfg.dataset_text_field, skip_corrupt=cfg.skip_corrupt_files,
-                             check_all=check_all)
+        source = FilesSource(
+            cfg.dataset_path, cfg.dataset_text_field, skip_corrupt=cfg.skip_corrupt_files, check_all=check_all
+        )
     elif cfg.dataset == "huggingface" and cfg.dataset_path:
         source = HuggingFaceSource(cfg.dataset_path, cfg.dataset_text_field)
     elif cfg.dataset == "c4":
@@ -311,8 +321,9 @@ def build_source(cfg: Training, check_all: bool = True):
         if not isinstance(source, HuggingFaceSource):
             raise
         hint = _offline_alternatives() if cfg.dataset == "c4" else ""
-        raise UserError(f"could not read the first document of dataset {cfg.dataset}{where}: "
-                        f"{type(e).__name__}: {e}{hint}") from None
+        raise UserError(
+            f"could not read the first document of dataset {cfg.dataset}{where}: {type(e).__name__}: {e}{hint}"
+        ) from None
     if not found:
         raise UserError(f"dataset {cfg.dataset}{where} is empty: it has no non-empty document")
     return source, shuffle

@@ -86,8 +86,10 @@ def _same_tokenizer(a: dict, b: dict) -> bool:
 
 def _describe_tokenizer(fp: dict) -> str:
     sha = fp.get("sha256")
-    return (f"{fp.get('kind')} tokenizer {fp.get('path') or '(no file)'} (vocab_size {fp.get('vocab_size')}, "
-            f"bos {fp.get('bos_id')}, eos {fp.get('eos_id')}" + (f", sha256 {sha[:12]}" if sha else "") + ")")
+    return (
+        f"{fp.get('kind')} tokenizer {fp.get('path') or '(no file)'} (vocab_size {fp.get('vocab_size')}, "
+        f"bos {fp.get('bos_id')}, eos {fp.get('eos_id')}" + (f", sha256 {sha[:12]}" if sha else "") + ")"
+    )
 
 
 def read_meta(folder: Path) -> dict:
@@ -106,11 +108,14 @@ def read_meta(folder: Path) -> dict:
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}")
     except ValueError as e:
-        raise UserError(f"{meta_file} is not a token folder's metadata ({e}); write the folder again with "
-                        f"{PRETOKENIZE}") from None
+        raise UserError(
+            f"{meta_file} is not a token folder's metadata ({e}); write the folder again with {PRETOKENIZE}"
+        ) from None
     if meta.get("version") != FORMAT_VERSION:
-        raise UserError(f"{meta_file} has format version {meta.get('version')}; this torchtitan reads version "
-                        f"{FORMAT_VERSION}: write the folder again with {PRETOKENIZE}")
+        raise UserError(
+            f"{meta_file} has format version {meta.get('version')}; this torchtitan reads version "
+            f"{FORMAT_VERSION}: write the folder again with {PRETOKENIZE}"
+        )
     return meta
 
 
@@ -129,8 +134,7 @@ class TokenFile:
         if dtype not in ("uint16", "uint32"):
             raise UserError(f"{folder / META}: unknown dtype {dtype!r}; write the folder again with {PRETOKENIZE}")
         file_vocab = int(meta["vocab_size"])
-        for what, vocab in (("the vocabulary it was written with", file_vocab),
-                            ("the job's tokenizer", vocab_size)):
+        for what, vocab in (("the vocabulary it was written with", file_vocab), ("the job's tokenizer", vocab_size)):
             if dtype == "uint16" and vocab is not None and vocab > UINT16_LIMIT:
                 raise UserError(
                     f"{folder / TOKENS} holds uint16 ids, but {what} has {vocab} tokens (over 65536): ids above "
@@ -159,9 +163,11 @@ class TokenFile:
         self.tokens = np.memmap(folder / TOKENS, dtype=le, mode="r", shape=(self.num_tokens,))
         self.offsets = np.memmap(folder / INDEX, dtype="<u8", mode="r", shape=(self.num_docs + 1,))
         if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.num_tokens:
-            raise UserError(f"{folder / INDEX} does not match {TOKENS} (offsets {int(self.offsets[0])}.."
-                            f"{int(self.offsets[-1])} for {self.num_tokens} tokens); write the folder again with "
-                            f"{PRETOKENIZE}")
+            raise UserError(
+                f"{folder / INDEX} does not match {TOKENS} (offsets {int(self.offsets[0])}.."
+                f"{int(self.offsets[-1])} for {self.num_tokens} tokens); write the folder again with "
+                f"{PRETOKENIZE}"
+            )
 
     def num_documents(self) -> int:
         return self.num_docs
@@ -191,8 +197,7 @@ class TokenFile:
 def open_token_source(path: str | None, tokenizer) -> TokenFile:
     """The token folder of training.dataset = "tokens", checked against the job's tokenizer."""
     if not path:
-        raise UserError('training.dataset = "tokens" needs training.dataset_path: the folder written by '
-                        f"{PRETOKENIZE}")
+        raise UserError(f'training.dataset = "tokens" needs training.dataset_path: the folder written by {PRETOKENIZE}')
     vocab = getattr(tokenizer, "vocab_size", None)
     source = TokenFile(path, vocab)
     recorded = source.meta["tokenizer"]
@@ -255,8 +260,10 @@ def _write_error(out: Path, e: OSError) -> UserError:
     and that the same command continues after the last complete chunk once it is fixed."""
     where = f" ({e.filename})" if e.filename else ""
     fix = "free space on it" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "fix that"
-    return UserError(f"could not write the token folder {out}: {e.strerror or e}{where}; {fix} and run the same "
-                     "command again (it continues after the last complete chunk), or choose another OUTPUT")
+    return UserError(
+        f"could not write the token folder {out}: {e.strerror or e}{where}; {fix} and run the same "
+        "command again (it continues after the last complete chunk), or choose another OUTPUT"
+    )
 
 
 @contextlib.contextmanager
@@ -273,8 +280,10 @@ def _read_chunk(docs, count: int, description, done: int) -> list:
     try:
         return [t for _, t in zip(range(count), docs)]
     except OSError as e:
-        raise UserError(f"could not read the source {description} after {done:,} documents: {type(e).__name__}: "
-                        f"{e}; run the same command again: it continues after the last complete chunk") from None
+        raise UserError(
+            f"could not read the source {description} after {done:,} documents: {type(e).__name__}: "
+            f"{e}; run the same command again: it continues after the last complete chunk"
+        ) from None
 
 
 def _difference(recorded: dict, current: dict) -> str | None:
@@ -283,21 +292,37 @@ def _difference(recorded: dict, current: dict) -> str | None:
     old, new = recorded.get("source") or {}, current["source"]
     if old != new:
         if old.get("description") == new.get("description") and old.get("text_field") == new.get("text_field"):
-            return (f"the source {new.get('description')} has changed since (its files' paths, sizes or modification "
-                    "times, or the dataset's data files or revision)")
-        return (f"it is of the source {old.get('description')} (text field {old.get('text_field')!r}), not "
-                f"{new.get('description')} (text field {new.get('text_field')!r})")
+            return (
+                f"the source {new.get('description')} has changed since (its files' paths, sizes or modification "
+                "times, or the dataset's data files or revision)"
+            )
+        return (
+            f"it is of the source {old.get('description')} (text field {old.get('text_field')!r}), not "
+            f"{new.get('description')} (text field {new.get('text_field')!r})"
+        )
     if not _same_tokenizer(recorded.get("tokenizer") or {}, current["tokenizer"]):
-        return (f"it is of the {_describe_tokenizer(recorded.get('tokenizer') or {})}, not the "
-                f"{_describe_tokenizer(current['tokenizer'])}")
+        return (
+            f"it is of the {_describe_tokenizer(recorded.get('tokenizer') or {})}, not the "
+            f"{_describe_tokenizer(current['tokenizer'])}"
+        )
     if recorded.get("dtype") != current["dtype"]:
         return f"it holds {recorded.get('dtype')} ids, this run writes {current['dtype']}"
     return None
 
 
-def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_description: dict,
-                tokenizer_spec=None, workers: int | None = None, chunk_docs: int = 4096, batch_docs: int = 64,
-                max_chunks: int | None = None, log=print) -> dict | None:
+def pretokenize(
+    source,
+    tokenizer,
+    output: str | os.PathLike,
+    *,
+    source_description: dict,
+    tokenizer_spec=None,
+    workers: int | None = None,
+    chunk_docs: int = 4096,
+    batch_docs: int = 64,
+    max_chunks: int | None = None,
+    log=print,
+) -> dict | None:
     """Write the token folder of a text source (data.py's sources: `documents(start)` in stored order).
 
     `tokenizer_spec`: what each worker builds its tokenizer from (a path; default: the tokenizer itself,
@@ -322,8 +347,10 @@ def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_descript
             meta = read_meta(out)
             difference = _difference(meta, identity)
             if difference:
-                raise UserError(f"{out} already holds a complete token folder of another source or tokenizer: "
-                                f"{difference}; choose another OUTPUT, or remove it")
+                raise UserError(
+                    f"{out} already holds a complete token folder of another source or tokenizer: "
+                    f"{difference}; choose another OUTPUT, or remove it"
+                )
             log(f"{out} is already complete: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens")
             return meta
         if (out / PROGRESS).is_file():
@@ -352,7 +379,8 @@ def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_descript
         import multiprocessing
 
         pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tokenizer_spec or tokenizer,))
+            workers, initializer=_init_worker, initargs=(tokenizer_spec or tokenizer,)
+        )
         encode = lambda batches: pool.imap(_encode_batch, batches)  # noqa: E731 (in order)
     else:
         _init_worker(tokenizer_spec or tokenizer)
@@ -380,13 +408,16 @@ def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_descript
             with _writing(out), open(out / TOKENS, "ab") as tokens_f, open(out / INDEX, "ab") as index_f:
                 tokens_f.write(np.concatenate(pieces).tobytes() if pieces else b"")
                 index_f.write(ends.astype("<u8").tobytes())
-                tokens_f.flush(); index_f.flush()
-                os.fsync(tokens_f.fileno()); os.fsync(index_f.fileno())
+                tokens_f.flush()
+                index_f.flush()
+                os.fsync(tokens_f.fileno())
+                os.fsync(index_f.fileno())
             docs_done += len(texts)
             tokens_done = int(ends[-1]) if len(ends) else tokens_done
             with _writing(out):
-                _atomic_write_json(out / PROGRESS, {**identity, "docs_done": docs_done, "tokens_done": tokens_done,
-                                                    "max_id": max_id})
+                _atomic_write_json(
+                    out / PROGRESS, {**identity, "docs_done": docs_done, "tokens_done": tokens_done, "max_id": max_id}
+                )
             chunks += 1
             log(f"{docs_done:,} documents, {tokens_done:,} tokens")
             if max_chunks is not None and chunks >= max_chunks:
@@ -399,9 +430,15 @@ def pretokenize(source, tokenizer, output: str | os.PathLike, *, source_descript
     if tokens_done == 0:
         raise UserError(f"the source {description} has no non-empty document: nothing to train on")
     meta = {
-        "format": FORMAT, "version": FORMAT_VERSION, **identity, "vocab_size": vocab,
-        "bos_id": fingerprint["bos_id"], "eos_id": fingerprint["eos_id"],
-        "num_docs": docs_done, "num_tokens": tokens_done, "max_id": max_id,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        **identity,
+        "vocab_size": vocab,
+        "bos_id": fingerprint["bos_id"],
+        "eos_id": fingerprint["eos_id"],
+        "num_docs": docs_done,
+        "num_tokens": tokens_done,
+        "max_id": max_id,
         "source_random_access": bool(source.random_access),
     }
     with _writing(out):

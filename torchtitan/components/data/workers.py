@@ -83,14 +83,23 @@ class LaneWorkers:
         self.lanes, self.sources = lanes, sources
         n = min(workers, len(lanes))
         if n < workers:
-            logger.warning("training.data_workers = %d, but this rank reads %d lane(s) (a worker reads whole lanes): "
-                           "starting %d worker(s)", workers, len(lanes), n)
+            logger.warning(
+                "training.data_workers = %d, but this rank reads %d lane(s) (a worker reads whole lanes): "
+                "starting %d worker(s)",
+                workers,
+                len(lanes),
+                n,
+            )
         self.owner = {lane.index: w % n for w, lane in enumerate(lanes)}
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         self.queues = [context.Queue(WINDOWS_AHEAD * len(lanes[w::n])) for w in range(n)]
         self.processes = [
-            context.Process(target=_work, args=(lanes[w::n], sources, self.queues[w], os.getpid()), daemon=True,
-                            name=f"data-worker-{w}")
+            context.Process(
+                target=_work,
+                args=(lanes[w::n], sources, self.queues[w], os.getpid()),
+                daemon=True,
+                name=f"data-worker-{w}",
+            )
             for w in range(n)
         ]
         # Blocked while the workers fork, so that none dies of a signal before it ignores them. GC

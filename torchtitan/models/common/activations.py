@@ -59,8 +59,9 @@ def standard_attention_counts(attention: nn.Module) -> ActivationCounts:
     # Kept by the op policy: attention's output and log-sum-exp, wq's and wv's outputs (1st and 3rd
     # matmul).
     # Under autocast wq, wk and wv each cast the float32 norm output.
-    return ActivationCounts(split=split, gathered=dim, fp32=fp32, int64=0, op_kept=q + q + kv, op_fp32=heads,
-                            autocast_casts=2 * dim)
+    return ActivationCounts(
+        split=split, gathered=dim, fp32=fp32, int64=0, op_kept=q + q + kv, op_fp32=heads, autocast_casts=2 * dim
+    )
 
 
 def swiglu_counts(feed_forward: nn.Module) -> ActivationCounts:
@@ -68,8 +69,9 @@ def swiglu_counts(feed_forward: nn.Module) -> ActivationCounts:
     x * rsqrt, its gathered output, w1's and w3's outputs, silu's output and the product w2 reads. The
     op policy keeps w1's and w2's outputs (5th and 7th matmul)."""
     dim, hidden = feed_forward.w1.in_features, feed_forward.w1.out_features
-    return ActivationCounts(split=4 * hidden, gathered=dim, fp32=1 + dim, int64=0, op_kept=hidden + dim,
-                            autocast_casts=dim)  # w1 and w3 each cast the norm output
+    return ActivationCounts(
+        split=4 * hidden, gathered=dim, fp32=1 + dim, int64=0, op_kept=hidden + dim, autocast_casts=dim
+    )  # w1 and w3 each cast the norm output
 
 
 def moe_counts(moe: nn.Module) -> ActivationCounts:
@@ -96,8 +98,14 @@ def moe_counts(moe: nn.Module) -> ActivationCounts:
     # Under autocast the routed experts cast their gathered tokens once (moe.matmul_dtype), so they
     # keep what they keep in bf16; the router, the shared experts' w1 and w3 and the shared gate each
     # cast the norm output.
-    return ActivationCounts(split=split, gathered=0, fp32=fp32, int64=3 * k, op_kept=op_kept,
-                            autocast_casts=(2 * dim if shared is not None else 0) + (dim if gated else 0))
+    return ActivationCounts(
+        split=split,
+        gathered=0,
+        fp32=fp32,
+        int64=3 * k,
+        op_kept=op_kept,
+        autocast_casts=(2 * dim if shared is not None else 0) + (dim if gated else 0),
+    )
 
 
 def add(*counts: ActivationCounts) -> ActivationCounts:
@@ -107,5 +115,6 @@ def add(*counts: ActivationCounts) -> ActivationCounts:
 def standard_block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
     """A pre-norm block: attention (standard_attention_counts) and a SwiGLU or MoE feed-forward."""
     ffn = block.feed_forward
-    return add(standard_attention_counts(block.attention),
-               moe_counts(ffn) if hasattr(ffn, "router") else swiglu_counts(ffn))
+    return add(
+        standard_attention_counts(block.attention), moe_counts(ffn) if hasattr(ffn, "router") else swiglu_counts(ffn)
+    )

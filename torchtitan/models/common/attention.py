@@ -45,8 +45,9 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-            window: int | None) -> torch.Tensor:
+def visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, window: int | None
+) -> torch.Tensor:
     """Boolean [batch or 1, 1, q, k]: which keys each query sees. Positions are global positions in
     the window ([q] and [k]); documents [batch, q] and [batch, k], or None for one document."""
     mask = k_pos[None, :] <= q_pos[:, None]
@@ -67,8 +68,9 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k, v
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q to as many heads of keys (repeat_kv first), in float32, written out so that the
     log-sum-exp is differentiable: (output [..., q, v_dim], lse [..., q]). `mask` (boolean, broadcastable
     to the scores; None: every key visible) may hide every key of a query row: such a row gets output 0
@@ -136,8 +138,9 @@ class _BlockAttention(torch.autograd.Function):
             weights = scores.sub_(row_max).exp_()
             total = weights.sum(dim=-1, keepdim=True)
             out[..., a:b, :] = (weights @ vf) / total.clamp_min(1.0)
-            lse[..., a:b] = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)),
-                                        torch.full_like(total, float("-inf"))).squeeze(-1)
+            lse[..., a:b] = torch.where(
+                total > 0, row_max + torch.log(total.clamp_min(1.0)), torch.full_like(total, float("-inf"))
+            ).squeeze(-1)
         tensor_mask = isinstance(mask, torch.Tensor)
         # A mask tensor goes through save_for_backward so that activation checkpointing frees it with
         # the rest; a function (it holds only positions and document ids) stays on ctx.
@@ -172,8 +175,7 @@ class _BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """math_attention's (output, lse), same dtypes and mask rules, with the memory of flash attention:
     autograd keeps q, k, v, output and lse instead of the [q, k] scores and probabilities, and forward
     and backward work on slices of the query rows (BLOCK_SLICE_ELEMENTS). `mask`: None (every key
@@ -181,16 +183,24 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask of query rows start:stop (so that a long block's mask need not exist whole). q, k and v have
     the same leading dims (repeat_kv first)."""
     if q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
-        raise ValueError(f"block_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
-                         "must share their leading dims")
+        raise ValueError(
+            f"block_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
+            "must share their leading dims"
+        )
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # float32, as math_attention
             return _BlockAttention.apply(q, k, v, mask)
     return _BlockAttention.apply(q, k, v, mask)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                   window: int | None = None, return_lse: bool = False):
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    return_lse: bool = False,
+):
     """SDPA: with is_causal when every key before a query counts, else with a boolean mask."""
     k, v = repeat_kv(q, k, v)
     pos = torch.arange(q.shape[2], device=q.device)
@@ -202,8 +212,14 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, doc_ids, doc_ids, window))
 
 
-def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                    window: int | None = None, return_lse: bool = False):
+def split_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    return_lse: bool = False,
+):
     """One SDPA call per document: each document's queries see only its own keys, causally."""
     if doc_ids is None:
         return sdpa_attention(q, k, v, None, window, return_lse)
@@ -213,8 +229,9 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: 
         parts, lses, start = [], [], 0
         for length in lengths:
             span = slice(start, start + length)
-            part = sdpa_attention(q[b:b + 1, :, span], k[b:b + 1, :, span], v[b:b + 1, :, span], None, window,
-                                  return_lse)
+            part = sdpa_attention(
+                q[b : b + 1, :, span], k[b : b + 1, :, span], v[b : b + 1, :, span], None, window, return_lse
+            )
             parts.append(part[0] if return_lse else part)
             lses.append(part[1] if return_lse else None)
             start += length
@@ -261,8 +278,9 @@ def flex_attention_fn(compiled: bool = True) -> Callable:
         mask = block_mask(doc_ids, window, q.shape[0], q.shape[2], k.shape[2], q.device)
         if not return_lse:
             return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        out, aux = kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
-                          return_aux=AuxRequest(lse=True))
+        out, aux = kernel(
+            q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True)
+        )
         return out, aux.lse.float()
 
     return attention
@@ -285,8 +303,9 @@ def _mask_mod(doc_ids: torch.Tensor | None, window: int | None):
 SPLIT_FROM_SEQ_LEN = 1024
 
 
-def choose_attention_kernel(name: str, device_type: str, masked: bool, documents: bool = False,
-                            seq_len: int = 0) -> str:
+def choose_attention_kernel(
+    name: str, device_type: str, masked: bool, documents: bool = False, seq_len: int = 0
+) -> str:
     """The kernel `model.attn_backend` = `name` means on this device. "auto": FlexAttention on CUDA
     when the mask is more than causal (documents or sliding windows), where it skips the masked
     tiles; elsewhere, with document masks (`documents`) in windows of SPLIT_FROM_SEQ_LEN tokens or
@@ -311,7 +330,7 @@ def set_attention_fn(model: torch.nn.Module, path: str, fn: Callable, blocks=Non
     """Make every block of `model` (a decoder or a pipeline stage of one) attend with `fn`: the
     `attention_fn` of the submodule at `path` (the spec's cp_attention) in each block (`blocks`,
     default the model's layers; spec.blocks(model) adds the others)."""
-    for block in (model.layers.values() if blocks is None else blocks):
+    for block in model.layers.values() if blocks is None else blocks:
         block.get_submodule(path).attention_fn = fn
 
 

@@ -56,17 +56,26 @@ def chunking_obstacle(cfg, spec, pp: int, split_backward: bool) -> str | None:
     its loss (spec.chunked_loss), in high precision, under a schedule that runs each backward once
     (`split_backward`: the pipeline's schedule splits it, pipeline_parallel.splits_backward)."""
     if spec.chunked_loss is None or spec.chunked_loss is not spec.loss_sum_fn:
-        return (f"model {spec.name}'s loss (its spec's loss_sum_fn) is not one its forward computes chunk by "
-                "chunk (spec.chunked_loss)")
+        return (
+            f"model {spec.name}'s loss (its spec's loss_sum_fn) is not one its forward computes chunk by "
+            "chunk (spec.chunked_loss)"
+        )
     if "float8" in cfg.model.converters and not any(f and f in "output" for f in cfg.float8.filter_fqns):
-        return (f"it computes the output layer in high precision, but float8.filter_fqns ({cfg.float8.filter_fqns}) "
-                "lets float8 convert it; add \"output\" to float8.filter_fqns")
+        return (
+            f"it computes the output layer in high precision, but float8.filter_fqns ({cfg.float8.filter_fqns}) "
+            'lets float8 convert it; add "output" to float8.filter_fqns'
+        )
     if pp > 1 and split_backward:
         p = cfg.parallelism
-        schedule = (f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
-                    if p.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule}")
-        return (f"it computes the output layer's gradients in its forward, for one backward; parallelism."
-                f"{schedule} splits each backward into an input and a weight pass; choose 1F1B or Interleaved1F1B")
+        schedule = (
+            f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
+            if p.pipeline_parallel_schedule_csv
+            else f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule}"
+        )
+        return (
+            f"it computes the output layer's gradients in its forward, for one backward; parallelism."
+            f"{schedule} splits each backward into an input and a weight pass; choose 1F1B or Interleaved1F1B"
+        )
     return None
 
 
@@ -86,8 +95,9 @@ def resolve_chunk_tokens(cfg, spec, tp: int, cp: int, pp: int, vocab_size: int, 
     return setting
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int) -> torch.Tensor:
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
     """The summed cross entropy of the logits `hidden @ weight.T` ([..., dim] x [vocab, dim]) against
     `labels` ([...], IGNORE_INDEX not counted), float32, computed `chunk_tokens` tokens at a time."""
     if chunk_tokens <= 0:
@@ -98,13 +108,15 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
         if isinstance(hidden, DTensor):  # sequence-sharded: every rank needs every token
             mesh = hidden.device_mesh
             hidden = hidden.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(
-                grad_placements=[Partial()] * mesh.ndim)
+                grad_placements=[Partial()] * mesh.ndim
+            )
         weight = weight.to_local()
     device = hidden.device
     compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
     want = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                     chunk_tokens, compute, group, offset, want)
+    return _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_tokens, compute, group, offset, want
+    )
 
 
 def _vocab_shard(weight: DTensor):
@@ -112,8 +124,10 @@ def _vocab_shard(weight: DTensor):
     mesh, placements = weight.device_mesh, weight.placements
     sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
     if len(sharded) != 1 or any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != sharded[0]):
-        raise ValueError(f"the output weight must be sharded on its rows (the vocabulary) over one mesh dimension, "
-                         f"got placements {placements}")
+        raise ValueError(
+            f"the output weight must be sharded on its rows (the vocabulary) over one mesh dimension, "
+            f"got placements {placements}"
+        )
     dim = sharded[0]
     rows = -(-weight.shape[0] // mesh.size(dim))  # torch.chunk's split, as Shard(0)'s
     return mesh.get_group(dim), rows * mesh.get_local_rank(dim)
@@ -131,12 +145,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(compute)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if want_grads and ctx.needs_input_grad[0] else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-                if want_grads and ctx.needs_input_grad[1] else None
+            grad_weight = (
+                torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                if want_grads and ctx.needs_input_grad[1]
+                else None
+            )
             for start in range(0, hidden.shape[0], chunk_tokens):
                 part = slice(start, start + chunk_tokens)
-                total += _chunk(hidden[part].to(compute), w, labels[part], group, offset,
-                                None if grad_hidden is None else grad_hidden[part], grad_weight)
+                total += _chunk(
+                    hidden[part].to(compute),
+                    w,
+                    labels[part],
+                    group,
+                    offset,
+                    None if grad_hidden is None else grad_hidden[part],
+                    grad_weight,
+                )
         ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
@@ -151,8 +175,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def _chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, group, offset: int, grad_hidden: torch.Tensor | None,
-           grad_weight: torch.Tensor | None) -> torch.Tensor:
+def _chunk(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    group,
+    offset: int,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> torch.Tensor:
     """One chunk: its summed loss; its gradients written into `grad_hidden` (its rows) and added to
     `grad_weight` (None: not wanted). A function of its own, so that its [chunk, vocab] tensors are
     freed before the next chunk's are made."""
@@ -187,7 +218,7 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, group, offset: int
             grad_weight.addmm_(grad.t(), h)
         else:  # the compute dtype's products summed in float32, a block of rows at a time
             for row in range(0, rows, _ROW_BLOCK):
-                grad_weight[row:row + _ROW_BLOCK] += (grad[:, row:row + _ROW_BLOCK].t() @ h).float()
+                grad_weight[row : row + _ROW_BLOCK] += (grad[:, row : row + _ROW_BLOCK].t() @ h).float()
     return loss
 
 

@@ -27,7 +27,12 @@ from torchtitan.models.common.init import normal, ones, seeded_init_, trunc_norm
 from torchtitan.models.common.layers import Attention, FeedForward, KVCache, TransformerBlock, rotary_rows
 from torchtitan.models.common.rotary import PAIRS, Rotary
 from torchtitan.models.common.spec import (
-    ModelSize, ModelSpec, MoEHooks, count_parameters, cross_entropy_sum, transformer_flops_per_token,
+    ModelSize,
+    ModelSpec,
+    MoEHooks,
+    count_parameters,
+    cross_entropy_sum,
+    transformer_flops_per_token,
 )
 
 EMBEDDING = "tok_embeddings.weight"
@@ -96,8 +101,12 @@ class Decoder(nn.Module):
         return self
 
     def forward(
-        self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None, start_pos: int = 0,
-        doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+        self,
+        tokens: torch.Tensor,
+        cache: dict[str, KVCache] | None = None,
+        start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Training: forward(tokens), or forward(tokens, doc_ids=ids) for block-causal attention
         (attention.document_ids: each token sees only its own document). Decoding: with `cache`
@@ -188,8 +197,15 @@ class Transformer(Decoder):
 
     def block(self, layer_id: int) -> nn.Module:
         a = self.args
-        attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, self.rotary,
-                              qk_norm_eps=a.norm_eps if self.qk_norm else None, window=layer_window(a, layer_id))
+        attention = Attention(
+            a.dim,
+            a.n_heads,
+            a.kv_heads,
+            a.head_dim,
+            self.rotary,
+            qk_norm_eps=a.norm_eps if self.qk_norm else None,
+            window=layer_window(a, layer_id),
+        )
         return TransformerBlock(layer_id, a, attention, feed_forward(a.dim, a.ffn_hidden_dim, getattr(a, "moe", None)))
 
     def rotary_table(self) -> torch.Tensor:
@@ -238,8 +254,9 @@ class Transformer(Decoder):
     @classmethod
     def flops_per_token(cls, args, doc_lengths: int | list[int]) -> float:
         windows = [layer_window(args, i) for i in range(args.n_layers)]
-        return transformer_flops_per_token(matmul_parameters(cls.model_size(args), args), args.n_heads * args.head_dim,
-                                           windows, doc_lengths)
+        return transformer_flops_per_token(
+            matmul_parameters(cls.model_size(args), args), args.n_heads * args.head_dim, windows, doc_lengths
+        )
 
 
 def decoder_spec(model_cls: type[Transformer], **fields) -> ModelSpec:
@@ -247,20 +264,22 @@ def decoder_spec(model_cls: type[Transformer], **fields) -> ModelSpec:
     block's activation counts, each block's `attention` for the kernel and context parallel, KV-cache
     decoding, document masks, the output layer left to AdamW under Muon. `fields` give the rest
     (name, args_cls, flavors, tp_plan, tp_sizes, hf, ...) and may replace any of these."""
-    return ModelSpec(**{
-        "model_cls": model_cls,
-        "size": model_cls.model_size,
-        "flops_per_token": model_cls.flops_per_token,
-        "activation_counts": standard_block_counts,  # what a block keeps for backward (the layout planner)
-        "cp_attention": "attention",
-        "kv_cache": True,
-        "document_masks": True,
-        "adamw_params": (r"^output\.",),  # Muon leaves the output layer to AdamW
-        # Decoder.forward(tokens, labels=...) computes the family's loss chunk by chunk (a family whose
-        # loss differs overrides forward to match it, as deepseek_v3 does for multi-token prediction).
-        "chunked_loss": fields.get("loss_sum_fn", cross_entropy_sum),
-        **fields,
-    })
+    return ModelSpec(
+        **{
+            "model_cls": model_cls,
+            "size": model_cls.model_size,
+            "flops_per_token": model_cls.flops_per_token,
+            "activation_counts": standard_block_counts,  # what a block keeps for backward (the layout planner)
+            "cp_attention": "attention",
+            "kv_cache": True,
+            "document_masks": True,
+            "adamw_params": (r"^output\.",),  # Muon leaves the output layer to AdamW
+            # Decoder.forward(tokens, labels=...) computes the family's loss chunk by chunk (a family whose
+            # loss differs overrides forward to match it, as deepseek_v3 does for multi-token prediction).
+            "chunked_loss": fields.get("loss_sum_fn", cross_entropy_sum),
+            **fields,
+        }
+    )
 
 
 def moe_hooks() -> MoEHooks:

@@ -80,8 +80,7 @@ def chunked(q, k, v, g, beta, chunk: int = 64, state=None, doc_ids=None):
     before = torch.cat([doc[..., :1, 0], doc[..., :-1, -1]], dim=-1)  # [batch, 1, chunks]
     carry = (doc == before[..., None]).float()  # [batch, 1, chunks, chunk]
     u = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    wk = torch.linalg.solve_triangular(system, (beta * G.exp() * carry)[..., None] * k, upper=False,
-                                       unitriangular=True)
+    wk = torch.linalg.solve_triangular(system, (beta * G.exp() * carry)[..., None] * k, upper=False, unitriangular=True)
     scores = decay * (q @ k.transpose(-1, -2))
     q_carry = (G.exp() * carry)[..., None] * q
     # What each chunk's last token keeps of its own chunk's keys, and of the state before it.
@@ -120,8 +119,9 @@ def fla_chunked(q, k, v, g, beta, doc_ids=None):
     cu_seqlens = torch.cat([flat.nonzero().squeeze(1), flat.new_tensor([b * t], dtype=torch.long)])
     q, k = q.to(v.dtype), k.to(v.dtype)  # the kernel takes q, k and v in one dtype
     joined = [x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o, _ = chunk_gated_delta_rule(*joined, scale=1.0, initial_state=None, output_final_state=False,
-                                  cu_seqlens=cu_seqlens)
+    o, _ = chunk_gated_delta_rule(
+        *joined, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=cu_seqlens
+    )
     return o.reshape(v.shape).to(v.dtype), None
 
 

@@ -90,12 +90,16 @@ def hf_text_config(config: dict, where: str = "the Hugging Face config") -> dict
         # A vision tower's own config (vision_config, no text model beside it) has no vocabulary: a config
         # with vocab_size at its top level is a text model that also has a vision tower (e.g. Qwen2-VL).
         if "vision_config" in config and "vocab_size" not in config:
-            raise UserError(f"{where} describes a vision tower only (vision_config, no text_config): this trainer "
-                            "trains a text model; give a folder that holds one")
+            raise UserError(
+                f"{where} describes a vision tower only (vision_config, no text_config): this trainer "
+                "trains a text model; give a folder that holds one"
+            )
         return config
     if not isinstance(text, dict) or not text:
-        raise UserError(f"{where} has text_config = {text!r}, not the object of the language model's settings "
-                        "that transformers writes; download or export the folder's config.json again")
+        raise UserError(
+            f"{where} has text_config = {text!r}, not the object of the language model's settings "
+            "that transformers writes; download or export the folder's config.json again"
+        )
     if "tie_word_embeddings" in config:
         return {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
     return text
@@ -116,8 +120,9 @@ def _rope_fields(config: dict) -> dict:
 _SCALING_NAMES = {"llama3": "Llama 3.1's scaling (rope_type 'llama3')", "yarn": "YaRN (rope_type 'yarn')"}
 
 
-def rope_from_config(config: dict, default_theta: float, family: str, kinds: tuple[str, ...] = ()
-                     ) -> tuple[float, RopeScaling | YarnScaling | None]:
+def rope_from_config(
+    config: dict, default_theta: float, family: str, kinds: tuple[str, ...] = ()
+) -> tuple[float, RopeScaling | YarnScaling | None]:
     """(rope theta, scaling or None) of a config.json, the scaling one of `kinds` ("llama3": Llama
     3.1's, "yarn"); any other scaling is refused, naming what the family implements."""
     for field in ("rope_scaling", "rope_parameters"):
@@ -125,8 +130,11 @@ def rope_from_config(config: dict, default_theta: float, family: str, kinds: tup
             raise unsupported(field, config[field], "it must be a mapping", family)
     rope = _rope_fields(config)
     theta = float(rope.get("rope_theta", config.get("rope_theta", default_theta)))
-    found = {field: config[field].get("rope_type", config[field].get("type", "default"))
-             for field in ("rope_scaling", "rope_parameters") if config.get(field) is not None}
+    found = {
+        field: config[field].get("rope_type", config[field].get("type", "default"))
+        for field in ("rope_scaling", "rope_parameters")
+        if config.get(field) is not None
+    }
     scalings = {field: kind for field, kind in found.items() if kind != "default"}
     if not scalings:
         return theta, None
@@ -137,16 +145,28 @@ def rope_from_config(config: dict, default_theta: float, family: str, kinds: tup
     kind = next(iter(scalings.values()))
     try:
         if kind == "llama3":
-            return theta, RopeScaling(float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
-                                      float(rope.get("high_freq_factor", 4.0)),
-                                      int(rope["original_max_position_embeddings"]))
+            return theta, RopeScaling(
+                float(rope["factor"]),
+                float(rope.get("low_freq_factor", 1.0)),
+                float(rope.get("high_freq_factor", 4.0)),
+                int(rope["original_max_position_embeddings"]),
+            )
         factor = rope.get("factor") or config["max_position_embeddings"] / rope["original_max_position_embeddings"]
-        return theta, YarnScaling(float(factor), int(rope["original_max_position_embeddings"]),
-                                  float(rope.get("beta_fast") or 32.0), float(rope.get("beta_slow") or 1.0),
-                                  float(rope.get("mscale") or 0.0), float(rope.get("mscale_all_dim") or 0.0))
+        return theta, YarnScaling(
+            float(factor),
+            int(rope["original_max_position_embeddings"]),
+            float(rope.get("beta_fast") or 32.0),
+            float(rope.get("beta_slow") or 1.0),
+            float(rope.get("mscale") or 0.0),
+            float(rope.get("mscale_all_dim") or 0.0),
+        )
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise unsupported("rope_scaling", rope, f"a {kind!r} scaling needs factor and "
-                          f"original_max_position_embeddings ({e!r})", family) from None
+        raise unsupported(
+            "rope_scaling",
+            rope,
+            f"a {kind!r} scaling needs factor and original_max_position_embeddings ({e!r})",
+            family,
+        ) from None
 
 
 def plain_rope_theta(config: dict, default: float, family: str) -> float:
@@ -189,14 +209,23 @@ def rope_config(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict
     params = {"rope_type": "default", "rope_theta": theta}
     legacy = None
     if isinstance(scaling, RopeScaling):
-        legacy = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-                  "high_freq_factor": scaling.high_freq_factor,
-                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        legacy = {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
     elif isinstance(scaling, YarnScaling):
-        legacy = {"rope_type": "yarn", "factor": scaling.factor,
-                  "original_max_position_embeddings": scaling.original_max_position_embeddings,
-                  "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow, "mscale": scaling.mscale,
-                  "mscale_all_dim": scaling.mscale_all_dim}
+        legacy = {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+        }
     if legacy is not None:
         params = {**legacy, "rope_theta": theta}
     return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
@@ -291,8 +320,9 @@ def expert_hf_names(layer: int, local: str, num_experts: int, present) -> list[s
     return [expert_key(layer, x, proj) for x in range(num_experts)]
 
 
-def expert_from_hf(layer: int, local: str, tensors: dict[str, torch.Tensor], num_experts: int,
-                   hidden_dim: int) -> torch.Tensor:
+def expert_from_hf(
+    layer: int, local: str, tensors: dict[str, torch.Tensor], num_experts: int, hidden_dim: int
+) -> torch.Tensor:
     """Our expert weight from exactly expert_hf_names' tensors: stacked, or sliced from the fused one."""
     proj = EXPERT_PROJECTIONS[local]
     gate_up = tensors.get(f"model.layers.{layer}.{FUSED_GATE_UP}")
@@ -304,17 +334,20 @@ def expert_from_hf(layer: int, local: str, tensors: dict[str, torch.Tensor], num
     return torch.stack([tensors[expert_key(layer, x, proj)] for x in range(num_experts)])
 
 
-def expert_block_from_hf(layer: int, local: str, read, present, hidden_dim: int, offset: tuple[int, ...],
-                         shape: tuple[int, ...]) -> torch.Tensor:
+def expert_block_from_hf(
+    layer: int, local: str, read, present, hidden_dim: int, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
     """The block (offset, shape) of expert_from_hf's result, reading only its bytes: the block's
     experts, each its block of one tensor per expert, or one block of the fused tensor."""
     proj = EXPERT_PROJECTIONS[local]
     if experts_fused(present, layer):
-        fused, shift = (FUSED_DOWN, 0) if proj == "down_proj" else \
-            (FUSED_GATE_UP, 0 if proj == "gate_proj" else hidden_dim)
+        fused, shift = (
+            (FUSED_DOWN, 0) if proj == "down_proj" else (FUSED_GATE_UP, 0 if proj == "gate_proj" else hidden_dim)
+        )
         return read(f"model.layers.{layer}.{fused}", (offset[0], offset[1] + shift, *offset[2:]), shape)
-    return torch.stack([read(expert_key(layer, x, proj), offset[1:], shape[1:])
-                        for x in range(offset[0], offset[0] + shape[0])])
+    return torch.stack(
+        [read(expert_key(layer, x, proj), offset[1:], shape[1:]) for x in range(offset[0], offset[0] + shape[0])]
+    )
 
 
 def expert_to_hf(layer: int, local: str, w: torch.Tensor) -> dict[str, torch.Tensor]:

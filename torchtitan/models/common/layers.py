@@ -25,8 +25,15 @@ class KVCache:
         self.v: torch.Tensor | None = None
         self.states: dict[str, torch.Tensor] = {}
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
-               window: int | None = None, return_lse: bool = False):
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_pos: int,
+        window: int | None = None,
+        return_lse: bool = False,
+    ):
         """Store k, v (after the rotary embedding) at positions start_pos, ... and return q's causal
         attention over every cached position up to its own (the last `window` of them with a sliding
         window); shapes, and (output, lse) with `return_lse`, as attention.sdpa_attention's."""
@@ -65,7 +72,7 @@ def rotary_rows(table: torch.Tensor, start_pos: int, seq: int) -> torch.Tensor:
         raise ValueError(
             f"positions {start_pos}..{start_pos + seq - 1} are beyond the model's {table.shape[0]} (max_seq_len)"
         )
-    return table[start_pos:start_pos + seq]
+    return table[start_pos : start_pos + seq]
 
 
 class FeedForward(nn.Module):
@@ -91,8 +98,15 @@ class AttentionBase(nn.Module):
         self.attention_fn = sdpa_attention
         self.window = window
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, start_pos: int,
-               doc_ids: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache | None,
+        start_pos: int,
+        doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         """q, k, v [batch, seq, heads, d] (k, v may have fewer heads) -> [batch, seq, heads x v_dim]: the
         kernel in training, the KV cache in decoding. A subclass that changes what attention computes
         overrides this (e.g. sinks, from the kernel's log-sum-exp)."""
@@ -129,8 +143,17 @@ class Attention(AttentionBase):
     - `window`: this layer's sliding window.
     Reshapes use -1 heads: under tensor parallel the projections hold this rank's heads only."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rotary: Rotary,
-                 qk_norm_eps: float | None = None, bias: bool = False, window: int | None = None):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rotary: Rotary,
+        qk_norm_eps: float | None = None,
+        bias: bool = False,
+        window: int | None = None,
+    ):
         super().__init__(window)
         self.head_dim = head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
@@ -142,8 +165,14 @@ class Attention(AttentionBase):
         self.k_norm = HeadNorm(head_dim, eps=qk_norm_eps) if norms else None
         self.rotate = rotary.rotate
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         bs, seq, _ = x.shape
         q, k, v = (w(x).view(bs, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
@@ -170,8 +199,14 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # Only decoding passes the cache: a tensor-parallel plan prepares exactly the training inputs
         # (the document ids are a keyword: the plan leaves them as they are).
         if cache is None:

@@ -121,13 +121,20 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         # forward, whose saved tensors must be the same in the recomputation (which skips it). And
         # from its autocast: there the loop's matmuls would run in autocast's dtype, not in `dtype`,
         # and the comparison would judge the grouped matmul by another dtype's round-off.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
-                torch.autocast(device.type, enabled=False):
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+            torch.autocast(device.type, enabled=False),
+        ):
             ok = _probe_grouped_mm(device, dtype)
         _GROUPED_MM_OK[key] = ok
         logger.info(
             f"MoE experts on {device.type} in {str(dtype).removeprefix('torch.')}: "
-            + ("one grouped matmul (torch._grouped_mm)" if ok else "a loop of per-expert matmuls (no working grouped matmul)")
+            + (
+                "one grouped matmul (torch._grouped_mm)"
+                if ok
+                else "a loop of per-expert matmuls (no working grouped matmul)"
+            )
         )
     return _GROUPED_MM_OK[key]
 
@@ -146,8 +153,10 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
-               for a, b in zip((fast, *fast_grads), (slow, *slow_grads)))
+    return all(
+        torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+        for a, b in zip((fast, *fast_grads), (slow, *slow_grads))
+    )
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -158,7 +167,7 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Te
 def _looped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     out, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        out.append(x[start:start + n] @ w[e])
+        out.append(x[start : start + n] @ w[e])
         start += n
     return torch.cat(out)
 
@@ -316,8 +325,12 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=a.num_experts)
         keep = None
         if a.capacity_factor is not None:
-            keep = _within_capacity(flat_ids, weights.detach().flatten(), a.num_experts,
-                                    math.ceil(a.capacity_factor * tokens.shape[0] * a.top_k / a.num_experts))
+            keep = _within_capacity(
+                flat_ids,
+                weights.detach().flatten(),
+                a.num_experts,
+                math.ceil(a.capacity_factor * tokens.shape[0] * a.top_k / a.num_experts),
+            )
         # Assignments sorted by expert (stable: within an expert, in token order).
         order = torch.argsort(flat_ids, stable=True)
         if keep is not None:
@@ -426,15 +439,21 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 def check_expert_layer(block: nn.Module) -> None:
     """TypeError naming what `block` lacks of the expert-parallel interface (module docstring)."""
     experts = getattr(block, "experts", None)
-    missing = [what for what, ok in [
-        ("an `experts` module", isinstance(experts, nn.Module)),
-        ("experts.num_experts", isinstance(getattr(experts, "num_experts", None), int)),
-        ("experts.grad_scale", hasattr(experts, "grad_scale")),
-        ("a `dispatcher` attribute", hasattr(block, "dispatcher")),
-    ] if not ok]
+    missing = [
+        what
+        for what, ok in [
+            ("an `experts` module", isinstance(experts, nn.Module)),
+            ("experts.num_experts", isinstance(getattr(experts, "num_experts", None), int)),
+            ("experts.grad_scale", hasattr(experts, "grad_scale")),
+            ("a `dispatcher` attribute", hasattr(block, "dispatcher")),
+        ]
+        if not ok
+    ]
     if missing:
-        raise TypeError(f"{type(block).__name__} is given as an expert layer but has no {', '.join(missing)} "
-                        "(see torchtitan/models/common/moe.py, 'Experts as expert parallel sees them')")
+        raise TypeError(
+            f"{type(block).__name__} is given as an expert layer but has no {', '.join(missing)} "
+            "(see torchtitan/models/common/moe.py, 'Experts as expert parallel sees them')"
+        )
 
 
 def expert_layers(model: nn.Module) -> list[MoE]:
@@ -531,4 +550,3 @@ def count_moe_parameters(args: MoEArgs, dim: int) -> tuple[int, int]:
     shared = 3 * dim * args.shared_width + (dim if args.shared_gate else 0)
     gate = dim * args.num_experts
     return gate + shared + routed * args.num_experts, gate + shared + routed * args.top_k
-

@@ -91,8 +91,9 @@ def yarn_softmax_factor(y: YarnScaling | None) -> float:
     return yarn_mscale(y.factor, y.mscale_all_dim) ** 2
 
 
-def complex_table(head_dim: int, end: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
-                  ) -> torch.Tensor:
+def complex_table(
+    head_dim: int, end: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
+) -> torch.Tensor:
     """complex64 [end, head_dim / 2]: each position's rotation of each feature pair (its magnitude
     YaRN's attention factor, else 1)."""
     freqs, magnitude = frequencies(head_dim, theta, scaling)
@@ -100,8 +101,9 @@ def complex_table(head_dim: int, end: int, theta: float, scaling: "RopeScaling |
     return torch.polar(torch.full_like(angles, magnitude), angles)
 
 
-def frequencies(head_dim: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
-                ) -> tuple[torch.Tensor, float]:
+def frequencies(
+    head_dim: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
+) -> tuple[torch.Tensor, float]:
     """([head_dim / 2] float32 frequencies, the rotation's magnitude: YaRN's attention factor, else 1)."""
     if isinstance(scaling, YarnScaling):
         return yarn_frequencies(head_dim, theta, scaling)
@@ -124,13 +126,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = N
     s = scaling
     wavelength = 2 * math.pi / inv_freq
     # 0 where the wavelength is long (slowed), 1 where it is short (kept), linear in between.
-    ramp = (s.original_max_position_embeddings / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    ramp = (s.original_max_position_embeddings / wavelength - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     ramp = ramp.clamp(0.0, 1.0)
     return (1 - ramp) * inv_freq / s.factor + ramp * inv_freq
 
 
-def halves_table(head_dim: int, end: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
-                 ) -> torch.Tensor:
+def halves_table(
+    head_dim: int, end: int, theta: float, scaling: "RopeScaling | YarnScaling | None" = None
+) -> torch.Tensor:
     """[end, 2 x head_dim]: cos then sin of each position's angles, the head_dim/2 angles written twice
     along the features (Hugging Face's layout), computed in float32 as Hugging Face does; under YaRN
     both multiplied by its attention factor (the rotation's magnitude), as Hugging Face does."""

@@ -232,22 +232,32 @@ class ModelSpec:
             if own is None:
                 object.__setattr__(self, hook, theirs)
             elif theirs is not None and own is not theirs:
-                raise ValueError(f"ModelSpec {self.name!r}: {hook} is set both in the spec and in its moe hooks; "
-                                 "set it once (one function may call both)")
+                raise ValueError(
+                    f"ModelSpec {self.name!r}: {hook} is set both in the spec and in its moe hooks; "
+                    "set it once (one function may call both)"
+                )
         # Filled once: a copy (dataclasses.replace) passes the merged tuples again, which changes nothing.
         object.__setattr__(self, "high_precision", _union(self.high_precision, self.moe.high_precision))
         if self.adamw_params is not None:
             object.__setattr__(self, "adamw_params", _union(self.adamw_params, self.moe.adamw_params))
 
-    def args_for_training(self, flavor: str, vocab_size: int, seq_len: int, moe_overrides: dict | None = None,
-                          overrides: dict | None = None):
+    def args_for_training(
+        self,
+        flavor: str,
+        vocab_size: int,
+        seq_len: int,
+        moe_overrides: dict | None = None,
+        overrides: dict | None = None,
+    ):
         """The flavor's args with the tokenizer's vocabulary (`vocab_size` tokens, padded up by
         padded_vocab_size) and positions for exactly `seq_len` tokens (the rotary table is built for
         max_seq_len positions), the fields in `overrides` replaced (each must be a field of the
         args: `missing_fields`), and, for a family whose args have an `moe` field
         (torchtitan.models.common.moe.MoEArgs), the given MoE settings replaced."""
         args = dataclasses.replace(
-            self.flavors[flavor], vocab_size=padded_vocab_size(vocab_size), max_seq_len=max(seq_len, 1),
+            self.flavors[flavor],
+            vocab_size=padded_vocab_size(vocab_size),
+            max_seq_len=max(seq_len, 1),
             **(overrides or {}),
         )
         if moe_overrides and getattr(args, "moe", None) is not None:
@@ -348,8 +358,9 @@ def count_parameters(model_cls: Callable[[Any], nn.Module], args) -> tuple[int, 
     return total, embedding
 
 
-def transformer_flops_per_token(matmul_params: int, attention_width: int, windows: list[int | None],
-                                doc_lengths: int | list[int]) -> float:
+def transformer_flops_per_token(
+    matmul_params: int, attention_width: int, windows: list[int | None], doc_lengths: int | list[int]
+) -> float:
     """Training FLOPs per token of a decoder: 6 per parameter used in a matmul (2 forward, 4
     backward), plus, per (query, key) pair that a layer's mask lets through, 12 x attention_width
     (scores and weighted values, 2 x 2 x width forward, twice that backward; attention_width =

@@ -128,4 +128,5 @@ def grad_summed(t, like):
 
     mesh = like.device_mesh
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).to_local(
-        grad_placements=[Partial()] * mesh.ndim)
+        grad_placements=[Partial()] * mesh.ndim
+    )

@@ -8,9 +8,15 @@ def build_spec() -> ModelSpec:
     from torchtitan.models.deepseek_v3 import activations, args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
-        model.Transformer, name="deepseek_v3", args_cls=args.ModelArgs, flavors=args.flavors,
-        tp_plan=parallelize.TP_PLAN, tp_sizes=parallelize.tp_sizes, hf=state_dict_adapter.ADAPTER,
-        validate=args.validate, moe=moe_hooks(),
+        model.Transformer,
+        name="deepseek_v3",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        hf=state_dict_adapter.ADAPTER,
+        validate=args.validate,
+        moe=moe_hooks(),
         activation_counts=activations.block_counts,  # MLA's, and multi-token prediction's
         # Multi-token prediction: more blocks, more outputs and labels, and (on the last pipeline
         # stage) the input embedding for further tokens.

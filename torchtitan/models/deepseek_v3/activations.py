@@ -21,8 +21,9 @@ def mla_counts(attention: nn.Module, seq_len: int) -> ActivationCounts:
     ranks = [r for r in (q_rank, attention.kv_lora) if r]
     split = heads * attention.v_dim
     gathered = dim + sum(ranks)
-    fp32 = (2 * dim + 1 + dim + sum(2 * r + 1 for r in ranks)
-            + 2 * heads * qk + heads * seq_len + heads * attention.v_dim)
+    fp32 = (
+        2 * dim + 1 + dim + sum(2 * r + 1 for r in ranks) + 2 * heads * qk + heads * seq_len + heads * attention.v_dim
+    )
     # The op policy keeps every other aten.mm output (the math attention is bmm, recomputed): with a
     # query rank, wq_a's, the latent's and wkv_b's (1st, 3rd, 5th of 6); without, wq's, the rotary
     # key's and wo's (1st, 3rd, 5th of 5).
@@ -31,8 +32,7 @@ def mla_counts(attention: nn.Module, seq_len: int) -> ActivationCounts:
     else:
         op_kept = heads * qk + attention.rope_dim + dim
     # Under autocast the three projections of the block input each cast it.
-    return ActivationCounts(split=split, gathered=gathered, fp32=fp32, int64=0, op_kept=op_kept,
-                            autocast_casts=2 * dim)
+    return ActivationCounts(split=split, gathered=gathered, fp32=fp32, int64=0, op_kept=op_kept, autocast_casts=2 * dim)
 
 
 def mtp_counts(dim: int) -> ActivationCounts:

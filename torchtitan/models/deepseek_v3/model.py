@@ -18,8 +18,14 @@ from torch import nn
 
 from torchtitan.models.common import decoder
 from torchtitan.models.common.decoder import matmul_parameters
-from torchtitan.models.common.layers import (AttentionBase, FeedForward, KVCache, TransformerBlock, rms_norm_as_weight,
-                                            scale_gradient)
+from torchtitan.models.common.layers import (
+    AttentionBase,
+    FeedForward,
+    KVCache,
+    TransformerBlock,
+    rms_norm_as_weight,
+    scale_gradient,
+)
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rotary import complex_table, rotate_pairs, yarn_softmax_factor
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum, transformer_flops_per_token
@@ -30,7 +36,12 @@ from torchtitan.models.deepseek_v3.args import ModelArgs
 class MLA(AttentionBase):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.nope, self.rope_dim, self.v_dim, self.kv_lora = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim, self.kv_lora = (
+            a.qk_nope_head_dim,
+            a.qk_rope_head_dim,
+            a.v_head_dim,
+            a.kv_lora_rank,
+        )
         if a.q_lora_rank:
             self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
             self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=a.norm_eps)
@@ -43,8 +54,14 @@ class MLA(AttentionBase):
         self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
         self.query_scale = yarn_softmax_factor(a.rope_scaling)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         bs, seq, _ = x.shape
         # The low-rank projections and their norms are computed whole on every TP rank (their
         # weights replicated, read through `replicated`); the per-head projections (wq / wq_b,
@@ -58,7 +75,7 @@ class MLA(AttentionBase):
         kv_a = replicated(self.wkv_a.weight)
         latent = F.linear(x, kv_a[: self.kv_lora])
         # The rotary key is shared by all heads: under TP each rank's heads give it a part of its gradient.
-        k_rope = grad_summed(F.linear(x, kv_a[self.kv_lora:]), self.wkv_a.weight)
+        k_rope = grad_summed(F.linear(x, kv_a[self.kv_lora :]), self.wkv_a.weight)
         latent = rms_norm_as_weight(latent, replicated(self.kv_norm.weight), self.kv_norm.eps)
         kv = self.wkv_b(latent).view(bs, seq, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
@@ -83,8 +100,9 @@ class MTPModule(nn.Module):
         self.block = block
         self.norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
 
-    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
         # The block's residual stream in the trunk's dtype: under autocast the trunk's stays float32
         # (the embedding's; each block adds its bf16 outputs to it), while eh_proj, a matmul, gives
@@ -99,16 +117,26 @@ class Transformer(decoder.Transformer):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         # After the layers (a pipeline's last stage): module k's block at layer id n_layers + k.
-        self.mtp = nn.ModuleDict({str(k): MTPModule(self.block(args.n_layers + k), args)
-                                  for k in range(args.mtp_depth)}) if args.mtp_depth else None
+        self.mtp = (
+            nn.ModuleDict({str(k): MTPModule(self.block(args.n_layers + k), args) for k in range(args.mtp_depth)})
+            if args.mtp_depth
+            else None
+        )
 
     def block(self, layer_id: int) -> nn.Module:
         a = self.args
         ffn = FeedForward(a.dim, a.inter_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)
         return TransformerBlock(layer_id, a, MLA(a), ffn)
 
-    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, doc_ids: torch.Tensor | None = None,
-                future_tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache=None,
+        start_pos: int = 0,
+        doc_ids: torch.Tensor | None = None,
+        future_tokens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ):
         """As the decoder's; in training with multi-token prediction, the logits of the main output and
         of each MTP depth stacked on dim 2: [batch, seq, 1 + mtp_depth, vocab] (mtp_loss_sum reads
         them). Depth k's logits at position i predict token i + k + 1; their gradient is scaled by
@@ -165,7 +193,7 @@ def _shifted(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     """x [batch, seq] moved k positions to the left, `fill` past the window's end; all `fill` where
     k >= seq (a validation window may be shorter than the training depth)."""
     seq = x.shape[1]
-    return F.pad(x[:, min(k, seq):], (0, min(k, seq)), value=fill)
+    return F.pad(x[:, min(k, seq) :], (0, min(k, seq)), value=fill)
 
 
 def _ahead(tokens: torch.Tensor, depth: int) -> torch.Tensor:
@@ -204,8 +232,10 @@ def mtp_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(logits, labels[..., 0] if labels.dim() == 3 else labels)
     if labels.dim() == 2:
         labels = mtp_labels(labels, logits.shape[2] - 1)
-    return _with_mtp(cross_entropy_sum(logits[:, :, 0], labels[..., 0]),
-                     [cross_entropy_sum(logits[:, :, k], labels[..., k]) for k in range(1, logits.shape[2])])
+    return _with_mtp(
+        cross_entropy_sum(logits[:, :, 0], labels[..., 0]),
+        [cross_entropy_sum(logits[:, :, k], labels[..., k]) for k in range(1, logits.shape[2])],
+    )
 
 
 def _with_mtp(total: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:

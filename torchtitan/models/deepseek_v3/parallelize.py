@@ -23,7 +23,9 @@ from torchtitan.models.common.tp_plan import ReplicatedParams, TensorParallelPla
 def block_plan(block: nn.Module) -> dict:
     attention = block.attention
     # The standard block's, its MoE feed-forward token-local; MLA's per-head projections split as wq.
-    plan = {k: v for k, v in decoder_block_plan(block).items() if k not in ("attention.wq", "attention.wk", "attention.wv")}
+    plan = {
+        k: v for k, v in decoder_block_plan(block).items() if k not in ("attention.wq", "attention.wk", "attention.wv")
+    }
     query = "attention.wq_b" if hasattr(attention, "wq_a") else "attention.wq"
     plan[query] = decoder_block_plan(block)["attention.wq"]
     plan["attention.wkv_b"] = decoder_block_plan(block)["attention.wq"]

@@ -15,9 +15,24 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    EXPERT_PROJECTIONS, HF_ATTENTION, HF_BLOCK_NORMS, HF_FEED_FORWARD, HF_ROUTER, HF_TOP_LEVEL, ROTARY_INV_FREQ,
-    check_keys, convert_from_hf, expert_block_from_hf, expert_from_hf, expert_hf_names, expert_to_hf, rope_config,
-    rope_from_config, split_layer_name, unsupported, with_token_ids,
+    EXPERT_PROJECTIONS,
+    HF_ATTENTION,
+    HF_BLOCK_NORMS,
+    HF_FEED_FORWARD,
+    HF_ROUTER,
+    HF_TOP_LEVEL,
+    ROTARY_INV_FREQ,
+    check_keys,
+    convert_from_hf,
+    expert_block_from_hf,
+    expert_from_hf,
+    expert_hf_names,
+    expert_to_hf,
+    rope_config,
+    rope_from_config,
+    split_layer_name,
+    unsupported,
+    with_token_ids,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.spec import HFAdapter
@@ -47,25 +62,37 @@ FAMILY = "DeepSeek-V3"
 
 
 def _describe(args: ModelArgs) -> str:
-    return (f"a DeepSeek-V3 model with {args.n_layers} layers ({args.n_dense_layers} dense), "
-            f"{args.moe.num_experts if args.moe else 0} experts and q_lora_rank {args.q_lora_rank}")
+    return (
+        f"a DeepSeek-V3 model with {args.n_layers} layers ({args.n_dense_layers} dense), "
+        f"{args.moe.num_experts if args.moe else 0} experts and q_lora_rank {args.q_lora_rank}"
+    )
 
 
 def _layer_renames(layer: int, args: ModelArgs) -> dict[str, str]:
     """Our layer-local name -> HF layer-local name of the renamed tensors of `layer`."""
     queries = ("wq_a", "q_norm", "wq_b") if args.q_lora_rank else ("wq",)
-    attention = {k: v for k, v in _ATTENTION.items()
-                 if k.split(".")[1] not in ("wq", "wq_a", "q_norm", "wq_b") or k.split(".")[1] in queries}
-    ffn = HF_FEED_FORWARD if layer < args.n_dense_layers else {
-        k: v for k, v in _MOE.items() if "shared_experts" not in k or args.moe.num_shared_experts}
+    attention = {
+        k: v
+        for k, v in _ATTENTION.items()
+        if k.split(".")[1] not in ("wq", "wq_a", "q_norm", "wq_b") or k.split(".")[1] in queries
+    }
+    ffn = (
+        HF_FEED_FORWARD
+        if layer < args.n_dense_layers
+        else {k: v for k, v in _MOE.items() if "shared_experts" not in k or args.moe.num_shared_experts}
+    )
     mtp = {f"mtp.{k}": v for k, v in _MTP.items()} if layer >= args.n_layers else {}
     return {**attention, **ffn, **mtp}
 
 
 # A multi-token-prediction module's own tensors, beside its block's, in the published layer of
 # index n_layers + k (which also holds copies of the embedding and the output layer).
-_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-        "norm.weight": "shared_head.norm.weight"}
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
 _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 
 
@@ -85,8 +112,14 @@ def _our_names(args: ModelArgs) -> list[str]:
     for i in range(args.n_layers + args.mtp_depth):
         prefix = f"layers.{i}." if i < args.n_layers else f"mtp.{i - args.n_layers}."
         for local in [*_layer_renames(i, args), *(EXPERT_PROJECTIONS if i >= args.n_dense_layers else ())]:
-            names.append(prefix + (local.removeprefix("mtp.") if local.startswith("mtp.") else
-                                   ("block." + local if i >= args.n_layers else local)))
+            names.append(
+                prefix
+                + (
+                    local.removeprefix("mtp.")
+                    if local.startswith("mtp.")
+                    else ("block." + local if i >= args.n_layers else local)
+                )
+            )
     return names
 
 
@@ -123,8 +156,11 @@ def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch
     if layer is None:
         # The published MTP layers hold their own copies of the embedding and the output layer.
         # (Clones: a safetensors file holds no two names of one storage.)
-        copies = {f"model.layers.{args.n_layers + k}.{_MTP_COPIES[ours]}": w.clone()
-                  for k in range(args.mtp_depth) if ours in _MTP_COPIES}
+        copies = {
+            f"model.layers.{args.n_layers + k}.{_MTP_COPIES[ours]}": w.clone()
+            for k in range(args.mtp_depth)
+            if ours in _MTP_COPIES
+        }
         return {HF_TOP_LEVEL[ours]: w, **copies}
     if local in EXPERT_PROJECTIONS:
         return expert_to_hf(layer, local, w)
@@ -174,16 +210,21 @@ def _check_exportable(args: ModelArgs):
     """UserError for what DeepseekV3ForCausalLM cannot compute: softmax routing, a capacity limit."""
     m = args.moe
     if m is None:
-        raise UserError("DeepseekV3ForCausalLM has experts after the first_k_dense_replace layers; this flavor has none")
+        raise UserError(
+            "DeepseekV3ForCausalLM has experts after the first_k_dense_replace layers; this flavor has none"
+        )
     if m.score_func != "sigmoid":
-        raise UserError(f"DeepseekV3ForCausalLM routes with sigmoid scores; this flavor uses {m.score_func!r} "
-                        "(DeepSeek-V2's softmax routing has no export here)")
+        raise UserError(
+            f"DeepseekV3ForCausalLM routes with sigmoid scores; this flavor uses {m.score_func!r} "
+            "(DeepSeek-V2's softmax routing has no export here)"
+        )
     if m.capacity_factor is not None:
         raise UserError("DeepseekV3ForCausalLM drops no token: train without moe.capacity_factor for an export")
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
-              eos_id: int | None = None) -> dict:
+def hf_config(
+    args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
+) -> dict:
     """A config.json for DeepseekV3ForCausalLM describing a model with `args`, stored in `dtype`."""
     _check_exportable(args)
     m = args.moe
@@ -216,8 +257,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
         "rope_interleave": True,
         **rope_config(args.rope_theta, args.rope_scaling),
         # The context YaRN stretches to (transformers warns when it differs from factor x original).
-        "max_position_embeddings": max(args.max_seq_len, int(args.rope_scaling.factor * args.rope_scaling.original_max_position_embeddings))
-        if args.rope_scaling is not None else args.max_seq_len,
+        "max_position_embeddings": max(
+            args.max_seq_len, int(args.rope_scaling.factor * args.rope_scaling.original_max_position_embeddings)
+        )
+        if args.rope_scaling is not None
+        else args.max_seq_len,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "tie_word_embeddings": False,
@@ -233,44 +277,82 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
 
 def args_from_hf_config(config: dict) -> ModelArgs:
     """ModelArgs for the DeepseekV3ForCausalLM a config.json describes; UserError if we cannot represent it."""
-    required = ["hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size"]
+    required = [
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "vocab_size",
+    ]
     absent = [f for f in required if config.get(f) is None]
     if absent:
         raise UserError(f"Hugging Face config lacks {', '.join(absent)}; is this a DeepseekV3ForCausalLM config.json?")
-    for field, wanted in [("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("rope_interleave", True),
-                          ("tie_word_embeddings", False), ("attention_bias", False)]:
+    for field, wanted in [
+        ("hidden_act", "silu"),
+        ("scoring_func", "sigmoid"),
+        ("rope_interleave", True),
+        ("tie_word_embeddings", False),
+        ("attention_bias", False),
+    ]:
         if config.get(field, wanted) != wanted:
             raise unsupported(field, config[field], f"our model needs {wanted!r}", FAMILY)
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads", heads) != heads:
-        raise unsupported("num_key_value_heads", config["num_key_value_heads"], "MLA has one key/value per head",
-                          FAMILY)
+        raise unsupported(
+            "num_key_value_heads", config["num_key_value_heads"], "MLA has one key/value per head", FAMILY
+        )
     theta, scaling = rope_from_config(config, 10000.0, FAMILY, kinds=("yarn",))
     groups, limited = config.get("n_group") or 1, config.get("topk_group") or 1
     moe = MoEArgs(
-        num_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],
-        hidden_dim=config["moe_intermediate_size"], num_shared_experts=config.get("n_shared_experts") or 0,
-        score_func="sigmoid", route_norm=bool(config.get("norm_topk_prob", True)),
+        num_experts=config["n_routed_experts"],
+        top_k=config["num_experts_per_tok"],
+        hidden_dim=config["moe_intermediate_size"],
+        num_shared_experts=config.get("n_shared_experts") or 0,
+        score_func="sigmoid",
+        route_norm=bool(config.get("norm_topk_prob", True)),
         route_scale=float(config.get("routed_scaling_factor", 1.0)),
-        num_expert_groups=groups if groups > 1 else None, num_limited_groups=limited if groups > 1 else None,
+        num_expert_groups=groups if groups > 1 else None,
+        num_limited_groups=limited if groups > 1 else None,
     )
     problems = moe.check()
     if problems:
         raise UserError(f"Hugging Face config's experts cannot be represented: {'; '.join(problems)}")
     return ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-        n_dense_layers=config.get("first_k_dense_replace", 0), n_heads=heads, vocab_size=config["vocab_size"],
-        inter_dim=config["intermediate_size"], moe=moe, q_lora_rank=config.get("q_lora_rank") or 0,
-        kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_dense_layers=config.get("first_k_dense_replace", 0),
+        n_heads=heads,
+        vocab_size=config["vocab_size"],
+        inter_dim=config["intermediate_size"],
+        moe=moe,
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_seq_len=config.get("max_position_embeddings", 4096),
         mtp_depth=config.get("num_nextn_predict_layers") or 0,
     )
 
 
-ADAPTER = HFAdapter(model_types=_MODEL_TYPES, to_hf=to_hf, from_hf=from_hf, config=hf_config,
-                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
-                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
+ADAPTER = HFAdapter(
+    model_types=_MODEL_TYPES,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    config=hf_config,
+    args_from_config=args_from_hf_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
+)

@@ -8,7 +8,14 @@ def build_spec() -> ModelSpec:
     from torchtitan.models.gpt_oss import activations, args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
-        model.Transformer, name="gpt_oss", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
-        tp_sizes=parallelize.tp_sizes, validate=args.validate, moe=moe_hooks(), hf=state_dict_adapter.ADAPTER,
+        model.Transformer,
+        name="gpt_oss",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        validate=args.validate,
+        moe=moe_hooks(),
+        hf=state_dict_adapter.ADAPTER,
         activation_counts=activations.block_counts,  # sinks through the math kernel, the clamped experts
     )

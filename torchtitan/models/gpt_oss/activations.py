@@ -19,8 +19,9 @@ def sink_attention_counts(attention: nn.Module, seq_len: int) -> ActivationCount
     dim, heads = attention.wq.in_features, q // attention.head_dim
     fp32 = (2 * dim + 1) + 4 * q + heads * seq_len + 4 * heads + dim
     # Under autocast wq, wk and wv each cast the float32 norm output.
-    return ActivationCounts(split=2 * q + heads, gathered=dim, fp32=fp32, int64=0, op_kept=q + kv,
-                            autocast_casts=2 * dim)
+    return ActivationCounts(
+        split=2 * q + heads, gathered=dim, fp32=fp32, int64=0, op_kept=q + kv, autocast_casts=2 * dim
+    )
 
 
 def clamped_moe_counts(moe: nn.Module) -> ActivationCounts:

@@ -24,8 +24,9 @@ def _published_moe(num_experts: int) -> MoEArgs:
 
 # The published YaRN: theta 150,000 stretched 32 times from an original context of 4,096, the ramp
 # between the fractional bounds (truncate false), rotation magnitude 0.1 ln 32 + 1.
-PUBLISHED_YARN = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                             truncate=False)
+PUBLISHED_YARN = YarnScaling(
+    factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,13 @@ class ModelArgs:
 # moved the loss by 1.7e-5; with it off, 6 steps of every layout stay within 1e-5.
 flavors: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, vocab_size=4096, sliding_window=16,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        vocab_size=4096,
+        sliding_window=16,
         moe=MoEArgs(num_experts=8, top_k=4, hidden_dim=256, load_balance_coeff=None),
     ),
     # openai/gpt-oss-20b and openai/gpt-oss-120b config.json.

@@ -100,15 +100,18 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them for (local) expert e."""
-        params = [moe.local_tensor(p) for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
-                                                 self.down_proj_bias)]
+        params = [
+            moe.local_tensor(p)
+            for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
+        ]
         if self.grad_scale != 1.0:
             params = [moe.scale_gradient(p, self.grad_scale) for p in params]
         w_in, b_in, w_out, b_out = params
         x = x.to(moe.matmul_dtype(x))
         # Each row's expert (local index), to pick its biases.
-        expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
-                                            output_size=x.shape[0])
+        expert_of = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0]
+        )
         gate_up = moe.expert_matmul(x, w_in, counts)
         gate_up = gate_up + b_in[expert_of].to(gate_up.dtype)
         gate = gate_up[..., 0::2].clamp(max=self.limit)

@@ -30,6 +30,8 @@ TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:
     """What TP splits: the heads (with their sinks) and the vocabulary; the experts are token-local."""
-    heads = {"n_heads": (args.n_heads, "query heads (and their sinks) are split across ranks"),
-             "n_kv_heads": (args.kv_heads, "key/value heads are split across ranks")}
+    heads = {
+        "n_heads": (args.n_heads, "query heads (and their sinks) are split across ranks"),
+        "n_kv_heads": (args.kv_heads, "key/value heads are split across ranks"),
+    }
     return {**heads, "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks")}

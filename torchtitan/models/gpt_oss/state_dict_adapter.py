@@ -25,8 +25,16 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    HF_BLOCK_NORMS, HF_TOP_LEVEL, ROTARY_INV_FREQ, check_keys, convert_from_hf, rope_config, rope_from_config,
-    split_layer_name, unsupported, with_token_ids,
+    HF_BLOCK_NORMS,
+    HF_TOP_LEVEL,
+    ROTARY_INV_FREQ,
+    check_keys,
+    convert_from_hf,
+    rope_config,
+    rope_from_config,
+    split_layer_name,
+    unsupported,
+    with_token_ids,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.spec import HFAdapter
@@ -41,8 +49,11 @@ _EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_
 
 def _layer_table() -> dict[str, str]:
     """Our layer-local name -> Hugging Face's (under model.layers.N)."""
-    table = {f"attention.{ours}.{kind}": f"self_attn.{theirs}_proj.{kind}"
-             for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o")) for kind in ("weight", "bias")}
+    table = {
+        f"attention.{ours}.{kind}": f"self_attn.{theirs}_proj.{kind}"
+        for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o"))
+        for kind in ("weight", "bias")
+    }
     table["attention.sinks.weight"] = "self_attn.sinks"
     table.update(HF_BLOCK_NORMS)
     table.update({f"feed_forward.router.gate.{kind}": f"mlp.router.{kind}" for kind in ("weight", "bias")})
@@ -84,8 +95,13 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str] = frozenset()) 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "MXFP4") -> torch.Tensor:
     """[experts, rows, groups, 16] uint8 blocks and [experts, rows, groups] uint8 scales -> float32
     [experts, groups x 32, rows] (the matrix as x @ W[e] reads it). Works on meta tensors (shapes)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.ndim != 4 \
-            or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
+    if (
+        blocks.dtype != torch.uint8
+        or scales.dtype != torch.uint8
+        or blocks.ndim != 4
+        or tuple(blocks.shape[:-1]) != tuple(scales.shape)
+        or blocks.shape[-1] != 16
+    ):
         raise UserError(
             f"{name}: MXFP4 scales {tuple(scales.shape)} ({scales.dtype}) do not match blocks {tuple(blocks.shape)} "
             f"({blocks.dtype}): blocks must be uint8 [experts, rows, groups, 16] and scales uint8 [experts, rows, "
@@ -131,8 +147,10 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
     check_keys(sd, _our_names(args), "the model state dict", _describe(args), optional=optional)
     biased = [n for n in optional if n in sd and not sd[n].is_meta and torch.any(sd[n] != 0)]
     if biased:
-        logger.warning(f"dropping the non-zero MoE balancing bias ({biased[0]}, {len(biased)} layers): "
-                       "GptOssForCausalLM has none and chooses experts by the router's logits alone")
+        logger.warning(
+            f"dropping the non-zero MoE balancing bias ({biased[0]}, {len(biased)} layers): "
+            "GptOssForCausalLM has none and chooses experts by the router's logits alone"
+        )
     out = {}
     for ours, w in sd.items():
         out.update(tensor_to_hf(ours, w, args))
@@ -157,16 +175,20 @@ def _layer_types(args: ModelArgs) -> list[str]:
     return ["full_attention" if args.layer_window(i) is None else "sliding_attention" for i in range(args.n_layers)]
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
-              eos_id: int | None = None) -> dict:
+def hf_config(
+    args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
+) -> dict:
     """A config.json for GptOssForCausalLM describing a model with `args`, stored in `dtype`."""
     check_exportable(args)
     dtype_name = str(dtype).removeprefix("torch.")
     rope = rope_config(args.rope_theta, args.rope_scaling)
     y = args.rope_scaling
     if y is not None:  # YaRN's bounds rounding, which config.json says with "truncate" (default true)
-        rope = {**rope, "rope_scaling": {**rope["rope_scaling"], "truncate": y.truncate},
-                "rope_parameters": {**rope["rope_parameters"], "truncate": y.truncate}}
+        rope = {
+            **rope,
+            "rope_scaling": {**rope["rope_scaling"], "truncate": y.truncate},
+            "rope_parameters": {**rope["rope_parameters"], "truncate": y.truncate},
+        }
     context = max(args.max_seq_len, int(y.factor * y.original_max_position_embeddings)) if y else args.max_seq_len
     config = {
         "architectures": ["GptOssForCausalLM"],
@@ -203,8 +225,16 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
 
 def args_from_hf_config(config: dict) -> ModelArgs:
     """ModelArgs of the GptOssForCausalLM a config.json describes; UserError for what we cannot represent."""
-    required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "num_local_experts", "num_experts_per_tok", "vocab_size"]
+    required = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "vocab_size",
+    ]
     absent = [f for f in required if config.get(f) is None]
     if absent:
         raise UserError(f"Hugging Face config lacks {', '.join(absent)}; is this a GptOssForCausalLM config.json?")
@@ -213,31 +243,57 @@ def args_from_hf_config(config: dict) -> ModelArgs:
             raise unsupported(field, config[field], f"our model needs {wanted!r}", FAMILY)
     layers, window = config["num_hidden_layers"], config.get("sliding_window")
     ours = ["sliding_attention" if i % 2 == 0 and window else "full_attention" for i in range(layers)]
-    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    types = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
     if list(types) != ours:
-        raise unsupported("layer_types", types, "our model slides on the even layers (0, 2, ...) only, with "
-                          "sliding_window set", FAMILY)
+        raise unsupported(
+            "layer_types",
+            types,
+            "our model slides on the even layers (0, 2, ...) only, with sliding_window set",
+            FAMILY,
+        )
     theta, scaling = rope_from_config(config, 150000.0, FAMILY, kinds=("yarn",))
     if scaling is not None:
         rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-        scaling = dataclasses.replace(scaling, truncate=bool(rope.get("truncate", True)),
-                                      mscale=float(rope.get("mscale") or 1.0))
-    moe = MoEArgs(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
-                  hidden_dim=config["intermediate_size"], load_balance_coeff=None)
+        scaling = dataclasses.replace(
+            scaling, truncate=bool(rope.get("truncate", True)), mscale=float(rope.get("mscale") or 1.0)
+        )
+    moe = MoEArgs(
+        num_experts=config["num_local_experts"],
+        top_k=config["num_experts_per_tok"],
+        hidden_dim=config["intermediate_size"],
+        load_balance_coeff=None,
+    )
     problems = moe.check()
     if problems:
         raise UserError(f"Hugging Face config's experts cannot be represented: {'; '.join(problems)}")
     return ModelArgs(
-        dim=config["hidden_size"], n_layers=layers, n_heads=config["num_attention_heads"],
+        dim=config["hidden_size"],
+        n_layers=layers,
+        n_heads=config["num_attention_heads"],
         n_kv_heads=config["num_key_value_heads"],
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        sliding_window=window if any(t == "sliding_attention" for t in types) else None, rope_theta=theta,
-        rope_scaling=scaling, max_seq_len=config.get("max_position_embeddings", 131072),
-        vocab_size=config["vocab_size"], norm_eps=float(config.get("rms_norm_eps", 1e-5)), moe=moe,
-        swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+        sliding_window=window if any(t == "sliding_attention" for t in types) else None,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=config.get("max_position_embeddings", 131072),
+        vocab_size=config["vocab_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        moe=moe,
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
     )
 
 
-ADAPTER = HFAdapter(model_types=("gpt_oss",), to_hf=to_hf, from_hf=from_hf, config=hf_config,
-                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
-                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
+ADAPTER = HFAdapter(
+    model_types=("gpt_oss",),
+    to_hf=to_hf,
+    from_hf=from_hf,
+    config=hf_config,
+    args_from_config=args_from_hf_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
+)

@@ -41,19 +41,60 @@ class ModelArgs:
 # Published dimensions: Llama 3.2 1B and 3B (tied embeddings, rotary scaled for 32 x 8192 positions),
 # Llama 3.1 8B, 70B and 405B (rotary scaled for 8 x 8192 positions); "debugmodel" trains in minutes on
 # a CPU; "10M" is the size the CPU benchmark uses.
-LLAMA_3_1_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-LLAMA_3_2_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+LLAMA_3_1_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+LLAMA_3_2_ROPE = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 flavors: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=4096, rope_theta=500000),
     "10M": ModelArgs(dim=320, n_layers=6, n_heads=8, vocab_size=4096, rope_theta=500000),  # the CPU benchmark size
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-                    rope_scaling=LLAMA_3_2_ROPE, tie_word_embeddings=True),
-    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-                    rope_scaling=LLAMA_3_2_ROPE, tie_word_embeddings=True),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-                    rope_scaling=LLAMA_3_1_ROPE),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-                     rope_scaling=LLAMA_3_1_ROPE),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
-                      rope_scaling=LLAMA_3_1_ROPE),
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=LLAMA_3_2_ROPE,
+        tie_word_embeddings=True,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=LLAMA_3_2_ROPE,
+        tie_word_embeddings=True,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=LLAMA_3_1_ROPE,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=LLAMA_3_1_ROPE,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=LLAMA_3_1_ROPE,
+    ),
 }

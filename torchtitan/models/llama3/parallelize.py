@@ -15,4 +15,3 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         "dim": (args.dim, "model width"),
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
-

@@ -17,9 +17,21 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    HF_ATTENTION, HF_BLOCK_NORMS, HF_FEED_FORWARD, HF_LM_HEAD, HF_TOP_LEVEL, ROTARY_INV_FREQ, check_keys,
-    check_tied_copy, convert_from_hf, decoder_config, rope_from_config, tied_output_from_hf, tied_output_hf_names,
-    unsupported, with_token_ids,
+    HF_ATTENTION,
+    HF_BLOCK_NORMS,
+    HF_FEED_FORWARD,
+    HF_LM_HEAD,
+    HF_TOP_LEVEL,
+    ROTARY_INV_FREQ,
+    check_keys,
+    check_tied_copy,
+    convert_from_hf,
+    decoder_config,
+    rope_from_config,
+    tied_output_from_hf,
+    tied_output_hf_names,
+    unsupported,
+    with_token_ids,
 )
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.common.spec import HFAdapter
@@ -108,7 +120,7 @@ def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], off
     first, end = offset[0] // hd, -(-(offset[0] + shape[0]) // hd)
     rows = read(_hf_name(ours, args), (first * hd, *offset[1:]), ((end - first) * hd, *shape[1:]))
     start = offset[0] - first * hd
-    return _halves_to_pairs(rows, end - first, hd, _hf_name(ours, args))[start:start + shape[0]]
+    return _halves_to_pairs(rows, end - first, hd, _hf_name(ours, args))[start : start + shape[0]]
 
 
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -203,6 +215,14 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     return args
 
 
-ADAPTER = HFAdapter(model_types=("llama",), to_hf=to_hf, from_hf=from_hf, config=hf_config,
-                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
-                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
+ADAPTER = HFAdapter(
+    model_types=("llama",),
+    to_hf=to_hf,
+    from_hf=from_hf,
+    config=hf_config,
+    args_from_config=args_from_hf_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
+)

@@ -8,7 +8,13 @@ def build_spec() -> ModelSpec:
     from torchtitan.models.qwen3 import args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
-        model.Transformer, name="qwen3", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
-        tp_sizes=parallelize.tp_sizes, hf=state_dict_adapter.ADAPTER, validate=args.validate,
+        model.Transformer,
+        name="qwen3",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        hf=state_dict_adapter.ADAPTER,
+        validate=args.validate,
         moe=moe_hooks(),  # Qwen3-MoE flavors; none of it acts on a dense one
     )

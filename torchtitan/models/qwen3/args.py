@@ -48,7 +48,12 @@ def _published(dim: int, hidden_dim: int, n_layers: int, n_heads: int, tied: boo
     # What every published Qwen3 dense config.json shares: 8 KV heads of 128 features, the 151,936-token
     # vocabulary, rope_theta 1e6, rms_norm_eps 1e-6 and max_position_embeddings 40960.
     return ModelArgs(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8, head_dim=128, hidden_dim=hidden_dim,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=hidden_dim,
         tie_word_embeddings=tied,
     )
 
@@ -74,15 +79,31 @@ flavors: dict[str, ModelArgs] = {
     # The published sizes (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B): 128 experts, top-8 with
     # renormalized weights (norm_topk_prob), 4 KV heads.
     "debugmodel_moe": ModelArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, vocab_size=4096,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=768,
+        vocab_size=4096,
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, route_norm=True, load_balance_coeff=1e-2),
     ),
     "30B-A3B": ModelArgs(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, hidden_dim=6144,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        hidden_dim=6144,
         moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=768, route_norm=True),
     ),
     "235B-A22B": ModelArgs(
-        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, hidden_dim=12288,
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        hidden_dim=12288,
         moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=1536, route_norm=True),
     ),
 }

@@ -44,12 +44,14 @@ def check_exportable(args: ModelArgs):
             "can be converted"
         )
     differences = [
-        f"{name} = {value!r}" for name, value, plain in [
+        f"{name} = {value!r}"
+        for name, value, plain in [
             ("score_func", m.score_func, "softmax"),
             ("num_shared_experts", m.num_shared_experts, 0),
             ("route_scale", m.route_scale, 1.0),
             ("num_expert_groups", m.num_expert_groups, None),
-        ] if value != plain
+        ]
+        if value != plain
     ]
     if differences:
         raise UserError(
@@ -79,22 +81,24 @@ def hf_config(
         "dtype": dtype_name,  # transformers 5.x
     }
     if args.moe is not None:
-        config.update({
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            # The hub's spelling; transformers 5 maps it to num_local_experts (and writes that).
-            "num_experts": args.moe.num_experts,
-            "num_experts_per_tok": args.moe.top_k,
-            "moe_intermediate_size": args.moe.hidden_dim,
-            "norm_topk_prob": args.moe.route_norm,
-            # Every layer a mixture of experts; intermediate_size (above) would size dense layers only.
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            # No auxiliary loss nor router logits if the export is fine-tuned as it is: we balance
-            # with a bias, which Qwen3-MoE does not have.
-            "router_aux_loss_coef": 0.0,
-            "output_router_logits": False,
-        })
+        config.update(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                # The hub's spelling; transformers 5 maps it to num_local_experts (and writes that).
+                "num_experts": args.moe.num_experts,
+                "num_experts_per_tok": args.moe.top_k,
+                "moe_intermediate_size": args.moe.hidden_dim,
+                "norm_topk_prob": args.moe.route_norm,
+                # Every layer a mixture of experts; intermediate_size (above) would size dense layers only.
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                # No auxiliary loss nor router logits if the export is fine-tuned as it is: we balance
+                # with a bias, which Qwen3-MoE does not have.
+                "router_aux_loss_coef": 0.0,
+                "output_router_logits": False,
+            }
+        )
     return with_token_ids(config, bos_id, eos_id)
 
 
@@ -131,8 +135,11 @@ def _moe_args_from_hf_config(config: dict) -> MoEArgs:
     family = _MOE_FAMILY
     # transformers 5 writes num_local_experts (its attribute for num_experts), the hub num_experts.
     num_experts = config.get("num_experts", config.get("num_local_experts"))
-    fields = {"num_experts": num_experts, "num_experts_per_tok": config.get("num_experts_per_tok"),
-              "moe_intermediate_size": config.get("moe_intermediate_size")}
+    fields = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": config.get("num_experts_per_tok"),
+        "moe_intermediate_size": config.get("moe_intermediate_size"),
+    }
     absent = [f for f, v in fields.items() if v is None]
     if absent:
         raise UserError(
@@ -143,14 +150,21 @@ def _moe_args_from_hf_config(config: dict) -> MoEArgs:
         raise _unsupported("num_experts", num_experts, "a Qwen3-MoE model without experts is a dense one", family)
     step = config.get("decoder_sparse_step", 1)
     if step != 1:
-        raise _unsupported("decoder_sparse_step", step,
-                           "only every layer a mixture of experts (1) is supported; we have no dense layers in an "
-                           "MoE model", family)
+        raise _unsupported(
+            "decoder_sparse_step",
+            step,
+            "only every layer a mixture of experts (1) is supported; we have no dense layers in an MoE model",
+            family,
+        )
     dense_layers = config.get("mlp_only_layers") or []
     if dense_layers:
         raise _unsupported("mlp_only_layers", dense_layers, "we have no dense layers in an MoE model", family)
-    for field in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "num_shared_experts",
-                  "n_shared_experts"):
+    for field in (
+        "shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "num_shared_experts",
+        "n_shared_experts",
+    ):
         if config.get(field):
             raise _unsupported(field, config[field], "Qwen3-MoE has no shared experts and we convert none", family)
     moe = MoEArgs(
@@ -208,25 +222,31 @@ def _dense_windows_from_hf_config(config: dict, n_layers: int) -> tuple[int | No
         types = [_SLIDING if window is not None and i >= first else _FULL for i in range(n_layers)]
     else:
         if not isinstance(types, list) or len(types) != n_layers:
-            raise _unsupported("layer_types", types, f"it must list one type for each of the {n_layers} layers",
-                               family)
+            raise _unsupported("layer_types", types, f"it must list one type for each of the {n_layers} layers", family)
         # transformers' legacy spelling "attention" is full attention (configuration_utils remaps it).
         types = [_FULL if t == "attention" else t for t in types]
         others = sorted({str(t) for t in types} - {_FULL, _SLIDING})
         if others:
-            raise _unsupported("layer_types", others, "our layers attend fully or through a sliding window only",
-                               family)
+            raise _unsupported(
+                "layer_types", others, "our layers attend fully or through a sliding window only", family
+            )
         if _SLIDING in types and window is None:
             raise _unsupported(
-                "layer_types", _runs(types),
+                "layer_types",
+                _runs(types),
                 "it has sliding_attention layers but no window (use_sliding_window is false or sliding_window "
-                "null), which transformers cannot run either", family)
+                "null), which transformers cannot run either",
+                family,
+            )
     first_sliding = types.index(_SLIDING) if _SLIDING in types else n_layers
     if _FULL in types[first_sliding:]:
         raise _unsupported(
-            "layer_types", _runs(types),
+            "layer_types",
+            _runs(types),
             f"layer {first_sliding} slides but a later layer attends fully; our args (max_window_layers) express "
-            "only full layers first, then sliding ones", family)
+            "only full layers first, then sliding ones",
+            family,
+        )
     if first_sliding == n_layers:  # no layer slides: no window, whatever sliding_window says
         return None, 0
     return window, first_sliding
@@ -241,18 +261,24 @@ def _moe_windows_from_hf_config(config: dict, n_layers: int) -> tuple[int | None
     implied = [_FULL if window is None else _SLIDING] * n_layers
     if types is not None and [_FULL if t == "attention" else t for t in types] != implied:
         raise _unsupported(
-            "layer_types", _runs(types) if isinstance(types, list) else types,
+            "layer_types",
+            _runs(types) if isinstance(types, list) else types,
             "Qwen3MoeForCausalLM has no per-layer types: it applies the sliding window to every layer when "
-            f"use_sliding_window is set, and to none otherwise, i.e. {implied[0]} everywhere here", family)
+            f"use_sliding_window is set, and to none otherwise, i.e. {implied[0]} everywhere here",
+            family,
+        )
     if window is None:
         return None, 0
     first = config.get("max_window_layers")
     if first != 0:
         raise _unsupported(
-            "max_window_layers", first,
+            "max_window_layers",
+            first,
             "with use_sliding_window, transformers 5's Qwen3MoeForCausalLM slides every layer and ignores "
             "max_window_layers, while earlier releases slid only layers max_window_layers and later; only "
-            "max_window_layers = 0 (every layer) means the same in both", family)
+            "max_window_layers = 0 (every layer) means the same in both",
+            family,
+        )
     return window, 0
 
 
@@ -272,11 +298,13 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     if config.get("hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", config["hidden_act"], "our model needs 'silu'", family)
     if config.get("attention_bias"):
-        raise _unsupported("attention_bias", config["attention_bias"], "our attention projections have no biases",
-                           family)
+        raise _unsupported(
+            "attention_bias", config["attention_bias"], "our attention projections have no biases", family
+        )
     n_layers = config["num_hidden_layers"]
     sliding_window, max_window_layers = (_moe_windows_from_hf_config if moe_type else _dense_windows_from_hf_config)(
-        config, n_layers)
+        config, n_layers
+    )
     if config.get("attention_dropout"):
         raise _unsupported("attention_dropout", config["attention_dropout"], "our attention has no dropout", family)
     moe = _moe_args_from_hf_config(config) if moe_type else None
@@ -284,8 +312,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads") or n_heads
     if n_heads % n_kv_heads:
-        raise _unsupported("num_key_value_heads", n_kv_heads, f"it must divide num_attention_heads = {n_heads}",
-                           family)
+        raise _unsupported("num_key_value_heads", n_kv_heads, f"it must divide num_attention_heads = {n_heads}", family)
     # Qwen3Config's default head_dim is 128 whatever hidden_size / num_attention_heads is;
     # Qwen3MoeConfig has none: its attention then uses hidden_size // num_attention_heads.
     head_dim = config.get("head_dim") or (config["hidden_size"] // n_heads if moe_type else 128)

@@ -38,4 +38,3 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
     if args.moe is not None:  # experts are not split by tensor parallel (tp_plan.decoder_block_plan)
         del sizes["ffn hidden dim"]
     return sizes
-

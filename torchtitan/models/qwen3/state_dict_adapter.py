@@ -32,10 +32,29 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    EXPERT_PROJECTIONS, FUSED_DOWN, FUSED_GATE_UP, HF_ATTENTION, HF_BLOCK_NORMS, HF_FEED_FORWARD, HF_LM_HEAD,
-    HF_QK_NORMS, HF_ROUTER, HF_TOP_LEVEL, ROTARY_INV_FREQ, check_keys, check_tied_copy, convert_from_hf,
-    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_key, expert_to_hf, experts_fused,
-    split_layer_name, tied_output_from_hf, tied_output_hf_names,
+    EXPERT_PROJECTIONS,
+    FUSED_DOWN,
+    FUSED_GATE_UP,
+    HF_ATTENTION,
+    HF_BLOCK_NORMS,
+    HF_FEED_FORWARD,
+    HF_LM_HEAD,
+    HF_QK_NORMS,
+    HF_ROUTER,
+    HF_TOP_LEVEL,
+    ROTARY_INV_FREQ,
+    check_keys,
+    check_tied_copy,
+    convert_from_hf,
+    expert_block_from_hf,
+    expert_from_hf,
+    expert_hf_names,
+    expert_key,
+    expert_to_hf,
+    experts_fused,
+    split_layer_name,
+    tied_output_from_hf,
+    tied_output_hf_names,
 )
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.qwen3.hf_config import MODEL_TYPES, args_from_hf_config, check_exportable, hf_config
@@ -102,20 +121,24 @@ def _our_shapes(args: ModelArgs) -> dict[str, tuple]:
         "ffn_norm.weight": (dim,),
     }
     if args.moe is None:
-        per_layer.update({
-            "feed_forward.w1.weight": (args.hidden_dim, dim),
-            "feed_forward.w2.weight": (dim, args.hidden_dim),
-            "feed_forward.w3.weight": (args.hidden_dim, dim),
-        })
+        per_layer.update(
+            {
+                "feed_forward.w1.weight": (args.hidden_dim, dim),
+                "feed_forward.w2.weight": (dim, args.hidden_dim),
+                "feed_forward.w3.weight": (args.hidden_dim, dim),
+            }
+        )
     else:
         e, h = args.moe.num_experts, args.moe.hidden_dim
-        per_layer.update({
-            "feed_forward.router.gate.weight": (e, dim),
-            "feed_forward.experts.w1": (e, h, dim),
-            "feed_forward.experts.w3": (e, h, dim),
-            "feed_forward.experts.w2": (e, dim, h),
-            _EXPERT_BIAS: (e,),
-        })
+        per_layer.update(
+            {
+                "feed_forward.router.gate.weight": (e, dim),
+                "feed_forward.experts.w1": (e, h, dim),
+                "feed_forward.experts.w3": (e, h, dim),
+                "feed_forward.experts.w2": (e, dim, h),
+                _EXPERT_BIAS: (e,),
+            }
+        )
     for i in range(args.n_layers):
         shapes.update({f"layers.{i}.{k}": s for k, s in per_layer.items()})
     return shapes
@@ -144,7 +167,8 @@ def _check_shapes(sd: dict, expected: dict[str, tuple]):
     """UserError naming the first tensors of `sd` whose shape differs from `expected` (in its order)."""
     wrong = [
         f"{key} has shape {tuple(sd[key].shape)}, expected {shape}"
-        for key, shape in expected.items() if key in sd and tuple(sd[key].shape) != shape
+        for key, shape in expected.items()
+        if key in sd and tuple(sd[key].shape) != shape
     ]
     if wrong:
         more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
@@ -238,7 +262,8 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
     if biased:
         logger.warning(
             f"dropping the non-zero MoE balancing bias ({biased[0]}"
-            + (f" and {len(biased) - 1} more" if len(biased) > 1 else "") + "): Hugging Face "
+            + (f" and {len(biased) - 1} more" if len(biased) > 1 else "")
+            + "): Hugging Face "
             "Qwen3-MoE has none and chooses experts by router score alone, so the exported model may route "
             "some tokens to other experts than this one does"
         )
@@ -260,6 +285,14 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     return convert_from_hf(_our_shapes(args), hf_sd, args, hf_names, tensor_from_hf)
 
 
-ADAPTER = HFAdapter(model_types=MODEL_TYPES, to_hf=to_hf, from_hf=from_hf, config=hf_config,
-                    args_from_config=args_from_hf_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
-                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
+ADAPTER = HFAdapter(
+    model_types=MODEL_TYPES,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    config=hf_config,
+    args_from_config=args_from_hf_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
+)

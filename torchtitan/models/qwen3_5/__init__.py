@@ -8,8 +8,14 @@ def build_spec() -> ModelSpec:
     from torchtitan.models.qwen3_5 import activations, args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
-        model.Transformer, name="qwen3_5", args_cls=args.ModelArgs, flavors=args.flavors, tp_plan=parallelize.TP_PLAN,
-        tp_sizes=parallelize.tp_sizes, validate=args.validate, hf=state_dict_adapter.ADAPTER,
+        model.Transformer,
+        name="qwen3_5",
+        args_cls=args.ModelArgs,
+        flavors=args.flavors,
+        tp_plan=parallelize.TP_PLAN,
+        tp_sizes=parallelize.tp_sizes,
+        validate=args.validate,
+        hf=state_dict_adapter.ADAPTER,
         activation_counts=activations.block_counts,  # DeltaNet blocks (the chunked rule's) and gated attention's
         moe=moe_hooks(),  # Qwen3.5-MoE flavors; none of it acts on a dense one
     )

@@ -48,8 +48,16 @@ def delta_rule_counts(heads: int, dk: int, dv: int, chunk: int, seq_len: int) ->
     debug model's block at 128 tokens, nothing much at thousands)."""
     n = max(seq_len // chunk, 1)
     more = 1.0 if n > 1 else 0.0
-    fp32 = (chunk / 4 + 2 + 7 * heads * chunk + (7 + 2 * more) * heads * dk + 2 * heads * dv + 6 * heads
-            + (heads + 1 + more * heads) / chunk + heads * dk * dv / chunk)
+    fp32 = (
+        chunk / 4
+        + 2
+        + 7 * heads * chunk
+        + (7 + 2 * more) * heads * dk
+        + 2 * heads * dv
+        + 6 * heads
+        + (heads + 1 + more * heads) / chunk
+        + heads * dk * dv / chunk
+    )
     moved = -3 * heads * chunk - (4 + more) * heads * dk - more * 2 * heads * dk / n + 2 * heads * dk * dv / chunk
     return fp32, moved
 
@@ -88,11 +96,17 @@ def gated_deltanet_counts(mixer: nn.Module, seq_len: int) -> ActivationCounts:
     # more per sequence.
     shifted = (kernel - 1 + kernel * (kernel - 1) / (2 * seq_len)) * channels
     split = 2 * channels + shifted + heads + 4 * values + 2 * only32
-    fp32 = (2 * dim + 1 + dim + 2 * key_heads * (dk + 1) - only32 + values + 2 * heads + rule_fp32
-            + 2 * values + heads)
+    fp32 = 2 * dim + 1 + dim + 2 * key_heads * (dk + 1) - only32 + values + 2 * heads + rule_fp32 + 2 * values + heads
     moved = channels + 2 * only32 + values + rule_moved
-    return ActivationCounts(split=split, gathered=dim, fp32=fp32, int64=0, op_kept=channels + heads + dim,
-                            autocast_casts=3 * dim, autocast_moved=moved)
+    return ActivationCounts(
+        split=split,
+        gathered=dim,
+        fp32=fp32,
+        int64=0,
+        op_kept=channels + heads + dim,
+        autocast_casts=3 * dim,
+        autocast_moved=moved,
+    )
 
 
 def gated_attention_counts(attention: nn.Module) -> ActivationCounts:
@@ -110,8 +124,9 @@ def gated_attention_counts(attention: nn.Module) -> ActivationCounts:
     heads, kv_heads = q // head_dim, kv // head_dim
     split = 4 * q + 2 * q + 2 * q  # the last: float32-only (the module docstring)
     fp32 = 2 * dim + 1 + dim + heads + (2 * q + heads - q) + 2 * kv + kv_heads
-    return ActivationCounts(split=split, gathered=dim, fp32=fp32, int64=0, op_kept=width + kv + q, op_fp32=heads,
-                            autocast_casts=2 * dim)
+    return ActivationCounts(
+        split=split, gathered=dim, fp32=fp32, int64=0, op_kept=width + kv + q, op_fp32=heads, autocast_casts=2 * dim
+    )
 
 
 def block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:

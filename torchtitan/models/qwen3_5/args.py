@@ -74,9 +74,19 @@ class ModelArgs:
 # and 4. The trainer replaces vocab_size with the tokenizer's (padded).
 flavors: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(
-        dim=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, vocab_size=4096,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-        rope_theta=10000.0, max_seq_len=2048,
+        dim=256,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=768,
+        vocab_size=4096,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        rope_theta=10000.0,
+        max_seq_len=2048,
     ),
     # transformers 5.25 Qwen3_5TextConfig() as it is (its parameter count is tested against it).
     "9B": ModelArgs(),
@@ -84,19 +94,49 @@ flavors: dict[str, ModelArgs] = {
     # debugmodel_moe: debugmodel's mixers with 8 experts of width 256, top-2, and one shared expert of
     # width 256; its balancing bias moves 1e-2 per step as Qwen3's debugmodel_moe's.
     "debugmodel_moe": ModelArgs(
-        dim=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=256, vocab_size=4096,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-        rope_theta=10000.0, max_seq_len=2048,
-        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, num_shared_experts=1, shared_hidden_dim=256,
-                    shared_gate=True, route_norm=True, load_balance_coeff=1e-2),
+        dim=256,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=256,
+        vocab_size=4096,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        rope_theta=10000.0,
+        max_seq_len=2048,
+        moe=MoEArgs(
+            num_experts=8,
+            top_k=2,
+            hidden_dim=256,
+            num_shared_experts=1,
+            shared_hidden_dim=256,
+            shared_gate=True,
+            route_norm=True,
+            load_balance_coeff=1e-2,
+        ),
     ),
     # transformers 5.25 Qwen3_5MoeTextConfig() (its docstring's checkpoint: Qwen/Qwen3.5-35B-A3B): 40 layers
     # of dim 2048, 16 query heads over 2 KV heads, 256 experts of width 512, top-8, one shared expert of
     # width 512. Its parameter count is tested against that config.
     "35B-A3B": ModelArgs(
-        dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256, hidden_dim=512,
-        moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=512, num_shared_experts=1, shared_hidden_dim=512,
-                    shared_gate=True, route_norm=True),
+        dim=2048,
+        n_layers=40,
+        n_heads=16,
+        n_kv_heads=2,
+        head_dim=256,
+        hidden_dim=512,
+        moe=MoEArgs(
+            num_experts=256,
+            top_k=8,
+            hidden_dim=512,
+            num_shared_experts=1,
+            shared_hidden_dim=512,
+            shared_gate=True,
+            route_norm=True,
+        ),
     ),
 }
 

@@ -128,8 +128,10 @@ class GatedDeltaNet(nn.Module):
         a_log, dt_bias = local_part(self.heads.A_log), local_part(self.heads.dt_bias)
         ex, docs = self.exchange, doc_ids
         if ex is not None:
-            qkv, a, b = (_to_heads(ex, t, heads) for t, heads in ((qkv, conv_w.shape[0] // group), (a, a.shape[-1]),
-                                                                  (b, b.shape[-1])))
+            qkv, a, b = (
+                _to_heads(ex, t, heads)
+                for t, heads in ((qkv, conv_w.shape[0] // group), (a, a.shape[-1]), (b, b.shape[-1]))
+            )
             # Rank j of the group computes the j-th contiguous group of this (TP) rank's key heads.
             conv_w, a_log, dt_bias = (t.chunk(ex.cp)[ex.rank] for t in (conv_w, a_log, dt_bias))
             docs = ex.gathered_docs(doc_ids) if doc_ids is not None else None
@@ -143,8 +145,8 @@ class GatedDeltaNet(nn.Module):
             window = conv_w.shape[-1] - 1
             before = cache.states.get("conv", qkv.new_zeros(bs, 0, qkv.shape[-1]))
             joined = torch.cat([before, qkv], dim=1)
-            cache.states["conv"] = joined[:, joined.shape[1] - window:] if window else joined[:, :0]
-            qkv = delta_rule.causal_conv(joined, conv_w)[:, before.shape[1]:]
+            cache.states["conv"] = joined[:, joined.shape[1] - window :] if window else joined[:, :0]
+            qkv = delta_rule.causal_conv(joined, conv_w)[:, before.shape[1] :]
             state = cache.states.get("state")
         else:
             qkv = delta_rule.causal_conv(qkv, conv_w, docs)
@@ -152,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         # [batch, seq, key heads (this rank's), q | k | values of its value heads]
         q, k, v = qkv.view(bs, seq, -1, group).split([self.dk, self.dk, self.per_key * self.dv], dim=-1)
         v = v.reshape(bs, seq, -1, self.dv)  # value head h * per_key + j is key head h's j-th
-        q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
+        q, k = l2norm(q) * self.dk**-0.5, l2norm(k)
         if self.per_key > 1:
             q, k = q.repeat_interleave(self.per_key, dim=2), k.repeat_interleave(self.per_key, dim=2)
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
@@ -183,14 +185,14 @@ def _log_uniform(low: float, high: float):
     def fill(t, g):
         torch.nn.init.uniform_(t, low, high, generator=g)
         t.log_()
+
     return fill
 
 
 class Transformer(decoder.Transformer):
     rotary = HALVES
     qk_norm = True
-    input_projections = decoder.Transformer.input_projections + (
-        "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+    input_projections = decoder.Transformer.input_projections + ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
 
     def block(self, layer_id: int) -> nn.Module:
         a = self.args
@@ -207,7 +209,7 @@ class Transformer(decoder.Transformer):
         if name.endswith(".dt_bias"):
             return lambda t, g: torch.nn.init.ones_(t)
         if name.endswith(".conv1d.weight"):
-            bound = self.args.conv_kernel ** -0.5  # nn.Conv1d's default for a depthwise conv: 1/sqrt(fan_in)
+            bound = self.args.conv_kernel**-0.5  # nn.Conv1d's default for a depthwise conv: 1/sqrt(fan_in)
             return _uniform(-bound, bound)
         return super().init_for(name)
 
@@ -218,8 +220,9 @@ class Transformer(decoder.Transformer):
         and the output (S^T q), 2 dk dv FLOPs each forward, twice that backward: 18 dk dv."""
         full = [None] * sum(args.is_full_attention(i) for i in range(args.n_layers))
         size = cls.model_size(args)
-        base = transformer_flops_per_token(decoder.matmul_parameters(size, args), args.n_heads * args.head_dim,
-                                           full, doc_lengths)
+        base = transformer_flops_per_token(
+            decoder.matmul_parameters(size, args), args.n_heads * args.head_dim, full, doc_lengths
+        )
         linear = args.n_layers - len(full)
         return base + linear * 18 * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim
 

@@ -19,7 +19,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from torchtitan.models.common.tp_plan import (
-    TensorParallelPlan, decoder_block_plan, decoder_top_plan, gather_sequence_input,
+    TensorParallelPlan,
+    decoder_block_plan,
+    decoder_top_plan,
+    gather_sequence_input,
 )
 
 

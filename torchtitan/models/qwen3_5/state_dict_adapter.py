@@ -29,8 +29,19 @@ import torch
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import (
-    EXPERT_PROJECTIONS, HF_ATTENTION, HF_FEED_FORWARD, HF_ROUTER, HF_TOP_LEVEL, check_keys, convert_from_hf,
-    expert_block_from_hf, expert_from_hf, expert_hf_names, expert_to_hf, hf_text_config, split_layer_name,
+    EXPERT_PROJECTIONS,
+    HF_ATTENTION,
+    HF_FEED_FORWARD,
+    HF_ROUTER,
+    HF_TOP_LEVEL,
+    check_keys,
+    convert_from_hf,
+    expert_block_from_hf,
+    expert_from_hf,
+    expert_hf_names,
+    expert_to_hf,
+    hf_text_config,
+    split_layer_name,
     with_token_ids,
 )
 from torchtitan.models.common.moe import MoEArgs
@@ -96,16 +107,24 @@ def check_exportable(args: ModelArgs) -> None:
     m = args.moe
     if m is None:
         return
-    differences = [f"{name} = {value!r}" for name, value, theirs in [
-        ("score_func", m.score_func, "softmax"), ("route_norm", m.route_norm, True),
-        ("route_scale", m.route_scale, 1.0), ("num_expert_groups", m.num_expert_groups, None),
-        ("num_shared_experts", m.num_shared_experts, 1), ("shared_gate", m.shared_gate, True),
-    ] if value != theirs]
+    differences = [
+        f"{name} = {value!r}"
+        for name, value, theirs in [
+            ("score_func", m.score_func, "softmax"),
+            ("route_norm", m.route_norm, True),
+            ("route_scale", m.route_scale, 1.0),
+            ("num_expert_groups", m.num_expert_groups, None),
+            ("num_shared_experts", m.num_shared_experts, 1),
+            ("shared_gate", m.shared_gate, True),
+        ]
+        if value != theirs
+    ]
     if differences:
         raise UserError(
             f"the model's MoE args have {', '.join(differences)}, which Hugging Face Qwen3.5-MoE cannot represent "
             "(a softmax over all experts, top-k renormalized, one shared expert with a sigmoid gate); only such "
-            "models can be converted")
+            "models can be converted"
+        )
 
 
 def _ffn_names(args: ModelArgs) -> list[str]:
@@ -116,8 +135,11 @@ def _ffn_names(args: ModelArgs) -> list[str]:
 
 def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     """Our layer-local names of layer `layer`."""
-    mixer = [f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")] if args.is_full_attention(layer) \
+    mixer = (
+        [f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")]
+        if args.is_full_attention(layer)
         else [*_DELTANET, *_PERMUTED]
+    )
     norms = [n for n in _CENTERED if args.is_full_attention(layer) or not n.startswith("attention.")]
     return mixer + norms + _ffn_names(args)
 
@@ -194,7 +216,8 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
     check_exportable(args)
     names = our_names(args)
     optional = (("output.weight",) if args.tie_word_embeddings else ()) + tuple(
-        n for n in names if n.endswith(_EXPERT_BIAS))  # dropped anyway
+        n for n in names if n.endswith(_EXPERT_BIAS)
+    )  # dropped anyway
     check_keys(sd, names, "the model state dict", _describe(args), optional=optional)
     out, biased = {}, []
     for ours, w in sd.items():
@@ -204,9 +227,11 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
     if biased:
         logger.warning(
             f"dropping the non-zero MoE balancing bias ({biased[0]}"
-            + (f" and {len(biased) - 1} more" if len(biased) > 1 else "") + "): Hugging Face Qwen3.5-MoE has "
+            + (f" and {len(biased) - 1} more" if len(biased) > 1 else "")
+            + "): Hugging Face Qwen3.5-MoE has "
             "none and chooses experts by router score alone, so the exported model may route some tokens to "
-            "other experts than this one does")
+            "other experts than this one does"
+        )
     return out
 
 
@@ -215,38 +240,60 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     hf_sd = {k: v for k, v in hf_sd.items() if not k.startswith("mtp.")}  # the multi-token head is not ours
     present = frozenset(hf_sd)
     expected = sorted({n for ours in our_names(args) for n in hf_names(ours, args, present)})
-    check_keys(hf_sd, expected, "the Hugging Face state dict", _describe(args),
-               optional=("lm_head.weight",))
+    check_keys(hf_sd, expected, "the Hugging Face state dict", _describe(args), optional=("lm_head.weight",))
     out = convert_from_hf(our_names(args), hf_sd, args, hf_names, tensor_from_hf)
     if args.tie_word_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
-              eos_id: int | None = None) -> dict:
+def hf_config(
+    args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
+) -> dict:
     dtype = str(dtype).removeprefix("torch.")
     check_exportable(args)
     config = {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPES[0], "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "linear_num_key_heads": args.linear_num_key_heads, "linear_num_value_heads": args.linear_num_value_heads,
-        "linear_key_head_dim": args.linear_key_head_dim, "linear_value_head_dim": args.linear_value_head_dim,
-        "linear_conv_kernel_dim": args.conv_kernel, "full_attention_interval": args.full_attention_interval,
-        "layer_types": list(args.layer_types), "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
-                            "partial_rotary_factor": args.partial_rotary_factor},
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "dtype": dtype, "torch_dtype": dtype,
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPES[0],
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "linear_num_key_heads": args.linear_num_key_heads,
+        "linear_num_value_heads": args.linear_num_value_heads,
+        "linear_key_head_dim": args.linear_key_head_dim,
+        "linear_value_head_dim": args.linear_value_head_dim,
+        "linear_conv_kernel_dim": args.conv_kernel,
+        "full_attention_interval": args.full_attention_interval,
+        "layer_types": list(args.layer_types),
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
     if args.moe is not None:  # Qwen3_5MoeTextConfig: no dense intermediate_size
         del config["intermediate_size"]
-        config.update({
-            "architectures": [MOE_ARCHITECTURE], "model_type": MODEL_TYPES[1], "num_experts": args.moe.num_experts,
-            "num_experts_per_tok": args.moe.top_k, "moe_intermediate_size": args.moe.hidden_dim,
-            "shared_expert_intermediate_size": args.moe.shared_width,
-        })
+        config.update(
+            {
+                "architectures": [MOE_ARCHITECTURE],
+                "model_type": MODEL_TYPES[1],
+                "num_experts": args.moe.num_experts,
+                "num_experts_per_tok": args.moe.top_k,
+                "moe_intermediate_size": args.moe.hidden_dim,
+                "shared_expert_intermediate_size": args.moe.shared_width,
+            }
+        )
     return with_token_ids(config, bos_id, eos_id)
 
 
@@ -265,8 +312,11 @@ def args_from_config(config: dict) -> ModelArgs:
         raise UserError("Hugging Face config has attention_bias = true: Qwen3.5 here has no attention biases")
     d = ModelArgs()
     args = ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads", d.n_kv_heads), head_dim=config.get("head_dim", d.head_dim),
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads", d.n_kv_heads),
+        head_dim=config.get("head_dim", d.head_dim),
         rope_theta=rope.get("rope_theta", d.rope_theta),
         partial_rotary_factor=rope.get("partial_rotary_factor", d.partial_rotary_factor),
         linear_num_key_heads=config.get("linear_num_key_heads", d.linear_num_key_heads),
@@ -275,38 +325,61 @@ def args_from_config(config: dict) -> ModelArgs:
         linear_value_head_dim=config.get("linear_value_head_dim", d.linear_value_head_dim),
         conv_kernel=config.get("linear_conv_kernel_dim", d.conv_kernel),
         full_attention_interval=config.get("full_attention_interval", d.full_attention_interval),
-        hidden_dim=config["intermediate_size"] if moe is None else moe.hidden_dim, vocab_size=config["vocab_size"],
+        hidden_dim=config["intermediate_size"] if moe is None else moe.hidden_dim,
+        vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", d.norm_eps),
         max_seq_len=config.get("max_position_embeddings", d.max_seq_len),
-        tie_word_embeddings=config.get("tie_word_embeddings", False), moe=moe,
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        moe=moe,
     )
     types = config.get("layer_types")
     if types is not None and "full_attention_interval" not in config:
         # transformers 5.25 saves the pattern as layer_types only: its period is where the first full layer is.
         types = list(types)
-        args = dataclasses.replace(args, full_attention_interval=types.index(FULL) + 1 if FULL in types
-                                   else len(types) + 1)
+        args = dataclasses.replace(
+            args, full_attention_interval=types.index(FULL) + 1 if FULL in types else len(types) + 1
+        )
     if types is not None and list(types) != [t if t == FULL else "linear_attention" for t in args.layer_types]:
-        raise UserError(f"config.json layer_types {types} differ from full attention every "
-                        f"{args.full_attention_interval} layers, the only pattern supported")
+        raise UserError(
+            f"config.json layer_types {types} differ from full attention every "
+            f"{args.full_attention_interval} layers, the only pattern supported"
+        )
     return args
 
 
 def _moe_args_from_config(config: dict) -> MoEArgs:
     """Qwen3_5MoeTextConfig's routing (its defaults, transformers 5.25, for absent keys): softmax top-k,
     always renormalized, one shared expert with a sigmoid gate."""
-    fields = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-              "shared_expert_intermediate_size": 512}
+    fields = {
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    }
     fields = {k: config.get(k, d) for k, d in fields.items()}
-    moe = MoEArgs(num_experts=fields["num_experts"], top_k=fields["num_experts_per_tok"],
-                  hidden_dim=fields["moe_intermediate_size"], num_shared_experts=1,
-                  shared_hidden_dim=fields["shared_expert_intermediate_size"], shared_gate=True, route_norm=True)
+    moe = MoEArgs(
+        num_experts=fields["num_experts"],
+        top_k=fields["num_experts_per_tok"],
+        hidden_dim=fields["moe_intermediate_size"],
+        num_shared_experts=1,
+        shared_hidden_dim=fields["shared_expert_intermediate_size"],
+        shared_gate=True,
+        route_norm=True,
+    )
     problems = moe.check()
     if problems:
         raise UserError(f"Hugging Face Qwen3.5-MoE config cannot be represented: {'; '.join(problems)}")
     return moe
 
 
-ADAPTER = HFAdapter(model_types=MODEL_TYPES, to_hf=to_hf, from_hf=from_hf, config=hf_config,
-                    args_from_config=args_from_config, hf_names=hf_names, tensor_from_hf=tensor_from_hf,
-                    tensor_to_hf=tensor_to_hf, block_from_hf=block_from_hf)
+ADAPTER = HFAdapter(
+    model_types=MODEL_TYPES,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    config=hf_config,
+    args_from_config=args_from_config,
+    hf_names=hf_names,
+    tensor_from_hf=tensor_from_hf,
+    tensor_to_hf=tensor_to_hf,
+    block_from_hf=block_from_hf,
+)
