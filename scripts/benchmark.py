@@ -361,9 +361,7 @@ def run_moe_layer(cfg, repeats: int = 20) -> dict:
 
     from torchtitan.distributed.utils import DTYPES
     from torchtitan.models.common.layers import FeedForward
-    from torchtitan.models.common.moe import MoE, grouped_mm_works
-    from torchtitan.models.common.moe import moe_layers, update_expert_bias
-    from torchtitan.models.common.moe import overrides_from_config as moe_overrides
+    from torchtitan.models.common.moe import MoE, grouped_mm_works, overrides_from_config as moe_overrides
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
     t = cfg.training

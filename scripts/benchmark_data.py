@@ -83,8 +83,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.components.data import token_folder  # noqa: E402
-from torchtitan.components.data import build_dataloader, encode_document, stdlib_files  # noqa: E402
+from torchtitan.components.data import build_dataloader, encode_document, stdlib_files, token_folder  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, check_output_path, positive_int, run_main  # noqa: E402
 from torchtitan.config.training_sections import Training  # noqa: E402

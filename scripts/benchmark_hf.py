@@ -65,9 +65,9 @@ def run(folder: str, overrides: list[str]):
     import torch.distributed as dist
 
     from torchtitan.components.checkpoint import peak_rss, restart_peak_rss
+    from torchtitan.components.metrics import setup_logging
     from torchtitan.config import load_config
     from torchtitan.distributed.utils import set_determinism
-    from torchtitan.components.metrics import setup_logging
     from torchtitan.train import Trainer, train
 
     class LoadAndExport(Trainer):

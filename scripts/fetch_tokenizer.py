@@ -61,8 +61,7 @@ def fetch(
 ) -> list[str]:
     """Download the tokenizer files of `repo_id` into `out`; the files written. Raises FetchError."""
     try:
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub import errors as hub_errors
+        from huggingface_hub import errors as hub_errors, hf_hub_download
     except ImportError:
         raise FetchError(
             "huggingface_hub is not installed: pip install huggingface_hub (or pip install -e '.[tokenizers]')"

@@ -52,13 +52,13 @@ from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa
 from torchtitan.distributed.utils import DTYPES, device_type  # noqa: E402
 from torchtitan.models.common.layers import kv_caches  # noqa: E402
 from torchtitan.models.common.moe import overrides_from_config as moe_overrides  # noqa: E402
+from torchtitan.models.common.spec import ModelSpec  # noqa: E402
 from torchtitan.models.registry import (  # noqa: E402
     get_model_args,
     get_model_spec,
     import_custom_module,
     spec_for_hf_config,
 )
-from torchtitan.models.common.spec import ModelSpec  # noqa: E402
 
 logger = logging.getLogger("generate")
 

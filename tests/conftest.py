@@ -677,7 +677,6 @@ def qwen3_5_multimodal_folder(path: Path, args, sd: dict):
     a Qwen3_5ForConditionalGeneration (config.json model_type 'qwen3_5', the language model's settings in
     text_config with multimodal rotary, a one-block vision tower beside it) whose language model holds our
     state dict `sd` of the dense qwen3_5 `args`. Returns that transformers model, in eval mode."""
-    import torch
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5VisionConfig
 
     from torchtitan.models.registry import get_model_spec
@@ -727,8 +726,7 @@ def hf_folder(tmp_path_factory) -> Path:
     """A Llama-3-like Hugging Face folder: a byte-level BPE trained on stdlib files, its special tokens
     in tokenizer.json, a post-processor that prepends BOS, and tokenizer_config.json naming BOS/EOS
     and declaring one more special token that tokenizer.json lacks."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

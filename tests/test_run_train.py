@@ -2,9 +2,9 @@
 --help, and every user mistake reported once, clearly, within seconds, with no traceback."""
 
 import json
+import os
 import re
 import signal
-import os
 import subprocess
 import sys
 import time
@@ -208,8 +208,9 @@ def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_sta
 
     import torch
 
-    from conftest import MODEL, RECIPE
     from torchtitan import launch
+
+    from conftest import MODEL, RECIPE
 
     data = tmp_path / "data"
     data.mkdir()

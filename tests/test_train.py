@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CHECKPOINT_ARGS, REPO, debug_config as cfg
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config import UserError, load_config
 from torchtitan.models.registry import get_model_spec
 from torchtitan.preflight import preflight
+
+from conftest import CHECKPOINT_ARGS, REPO, debug_config as cfg
 
 
 def test_global_batch_and_accumulation():

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from conftest import REPO
 from torchtitan.config import load_config
 from torchtitan.train import train
+
+from conftest import REPO
 
 
 def short_run(tmp_path, *overrides):

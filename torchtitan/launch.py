@@ -386,6 +386,8 @@ class StoreProbe:
 
 
 def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
+    import logging
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -395,8 +397,6 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
     )
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
-
-    import logging
 
     for name in (
         "torch.distributed.elastic.multiprocessing.api",

@@ -34,8 +34,7 @@ from torchtitan.distributed.pipeline_parallel import plan_split, splits_backward
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility
 from torchtitan.models.common.attention import choose_attention_kernel
 from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
-from torchtitan.models.common.moe import check_expert_layer
-from torchtitan.models.common.moe import overrides_from_config as moe_overrides
+from torchtitan.models.common.moe import check_expert_layer, overrides_from_config as moe_overrides
 from torchtitan.models.common.spec import VOCAB_MULTIPLE, ModelSpec, meta_model
 from torchtitan.models.registry import get_model_args, get_model_spec, import_custom_module
 

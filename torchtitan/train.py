@@ -33,10 +33,10 @@ from torchtitan.components.metrics import (
     MetricsLogger,
     MfuPeak,
     left_behind,
-    slow_cpu_bfloat16,
     peak_memory_gib,
     rewind_metrics,
     setup_logging,
+    slow_cpu_bfloat16,
     startup_line,
     startup_phase,
     write_run_file,
@@ -50,6 +50,7 @@ from torchtitan.config.rules import validation_seq_len
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import describe_cp, local_positions
 from torchtitan.distributed.parallel_dims import submesh
+from torchtitan.distributed.parallelize import parallelize_model
 from torchtitan.distributed.pipeline_parallel import (
     Pipeline,
     StepLoss,
@@ -59,7 +60,6 @@ from torchtitan.distributed.pipeline_parallel import (
     split_for_rank,
     warm_up_schedule,
 )
-from torchtitan.distributed.parallelize import parallelize_model
 from torchtitan.distributed.shared_weights import SharedWeights, build_shared_weights
 from torchtitan.distributed.tensor_parallel import loss_parallel_context
 from torchtitan.models.common.attention import attention_kernel, set_attention_fn

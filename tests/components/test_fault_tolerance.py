@@ -3,9 +3,9 @@ before launch; two real groups (one process each) with a real lighthouse train a
 SIGKILLed mid-run leaves the other training to the end."""
 
 import os
-import sys
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 

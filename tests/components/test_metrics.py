@@ -1,8 +1,8 @@
 import glob
-import logging
-import time
 import json
+import logging
 import re
+import time
 
 import pytest
 import torch

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from conftest import RECIPE, REPO
 from torchtitan.config import UserError, load_config
 from torchtitan.preflight import preflight
 from torchtitan.train import train
+
+from conftest import RECIPE, REPO
 
 
 def short_run(tmp_path, *overrides, steps=4):

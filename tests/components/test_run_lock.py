@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, TINY
 from torchtitan.components import run_lock
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
+
+from conftest import REPO, TINY
 
 TRAIN = [
     sys.executable,

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BPE_SIZE, MODEL, REPO, SPECIALS, load_script, stdlib_texts, write_ranks
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokenizer, detect, llama3_special_tokens
 from torchtitan.config.errors import UserError
+
+from conftest import BPE_SIZE, MODEL, REPO, SPECIALS, load_script, stdlib_texts, write_ranks
 
 UNICODE = "  leading\n\tclass X:\n        pass   \n\n\n  x = 'é 中文 😀 Ünïcödé'\r\n123456789 trailing  "
 
@@ -345,8 +346,8 @@ def test_tiktoken_sidecar_config_names_the_special_tokens(tiktoken_file, tmp_pat
 
 def test_model_vocabulary_is_padded_for_tensor_parallel(kinds):
     from torchtitan.distributed.tensor_parallel import check_tp_divisibility
-    from torchtitan.models.registry import get_model_spec
     from torchtitan.models.common.spec import padded_vocab_size
+    from torchtitan.models.registry import get_model_spec
 
     assert [padded_vocab_size(n) for n in (4096, 128_256, 151_669, 906, 1)] == [4096, 128_256, 151_680, 960, 64]
     spec = get_model_spec("llama3")

@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from conftest import MODEL, REPO, load_script, stdlib_texts
 from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokenizer
 from torchtitan.components.tokenizer_export import export_tokenizer
 from torchtitan.config.errors import UserError
+
+from conftest import MODEL, REPO, load_script, stdlib_texts
 
 transformers = pytest.importorskip("transformers")
 

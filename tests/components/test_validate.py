@@ -9,7 +9,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import MODEL, RECIPE, REPO, CharTokenizer
 from torchtitan.components import validate
 from torchtitan.components.batch import BatchRule
 from torchtitan.components.data import stdlib_files
@@ -17,6 +16,8 @@ from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.training_sections import Validation
 from torchtitan.models.registry import get_model_spec
 from torchtitan.train import main
+
+from conftest import MODEL, RECIPE, REPO, CharTokenizer
 
 
 def write_jsonl(path, docs):

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, processes_naming, worker_pids
 
 from torchtitan.components import watchdog
 from torchtitan.components.watchdog import STALL_EXIT, Watchdog, persistent_straggler, ratios
 from torchtitan.config import UserError, load_config
+
+from conftest import TINY, processes_naming, worker_pids
 
 # --- the decision ------------------------------------------------------------------------------------
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.metrics import setup_logging
 from torchtitan.config import load_config
 from torchtitan.distributed.utils import exit_process
-from torchtitan.components.metrics import setup_logging
 from torchtitan.train import Trainer, train
 
 

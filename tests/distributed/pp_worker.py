@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.pipeline_parallel import (
+    StepLoss,
     apply_fsdp_to_stage,
     broadcast_loss,
     build_pipeline_schedule,
@@ -32,7 +33,6 @@ from torchtitan.distributed.pipeline_parallel import (
     schedule_style,
     split_module_names,
     stage_ids_for_rank,
-    StepLoss,
 )
 from torchtitan.distributed.utils import clip_grad_norm_, exit_process
 from torchtitan.models.registry import get_model_spec

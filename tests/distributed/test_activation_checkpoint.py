@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from conftest import llama3_and_batch, materialized
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.registry import get_model_spec
+
+from conftest import llama3_and_batch, materialized
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
 Transformer = SPEC.model_cls

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import llama3_and_batch, materialized
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.models.registry import get_model_spec
+
+from conftest import llama3_and_batch, materialized
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
 Transformer = SPEC.model_cls

@@ -60,9 +60,10 @@ import math
 import pytest
 import torch
 
-from conftest import FP32_TOL, PP2, REPO, SAVE3, TINY, launch, losses, mixture_corpus, short_documents_corpus
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
+
+from conftest import FP32_TOL, PP2, REPO, SAVE3, TINY, launch, losses, mixture_corpus, short_documents_corpus
 
 pytestmark = pytest.mark.slow
 

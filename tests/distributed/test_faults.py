@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, processes_naming, read_metrics, worker_pids
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
+
+from conftest import REPO, TINY, processes_naming, read_metrics, worker_pids
 
 pytestmark = pytest.mark.slow
 

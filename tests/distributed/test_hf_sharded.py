@@ -33,12 +33,13 @@ import json
 import pytest
 import torch
 
-from conftest import MODEL, REPO, TINY, launch, run_script
 from torchtitan.components.checkpoint import HFFolder, load_hf, save_hf
-from torchtitan.models.common.hf_conversion import FUSED_DOWN, FUSED_GATE_UP
 from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.models.registry import get_model_spec
+from torchtitan.models.common.hf_conversion import FUSED_DOWN, FUSED_GATE_UP
 from torchtitan.models.common.rotary import RopeScaling
+from torchtitan.models.registry import get_model_spec
+
+from conftest import MODEL, REPO, TINY, launch, run_script
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from torchtitan.distributed.pipeline_parallel import (
     split_module_names,
     stage_ids_for_rank,
 )
-from torchtitan.models.registry import get_model_spec
 from torchtitan.models.common.spec import PipelineLayout
+from torchtitan.models.registry import get_model_spec
 
 SPEC = get_model_spec("llama3")
 Transformer = SPEC.model_cls

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import materialized
 from torchtitan.models.common.attention import (
     attended_pairs,
     document_ids,
@@ -16,8 +15,10 @@ from torchtitan.models.common.attention import (
     split_attention,
     visible,
 )
-from torchtitan.models.registry import get_model_spec
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
+from torchtitan.models.registry import get_model_spec
+
+from conftest import materialized
 
 EOS = 2
 # Eager FlexAttention: its forward runs on CPU (torch 2.13 has no CPU backward, so training uses the others).

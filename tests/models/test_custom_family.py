@@ -21,9 +21,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_top_plan, gather_sequence_input
 from torchtitan.models.common.init import normal, ones, seeded_init_
-from torchtitan.models.registry import register_model
 from torchtitan.models.common.spec import (
     ModelSize,
     ModelSpec,
@@ -31,6 +29,8 @@ from torchtitan.models.common.spec import (
     count_parameters,
     transformer_flops_per_token,
 )
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_top_plan, gather_sequence_input
+from torchtitan.models.registry import register_model
 
 # ---- the family ----------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import materialized
 from torchtitan.config import UserError
 from torchtitan.models.common.rotary import YarnScaling, yarn_frequencies, yarn_softmax_factor
 from torchtitan.models.registry import get_model_spec
+
+from conftest import materialized
 
 SPEC = get_model_spec("deepseek_v3")
 
@@ -222,6 +223,7 @@ def test_mtp_logits_predict_further_tokens_and_the_logged_loss_stays_the_next_to
 def test_mtp_is_refused_below_0_and_for_families_without_it():
     from torchtitan.config import load_config
     from torchtitan.preflight import preflight
+
     from conftest import REPO
 
     def cfg(*extra):
@@ -327,9 +329,10 @@ def test_mtp_deeper_than_the_window_is_refused_before_launch(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
     from torchtitan.config import load_config
     from torchtitan.preflight import preflight
+
+    from conftest import REPO
 
     argv = [
         "--job.config_file",

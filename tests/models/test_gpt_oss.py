@@ -74,9 +74,7 @@ def sharpen(model: Transformer, seed: int = 1):
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-        elif "embeddings" in name:
-            p.copy_(torch.randn(p.shape, generator=g))
-        elif p.ndim == 1 or name.endswith("_bias"):
+        elif "embeddings" in name or p.ndim == 1 or name.endswith("_bias"):
             p.copy_(torch.randn(p.shape, generator=g))
         else:  # experts' weights are [experts, in, out], the others nn.Linear's [out, in]
             fan_in = p.shape[-2] if "experts" in name else p.shape[-1]

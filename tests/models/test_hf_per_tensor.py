@@ -8,9 +8,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import materialized
 from torchtitan.config.errors import UserError
 from torchtitan.models.registry import get_model_spec
+
+from conftest import materialized
 
 CASES = [
     ("llama3", "debugmodel"),

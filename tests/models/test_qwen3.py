@@ -1,19 +1,20 @@
 """Qwen3 dense: published sizes, the model's own behaviour (q/k norms, explicit head_dim, tied
 embeddings), logit parity with Hugging Face transformers' Qwen3ForCausalLM, and the TP plan's names."""
 
-import math
 import json
+import math
 
 import pytest
 import torch
 
-from conftest import materialized, meta_model
 from torchtitan.config.errors import UserError
 from torchtitan.models.qwen3.args import ModelArgs, flavors
-from torchtitan.models.qwen3.model import Transformer, flops_per_token, model_size
 from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
+from torchtitan.models.qwen3.model import Transformer, flops_per_token, model_size
 from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
+
+from conftest import materialized, meta_model
 
 VOCAB = 151936
 

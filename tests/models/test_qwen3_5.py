@@ -241,9 +241,10 @@ def test_a_folder_with_the_vision_tower_only_is_refused_before_launch(tmp_path):
 
     from safetensors.torch import save_file
 
-    from conftest import debug_config
     from torchtitan.config import UserError
     from torchtitan.preflight import model_args_for_run
+
+    from conftest import debug_config
 
     (tmp_path / "config.json").write_text(
         json.dumps(

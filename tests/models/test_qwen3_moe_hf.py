@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import materialized
 from torchtitan.components.checkpoint import load_hf, meta_shapes, save_hf
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
 from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
+
+from conftest import materialized
 
 SPEC = get_model_spec("qwen3")
 E, TOP_K, HIDDEN, DIM = 4, 2, 32, 64

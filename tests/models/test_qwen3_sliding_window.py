@@ -8,13 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import materialized
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import ModelArgs
-from torchtitan.models.qwen3.model import Transformer
 from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
+from torchtitan.models.qwen3.model import Transformer
 from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
+
+from conftest import materialized
 
 transformers = pytest.importorskip("transformers")
 

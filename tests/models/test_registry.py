@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, TINY, debug_config, read_metrics
 from torchtitan.config import UserError
 from torchtitan.models import registry
 from torchtitan.models.registry import (
@@ -22,6 +21,8 @@ from torchtitan.models.registry import (
     register_flavor,
     register_model,
 )
+
+from conftest import REPO, TINY, debug_config, read_metrics
 
 # The docs/models.md example: a llama3 small enough to train in seconds on a CPU.
 MY_FLAVORS = """\

@@ -4,12 +4,13 @@ itself is checked in tests/components/checkpoint/test_hf.py."""
 import pytest
 import torch
 
-from conftest import materialized, small_llama3_args
 from torchtitan.config import UserError
-from torchtitan.models.llama3.args import ModelArgs, flavors
 from torchtitan.models.common.rotary import complex_table, rotate_pairs
+from torchtitan.models.llama3.args import ModelArgs, flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
+
+from conftest import materialized, small_llama3_args
 
 
 def state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:

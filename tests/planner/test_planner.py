@@ -22,12 +22,13 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_script
 from torchtitan.config import load_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.planner.memory import estimate_memory, param_shards
 from torchtitan.planner.plan import estimate_config, planning_of
 from torchtitan.planner.simulate import simulate
+
+from conftest import REPO, load_script
 
 PLAN = REPO / "scripts" / "plan.py"
 DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]

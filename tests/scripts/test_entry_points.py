@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main
+
+from conftest import REPO
 
 SCRIPTS = REPO / "scripts"
 

@@ -10,13 +10,14 @@ import sys
 import pytest
 import torch
 
-from conftest import MODEL, RECIPE, REPO, launch, load_script, small_llama3_args
 from torchtitan.components.checkpoint import save_hf, write_dcp_model
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.components.tokenizer_export import export_tokenizer
 from torchtitan.models.common.layers import kv_caches
 from torchtitan.models.common.moe import MoEArgs, moe_layers
 from torchtitan.models.registry import get_model_spec
+
+from conftest import MODEL, RECIPE, REPO, launch, load_script, small_llama3_args
 
 SCRIPT = REPO / "scripts" / "generate.py"
 LLAMA, QWEN, QWEN3_5 = get_model_spec("llama3"), get_model_spec("qwen3"), get_model_spec("qwen3_5")

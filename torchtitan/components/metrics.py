@@ -16,7 +16,7 @@ import logging
 import os
 import resource
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtitan.config import Optimizer as OptimizerConfig
-from torchtitan.config import UserError
+from torchtitan.config import Optimizer as OptimizerConfig, UserError
 from torchtitan.config.entries import parse_param_groups
 
 logger = logging.getLogger(__name__)

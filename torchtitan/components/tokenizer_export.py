@@ -21,8 +21,8 @@ import json
 import shutil
 from pathlib import Path
 
-from torchtitan.config.errors import UserError
 from torchtitan.components.tokenizer import HF, LLAMA3_PATTERN, SENTENCEPIECE, Tokenizer, read_tiktoken_ranks
+from torchtitan.config.errors import UserError
 
 # The files of a Hugging Face tokenizer folder, copied when present.
 HF_TOKENIZER_FILES = (

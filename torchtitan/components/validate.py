@@ -49,15 +49,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.batch import valid_labels
 from torchtitan.components.data import sources
 from torchtitan.components.data.mixing import integer_weights, next_source, source_kind
 from torchtitan.components.data.packing import encode_document
 from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix, split_text_field
-from torchtitan.config.training_sections import Training, Validation
+from torchtitan.config.errors import UserError
 from torchtitan.config.rules import validation_seq_len
-from torchtitan.components.batch import valid_labels
+from torchtitan.config.training_sections import Training, Validation
 
 # Tokens of validation batches a rank keeps in memory (int32) between runs: 256 MiB.
 CACHE_TOKENS = 2**26

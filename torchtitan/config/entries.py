@@ -10,7 +10,6 @@ from fractions import Fraction
 
 from torchtitan.config.errors import UserError
 
-
 PARAM_GROUP_SYNTAX = (
     "PATTERN [lr_mult=X] [weight_decay=Y] [optimizer=AdamW], e.g. 'tok_embeddings lr_mult=0.5 weight_decay=0'"
 )

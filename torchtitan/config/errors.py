@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 
 class UserError(Exception):

@@ -6,7 +6,6 @@ from typing import Literal
 
 from torchtitan.config.fields import failed, opt, positive
 
-
 # Signals job.stop_signals may name: those schedulers send before a kill, and Ctrl-C's.
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
 

@@ -19,7 +19,6 @@ else:  # pragma: no cover - the project runs on 3.11, tomli is the 3.10 fallback
     import tomli as tomllib
 
 from torchtitan.config.errors import HelpRequested, UserError
-
 from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, JobConfig
 from torchtitan.config.rules import check_rules
 

@@ -7,7 +7,6 @@ from typing import Literal
 
 from torchtitan.config.fields import changed_keys, failed, opt
 
-
 # Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
 # steps; FSDP must keep their blocks gathered between forward and backward.
 ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})

@@ -9,7 +9,6 @@ from torchtitan.config.entries import parse_mix, parse_param_groups
 from torchtitan.config.errors import UserError
 from torchtitan.config.fields import failed, opt, positive
 
-
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr")
 
 

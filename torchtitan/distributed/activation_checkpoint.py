@@ -32,7 +32,6 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-
 MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten

@@ -15,9 +15,9 @@ from torch import nn
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
-from torchtitan.distributed.parallel_dims import submesh
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
+from torchtitan.distributed.parallel_dims import submesh
 from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.models.common.spec import ModelSpec, ParallelizeInputs

@@ -21,8 +21,7 @@ from contextlib import nullcontext
 from torch import nn
 
 # Renamed: apply_tp's `loss_parallel` argument would shadow it.
-from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel, parallelize_module
 
 from torchtitan.config.errors import UserError
 from torchtitan.models.common.tp_plan import TensorParallelPlan

@@ -24,7 +24,6 @@ from torchtitan.config.errors import UserError
 from torchtitan.models.common.hf_conversion import hf_text_config
 from torchtitan.models.common.spec import ModelSpec
 
-
 # name -> the package of the family, whose build_spec() gives its spec (imported only when asked for).
 _BUILTIN: dict[str, str] = {
     "llama3": "torchtitan.models.llama3",

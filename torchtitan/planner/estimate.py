@@ -79,7 +79,7 @@ def default_hardware(device_type: str, gpus_per_node: int, cfg) -> Hardware:
     return Hardware(peak, CPU_EFFICIENCY[dtype], CPU_BANDWIDTH, CPU_BANDWIDTH, gpus_per_node)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_matmul_peak(dtype: str, threads: int) -> float:
     import torch
 

@@ -39,7 +39,6 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from torchtitan.config import UserError
-from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
 from torchtitan.distributed.pipeline_parallel import (
     is_single_stage_schedule,
     num_microbatches,
@@ -48,6 +47,7 @@ from torchtitan.distributed.pipeline_parallel import (
     splits_backward,
     stage_ids_for_rank,
 )
+from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import CHECKPOINT_ARGS, REPO, checkpoint_run
 from torchtitan.components.checkpoint import read_metadata, read_train_state
 from torchtitan.config import UserError
+
+from conftest import CHECKPOINT_ARGS, REPO, checkpoint_run
 
 
 def test_keep_latest_k_and_last_save_model_only(tmp_path):

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import CHECKPOINT_ARGS, checkpoint_run, copy_step, losses, resume_from
 from torchtitan.config import UserError, load_config
 from torchtitan.train import train
+
+from conftest import CHECKPOINT_ARGS, checkpoint_run, copy_step, losses, resume_from
 
 
 def test_rng_state_is_restored_by_effect(tmp_path):

@@ -9,9 +9,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import checkpoint_run, losses
 from torchtitan.components.checkpoint import complete_checkpoints
 from torchtitan.config import UserError
+
+from conftest import checkpoint_run, losses
 
 
 def test_async_saves_publish_and_resume_identically(straight, tmp_path):

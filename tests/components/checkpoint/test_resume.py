@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import checkpoint_run, copy_step, losses, resume_from
 from torchtitan.components.checkpoint import read_metadata, verify_checkpoint
 from torchtitan.config import UserError
+
+from conftest import checkpoint_run, copy_step, losses, resume_from
 
 
 def test_resume_is_bit_identical(straight, tmp_path):

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import checkpoint_run, copy_step
 from torchtitan.components.checkpoint import storage
 from torchtitan.config import UserError
+
+from conftest import checkpoint_run, copy_step
 
 
 def test_checkpoint_contents(straight):

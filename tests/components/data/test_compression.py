@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from conftest import make_loader, random_docs, take, write_gz, write_parquet, write_zst
 from torchtitan.config.errors import UserError
+
+from conftest import make_loader, random_docs, take, write_gz, write_parquet, write_zst
 
 
 @pytest.mark.parametrize("kind", ["gz truncated", "gz not gzip", "zst truncated", "zst corrupt"])

@@ -9,6 +9,8 @@ import logging
 
 import pytest
 
+from torchtitan.config.errors import UserError
+
 from conftest import (
     document_units,
     expected_stream,
@@ -25,7 +27,6 @@ from conftest import (
     write_save_to_disk,
     write_zst,
 )
-from torchtitan.config.errors import UserError
 
 
 def test_folder_reads_jsonl_and_txt_recursively_in_path_order(tmp_path):

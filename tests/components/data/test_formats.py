@@ -20,6 +20,10 @@ import zlib
 
 import pytest
 
+from torchtitan.components.data import build_dataloader, compression
+from torchtitan.config.errors import UserError
+from torchtitan.config.training_sections import Training
+
 from conftest import (
     CharTokenizer,
     document_units,
@@ -38,9 +42,6 @@ from conftest import (
     write_save_to_disk,
     write_zst,
 )
-from torchtitan.components.data import build_dataloader, compression
-from torchtitan.config.errors import UserError
-from torchtitan.config.training_sections import Training
 
 SEQ_LEN, BATCH = 255, 1  # one lane: the file's own token stream
 WINDOW = SEQ_LEN + 1

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LAYOUTS, CharTokenizer, lane_streams, lane_windows, run_steps
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.files import FilesSource
 from torchtitan.components.data.lanes import document_ranges, lane_share
 from torchtitan.config import UserError
 from torchtitan.config.training_sections import Training
+
+from conftest import LAYOUTS, CharTokenizer, lane_streams, lane_windows, run_steps
 
 TESTS = Path(__file__).resolve().parents[2]
 
@@ -170,8 +171,8 @@ def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
 
 def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch):
     from torchtitan.components.data import token_folder
-    from torchtitan.components.data.token_folder import pretokenize
     from torchtitan.components.data.files import FilesSource as Files
+    from torchtitan.components.data.token_folder import pretokenize
 
     rng = random.Random(2)
     docs = [random_text(rng, 20, 80) for _ in range(640)]

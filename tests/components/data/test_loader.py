@@ -7,6 +7,10 @@ import json
 
 import pytest
 
+from torchtitan.components.data import stdlib_files
+from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.config.errors import UserError
+
 from conftest import (
     MODEL,
     document_units,
@@ -19,9 +23,6 @@ from conftest import (
     take,
     write_jsonl,
 )
-from torchtitan.components.data import stdlib_files
-from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.config.errors import UserError
 
 
 def test_state_is_plain_and_small(docs_path):

@@ -11,14 +11,15 @@ from fractions import Fraction
 
 import pytest
 
-from conftest import CHARS, framed_documents, lane_streams, mixture_corpus
 from torchtitan.components.data import build_dataloader
-from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.components.data.mixing import counts_after, integer_weights, next_source, schedule
+from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.config import load_config
-from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix
+from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
+
+from conftest import CHARS, framed_documents, lane_streams, mixture_corpus
 
 ALPHABETS = ("abcdefgh ", "KLMNOPQR ", "0123456789 ")
 

@@ -9,11 +9,12 @@ import logging
 
 import pytest
 
-from conftest import CHARS, MODEL, expected_stream, expected_windows, lane_position, make_loader, take, write_jsonl
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
+
+from conftest import CHARS, MODEL, expected_stream, expected_windows, lane_position, make_loader, take, write_jsonl
 
 
 def test_packing_frames_documents_and_cuts_consecutive_windows(tmp_path):

@@ -8,6 +8,9 @@ import logging
 
 import pytest
 
+from torchtitan.components.data.shuffle import Permutation
+from torchtitan.config.errors import UserError
+
 from conftest import (
     LAYOUTS,
     json_round_trip,
@@ -22,8 +25,6 @@ from conftest import (
     steps_of,
     take,
 )
-from torchtitan.components.data.shuffle import Permutation
-from torchtitan.config.errors import UserError
 
 
 def test_permutation_is_a_seeded_bijection_different_per_epoch_and_seed():

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan.components.data import build_dataloader, sources as data_sources, stdlib_files
+from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.config.errors import UserError
+from torchtitan.config.training_sections import Training
+
 from conftest import (
     CHARS,
     MODEL,
@@ -27,11 +32,6 @@ from conftest import (
     write_jsonl,
     write_parquet,
 )
-from torchtitan.components.data import build_dataloader, stdlib_files
-from torchtitan.components.data import sources as data_sources
-from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.config.errors import UserError
-from torchtitan.config.training_sections import Training
 
 
 def test_python_stdlib_files_are_sorted_and_exclude_tests():

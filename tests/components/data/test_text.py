@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODEL, CharTokenizer, make_loader, take, write_jsonl
 from torchtitan.components import validate
-from torchtitan.components.data import build_dataloader, compression
-from torchtitan.components.data import sources as data_sources
+from torchtitan.components.data import build_dataloader, compression, sources as data_sources
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training, Validation
+
+from conftest import MODEL, CharTokenizer, make_loader, take, write_jsonl
 
 FIX = r"is it a binary file, or text in another encoding \(UTF-16, Latin-1\)\? convert it to UTF-8"
 

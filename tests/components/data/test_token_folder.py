@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CHARS, MODEL, REPO, CharTokenizer, framed_documents, lane_streams, merged, random_docs
 from torchtitan.components.data import build_dataloader
 from torchtitan.components.data.shuffle import Permutation
 from torchtitan.components.data.token_folder import pretokenize
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
+
+from conftest import CHARS, MODEL, REPO, CharTokenizer, framed_documents, lane_streams, merged, random_docs
 
 SCRIPT = REPO / "scripts" / "pretokenize.py"
 sys.path.insert(0, str(SCRIPT.parent))

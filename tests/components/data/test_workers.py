@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan.config.errors import UserError
+
 from conftest import (
     CharTokenizer,
     json_round_trip,
@@ -26,7 +28,6 @@ from conftest import (
     take,
     write_jsonl,
 )
-from torchtitan.config.errors import UserError
 
 
 class PidRecordingTokenizer(CharTokenizer):

@@ -9,11 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import losses, materialized, train_in_process
 from torchtitan.models.common import decoder
 from torchtitan.models.common.chunked_loss import forward_loss_fn, linear_cross_entropy_sum
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.models.registry import get_model_spec
+
+from conftest import losses, materialized, train_in_process
 
 
 def batch(vocab: int, seq: int = 24, rows: int = 2, seed: int = 0):

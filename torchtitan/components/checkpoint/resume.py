@@ -12,8 +12,7 @@ import os
 
 from torchtitan.components.checkpoint.folders import CheckpointFolder
 from torchtitan.components.checkpoint.storage import check_writable, complete_checkpoints, read_train_state, step_path
-from torchtitan.config import Checkpoint as CheckpointConfig
-from torchtitan.config import UserError
+from torchtitan.config import Checkpoint as CheckpointConfig, UserError
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from torchtitan.components.data.compression import (
 )
 from torchtitan.config.errors import UserError
 
-
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 TEXT_EXTENSIONS = (".jsonl", ".json", ".txt")  # each may also carry a compression suffix
 TABLE_EXTENSIONS = (".parquet", ".arrow")

@@ -18,8 +18,8 @@ from torchtitan.components.data.packing import TokenStream, encode_document, too
 from torchtitan.components.data.sources import build_source
 from torchtitan.components.data.workers import LaneWorkers, next_lane
 from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.config.errors import UserError
 from torchtitan.config.entries import parse_mix, split_text_field
+from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ memory at a time.
 """
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor

@@ -41,7 +41,6 @@ from torch import nn
 
 from torchtitan.models.common.attention import attended_pairs
 
-
 # A label that does not count: no loss, no gradient, not in the token count that normalizes the loss.
 IGNORE_INDEX = -100
 

@@ -33,8 +33,8 @@ from torchtitan.models.common.hf_conversion import (
     unsupported,
     with_token_ids,
 )
-from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.common.spec import HFAdapter
+from torchtitan.models.llama3.args import ModelArgs
 
 _PER_LAYER = {**HF_ATTENTION, **HF_FEED_FORWARD, **HF_BLOCK_NORMS}
 

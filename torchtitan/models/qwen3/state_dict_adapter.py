@@ -56,9 +56,9 @@ from torchtitan.models.common.hf_conversion import (
     tied_output_from_hf,
     tied_output_hf_names,
 )
+from torchtitan.models.common.spec import HFAdapter
 from torchtitan.models.qwen3.args import ModelArgs
 from torchtitan.models.qwen3.hf_config import MODEL_TYPES, args_from_hf_config, check_exportable, hf_config
-from torchtitan.models.common.spec import HFAdapter
 
 logger = logging.getLogger(__name__)
 
