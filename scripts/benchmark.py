@@ -51,7 +51,7 @@ torchtitan/distributed/utils.py), so the ratio compares the loops, not malloc co
 Threads: a single process uses torch's default (all cores) unless --threads is given; torchrun sets
 OMP_NUM_THREADS=1 per process unless --threads (or OMP_NUM_THREADS) says otherwise. Both
 measurements always run with the same setting.
-"""
+"""  # noqa: E501 (printed as the --help text: its usage line stays one line)
 
 import json
 import os

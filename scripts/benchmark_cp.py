@@ -11,8 +11,9 @@ every step into a temporary dump folder. Reported per variant and length: the me
 after the first W (pooled over the repeats) of rank 0's tokens/s (its own tokens: seq / N per step),
 of its step time, and the largest peak memory rank 0 reported (max RSS on CPU, max allocated on
 CUDA), and the CPU seconds the launch used over all its processes (user + system, start-up included:
-on a shared host wall time moves with the other jobs' load, CPU time much less). --repeat R runs the variants R times in rotating order, so that a drift of the machine's load
-falls on all of them. A launch that fails (e.g. out of memory) is reported as such, and the others go on.
+on a shared host wall time moves with the other jobs' load, CPU time much less). --repeat R runs the
+variants R times in rotating order, so that a drift of the machine's load falls on all of them. A launch
+that fails (e.g. out of memory) is reported as such, and the others go on.
 """
 
 import json

@@ -111,12 +111,17 @@ def benchmark(argv: list[str]) -> None:
     print("|---|---|---|---|---|---|---|")
     for seq in lengths:
         q, k, v, g, beta = x = inputs(seq, opts.heads, opts.head_dim)
+        # measure() calls each function in this iteration; the default arguments bind this length's tensors.
         rule_s, rule_cpu, rule_b = measure(
-            lambda: delta_rule.chunked(q, k, v, g, beta, chunk=opts.chunk)[0], x, opts.repeat
+            lambda q=q, k=k, v=v, g=g, beta=beta: delta_rule.chunked(q, k, v, g, beta, chunk=opts.chunk)[0],
+            x,
+            opts.repeat,
         )
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         attn_s, attn_cpu, attn_b = measure(
-            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), [qt, kt, vt], opts.repeat
+            lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+            [qt, kt, vt],
+            opts.repeat,
         )
         diff = ""
         if seq in checks:
@@ -160,7 +165,12 @@ def layer_rows(opts, lengths: list[int]) -> None:
         for layer in kinds.values():
             block = model.layers[str(layer)]
             x = torch.randn(1, seq, args.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
-            row.append(measure(lambda: block(x, model.rope[:seq]), [x, *block.parameters()], opts.repeat))
+            # measure() calls the function in this iteration; the default arguments bind this block and input.
+            row.append(
+                measure(
+                    lambda block=block, x=x, seq=seq: block(x, model.rope[:seq]), [x, *block.parameters()], opts.repeat
+                )
+            )
         (d_s, d_cpu, d_b), (a_s, a_cpu, a_b) = row
         print(
             f"| {seq} | {d_s:.3f} ({d_cpu:.3f}) | {d_b / 2**20:.1f} | {a_s:.3f} ({a_cpu:.3f}) | {a_b / 2**20:.1f} "

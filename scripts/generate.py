@@ -271,9 +271,12 @@ def run(opts: argparse.Namespace, config_argv: list[str]) -> str:
     model_named = named_on_the_command_line(config_argv, "--job.config_file", "--model.name", "--model.flavor")
     tokenizer_path = cfg.model.tokenizer_path
     hf_folder = (Path(opts.checkpoint) / HF_CONFIG).is_file()
-    if hf_folder and not named_on_the_command_line(config_argv, "--job.config_file", "--model.tokenizer_path"):
-        if any((Path(opts.checkpoint) / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
-            tokenizer_path = opts.checkpoint
+    if (
+        hf_folder
+        and not named_on_the_command_line(config_argv, "--job.config_file", "--model.tokenizer_path")
+        and any((Path(opts.checkpoint) / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+    ):
+        tokenizer_path = opts.checkpoint
     tokenizer = Tokenizer(tokenizer_path)
     if model_named:
         want_spec = get_model_spec(cfg.model.name)

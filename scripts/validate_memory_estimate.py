@@ -165,7 +165,8 @@ def measure(nproc: int, args: list[str], folder: str, profiling: bool) -> dict:
         with open(os.path.join(folder, f"memory_rank{r}.json")) as f:
             ranks.append(json.load(f))
     result = {key: max(m[key] for m in ranks) for key in ranks[0]}
-    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
     # "time" is the time since the first step began: one step's time is the difference.
     times = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if b["step"] == a["step"] + 1]
     result["step_time"] = statistics.median(times)

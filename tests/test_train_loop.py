@@ -78,8 +78,8 @@ def test_a_resumed_run_logs_its_first_step_and_counts_its_own_steps(tmp_path, ca
     assert "training done: 3 steps in" in caplog.text
     # The last line says what the run left, its last checkpoint included.
     assert (
-        f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); checkpoint {tmp_path / 'checkpoint' / 'step-3'}"
-        in caplog.text
+        f"left in {tmp_path}: config.toml, metrics.jsonl, tb/ (TensorBoard); "
+        f"checkpoint {tmp_path / 'checkpoint' / 'step-3'}" in caplog.text
     )
     caplog.clear()
     history = short_run(tmp_path, "--training.steps", "6", *ckpt)

@@ -320,7 +320,8 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise UserError(
-                f"model '{spec.name}' has no tensor-parallel plan in its spec; set parallelism.tensor_parallel_degree = 1"
+                f"model '{spec.name}' has no tensor-parallel plan in its spec; "
+                "set parallelism.tensor_parallel_degree = 1"
             )
         if cfg.parallelism.enable_async_tensor_parallel and dist_utils.device_type() != "cuda":
             raise UserError(

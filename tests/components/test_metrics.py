@@ -187,7 +187,8 @@ def test_wandb_offline_run_and_resume(tmp_path, monkeypatch):
     # finish() has returned (a 7-byte file was seen): wait for the records, up to 60 s.
     deadline = time.monotonic() + 60
     while True:
-        logged = open(f"{runs[0]}/run-{run_id}.wandb", "rb").read()
+        with open(f"{runs[0]}/run-{run_id}.wandb", "rb") as f:
+            logged = f.read()
         if set(wandb_values(logged, "loss")) == {5.0} or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -137,7 +137,8 @@ def test_a_validation_mixture_with_a_dataset_too_is_refused(tmp_path, capsys):
     [
         (
             ["def f(x):\n    return x\n"],
-            "validation set local at {path} is too small: it holds 0 sequence(s) of validation.seq_len + 1 = 33 tokens, "
+            "validation set local at {path} is too small: it holds 0 sequence(s) of "
+            "validation.seq_len + 1 = 33 tokens, "
             "fewer than one global validation batch of validation.local_batch_size x "
             "data-parallel degree = 8 x 1 = 8 sequences",
         ),

@@ -131,7 +131,7 @@ def test_a_background_checkpoint_write_that_never_returns_ends_the_run(tmp_path)
         "--comm.checkpoint_timeout_seconds",
         "3",
     ]
-    log = open(tmp_path / "output.log", "w")
+    log = open(tmp_path / "output.log", "w")  # noqa: SIM115 (the trainer's stdout for its whole run)
     proc = subprocess.Popen(
         cmd,
         cwd=tmp_path,
@@ -175,7 +175,7 @@ def _start(folder: Path, *extra: str) -> subprocess.Popen:
         str(folder),
         *extra,
     ]
-    log = open(folder / "output.log", "w")
+    log = open(folder / "output.log", "w")  # noqa: SIM115 (the trainer's stdout for its whole run)
     return subprocess.Popen(
         cmd,
         cwd=folder,

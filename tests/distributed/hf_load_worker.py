@@ -5,11 +5,11 @@
 CASES.json: [{"name", "folder", "argv": config argv (model and parallelism)}]. For each case every rank
 builds the model on meta, parallelizes it as the trainer does, fills it with NaN, loads the folder
 with load_hf_into, and compares each local tensor with its part of the folder's tensor read whole
-(load_hf); then exports them in bf16 (save_hf_sharded), which rank 0 reads back. Rank 0 writes OUT.json: {name: one record per rank: bytes_read, own_bytes (its local
-tensors that have Hugging Face sources, each storage once, at 4 bytes an element: the folders are
-float32),
-folder_bytes, mismatches (names), export_differs (names whose exported tensor is not the folder's
-cast to bf16, on rank 0), exported (tensors compared, on rank 0)}.
+(load_hf); then exports them in bf16 (save_hf_sharded), which rank 0 reads back. Rank 0 writes
+OUT.json: {name: one record per rank: bytes_read, own_bytes (its local tensors that have Hugging Face
+sources, each storage once, at 4 bytes an element: the folders are float32), folder_bytes, mismatches
+(names), export_differs (names whose exported tensor is not the folder's cast to bf16, on rank 0),
+exported (tensors compared, on rank 0)}.
 """
 
 import json
@@ -82,7 +82,9 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     out = {}
-    for i, case in enumerate(json.loads(open(sys.argv[1]).read())):
+    with open(sys.argv[1]) as f:
+        cases = json.loads(f.read())
+    for i, case in enumerate(cases):
         records = [None] * dist.get_world_size()
         dist.all_gather_object(records, load_case(case["folder"], case["argv"], i))
         out[case["name"]] = records

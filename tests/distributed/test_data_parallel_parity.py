@@ -68,7 +68,8 @@ from conftest import FP32_TOL, PP2, REPO, SAVE3, TINY, launch, losses, mixture_c
 pytestmark = pytest.mark.slow
 
 # bf16 parameters/compute against fp32: measured differences on this tiny model stay below 5e-3
-# over 6 steps (2.4e-3 at most, FSDP2 and HSDP); the tolerance leaves headroom while still catching a wrong gradient or a lost shard.
+# over 6 steps (2.4e-3 at most, FSDP2 and HSDP); the tolerance leaves headroom while still catching a
+# wrong gradient or a lost shard.
 BF16_TOL = 1e-2
 
 # Qwen3's debug flavors (per-head q/k norms, head_dim independent of dim / n_heads, rotate-half rotary;

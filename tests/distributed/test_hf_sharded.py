@@ -2,7 +2,8 @@
 
 Folders made by transformers' own save_pretrained (random weights, small max_shard_size: many files
 and an index) for llama3's and Qwen3-MoE's debug flavors are loaded by training jobs under one
-process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, Qwen3's tied-embedding flavor under PP 2 and PP 2 x FSDP 2, and a Llama 3.2-like
+process, FSDP 4, TP 2, PP 2, PP 2 x TP 2, FSDP 2 x TP 2, EP 2 and EP 2 x FSDP 2, Qwen3's
+tied-embedding flavor under PP 2 and PP 2 x FSDP 2, and a Llama 3.2-like
 folder (tied, rotary scaled) under PP 2 x FSDP 2, DeepSeek-V3's debug flavor under PP 2 and
 EP 2 x FSDP 2, and gpt-oss's (sinks, windows, biased experts) under one process, TP 2, PP 2, CP 2, EP 2,
 EP 2 x FSDP 2 and EP 2 x TP 2, and a gpt-oss folder whose experts are stored in MXFP4 (as published)
@@ -21,10 +22,10 @@ Reads (tests/distributed/hf_load_worker.py loads folders written by our adapters
 each rank's shards, without training): every rank's tensors equal their part of the folder's, and
 a rank reads exactly its own shards' bytes wherever each shard is one block: renames, Llama's
 permuted q/k (head-aligned rows), experts stacked from one tensor per expert or sliced from the
-fused ones, under FSDP 4, FSDP 2 x TP 2 (strided shards), EP 2 x FSDP 2, tied embeddings read once; rows that cross a head
-boundary (FSDP 3) read those heads' rows, each rank under 40% of the folder. Exported again from
-those shards in bf16 (each block cast before it is sent to its file's writer), every tensor is the
-folder's cast to bf16.
+fused ones, under FSDP 4, FSDP 2 x TP 2 (strided shards), EP 2 x FSDP 2, tied embeddings read once;
+rows that cross a head boundary (FSDP 3) read those heads' rows, each rank under 40% of the folder.
+Exported again from those shards in bf16 (each block cast before it is sent to its file's writer),
+every tensor is the folder's cast to bf16.
 """
 
 import dataclasses

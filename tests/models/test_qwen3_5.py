@@ -124,7 +124,7 @@ def _random_hf_model(args, seed=0):
     torch.manual_seed(seed)
     model = qwen3_5.Qwen3_5ForCausalLM(hf_text_config(args)).float().eval()
     with torch.no_grad():  # every tensor away from its init (zero-centered norms at 0, dt_bias at 1)
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
     return model
 

@@ -142,7 +142,10 @@ class MfuPeak:
                 self.probes, self.probe_total = self.probes + 1, self.probe_total + self.probe_s
             if remeasured is not None and remeasured >= achieved:
                 self.tflops = remeasured
-                note = f"peak re-measured: {remeasured:.3g} TFLOP/s; {self.previous} ({old:.3g}) was below the achieved rate"
+                note = (
+                    f"peak re-measured: {remeasured:.3g} TFLOP/s; "
+                    f"{self.previous} ({old:.3g}) was below the achieved rate"
+                )
                 self.previous = "the re-measured peak"
             else:
                 self.tflops = achieved
@@ -322,7 +325,8 @@ class MetricsLogger:
         self.wandb = None
         if write:
             os.makedirs(dump_folder, exist_ok=True)
-            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a" if append else "w")
+            # Open for the whole run, closed by close().
+            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a" if append else "w")  # noqa: SIM115
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -396,8 +400,11 @@ def write_run_file(folder: str, name: str, text: str, what: str) -> str:
     """Write `text` as `folder`/`name` (returned), keeping an earlier run's different file (keep_earlier)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
-    if os.path.isfile(path) and open(path).read() != text:
-        keep_earlier(path, what)
+    if os.path.isfile(path):
+        with open(path) as f:
+            differs = f.read() != text
+        if differs:
+            keep_earlier(path, what)
     with open(path, "w") as f:
         f.write(text)
     return path

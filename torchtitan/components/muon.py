@@ -144,7 +144,7 @@ class SpreadOrthogonalization:
         for *_, work, _ in plans:
             work.wait()
         scatters = []
-        for p, update, split, sizes, group, me, owner, pieces, _, _ in plans:
+        for _p, update, split, sizes, group, me, owner, pieces, _, _ in plans:
             if me == owner:
                 full = torch.cat([x.narrow(split, 0, n) for x, n in zip(pieces, sizes)], dim=split)
                 ortho = newton_schulz(full, self.steps)

@@ -102,7 +102,7 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=*[ \t]+[0-9]+[ \t\r]*$")
 # tiktoken's BPE is quadratic in the length of one pre-token piece; like Llama 3's reference, text
 # is cut inside runs of more than this many consecutive whitespace (or non-whitespace) characters.
 _MAX_RUN = 25_000
-_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (_MAX_RUN + 1, _MAX_RUN + 1))
+_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (_MAX_RUN + 1, _MAX_RUN + 1))  # noqa: UP031 (an f-string doubles the regex's braces)
 
 
 def detect(path: str | Path) -> tuple[str, Path]:

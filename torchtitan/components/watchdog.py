@@ -226,9 +226,9 @@ class Watchdog:
                 others = median(seconds[:slow] + seconds[slow + 1 :])
                 logger.warning(
                     f"straggler: rank {slow} spent {seconds[slow]:.3f}s per step of its own work (computing or reading "
-                    f"data, not waiting for its peers) by step {step}, {latest[slow]:.2f}x the median of the other ranks "
-                    f"({others:.3f}s), slower than metrics.straggler_factor = {self.factor:g} in each of the last "
-                    f"{len(self.windows)} log windows (metrics.straggler_windows)"
+                    f"data, not waiting for its peers) by step {step}, {latest[slow]:.2f}x the median of the other "
+                    f"ranks ({others:.3f}s), slower than metrics.straggler_factor = {self.factor:g} in each of the "
+                    f"last {len(self.windows)} log windows (metrics.straggler_windows)"
                 )
         return fields
 

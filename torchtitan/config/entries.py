@@ -53,8 +53,8 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
                     + (
                         "is given twice"
                         if "adamw" in values
-                        else "is not an option; optimizer=AdamW (with optimizer.name = 'Muon') gives the matched parameters "
-                        "to AdamW"
+                        else "is not an option; optimizer=AdamW (with optimizer.name = 'Muon') gives the matched "
+                        "parameters to AdamW"
                     )
                 )
             elif not sep or name not in PARAM_GROUP_OPTIONS:
@@ -94,7 +94,10 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
 
 
 MAX_MIX_PERIOD = 1_000_000  # a mixture's schedule is a pattern of this many samples at most (data/mixing.py)
-MIX_SYNTAX = "WEIGHT:SOURCE[#FIELD], e.g. 0.6:data/web or 0.4:data/books#content (a list in TOML, comma-separated on the command line)"
+MIX_SYNTAX = (
+    "WEIGHT:SOURCE[#FIELD], e.g. 0.6:data/web or 0.4:data/books#content "
+    "(a list in TOML, comma-separated on the command line)"
+)
 
 
 def split_text_field(spec: str) -> tuple[str, str | None]:

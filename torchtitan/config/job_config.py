@@ -59,7 +59,9 @@ PLANNED_WHY: dict[str, str] = {
     "parallelism": "this parallelism option is not implemented",
     "metrics": "this metrics backend is not implemented",
     "memory_estimation": "the estimate is computed from the model spec and never runs the model in fake mode",
-    "experimental": "custom config sections are not supported; a custom model registers through experimental.custom_import",
+    "experimental": (
+        "custom config sections are not supported; a custom model registers through experimental.custom_import"
+    ),
 }
 PLANNED_WHY["parallelism.enable_compiled_autograd"] = "compiled autograd is not supported (it broke FSDP2 parity)"
 PLANNED_WHY["training.gc_debug"] = "gc_debug is not implemented"

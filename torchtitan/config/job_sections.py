@@ -128,7 +128,8 @@ class Checkpoint:
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1: newest).")
     exclude_from_loading: list[str] = opt(
         [],
-        "Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state.",
+        "Parts of a checkpoint not to restore on resume: "
+        "any of model, optimizer, lr_scheduler, dataloader, train_state.",
     )
     initial_load_path: str | None = opt(
         None,

@@ -82,7 +82,8 @@ def _unwrap_optional(tp: object) -> tuple[object, bool]:
     args = typing.get_args(tp)
     if type(None) in args and typing.get_origin(tp) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+        # typing.Union: a union built at run time from a tuple has no `X | Y` spelling.
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007
     return tp, False
 
 

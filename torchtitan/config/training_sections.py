@@ -37,7 +37,8 @@ class Optimizer:
     )
     weight_decay_embeddings: bool = opt(
         True,
-        "Decay the token embeddings (nn.Embedding weights; a tied output layer shares them); false leaves them undecayed.",
+        "Decay the token embeddings (nn.Embedding weights; a tied output layer shares them); "
+        "false leaves them undecayed.",
     )
     param_groups: list[str] = opt(
         [],
@@ -188,7 +189,8 @@ class Training:
         "datasets save_to_disk folders); huggingface: datasets.load_dataset(dataset_path, split='train', "
         "streaming=True) (needs the datasets package); c4: allenai/c4 'en' streamed through datasets (needs it and "
         "the network); c4_test: the reference torchtitan's local C4 sample, tests/assets/c4_test; tokens: the "
-        "token folder at dataset_path written by scripts/pretokenize.py (the same samples as its source, memory-mapped).",
+        "token folder at dataset_path written by scripts/pretokenize.py "
+        "(the same samples as its source, memory-mapped).",
     )
     dataset_path: str | None = opt(
         None,
@@ -260,7 +262,10 @@ class Training:
         "[tokens, vocabulary] logits never exist whole: only one chunk's logits, each token's log-sum-exp and "
         "label logit, and the gradients. The same loss and gradients (to round-off) on every layout; the output "
         "layer's activation memory falls from tokens x vocabulary to loss_chunk_tokens x vocabulary (see "
-        'docs/performance.md for when it pays). 0: the whole logits at once. "auto": chunks of 1,024 tokens where a micro-batch on one rank has 2,048 tokens or more and its float32 logits (tokens x vocabulary shard x 4 bytes) would take 256 MiB or more, and where the model and layout can chunk; the whole logits otherwise.',
+        'docs/performance.md for when it pays). 0: the whole logits at once. "auto": chunks of 1,024 tokens '
+        "where a micro-batch on one rank has 2,048 tokens or more and its float32 logits "
+        "(tokens x vocabulary shard x 4 bytes) would take 256 MiB or more, and where the model and layout can "
+        "chunk; the whole logits otherwise.",
     )
     max_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
@@ -299,8 +304,8 @@ class Training:
                 (self.max_norm >= 0, f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}"),
                 (
                     self.loss_chunk_tokens == "auto" or self.loss_chunk_tokens >= 0,
-                    f'training.loss_chunk_tokens must be "auto", 0 (the whole logits at once) or a positive number of tokens, got '
-                    f"{self.loss_chunk_tokens}",
+                    'training.loss_chunk_tokens must be "auto", 0 (the whole logits at once) '
+                    f"or a positive number of tokens, got {self.loss_chunk_tokens}",
                 ),
                 (
                     self.shuffle_buffer >= 1,
@@ -317,7 +322,8 @@ class Training:
                 ),
                 (
                     bool(self.dataset_text_field),
-                    "training.dataset_text_field is empty; set it to the field or column holding the text (default 'text')",
+                    "training.dataset_text_field is empty; "
+                    "set it to the field or column holding the text (default 'text')",
                 ),
             )
         )
@@ -368,7 +374,8 @@ class Validation:
             + failed(
                 (
                     self.steps == -1 or self.steps > 0,
-                    f"validation.steps must be -1 (one pass over the validation set) or a positive integer, got {self.steps}",
+                    "validation.steps must be -1 (one pass over the validation set) "
+                    f"or a positive integer, got {self.steps}",
                 ),
                 (
                     self.dataset in VALIDATION_DATASETS,

@@ -15,8 +15,9 @@ The per-operator policy ("selective" with "op") recomputes the whole block in ba
 outputs of expensive operators, which are kept from forward:
 - attention (every SDPA kernel: flash, memory-efficient, cuDNN, the fused "overrideable" one and
   the CPU flash kernel): the most expensive op per byte of output;
-- matmuls (`aten.mm`, and `aten.addmm` for a linear layer with a bias), but only every other one (the 1st, 3rd, ... in each block), which halves the
-  memory that saving all of them would cost while still sparing half of the recompute FLOPs;
+- matmuls (`aten.mm`, and `aten.addmm` for a linear layer with a bias), but only every other one
+  (the 1st, 3rd, ... in each block), which halves the memory that saving all of them would cost
+  while still sparing half of the recompute FLOPs;
 - `aten.max` (the amax of float8 scaling: a scalar, so free to keep) and the reduce-scatter of
   sequence parallelism (recomputing it would repeat communication).
 Everything else (norms, rotary embedding, activations, elementwise ops) is recomputed.

@@ -63,10 +63,11 @@ def _regroup(counts: torch.Tensor) -> torch.Tensor:
 
 def apply_ep(moe_layers: list[nn.Module], expert_mesh, tp: int) -> list[nn.Module]:
     """Split the routed experts of each MoE layer (the spec's expert_layers, each with the interface
-    of torchtitan.models.common.moe's "Experts as expert parallel sees them") over the "ep" dimension of `expert_mesh` (weights
-    become DTensors sharded on the expert dim, replicated over tensor-parallel ranks) and route their
-    tokens through ExpertParallel. Returns the experts modules, for FSDP over "expert_dp". Apply
-    before tensor parallel (which replicates what remains) and FSDP."""
+    of torchtitan.models.common.moe's "Experts as expert parallel sees them") over the "ep"
+    dimension of `expert_mesh` (weights become DTensors sharded on the expert dim, replicated over
+    tensor-parallel ranks) and route their tokens through ExpertParallel. Returns the experts
+    modules, for FSDP over "expert_dp". Apply before tensor parallel (which replicates what remains)
+    and FSDP."""
     ep_mesh = expert_mesh["ep"]
     mesh, placements = (expert_mesh["ep", "tp"], [Shard(0), Replicate()]) if tp > 1 else (ep_mesh, [Shard(0)])
     dispatcher = ExpertParallel(ep_mesh)

@@ -3,11 +3,11 @@ family: what to apply where comes from the model's spec (its TP plan, where its 
 attention, its expert layers), and its blocks live in `model.layers`.
 
 Order: the family's pre_parallelize -> expert parallel -> tensor parallel -> context parallel ->
-activation checkpointing -> compile -> FSDP (or DDP). Expert parallel places the routed experts' weights first (TP then replicates what
-remains of an MoE block); TP goes before the wrappers because its plan is keyed by the blocks' own
-submodule names; checkpointing goes
-inside compile so the compiled graph includes the recomputation; FSDP goes last because it must
-wrap the final form of each block to shard its parameters.
+activation checkpointing -> compile -> FSDP (or DDP). Expert parallel places the routed experts'
+weights first (TP then replicates what remains of an MoE block); TP goes before the wrappers
+because its plan is keyed by the blocks' own submodule names; checkpointing goes inside compile so
+the compiled graph includes the recomputation; FSDP goes last because it must wrap the final form
+of each block to shard its parameters.
 """
 
 from torch import nn

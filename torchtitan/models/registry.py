@@ -86,7 +86,8 @@ def register_flavor(model_name: str, flavor_name: str, args: Any) -> None:
             else ""
         )
         raise UserError(
-            f"register_flavor({model_name!r}, {flavor_name!r}, ...): args must be a {cls.__module__}.{cls.__qualname__} "
+            f"register_flavor({model_name!r}, {flavor_name!r}, ...): "
+            f"args must be a {cls.__module__}.{cls.__qualname__} "
             f"(the args_cls of model {model_name!r}), got a {type(args).__module__}.{type(args).__qualname__}{hint}"
         )
     existing = spec.flavors.get(flavor_name)

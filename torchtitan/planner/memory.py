@@ -418,8 +418,9 @@ def chunked_logits_bytes(args, tokens: int, tp: int, act_bytes: int, chunk_token
     final norm's output (every token, float32 at most) and for the output weight (this rank's rows
     of the vocabulary, float32); what one chunk adds while it is computed: its float32 logits, which
     become the softmax and the gradient in place, and under a lower compute dtype the matmul's
-    output, then the gradient's copy in that dtype, either beside the float32 tensor). Under TP each rank computes its vocabulary shard's
-    logits whether or not loss parallel is on; a pipeline stage's output is the loss itself."""
+    output, then the gradient's copy in that dtype, either beside the float32 tensor). Under TP each
+    rank computes its vocabulary shard's logits whether or not loss parallel is on; a pipeline
+    stage's output is the loss itself."""
     vocab = args.vocab_size / tp
     kept = tokens * args.dim * (act_bytes + act_bytes / tp + 4 + 4) + vocab * args.dim * 4
     return kept, min(chunk_tokens, tokens) * vocab * (4 + (act_bytes if act_bytes < 4 else 0))

@@ -5,9 +5,9 @@ Searched: tensor parallel within a node (powers of two whose splits divide the m
 pipeline parallel (degrees that give every stage a layer; the recipe's schedule), context parallel
 (powers of two up to 8 dividing the sequence; the gathered and the rotating ring, and Ulysses where the
 degree divides the query heads per TP rank; only the recipe's method where it sets Ulysses or the
-rotating ring),
-data parallel sharding and HSDP replicas (one replica per node group when FSDP would span more than a node), expert parallel for MoE flavors (powers of two
-dividing the experts and the shard ranks), activation checkpointing (none, op, full) and the
+rotating ring), data parallel sharding and HSDP replicas (one replica per node group when FSDP
+would span more than a node), expert parallel for MoE flavors (powers of two dividing the experts
+and the shard ranks), activation checkpointing (none, op, full) and the
 micro-batch size. A degree the recipe (or the command line) sets to anything but its default is kept
 fixed. The global batch in sequences is the recipe's training.global_batch_size, or local_batch_size
 x the data-parallel degree of the recipe's own layout at this world size.
@@ -311,7 +311,8 @@ def plan(
             if impossible
             else (
                 "no data-parallel degree that the other degrees leave divides the global batch of "
-                f"{_global_batch(cfg, world_size)} sequences; set training.global_batch_size to a multiple of more of them"
+                f"{_global_batch(cfg, world_size)} sequences; "
+                "set training.global_batch_size to a multiple of more of them"
             )
         )
         raise UserError(

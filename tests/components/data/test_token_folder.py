@@ -548,11 +548,11 @@ def test_a_hub_dataset_is_recorded_by_name_config_and_data_files(tmp_path):
 
     docs = _Stream(random_docs(30, seed=7, lo=1))
     out = tmp_path / "tok"
-    run = lambda description, **kw: pretokenize(
+    run = lambda description, **kw: pretokenize(  # noqa: E731
         docs,
         CHARS,
         out,
-        source_description=description,  # noqa: E731
+        source_description=description,
         workers=1,
         chunk_docs=7,
         log=lambda *_: None,

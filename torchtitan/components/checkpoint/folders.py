@@ -109,7 +109,8 @@ class CheckpointFolder:
         return self.peers.first_problem(verify_checkpoint(path, self.peers.rank, self.peers.world_size))
 
     def set_aside(self, steps: list[int], prefix: str, why: str):
-        """Rename step-N folders to {prefix}-step-N (never over an existing name): kept, but no longer loaded or purged."""
+        """Rename step-N folders to {prefix}-step-N (never over an existing name): kept, but no longer
+        loaded or purged."""
         if not steps:
             return
         if self.peers.rank == 0:

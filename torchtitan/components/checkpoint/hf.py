@@ -129,7 +129,7 @@ class HFFolder:
             path = folder / file
             try:
                 with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
+                    for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict: no `in`)
                         piece = f.get_slice(name)
                         kind = piece.get_dtype()
                         if kind not in _SAFETENSORS_DTYPES:

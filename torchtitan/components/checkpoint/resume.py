@@ -62,7 +62,8 @@ def preflight_checkpoint(
             f"checkpoint.exclude_from_loading names train_state, so step numbers restart at 0, but {folder} already "
             f"holds step-{steps[-1]}: the new run's checkpoints would sort before the one it started from (and be "
             f"purged first). Start the new run in another job.dump_folder with --checkpoint.initial_load_path "
-            f"{folder}/step-{steps[-1]} --checkpoint.no-initial_load_model_only (exclude_from_loading applies there too)"
+            f"{folder}/step-{steps[-1]} --checkpoint.no-initial_load_model_only "
+            "(exclude_from_loading applies there too)"
         )
     resume_state = _resume_state(folder, cfg.load_step, steps)
     _check_hf_export_folder(cfg, folder, last_step, resumes_at=(resume_state or {}).get("step", 0))
@@ -79,8 +80,8 @@ def preflight_checkpoint(
                     + (
                         ""
                         if key == "seq_len"
-                        else ". Replica groups (fault_tolerance) read group_count x the group's global batch: between a "
-                        "fault-tolerant run and a normal one, or another group_count, resume with "
+                        else ". Replica groups (fault_tolerance) read group_count x the group's global batch: "
+                        "between a fault-tolerant run and a normal one, or another group_count, resume with "
                         "--checkpoint.exclude_from_loading dataloader (the lanes then start at the checkpoint's step; "
                         "docs/launching.md)"
                     )

@@ -157,7 +157,8 @@ def byte_lines(path: Path, compression: str | None) -> Iterator[bytes]:
     pending: list[bytes] = []  # the start of a line that spans chunks
     complete = 0  # lines yielded: a corrupt stream is reported after the last of them
     # 64 KiB at a time: reading a document or a line costs little more than it.
-    for chunk in byte_chunks(path, compression, size=1 << 16, lines=lambda: complete):
+    # The lambda reads `complete` when a corrupt stream is reported: the count so far, not the one at the start.
+    for chunk in byte_chunks(path, compression, size=1 << 16, lines=lambda: complete):  # noqa: B023
         lines = chunk.split(b"\n")
         if len(lines) == 1:
             pending.append(chunk)

@@ -112,13 +112,16 @@ class SharedUnits:
         """How the source is cut, for the first log lines."""
         n, lanes = len(self.units), self.lanes
         if n >= lanes:
-            return f"{_count(n, 'unit')} for {_count(lanes, 'lane')} (each lane reads whole units, about {n / lanes:.3g} per epoch)"
+            return (
+                f"{_count(n, 'unit')} for {_count(lanes, 'lane')} "
+                f"(each lane reads whole units, about {n / lanes:.3g} per epoch)"
+            )
         k = -(-lanes // n)
         how = (
-            "each lane reads a 1/%d part of a document's tokens" % k
+            f"each lane reads a 1/{k} part of a document's tokens"
             if self.source.random_access
-            else "each lane reads every %d-th document of its unit, or a 1/%d part of its tokens if it holds fewer "
-            "documents" % (k, k)
+            else f"each lane reads every {k}-th document of its unit, or a 1/{k} part of its tokens if it holds fewer "
+            "documents"
         )
         return f"{_count(n, 'unit')} for {lanes} lanes: up to {k} lanes share a unit ({how})"
 

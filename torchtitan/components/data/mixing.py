@@ -2,7 +2,8 @@
 
 A mixture is a list of `WEIGHT:SOURCE` entries. SOURCE is a dataset name (python_stdlib, c4, c4_test),
 `hf:NAME` (a Hugging Face dataset streamed through `datasets`, as training.dataset = "huggingface"),
-or a path: a data file or folder of any supported format, or a token folder (scripts/pretokenize.py's tokens.bin is in it).
+or a path: a data file or folder of any supported format, or a token folder (scripts/pretokenize.py's
+tokens.bin is in it).
 
 Which source each global sample comes from is a deterministic schedule, the one Megatron's blended
 datasets use: sample k goes to the source whose count so far lags furthest behind its share of k + 1

@@ -1,12 +1,12 @@
 """Qwen3's tensor-parallel plan (as data) and the sizes it splits; the trainer applies the
 parallelisms from the spec (torchtitan.distributed.parallelize.parallelize_model).
 
-The plan is the standard decoder block's (Llama 3's module names) plus the per-head q/k norms. Those run inside attention on
-this rank's heads: the input [batch, seq, local heads, head_dim] is declared sharded on the heads
-(dim 2), each head is normalized over its own features, and the norm weight becomes a replicated
-DTensor whose gradient (partial on each rank, from its heads) is summed over the TP ranks. Declaring
-it so, rather than leaving the norms alone, also makes every parameter a DTensor on the tp mesh, as
-gradient clipping and FSDP on top expect.
+The plan is the standard decoder block's (Llama 3's module names) plus the per-head q/k norms. Those
+run inside attention on this rank's heads: the input [batch, seq, local heads, head_dim] is declared
+sharded on the heads (dim 2), each head is normalized over its own features, and the norm weight
+becomes a replicated DTensor whose gradient (partial on each rank, from its heads) is summed over
+the TP ranks. Declaring it so, rather than leaving the norms alone, also makes every parameter a
+DTensor on the tp mesh, as gradient clipping and FSDP on top expect.
 """
 
 from torch import nn

@@ -156,9 +156,9 @@ def validate(args: ModelArgs, parallel_dims) -> None:
         best = max(d for d in range(1, parallel_dims.cp + 1) if local_key_heads % d == 0)
         problems.append(
             f"parallelism.context_parallel_degree = {parallel_dims.cp} must divide the {local_key_heads} DeltaNet key "
-            f"heads of a tensor-parallel rank (linear_num_key_heads = {args.linear_num_key_heads}, tensor_parallel_degree "
-            f"= {parallel_dims.tp}): each rank runs the recurrence for 1 / degree of them over the whole sequence; the "
-            f"largest degree that works is {best}"
+            f"heads of a tensor-parallel rank (linear_num_key_heads = {args.linear_num_key_heads}, "
+            f"tensor_parallel_degree = {parallel_dims.tp}): each rank runs the recurrence for 1 / degree of them "
+            f"over the whole sequence; the largest degree that works is {best}"
         )
     if args.linear_num_key_heads < 1 or args.linear_num_value_heads % args.linear_num_key_heads:
         problems.append(
