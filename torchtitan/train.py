@@ -466,7 +466,12 @@ class Trainer:
             )
         )
         logger.info(f"MFU peak: {self.peak.tflops:.3f} TFLOP/s {self.peak.source}")
-        if self.device.type == "cpu" and t.mixed_precision_param == "bfloat16" and (slow := slow_cpu_bfloat16()):
+        uses_bf16 = []
+        if t.mixed_precision_param == "bfloat16":
+            uses_bf16.append(("the model's matmuls", "--training.mixed_precision_param float32"))
+        if cfg.optimizer.name == "Muon" and cfg.optimizer.muon_ns_dtype in (None, "bfloat16"):
+            uses_bf16.append(("Muon's Newton-Schulz iterations", "--optimizer.muon_ns_dtype float32"))
+        if self.device.type == "cpu" and uses_bf16 and (slow := slow_cpu_bfloat16(uses_bf16)):
             logger.warning(slow)
         if self.plan.memory_estimate:
             logger.info(self.plan.memory_estimate)

@@ -63,6 +63,33 @@ def test_muon_steps_equal_torch_muon(adjust, nesterov):
         torch.testing.assert_close(opt.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"], rtol=0, atol=0)
 
 
+def test_ns_dtype_float32_runs_the_iterations_in_float32():
+    """optimizer.muon_ns_dtype = float32: the step is the float32 Newton-Schulz's (exactly), not bf16's."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.zeros(32, 16)  # p = -lr x update, rounded once
+    grad = torch.randn(32, 16, generator=gen)
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        p = nn.Parameter(start.clone())
+        opt = MuonAdamW(
+            [{"params": [p], "algorithm": "muon"}],
+            lr=1.0,
+            weight_decay=0.0,
+            nesterov=False,
+            adjust_lr="none",
+            ns_dtype=dtype,
+        )
+        p.grad = grad.clone()
+        opt.step()
+        moved[dtype] = start - p.detach()
+    # One step from a zero buffer: the update is (1 - momentum) g, orthogonalized.
+    expected = newton_schulz(grad * (1 - 0.95), 5, torch.float32)
+    torch.testing.assert_close(moved[torch.float32], expected, rtol=0, atol=0)
+    assert (moved[torch.bfloat16] - expected).abs().max() > 1e-4  # bf16's rounding shows (entries about 0.2)
+    with pytest.raises(ValueError, match="ns_dtype"):
+        MuonAdamW([{"params": [p], "algorithm": "muon"}], lr=0.02, ns_dtype=torch.float16)
+
+
 def test_lr_adjustments():
     assert adjusted_lr(1.0, "match_rms_adamw", 256, 1024) == pytest.approx(0.2 * 32)
     assert adjusted_lr(1.0, "original", 1024, 256) == pytest.approx(2.0)

@@ -54,18 +54,18 @@ def measure_matmul_tflops(dtype: torch.dtype, seconds: float = 1.0, n: int = 102
     return best / 1e12
 
 
-def slow_cpu_bfloat16() -> str | None:
+def slow_cpu_bfloat16(uses: list[tuple[str, str]]) -> str | None:
     """A warning when this CPU multiplies bfloat16 matrices far slower than float32 ones (no native bf16
-    instructions: the kernel converts element by element, tens of times slower), else None. Measured on
-    small matrices: a fraction of a second."""
+    instructions: the kernel converts element by element, tens of times slower), else None. `uses`: what runs in
+    bf16 and the option that moves it to float32, each. Measured on small matrices: a fraction of a second."""
     bf16 = measure_matmul_tflops(torch.bfloat16, seconds=0.2, n=256)
     fp32 = measure_matmul_tflops(torch.float32, seconds=0.2, n=256)
     if bf16 * 2 >= fp32:
         return None
     return (
         f"this CPU multiplies bfloat16 matrices at {bf16 * 1e3:.1f} GFLOP/s and float32 ones at {fp32 * 1e3:.1f}: "
-        f"it has no native bfloat16 arithmetic, and training.mixed_precision_param = bfloat16 makes the model's "
-        f"matmuls about {fp32 / bf16:.0f}x slower here; --training.mixed_precision_param float32 trains faster on it"
+        f"it has no native bfloat16 arithmetic, so {' and '.join(what for what, _ in uses)} run about "
+        f"{fp32 / bf16:.0f}x slower here than in float32; {' '.join(fix for _, fix in uses)} trains faster on it"
     )
 
 

@@ -19,8 +19,10 @@ What is unusual here:
   (SpreadOrthogonalization), so the ranks share the iterations. Otherwise (split over two mesh dims:
   FSDP over TP's rows) the update is gathered (full_tensor), orthogonalized on every rank alike, and
   this rank keeps its own part. Every layout thus computes what one process computes.
-- The Newton-Schulz iterations run in bfloat16, as torch.optim.Muon and the reference do (the
-  iteration is built to tolerate it, and bf16 matmuls are 2-4x faster).
+- The Newton-Schulz iterations run in bfloat16 by default, as torch.optim.Muon and the reference do (the
+  iteration is built to tolerate it, and bf16 matmuls are 2-4x faster where the hardware has them);
+  `ns_dtype` float32 runs them in float32 (a CPU without native bf16 multiplies bf16 matrices tens of
+  times slower than float32 ones).
 - state_dtype = bfloat16 keeps the momentum and AdamW's moments in bf16; the update is computed in
   float32 from them (a plain-torch AdamW, the same formula as torch's). With float32 state, the
   AdamW groups run torch's own AdamW kernels (fused, foreach or for-loop as configured).
@@ -78,14 +80,16 @@ def holds_whole_matrices(p: torch.Tensor) -> bool:
     return all(not pl.is_shard() or pl.dim < p.ndim - 2 for pl in p.placements)
 
 
-def orthogonalize(update: torch.Tensor, p: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton-Schulz of `update` (this rank's shard, laid out like `p`'s), each matrix whole, on every
+def orthogonalize(
+    update: torch.Tensor, p: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Newton-Schulz of `update` (this rank's shard, laid out like `p`'s) in `dtype`, each matrix whole, on every
     rank alike; this rank's part."""
     if holds_whole_matrices(p):
-        return newton_schulz(update, steps)
+        return newton_schulz(update, steps, dtype)
     mesh, placements = p.device_mesh, p.placements
     full = DTensor.from_local(update, mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
-    ortho = newton_schulz(full, steps)
+    ortho = newton_schulz(full, steps, dtype)
     replicated = DTensor.from_local(ortho, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, placements).to_local()
 
@@ -109,12 +113,12 @@ class SpreadOrthogonalization:
     """Newton-Schulz of matrices split along one mesh dim (FSDP's, TP's, HSDP's shard dim), spread
     over that dim's ranks instead of repeated on each: every matrix has one owner, the rank least
     loaded so far (by elements) among its group, the same choice on every rank. The owner gathers the
-    pieces (cast to bf16 first, where the iterations start anyway, so the result is the same bits),
+    pieces (cast to `dtype` first, where the iterations start anyway, so the result is the same bits),
     orthogonalizes, and scatters each rank's piece back. Per rank: 1/n of the iterations, and its own
     pieces sent and received once, instead of every matrix gathered whole."""
 
-    def __init__(self, steps: int):
-        self.steps = steps
+    def __init__(self, steps: int, dtype: torch.dtype = torch.bfloat16):
+        self.steps, self.dtype = steps, dtype
         self.jobs = []  # (p, update, mesh dim)
         self.loads: dict[tuple[int, ...], list[int]] = {}
 
@@ -134,7 +138,7 @@ class SpreadOrthogonalization:
             split = p.placements[dim].dim
             sizes = [len(c) for c in torch.arange(p.shape[split]).chunk(len(ranks))]
             sizes += [0] * (len(ranks) - len(sizes))
-            piece = _pad(update.to(torch.bfloat16), split, max(sizes))
+            piece = _pad(update.to(self.dtype), split, max(sizes))
             pieces = [torch.empty_like(piece) for _ in ranks] if me == owner else None
             work = dist.gather(piece, pieces, group=group, group_dst=owner, async_op=True)
             # The buffers stay referenced until the collective is waited on: gloo reads and writes
@@ -147,11 +151,11 @@ class SpreadOrthogonalization:
         for _p, update, split, sizes, group, me, owner, pieces, _, _ in plans:
             if me == owner:
                 full = torch.cat([x.narrow(split, 0, n) for x, n in zip(pieces, sizes)], dim=split)
-                ortho = newton_schulz(full, self.steps)
+                ortho = newton_schulz(full, self.steps, self.dtype)
                 pieces = [_pad(x, split, max(sizes)) for x in ortho.split(sizes, dim=split)]
             shape = list(update.shape)
             shape[split] = max(sizes)
-            mine = update.new_empty(shape, dtype=torch.bfloat16)
+            mine = update.new_empty(shape, dtype=self.dtype)
             scatters.append(
                 (
                     mine,
@@ -182,7 +186,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Muon's group keys: lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr; AdamW's: lr,
     weight_decay, betas, eps. `implementation` (fused, foreach, for-loop) is the AdamW kernel used with
-    float32 state; `state_dtype` the dtype of every state tensor but AdamW's step count; `spread`
+    float32 state; `state_dtype` the dtype of every state tensor but AdamW's step count; `ns_dtype` the
+    dtype of the Newton-Schulz iterations (an attribute, not a group key); `spread`
     spreads the Newton-Schulz of matrices split along one mesh dim over its ranks
     (SpreadOrthogonalization) rather than repeating it on each.
     """
@@ -201,6 +206,7 @@ class MuonAdamW(torch.optim.Optimizer):
         implementation: str = "for-loop",
         state_dtype: torch.dtype = torch.float32,
         spread: bool = True,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ):
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
@@ -217,6 +223,9 @@ class MuonAdamW(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.implementation, self.state_dtype, self.spread = implementation, state_dtype, spread
+        if ns_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {ns_dtype}")
+        self.ns_dtype = ns_dtype
         for group in self.param_groups:
             if group["algorithm"] not in ("muon", "adamw"):
                 raise ValueError(f"a group's algorithm must be 'muon' or 'adamw', got {group['algorithm']!r}")
@@ -261,12 +270,12 @@ class MuonAdamW(torch.optim.Optimizer):
             if momentum is not buf_local:
                 buf_local.copy_(momentum)
             updates.append(grad.float().lerp(momentum, mu) if group["nesterov"] else momentum)
-        spread = SpreadOrthogonalization(group["ns_steps"])
+        spread = SpreadOrthogonalization(group["ns_steps"], self.ns_dtype)
         orthos = [None] * len(params)
         for i, (p, update) in enumerate(zip(params, updates)):
             dim = split_mesh_dim(p) if self.spread else None
             if dim is None:
-                orthos[i] = orthogonalize(update, p, group["ns_steps"])
+                orthos[i] = orthogonalize(update, p, group["ns_steps"], self.ns_dtype)
             else:
                 spread.add(p, update, dim)
         spread_out = iter(spread.run())

@@ -155,6 +155,7 @@ def muon_settings(cfg: OptimizerConfig) -> dict:
         nesterov=given(cfg.muon_nesterov, muon.DEFAULT_NESTEROV),
         ns_steps=given(cfg.muon_ns_steps, muon.DEFAULT_NS_STEPS),
         adjust_lr=given(cfg.muon_adjust_lr, muon.DEFAULT_ADJUST_LR),
+        ns_dtype=getattr(torch, given(cfg.muon_ns_dtype, "bfloat16")),
     )
 
 

@@ -9,7 +9,7 @@ from torchtitan.config.entries import parse_mix, parse_param_groups
 from torchtitan.config.errors import UserError
 from torchtitan.config.fields import failed, opt, positive
 
-MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr")
+MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype", "muon_adjust_lr")
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,11 @@ class Optimizer:
     muon_momentum: float | None = opt(None, "Muon's momentum, in [0, 1); unset: 0.95.")
     muon_nesterov: bool | None = opt(None, "Muon's Nesterov momentum; unset: true.")
     muon_ns_steps: int | None = opt(None, "Newton-Schulz iterations of Muon's orthogonalization (1 to 99); unset: 5.")
+    muon_ns_dtype: Literal["bfloat16", "float32"] | None = opt(
+        None,
+        "Dtype of Muon's Newton-Schulz iterations; unset: bfloat16 (as torch.optim.Muon). float32 on a CPU without "
+        "native bf16 arithmetic, where bf16 matmuls run tens of times slower.",
+    )
     muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] | None = opt(
         None,
         "Muon's learning rate per A x B matrix: match_rms_adamw (lr x 0.2 x sqrt(max(A, B)), Moonlight: the "
