@@ -12,7 +12,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import REPO
+from helpers.paths import REPO
 
 MODELS = REPO / "torchtitan" / "models"
 

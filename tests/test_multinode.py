@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics, start_lighthouse
+from helpers.launch import free_port, read_metrics, start_lighthouse
+from helpers.paths import PYTHON_DIR, REPO, TINY
 
 SLURM = REPO / "scripts" / "multinode_trainer.slurm"
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON_DIR, REPO, processes_naming
+from helpers.launch import processes_naming
+from helpers.paths import PYTHON_DIR, REPO
 
 
 def run_train(*args, env=None, timeout=300):
@@ -210,7 +211,7 @@ def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_sta
 
     from torchtitan import launch
 
-    from conftest import MODEL, RECIPE
+    from helpers.paths import MODEL, RECIPE
 
     data = tmp_path / "data"
     data.mkdir()

@@ -12,7 +12,9 @@ from torchtitan.config import UserError, load_config
 from torchtitan.models.registry import get_model_spec
 from torchtitan.preflight import preflight
 
-from conftest import CHECKPOINT_ARGS, REPO, debug_config as cfg
+from helpers.checkpoints import CHECKPOINT_ARGS
+from helpers.launch import debug_config as cfg
+from helpers.paths import REPO
 
 
 def test_global_batch_and_accumulation():

@@ -10,18 +10,19 @@ import torch
 from torchtitan.config import load_config
 from torchtitan.train import train
 
-from conftest import REPO
+from helpers.paths import REPO
 
 
-def short_run(tmp_path, *overrides):
-    cfg = load_config(
+def short_config(folder, *overrides):
+    """The debug model's config for a 4-step run of 2 windows of 32 tokens a step, dumping to `folder`."""
+    return load_config(
         [
             "--job.config_file",
             str(REPO / "train_configs" / "debug_model.toml"),
             "--model.tokenizer_path",
             str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
             "--job.dump_folder",
-            str(tmp_path),
+            str(folder),
             "--training.seq_len",
             "32",
             "--training.local_batch_size",
@@ -37,7 +38,10 @@ def short_run(tmp_path, *overrides):
             *overrides,
         ]
     )
-    return train(cfg)
+
+
+def short_run(tmp_path, *overrides):
+    return train(short_config(tmp_path, *overrides))
 
 
 def test_logs_first_every_log_freq_and_last_step(tmp_path, caplog):
@@ -120,38 +124,9 @@ def test_a_fork_replaces_one_step_by_subclassing(tmp_path):
         def optimizer_step(self):
             calls.append(self.plan.grad_accum_steps)
 
-    cfg = load_config(
-        [
-            "--job.config_file",
-            str(REPO / "train_configs" / "debug_model.toml"),
-            "--model.tokenizer_path",
-            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "3",
-            "--metrics.log_freq",
-            "1",
-            "--metrics.device_peak_tflops",
-            "1",
-            "--training.mixed_precision_param",
-            "float32",
-        ]
-    )
-    frozen = train(cfg, FrozenTrainer)
-    normal = short_run(
-        tmp_path / "b",
-        "--training.steps",
-        "3",
-        "--metrics.log_freq",
-        "1",
-        "--training.mixed_precision_param",
-        "float32",
-    )
+    same = ["--training.steps", "3", "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32"]
+    frozen = train(short_config(tmp_path, *same), FrozenTrainer)
+    normal = short_run(tmp_path / "b", *same)
     assert len(calls) == 3
     assert frozen[0]["loss"] == normal[0]["loss"]  # the same first step
     assert frozen[2]["loss"] != normal[2]["loss"]  # but no learning afterwards
@@ -248,34 +223,19 @@ def poisoned_trainer(steps: set[int]):
 
 
 def nan_run_config(tmp_path, *extra):
-    return load_config(
-        [
-            "--job.config_file",
-            str(REPO / "train_configs" / "debug_model.toml"),
-            "--model.tokenizer_path",
-            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "6",
-            "--metrics.log_freq",
-            "5",
-            "--metrics.device_peak_tflops",
-            "1",
-            "--training.mixed_precision_param",
-            "float32",
-            "--lr_scheduler.warmup_steps",
-            "2",
-            "--checkpoint.enable_checkpoint",
-            "--checkpoint.interval",
-            "1",
-            "--checkpoint.no-last_save_model_only",
-            *extra,
-        ]
+    return short_config(
+        tmp_path,
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "5",
+        "--training.mixed_precision_param",
+        "float32",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.no-last_save_model_only",
+        *extra,
     )
 
 
@@ -356,29 +316,7 @@ def test_data_wait_is_measured_per_step(tmp_path):
 
             return Slow()
 
-    cfg = load_config(
-        [
-            "--job.config_file",
-            str(REPO / "train_configs" / "debug_model.toml"),
-            "--model.tokenizer_path",
-            str(REPO / "assets" / "tokenizer" / "python_stdlib_4k.model"),
-            "--job.dump_folder",
-            str(tmp_path / "slow"),
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "4",
-            "--lr_scheduler.warmup_steps",
-            "2",
-            "--metrics.log_freq",
-            "2",
-            "--metrics.device_peak_tflops",
-            "1",
-        ]
-    )
-    slow = train(cfg, SlowData)
+    slow = train(short_config(tmp_path / "slow"), SlowData)
     # Documents tokenized by a worker process: the same batches, so the same losses.
     normal = short_run(tmp_path / "normal", "--training.data_workers", "1")
     assert [r["step"] for r in slow] == [1, 2, 4]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON_DIR, REPO, TINY, free_port, read_metrics, start_lighthouse, train_in_process
+from helpers.launch import free_port, read_metrics, start_lighthouse, train_in_process
+from helpers.paths import PYTHON_DIR, REPO, TINY
 
 FT = ["--fault_tolerance.enabled", "--fault_tolerance.group_count", "2"]
 

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import PYTHON_DIR, REPO, TINY, launch, processes_naming, read_metrics, start_lighthouse
+from helpers.launch import launch, processes_naming, read_metrics, start_lighthouse
+from helpers.paths import PYTHON_DIR, REPO, TINY
 
 STEPS = 4
 FT = ["--fault_tolerance.enabled", "--fault_tolerance.group_count", "2"]

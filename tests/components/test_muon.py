@@ -18,7 +18,8 @@ from torchtitan.components.optimizer import OptimizerGroup, build_optimizer, che
 from torchtitan.config import LRScheduler, Optimizer, UserError, load_config
 from torchtitan.models.registry import get_model_spec
 
-from conftest import RECIPE, REPO, run_script
+from helpers.launch import run_script
+from helpers.paths import RECIPE, REPO
 
 
 @pytest.mark.parametrize("shape", [(16, 48), (48, 16), (24, 24)])

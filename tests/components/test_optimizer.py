@@ -55,7 +55,7 @@ from torchtitan.components.optimizer import OptimizerGroup, check_param_groups  
 from torchtitan.config import LRScheduler, UserError, load_config  # noqa: E402
 from torchtitan.config.entries import parse_param_groups  # noqa: E402
 
-from conftest import RECIPE, REPO  # noqa: E402
+from helpers.paths import RECIPE, REPO  # noqa: E402
 
 
 class Block(nn.Module):

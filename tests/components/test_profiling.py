@@ -8,7 +8,7 @@ from torchtitan.config import UserError, load_config
 from torchtitan.preflight import preflight
 from torchtitan.train import train
 
-from conftest import RECIPE, REPO
+from helpers.paths import RECIPE, REPO
 
 
 def short_run(tmp_path, *overrides, steps=4):

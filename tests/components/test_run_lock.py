@@ -12,7 +12,7 @@ import time
 from torchtitan.components import run_lock
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
 
-from conftest import REPO, TINY
+from helpers.paths import REPO, TINY
 
 TRAIN = [
     sys.executable,

@@ -17,7 +17,9 @@ from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokenizer, detect, llama3_special_tokens
 from torchtitan.config.errors import UserError
 
-from conftest import BPE_SIZE, MODEL, REPO, SPECIALS, load_script, stdlib_texts, write_ranks
+from helpers.launch import load_script
+from helpers.paths import MODEL, REPO
+from helpers.tokenizer_files import BPE_SIZE, SPECIALS, stdlib_texts, write_ranks
 
 UNICODE = "  leading\n\tclass X:\n        pass   \n\n\n  x = 'é 中文 😀 Ünïcödé'\r\n123456789 trailing  "
 
@@ -532,7 +534,9 @@ def test_fetch_writes_a_loadable_folder(fetch, hf_folder, tiktoken_file, tmp_pat
 # ---- end to end ----------------------------------------------------------------------------------
 
 
-def test_training_runs_with_a_hugging_face_folder(hf_folder, tmp_path, caplog):
+def two_steps_with(tokenizer_path, tmp_path, caplog) -> list[dict]:
+    """The metrics records of 2 steps of the debug model (fp32) with the tokenizer at `tokenizer_path`, its
+    torchtitan log lines in `caplog`."""
     from torchtitan.config import load_config
     from torchtitan.train import train
 
@@ -541,7 +545,7 @@ def test_training_runs_with_a_hugging_face_folder(hf_folder, tmp_path, caplog):
             "--job.config_file",
             str(REPO / "train_configs" / "debug_model.toml"),
             "--model.tokenizer_path",
-            str(hf_folder),
+            str(tokenizer_path),
             "--job.dump_folder",
             str(tmp_path),
             "--training.seq_len",
@@ -562,42 +566,17 @@ def test_training_runs_with_a_hugging_face_folder(hf_folder, tmp_path, caplog):
         ]
     )
     with caplog.at_level(logging.INFO, logger="torchtitan"):
-        history = train(cfg)
+        return train(cfg)
+
+
+def test_training_runs_with_a_hugging_face_folder(hf_folder, tmp_path, caplog):
+    history = two_steps_with(hf_folder, tmp_path, caplog)
     assert [r["step"] for r in history] == [1, 2]
     assert history[0]["loss"] == pytest.approx(math.log(704), abs=1.0)  # about ln(vocabulary) at init, not ln(4096)
     assert "vocab 704: the huggingface tokenizer's 654 tokens padded to a multiple of 64" in caplog.text
 
 
 def test_training_runs_with_a_folder_whose_config_appends_tokens(appended_folder, tmp_path, caplog):
-    from torchtitan.config import load_config
-    from torchtitan.train import train
-
-    cfg = load_config(
-        [
-            "--job.config_file",
-            str(REPO / "train_configs" / "debug_model.toml"),
-            "--model.tokenizer_path",
-            str(appended_folder),
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "2",
-            "--lr_scheduler.warmup_steps",
-            "1",
-            "--metrics.log_freq",
-            "1",
-            "--metrics.device_peak_tflops",
-            "1",
-            "--metrics.no-enable_tensorboard",
-            "--training.mixed_precision_param",
-            "float32",
-        ]
-    )
-    with caplog.at_level(logging.INFO, logger="torchtitan"):
-        history = train(cfg)
+    history = two_steps_with(appended_folder, tmp_path, caplog)
     assert [r["step"] for r in history] == [1, 2] and all(math.isfinite(r["loss"]) for r in history)
     assert "vocab 704: the huggingface tokenizer's 657 tokens padded to a multiple of 64" in caplog.text

@@ -11,7 +11,9 @@ from torchtitan.components.tokenizer import HF, SENTENCEPIECE, TIKTOKEN, Tokeniz
 from torchtitan.components.tokenizer_export import export_tokenizer
 from torchtitan.config.errors import UserError
 
-from conftest import MODEL, REPO, load_script, stdlib_texts
+from helpers.launch import load_script
+from helpers.paths import MODEL, REPO
+from helpers.tokenizer_files import stdlib_texts
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,8 @@ from torchtitan.config.training_sections import Validation
 from torchtitan.models.registry import get_model_spec
 from torchtitan.train import main
 
-from conftest import MODEL, RECIPE, REPO, CharTokenizer
+from helpers.data import CharTokenizer
+from helpers.paths import MODEL, RECIPE, REPO
 
 
 def write_jsonl(path, docs):

@@ -19,7 +19,8 @@ from torchtitan.components import watchdog
 from torchtitan.components.watchdog import STALL_EXIT, Watchdog, persistent_straggler, ratios
 from torchtitan.config import UserError, load_config
 
-from conftest import TINY, processes_naming, worker_pids
+from helpers.launch import processes_naming, worker_pids
+from helpers.paths import TINY
 
 # --- the decision ------------------------------------------------------------------------------------
 

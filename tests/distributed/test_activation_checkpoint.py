@@ -14,7 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.registry import get_model_spec
 
-from conftest import llama3_and_batch, materialized
+from helpers.tiny_models import llama3_and_batch, materialized
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
 Transformer = SPEC.model_cls

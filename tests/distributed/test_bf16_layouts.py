@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from conftest import launch, train_in_process
+from helpers.launch import launch, train_in_process
 
 # Sequences of 32 tokens (TINY's 64 halved): bf16 matmuls are tens of times slower than float32 ones on a CPU
 # without native bf16, and the dtype paths under test do not depend on the length.

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch
+from helpers.launch import launch
+from helpers.paths import REPO, TINY
 
 pytestmark = pytest.mark.slow
 

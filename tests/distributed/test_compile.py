@@ -19,7 +19,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.models.registry import get_model_spec
 
-from conftest import llama3_and_batch, materialized
+from helpers.tiny_models import llama3_and_batch, materialized
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
 Transformer = SPEC.model_cls

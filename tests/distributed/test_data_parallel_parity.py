@@ -63,7 +63,9 @@ import torch
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 
-from conftest import FP32_TOL, PP2, REPO, SAVE3, TINY, launch, losses, mixture_corpus, short_documents_corpus
+from helpers.data import mixture_corpus, short_documents_corpus
+from helpers.launch import FP32_TOL, PP2, SAVE3, launch, losses
+from helpers.paths import REPO, TINY
 
 pytestmark = pytest.mark.slow
 

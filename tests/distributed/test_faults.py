@@ -23,7 +23,8 @@ import pytest
 
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
 
-from conftest import REPO, TINY, processes_naming, read_metrics, worker_pids
+from helpers.launch import processes_naming, read_metrics, worker_pids
+from helpers.paths import REPO, TINY
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ import dataclasses
 
 import pytest
 
-from conftest import launch, losses
+from helpers.launch import launch, losses
 
 # Llama 3 of width 64 (4 heads of 16), 2 layers, feed-forward width 256 (the debug model's multiple_of):
 # every block Linear is 64 x 64 or 64 x 256, and 32 or 128 wide per TP 2 shard, all multiples of 16 as

@@ -40,7 +40,8 @@ from torchtitan.models.common.hf_conversion import FUSED_DOWN, FUSED_GATE_UP
 from torchtitan.models.common.rotary import RopeScaling
 from torchtitan.models.registry import get_model_spec
 
-from conftest import MODEL, REPO, TINY, launch, run_script
+from helpers.launch import launch, run_script
+from helpers.paths import MODEL, REPO, TINY
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +164,7 @@ def mxfp4_folder(path, family: str, flavor: str, changes: dict):
     from safetensors.torch import load_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from conftest import gpt_oss_mxfp4_folder
+    from helpers.hf import gpt_oss_mxfp4_folder
 
     spec = get_model_spec(family)
     args = dataclasses.replace(spec.args_for_training(flavor, 4096, 64), **changes)

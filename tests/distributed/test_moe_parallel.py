@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, run_script
+from helpers.launch import run_script
+from helpers.paths import TINY
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ so every layout trains the same groups:
 
 import pytest
 
-from conftest import FP32_TOL, PP2, SAVE3, launch
+from helpers.launch import FP32_TOL, PP2, SAVE3, launch
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FP32_TOL
+from helpers.launch import FP32_TOL
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from torchtitan.models.common.attention import (
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized
+from helpers.tiny_models import materialized
 
 EOS = 2
 # Eager FlexAttention: its forward runs on CPU (torch 2.13 has no CPU backward, so training uses the others).

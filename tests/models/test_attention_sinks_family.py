@@ -101,7 +101,7 @@ FAMILY = ["--experimental.custom_import", THIS_FILE, "--model.name", "llama3_sin
 
 
 def tiny_model(seed: int = 0) -> SinkTransformer:
-    from conftest import materialized
+    from helpers.tiny_models import materialized
 
     return materialized(SinkTransformer, SPEC.args_for_training("debugmodel", 4096, 64), seed).eval()
 
@@ -132,7 +132,8 @@ def test_kv_cache_generation_equals_the_full_forward():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from conftest import launch, short_documents_corpus
+    from helpers.data import short_documents_corpus
+    from helpers.launch import launch
 
     tmp = tmp_path_factory.mktemp("sinks")
     # Several short documents per window, each seeing only itself: the block-causal mask at work.
@@ -190,7 +191,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "cp2"])
 def test_parallel_layouts_match_one_process(runs, layout):
-    from conftest import losses
+    from helpers.launch import losses
 
     ref, got = losses(runs["single"]), losses(runs[layout])
     assert len(got) == len(ref) == 6
@@ -199,7 +200,7 @@ def test_parallel_layouts_match_one_process(runs, layout):
 
 @pytest.mark.slow
 def test_the_sinks_are_trained_and_change_the_losses(runs):
-    from conftest import losses
+    from helpers.launch import losses
 
     # Every other parameter is initialized by its name, as Llama 3's: the sinks alone set them apart.
     ref, plain = losses(runs["single"]), losses(runs["llama3"])

@@ -180,7 +180,7 @@ def first3(tmp, src, dst):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from conftest import launch
+    from helpers.launch import launch
 
     tmp = tmp_path_factory.mktemp("custom_family")
     results = launch({"single": BASE + ["--training.local_batch_size", "8"]}, 1, tmp)
@@ -205,7 +205,7 @@ def runs(tmp_path_factory):
 
 
 def test_the_family_learns(runs):
-    from conftest import losses
+    from helpers.launch import losses
 
     ref = losses(runs[1]["single"])
     assert len(ref) == 6 and ref[-1] < ref[0] - 0.3
@@ -213,7 +213,7 @@ def test_the_family_learns(runs):
 
 @pytest.mark.parametrize("name", ["fsdp2", "tp2"])
 def test_parallel_layouts_match_one_process(runs, name):
-    from conftest import losses
+    from helpers.launch import losses
 
     diffs = [abs(a - b) for a, b in zip(losses(runs[1]["single"]), losses(runs[1][name]))]
     assert len(diffs) == 6 and max(diffs) < 1e-5, diffs
@@ -223,7 +223,7 @@ def test_parallel_layouts_match_one_process(runs, name):
     "straight, resumed", [("fsdp2", "fsdp2_resumed"), ("tp2", "tp2_resumed"), ("fsdp2", "fsdp2_to_tp2")]
 )
 def test_checkpoint_resume_continues_the_run(runs, straight, resumed):
-    from conftest import losses
+    from helpers.launch import losses
 
     got = runs[1][resumed]
     assert [r["step"] for r in got] == [4, 5, 6]

@@ -187,7 +187,7 @@ BASE = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from conftest import launch
+    from helpers.launch import launch
 
     tmp = tmp_path_factory.mktemp("custom_moe_family")
     results = launch({"single": BASE + ["--training.local_batch_size", "8"]}, 1, tmp)
@@ -214,7 +214,7 @@ def runs(tmp_path_factory):
 
 
 def test_the_family_learns(runs):
-    from conftest import losses
+    from helpers.launch import losses
 
     ref = losses(runs["single"])
     assert len(ref) == 6 and ref[-1] < ref[0] - 0.2
@@ -222,7 +222,7 @@ def test_the_family_learns(runs):
 
 @pytest.mark.parametrize("name", ["ep2", "cp2", "cp2_alltoall"])
 def test_parallel_layouts_match_one_process(runs, name):
-    from conftest import losses
+    from helpers.launch import losses
 
     diffs = [abs(a - b) for a, b in zip(losses(runs["single"]), losses(runs[name]))]
     assert len(diffs) == 6 and max(diffs) < 1e-5, diffs

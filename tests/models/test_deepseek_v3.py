@@ -10,7 +10,7 @@ from torchtitan.config import UserError
 from torchtitan.models.common.rotary import YarnScaling, yarn_frequencies, yarn_softmax_factor
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized
+from helpers.tiny_models import materialized
 
 SPEC = get_model_spec("deepseek_v3")
 
@@ -117,7 +117,7 @@ def test_a_flavor_with_impossible_groups_is_refused_before_launch(monkeypatch, m
     registry.register_flavor(
         "deepseek_v3", "bad_groups", dataclasses.replace(base, moe=dataclasses.replace(base.moe, **moe))
     )
-    from conftest import REPO
+    from helpers.paths import REPO
 
     cfg = load_config(
         [
@@ -224,7 +224,7 @@ def test_mtp_is_refused_below_0_and_for_families_without_it():
     from torchtitan.config import load_config
     from torchtitan.preflight import preflight
 
-    from conftest import REPO
+    from helpers.paths import REPO
 
     def cfg(*extra):
         return load_config(
@@ -332,7 +332,7 @@ def test_mtp_deeper_than_the_window_is_refused_before_launch(tmp_path):
     from torchtitan.config import load_config
     from torchtitan.preflight import preflight
 
-    from conftest import REPO
+    from helpers.paths import REPO
 
     argv = [
         "--job.config_file",
@@ -379,7 +379,7 @@ def test_mtp_deeper_than_the_window_is_refused_before_launch(tmp_path):
 
 
 def test_mtp_as_deep_as_the_window_trains_and_validates_on_shorter_windows(tmp_path):
-    from conftest import train_in_process
+    from helpers.launch import train_in_process
 
     history = train_in_process(
         tmp_path,

@@ -435,7 +435,7 @@ def test_mxfp4_import_equals_transformers_dequantization(tmp_path):
 
     from torchtitan.components.checkpoint import load_hf
 
-    from conftest import gpt_oss_mxfp4_folder
+    from helpers.hf import gpt_oss_mxfp4_folder
 
     args = small_args(dim=64, moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=64, load_balance_coeff=None))
     quantized = gpt_oss_mxfp4_folder(tmp_path / "mxfp4", args)
@@ -471,7 +471,7 @@ def test_mxfp4_scales_that_do_not_match_the_blocks_are_refused_before_launch(tmp
     import sys
     from pathlib import Path
 
-    from conftest import gpt_oss_mxfp4_folder
+    from helpers.hf import gpt_oss_mxfp4_folder
 
     spec = get_model_spec("gpt_oss")
     folder = tmp_path / "bad"

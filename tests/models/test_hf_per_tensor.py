@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torchtitan.config.errors import UserError
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized
+from helpers.tiny_models import materialized
 
 CASES = [
     ("llama3", "debugmodel"),

@@ -6,7 +6,7 @@ from torchtitan.models.llama3.args import ModelArgs, flavors
 from torchtitan.models.llama3.model import Transformer, flops_per_token, model_size
 from torchtitan.models.registry import get_model_args, get_model_spec
 
-from conftest import materialized, meta_model
+from helpers.tiny_models import materialized, meta_model
 
 
 # Published totals (Llama 3.1 model card: 8.03B, 70.55B, 405.85B with the 128,256-token vocabulary).

@@ -14,7 +14,7 @@ from torchtitan.models.qwen3.model import Transformer, flops_per_token, model_si
 from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized, meta_model
+from helpers.tiny_models import materialized, meta_model
 
 VOCAB = 151936
 

@@ -1,7 +1,8 @@
 """Qwen3.5 (dense): the layer pattern is transformers' layer_types; the published size's parameter
 count equals transformers' Qwen3_5ForCausalLM of the same config; under block-causal masks a
 document's outputs do not depend on the documents before it (the DeltaNet state and conv window
-reset, the attention masked); bad settings are refused before launch."""
+reset, the attention masked); bad settings are refused before launch; a transformers checkpoint of
+the dense and of the MoE flavor imports to transformers' logits and our export loads back in transformers."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -22,12 +23,10 @@ def dims(cp=1, tp=1, ep=1):
 
 
 def hf_text_config(args, **extra):
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(
+    """transformers' text config of our `args`: Qwen3_5TextConfig, or Qwen3_5MoeTextConfig for an MoE flavor."""
+    common = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
-        intermediate_size=args.hidden_dim,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
@@ -46,6 +45,19 @@ def hf_text_config(args, **extra):
             "partial_rotary_factor": args.partial_rotary_factor,
         },
         tie_word_embeddings=args.tie_word_embeddings,
+    )
+    if args.moe is None:
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(intermediate_size=args.hidden_dim, **common, **extra)
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        num_experts=args.moe.num_experts,
+        num_experts_per_tok=args.moe.top_k,
+        moe_intermediate_size=args.moe.hidden_dim,
+        shared_expert_intermediate_size=args.moe.shared_width,
+        **common,
         **extra,
     )
 
@@ -120,44 +132,68 @@ def test_tp_must_divide_the_deltanet_heads():
 
 
 def _random_hf_model(args, seed=0):
-    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5")
+    """A random Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM for an MoE flavor) of `args`, in fp32."""
+    if args.moe is None:
+        model_cls = pytest.importorskip("transformers.models.qwen3_5").Qwen3_5ForCausalLM
+    else:
+        model_cls = pytest.importorskip("transformers.models.qwen3_5_moe").Qwen3_5MoeForCausalLM
     torch.manual_seed(seed)
-    model = qwen3_5.Qwen3_5ForCausalLM(hf_text_config(args)).float().eval()
+    model = model_cls(hf_text_config(args)).float().eval()
     with torch.no_grad():  # every tensor away from its init (zero-centered norms at 0, dt_bias at 1)
-        for _name, p in model.named_parameters():
+        for p in model.parameters():
             p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
     return model
 
 
-def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path):
-    from safetensors.torch import load_file
-
-    args = dataclasses.replace(DEBUG, vocab_size=512, max_seq_len=80, delta_chunk=32)
-    theirs = _random_hf_model(args)
-    theirs.save_pretrained(tmp_path, safe_serialization=True)
-    hf_sd = {}
-    for f in tmp_path.glob("*.safetensors"):
-        hf_sd.update(load_file(f))
+@pytest.mark.parametrize(
+    "flavor, hub_key",
+    [
+        ("debugmodel", "model.layers.0.mlp.gate_proj.weight"),
+        ("debugmodel_moe", "model.layers.0.mlp.experts.7.gate_proj.weight"),  # one tensor per expert
+    ],
+    ids=["dense", "moe"],
+)
+def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path, flavor, hub_key):
+    """A random Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM for the MoE flavor) saved by transformers and its
+    in-memory state dict (the MoE's experts fused) both import to our logits within 1e-4; our export loads
+    in a fresh transformers model (strict: every tensor, no other) with the same logits; the config round
+    trips."""
     import json
 
-    assert SPEC.hf.args_from_config(json.loads((tmp_path / "config.json").read_text())) == dataclasses.replace(
-        args, delta_chunk=64
-    )
-    ours = SPEC.model_cls(args)
-    ours.init_weights(seed=0)
-    ours.load_state_dict(SPEC.hf.from_hf(hf_sd, args))
+    from safetensors.torch import load_file, save_file
+
+    args = dataclasses.replace(SPEC.flavors[flavor], vocab_size=512, max_seq_len=80, delta_chunk=32)
+    theirs = _random_hf_model(args)
+    theirs.save_pretrained(tmp_path, safe_serialization=True)
+    hub = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert hub_key in hub
+    read = SPEC.hf.args_from_config(json.loads((tmp_path / "config.json").read_text()))
+    moe_read = {} if args.moe is None else {"moe": dataclasses.replace(args.moe, load_balance_coeff=1e-3)}
+    assert read == dataclasses.replace(args, delta_chunk=64, **moe_read)
     tokens = torch.randint(0, args.vocab_size, (2, 80), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = theirs(tokens).logits
-        got = ours(tokens)
-    assert (got - expected).abs().max() < 1e-4
-    # Export: a fresh transformers model loaded from ours alone gives the same logits.
-    back = _random_hf_model(args, seed=1)
-    back.load_state_dict(SPEC.hf.to_hf(ours.state_dict(), args), strict=True)  # every tensor, no other
+    for hf_sd in (hub, theirs.state_dict()):
+        ours = SPEC.model_cls(args)
+        ours.init_weights(seed=0)
+        ours.load_state_dict(SPEC.hf.from_hf(hf_sd, args))
+        with torch.no_grad():
+            got = ours(tokens)
+        assert (got - expected).abs().max() < 1e-4
+    # Export: our tensors (the hub layout) and config.json load in transformers with no missing or unexpected
+    # key and give our logits.
+    folder = tmp_path / "ours"
+    folder.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in SPEC.hf.to_hf(ours.state_dict(), args).items()},
+        str(folder / "model.safetensors"),
+    )
+    (folder / "config.json").write_text(json.dumps(SPEC.hf.config(args)))
+    back, info = type(theirs).from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info
     with torch.no_grad():
-        assert (back(tokens).logits - got).abs().max() < 1e-4
-    # Config round trip.
-    assert SPEC.hf.args_from_config(SPEC.hf.config(args)) == dataclasses.replace(args, delta_chunk=64)
+        assert (back.float().eval()(tokens).logits - got).abs().max() < 1e-4
+    assert SPEC.hf.args_from_config(SPEC.hf.config(args)) == read
 
 
 def test_context_parallel_that_splits_a_deltanet_head_is_refused_before_launch_with_exit_2(tmp_path):
@@ -165,7 +201,7 @@ def test_context_parallel_that_splits_a_deltanet_head_is_refused_before_launch_w
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers.paths import REPO
 
     # Checked before any process starts: 8 "processes" (TP 2 x CP 4) on this 2-core host start none.
     env = dict(os.environ, NGPU="8", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -200,7 +236,7 @@ def test_the_planner_and_memory_estimation_estimate_the_family():
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers.paths import REPO
 
     config = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "qwen3_5"]
     done = subprocess.run(
@@ -244,7 +280,7 @@ def test_a_folder_with_the_vision_tower_only_is_refused_before_launch(tmp_path):
     from torchtitan.config import UserError
     from torchtitan.preflight import model_args_for_run
 
-    from conftest import debug_config
+    from helpers.launch import debug_config
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -310,7 +346,7 @@ def test_the_fla_kernel_is_refused_where_it_cannot_run():
     import subprocess
     import sys
 
-    from conftest import REPO, TINY
+    from helpers.paths import REPO, TINY
 
     env = dict(os.environ, NGPU="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
 

@@ -1,7 +1,8 @@
 """Qwen3.5-MoE (the qwen3_5 family's MoE flavors): the published size's parameter count equals
 transformers' Qwen3_5MoeForCausalLM of Qwen3_5MoeTextConfig(); the common MoE block with a shared
 expert of its own width and a sigmoid shared gate computes transformers' Qwen3_5MoeSparseMoeBlock;
-bad settings are refused before launch."""
+bad settings are refused before launch. Its Hugging Face round trip is tests/models/test_qwen3_5.py's,
+parametrized over the dense and MoE flavors."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -131,98 +132,6 @@ def test_refused_before_launch(change, dims_, says):
         SPEC.validate(dataclasses.replace(DEBUG, **change), dims_)
 
 
-def hf_moe_config(args):
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
-
-    return Qwen3_5MoeTextConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        linear_num_key_heads=args.linear_num_key_heads,
-        linear_num_value_heads=args.linear_num_value_heads,
-        linear_key_head_dim=args.linear_key_head_dim,
-        linear_value_head_dim=args.linear_value_head_dim,
-        linear_conv_kernel_dim=args.conv_kernel,
-        full_attention_interval=args.full_attention_interval,
-        rms_norm_eps=args.norm_eps,
-        max_position_embeddings=args.max_seq_len,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": args.rope_theta,
-            "partial_rotary_factor": args.partial_rotary_factor,
-        },
-        num_experts=args.moe.num_experts,
-        num_experts_per_tok=args.moe.top_k,
-        moe_intermediate_size=args.moe.hidden_dim,
-        shared_expert_intermediate_size=args.moe.shared_width,
-        tie_word_embeddings=args.tie_word_embeddings,
-    )
-
-
-def _random_hf_model(args, seed=0):
-    qwen3_5_moe = pytest.importorskip("transformers.models.qwen3_5_moe")
-    torch.manual_seed(seed)
-    model = qwen3_5_moe.Qwen3_5MoeForCausalLM(hf_moe_config(args)).float().eval()
-    with torch.no_grad():  # every tensor away from its init (zero-centered norms at 0, dt_bias at 1)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
-    return model
-
-
-def _folder_state_dict(folder):
-    from safetensors.torch import load_file
-
-    sd = {}
-    for f in folder.glob("*.safetensors"):
-        sd.update(load_file(f))
-    return sd
-
-
-def test_transformers_weights_give_transformers_logits_and_export_back(tmp_path):
-    """A random Qwen3_5MoeForCausalLM saved by transformers (one tensor per expert) and its in-memory
-    state dict (fused experts) both import to our logits within 1e-4; our export loads in a fresh
-    transformers model (strict: every tensor, no other) with the same logits; the config round trips."""
-    import json
-
-    args = dataclasses.replace(DEBUG, vocab_size=512, max_seq_len=80, delta_chunk=32)
-    theirs = _random_hf_model(args)
-    theirs.save_pretrained(tmp_path, safe_serialization=True)
-    hub = _folder_state_dict(tmp_path)
-    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in hub
-    read = SPEC.hf.args_from_config(json.loads((tmp_path / "config.json").read_text()))
-    assert read == dataclasses.replace(args, delta_chunk=64, moe=dataclasses.replace(args.moe, load_balance_coeff=1e-3))
-    tokens = torch.randint(0, args.vocab_size, (2, 80), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = theirs(tokens).logits
-    for hf_sd in (hub, theirs.state_dict()):
-        ours = SPEC.model_cls(args)
-        ours.init_weights(seed=0)
-        ours.load_state_dict(SPEC.hf.from_hf(hf_sd, args))
-        with torch.no_grad():
-            got = ours(tokens)
-        assert (got - expected).abs().max() < 1e-4
-    # Export: our tensors (the hub layout, one per expert) and config.json load in transformers with no
-    # missing or unexpected key and give our logits.
-    from safetensors.torch import save_file
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-
-    folder = tmp_path / "ours"
-    folder.mkdir()
-    save_file(
-        {k: v.contiguous() for k, v in SPEC.hf.to_hf(ours.state_dict(), args).items()},
-        str(folder / "model.safetensors"),
-    )
-    (folder / "config.json").write_text(json.dumps(SPEC.hf.config(args)))
-    back, info = Qwen3_5MoeForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not any(info.values()), info
-    with torch.no_grad():
-        assert (back.float().eval()(tokens).logits - got).abs().max() < 1e-4
-    assert SPEC.hf.args_from_config(SPEC.hf.config(args)) == read
-
-
 def test_export_of_a_routing_transformers_cannot_compute_is_refused():
     args = dataclasses.replace(DEBUG, moe=dataclasses.replace(DEBUG.moe, route_norm=False))
     with pytest.raises(UserError, match="route_norm = False"):
@@ -236,7 +145,7 @@ def test_the_planner_ranks_expert_parallel_layouts_of_the_moe_flavor():
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers.paths import REPO
 
     config = [
         "--job.config_file",

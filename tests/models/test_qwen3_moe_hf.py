@@ -17,7 +17,7 @@ from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
 from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized
+from helpers.tiny_models import materialized
 
 SPEC = get_model_spec("qwen3")
 E, TOP_K, HIDDEN, DIM = 4, 2, 32, 64

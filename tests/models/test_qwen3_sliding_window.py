@@ -15,7 +15,7 @@ from torchtitan.models.qwen3.hf_config import args_from_hf_config, hf_config
 from torchtitan.models.qwen3.model import Transformer
 from torchtitan.models.qwen3.state_dict_adapter import from_hf, to_hf
 
-from conftest import materialized
+from helpers.tiny_models import materialized
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,6 +66,22 @@ def ours_from(hf, args: ModelArgs) -> Transformer:
     return model.eval()
 
 
+def windowed_args(**change) -> ModelArgs:
+    """Our args of TINY's shape whose layers FIRST_SLIDING and later slide by WINDOW, with `change`."""
+    base = dict(
+        dim=64,
+        n_layers=LAYERS,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=96,
+        vocab_size=VOCAB,
+        sliding_window=WINDOW,
+        max_window_layers=FIRST_SLIDING,
+    )
+    return ModelArgs(**{**base, **change})
+
+
 def tokens(batch: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -105,19 +121,7 @@ def test_transformers_loads_our_windowed_export(tmp_path):
 
     from safetensors.torch import save_file
 
-    args = ModelArgs(
-        dim=64,
-        n_layers=LAYERS,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        hidden_dim=96,
-        vocab_size=VOCAB,
-        max_seq_len=64,
-        rope_theta=10000.0,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-    )
+    args = windowed_args(max_seq_len=64, rope_theta=10000.0, max_window_layers=1)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -136,17 +140,7 @@ def test_transformers_loads_our_windowed_export(tmp_path):
 
 
 def test_config_round_trip_and_what_transformers_builds_from_it():
-    args = ModelArgs(
-        dim=64,
-        n_layers=LAYERS,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        hidden_dim=96,
-        vocab_size=VOCAB,
-        sliding_window=WINDOW,
-        max_window_layers=FIRST_SLIDING,
-    )
+    args = windowed_args()
     written = hf_config(args)
     assert (written["use_sliding_window"], written["sliding_window"], written["max_window_layers"]) == (
         True,
@@ -183,21 +177,7 @@ def test_config_round_trip_and_what_transformers_builds_from_it():
     ],
 )
 def test_hf_window_fields_import_as_transformers_reads_them(change, window, first_sliding):
-    config = {
-        **hf_config(
-            ModelArgs(
-                dim=64,
-                n_layers=LAYERS,
-                n_heads=4,
-                n_kv_heads=2,
-                head_dim=16,
-                hidden_dim=96,
-                vocab_size=VOCAB,
-                sliding_window=WINDOW,
-                max_window_layers=FIRST_SLIDING,
-            )
-        )
-    }
+    config = {**hf_config(windowed_args())}
     change = dict(change)
     drop = change.pop("_drop", None)
     config.update(change)
@@ -231,19 +211,7 @@ def test_hf_window_fields_import_as_transformers_reads_them(change, window, firs
     ],
 )
 def test_inexpressible_window_configs_are_user_errors(change, message):
-    config = hf_config(
-        ModelArgs(
-            dim=64,
-            n_layers=LAYERS,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=16,
-            hidden_dim=96,
-            vocab_size=VOCAB,
-            sliding_window=WINDOW,
-            max_window_layers=FIRST_SLIDING,
-        )
-    )
+    config = hf_config(windowed_args())
     with pytest.raises(UserError, match=message):
         args_from_hf_config({**config, **change})
 

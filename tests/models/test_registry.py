@@ -22,7 +22,8 @@ from torchtitan.models.registry import (
     register_model,
 )
 
-from conftest import REPO, TINY, debug_config, read_metrics
+from helpers.launch import debug_config, read_metrics
+from helpers.paths import REPO, TINY
 
 # The docs/models.md example: a llama3 small enough to train in seconds on a CPU.
 MY_FLAVORS = """\

@@ -10,7 +10,7 @@ from torchtitan.models.llama3.args import ModelArgs, flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config, from_hf, hf_config, to_hf
 
-from conftest import materialized, small_llama3_args
+from helpers.tiny_models import materialized, small_llama3_args
 
 
 def state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:

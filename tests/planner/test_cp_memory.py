@@ -10,7 +10,7 @@ from torchtitan.config import load_config
 from torchtitan.planner.memory import GiB, cp_attention_bytes
 from torchtitan.planner.plan import candidates, estimate_config, plan, planning_of
 
-from conftest import REPO
+from helpers.paths import REPO
 
 DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--training.compile", "false"]
 GATHERED = ["--parallelism.context_parallel_rotate_method", "allgather"]

@@ -28,7 +28,8 @@ from torchtitan.planner.memory import estimate_memory, param_shards
 from torchtitan.planner.plan import estimate_config, planning_of
 from torchtitan.planner.simulate import simulate
 
-from conftest import REPO, load_script
+from helpers.launch import load_script
+from helpers.paths import REPO
 
 PLAN = REPO / "scripts" / "plan.py"
 DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import MODEL, REPO, load_script
+from helpers.launch import load_script
+from helpers.paths import MODEL, REPO
 
 SCRIPT = REPO / "scripts" / "benchmark.py"
 TINY = [

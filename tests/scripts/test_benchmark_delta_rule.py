@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers.paths import REPO
 
 SCRIPT = REPO / "scripts" / "benchmark_delta_rule.py"
 

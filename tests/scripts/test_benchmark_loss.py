@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers.paths import REPO
 
 pytestmark = pytest.mark.slow  # a process per case (each imports torch): about 30 s on a quiet 2-core host
 

@@ -15,11 +15,13 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import load_hf, meta_shapes, read_dcp_model
 from torchtitan.models.registry import get_model_spec
 
+from helpers.tiny_models import small_llama3_args, small_qwen3_5_args
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
 SPEC = get_model_spec("llama3")
 Transformer = SPEC.model_cls
-ARGS = SPEC.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64)
+ARGS = small_llama3_args()
 QWEN = get_model_spec("qwen3")
 QWEN_TIED = QWEN.args_cls(
     dim=64,
@@ -96,22 +98,7 @@ def test_qwen3_tied_to_transformers_and_back(tmp_path):
 
 
 QWEN3_5 = get_model_spec("qwen3_5")
-# DeltaNet, attention, DeltaNet, attention.
-QWEN3_5_SMALL = QWEN3_5.args_cls(
-    dim=64,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    hidden_dim=128,
-    vocab_size=128,
-    max_seq_len=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    full_attention_interval=2,
-)
+QWEN3_5_SMALL = small_qwen3_5_args()  # DeltaNet, attention, DeltaNet, attention
 
 
 def test_from_hf_converts_a_published_qwen3_5_folder(tmp_path, script, capsys):
@@ -121,7 +108,7 @@ def test_from_hf_converts_a_published_qwen3_5_folder(tmp_path, script, capsys):
     trainer's import reads them (bit for bit) and as they were written (within the round-off of the
     norms' 1 + w form), the vision tower left out."""
     pytest.importorskip("transformers")
-    from conftest import qwen3_5_multimodal_folder
+    from helpers.hf import qwen3_5_multimodal_folder
 
     torch.manual_seed(0)
     sd = {k: v.normal_(0, 0.1) for k, v in QWEN3_5.model_cls(QWEN3_5_SMALL).state_dict().items()}

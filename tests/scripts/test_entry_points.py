@@ -13,7 +13,7 @@ import pytest
 
 from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main
 
-from conftest import REPO
+from helpers.paths import REPO
 
 SCRIPTS = REPO / "scripts"
 

@@ -17,7 +17,9 @@ from torchtitan.models.common.layers import kv_caches
 from torchtitan.models.common.moe import MoEArgs, moe_layers
 from torchtitan.models.registry import get_model_spec
 
-from conftest import MODEL, RECIPE, REPO, launch, load_script, small_llama3_args
+from helpers.launch import launch, load_script
+from helpers.paths import MODEL, RECIPE, REPO
+from helpers.tiny_models import small_llama3_args, small_qwen3_5_args
 
 SCRIPT = REPO / "scripts" / "generate.py"
 LLAMA, QWEN, QWEN3_5 = get_model_spec("llama3"), get_model_spec("qwen3"), get_model_spec("qwen3_5")
@@ -54,22 +56,7 @@ SMALL = {
     # DeltaNet, attention, DeltaNet, attention; chunks of 8, so a prompt of 10 spans two.
     "qwen3_5": (
         QWEN3_5,
-        QWEN3_5.args_cls(
-            dim=64,
-            n_layers=4,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=16,
-            hidden_dim=128,
-            vocab_size=128,
-            max_seq_len=64,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            full_attention_interval=2,
-            delta_chunk=8,
-        ),
+        small_qwen3_5_args(delta_chunk=8),
     ),
 }
 
@@ -340,7 +327,7 @@ def test_cli_generates_from_a_published_qwen3_5_folder(gen, tmp_path, capsys, ca
     into its language model and gives transformers' text logits, and the command line prints the
     continuation of the model written."""
     pytest.importorskip("transformers")
-    from conftest import qwen3_5_multimodal_folder
+    from helpers.hf import qwen3_5_multimodal_folder
 
     args = QWEN3_5.args_for_training("debugmodel", 4096, 64)  # the recipe's model under --model.name qwen3_5
     model = QWEN3_5.model_cls(args)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers.paths import REPO
 
 
 @pytest.mark.slow

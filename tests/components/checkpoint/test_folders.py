@@ -10,7 +10,8 @@ import torch
 from torchtitan.components.checkpoint import read_metadata, read_train_state
 from torchtitan.config import UserError
 
-from conftest import CHECKPOINT_ARGS, REPO, checkpoint_run
+from helpers.checkpoints import CHECKPOINT_ARGS, checkpoint_run
+from helpers.paths import REPO
 
 
 def test_keep_latest_k_and_last_save_model_only(tmp_path):

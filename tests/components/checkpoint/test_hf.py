@@ -12,7 +12,7 @@ from torchtitan.components.checkpoint import check_hf_folder, load_hf, meta_shap
 from torchtitan.config import UserError
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized, small_llama3_args
+from helpers.tiny_models import materialized, small_llama3_args
 
 # The components are model-agnostic; llama3 is the family they are exercised with here (Qwen3's
 # export is tested in tests/models/test_qwen3.py and through the trainer).

@@ -10,7 +10,8 @@ import torch
 from torchtitan.config import UserError, load_config
 from torchtitan.train import train
 
-from conftest import CHECKPOINT_ARGS, checkpoint_run, copy_step, losses, resume_from
+from helpers.checkpoints import CHECKPOINT_ARGS, checkpoint_run, copy_step, resume_from
+from helpers.launch import losses
 
 
 def test_rng_state_is_restored_by_effect(tmp_path):

@@ -12,7 +12,8 @@ import torch
 from torchtitan.components.checkpoint import complete_checkpoints
 from torchtitan.config import UserError
 
-from conftest import checkpoint_run, losses
+from helpers.checkpoints import checkpoint_run
+from helpers.launch import losses
 
 
 def test_async_saves_publish_and_resume_identically(straight, tmp_path):

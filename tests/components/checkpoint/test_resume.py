@@ -10,7 +10,8 @@ import pytest
 from torchtitan.components.checkpoint import read_metadata, verify_checkpoint
 from torchtitan.config import UserError
 
-from conftest import checkpoint_run, copy_step, losses, resume_from
+from helpers.checkpoints import checkpoint_run, copy_step, resume_from
+from helpers.launch import losses
 
 
 def test_resume_is_bit_identical(straight, tmp_path):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torchtitan.components.checkpoint import storage
 from torchtitan.config import UserError
 
-from conftest import checkpoint_run, copy_step
+from helpers.checkpoints import checkpoint_run, copy_step
 
 
 def test_checkpoint_contents(straight):

@@ -11,7 +11,7 @@ from torchtitan.components.checkpoint import read_dcp_model, write_dcp_model
 from torchtitan.config import UserError
 from torchtitan.models.registry import get_model_spec
 
-from conftest import materialized, small_llama3_args
+from helpers.tiny_models import materialized, small_llama3_args
 
 SPEC = get_model_spec("llama3")
 

@@ -8,7 +8,7 @@ import pytest
 
 from torchtitan.config.errors import UserError
 
-from conftest import make_loader, random_docs, take, write_gz, write_parquet, write_zst
+from helpers.data import make_loader, random_docs, take, write_gz, write_parquet, write_zst
 
 
 @pytest.mark.parametrize("kind", ["gz truncated", "gz not gzip", "zst truncated", "zst corrupt"])

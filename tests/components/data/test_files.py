@@ -11,7 +11,7 @@ import pytest
 
 from torchtitan.config.errors import UserError
 
-from conftest import (
+from helpers.data import (
     document_units,
     expected_stream,
     expected_windows,

@@ -24,7 +24,7 @@ from torchtitan.components.data import build_dataloader, compression
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
-from conftest import (
+from helpers.data import (
     CharTokenizer,
     document_units,
     expected_stream,

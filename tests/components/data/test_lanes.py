@@ -22,7 +22,7 @@ from torchtitan.components.data.lanes import document_ranges, lane_share
 from torchtitan.config import UserError
 from torchtitan.config.training_sections import Training
 
-from conftest import LAYOUTS, CharTokenizer, lane_streams, lane_windows, run_steps
+from helpers.data import LAYOUTS, CharTokenizer, lane_streams, lane_windows, run_steps
 
 TESTS = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def test_fewer_files_than_lanes_split_parquet_by_row_group_and_json_lines_by_byt
 RANK_SCRIPT = """
 import hashlib, json, sys
 sys.path[:0] = {paths!r}
-from conftest import CharTokenizer
+from helpers.data import CharTokenizer
 from torchtitan.components.data import build_dataloader
 from torchtitan.config.training_sections import Training
 import pyarrow.parquet, zstandard  # imported before counting: their modules are read from disk too

@@ -11,8 +11,7 @@ from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 
-from conftest import (
-    MODEL,
+from helpers.data import (
     document_units,
     json_round_trip,
     lane_position,
@@ -23,6 +22,7 @@ from conftest import (
     take,
     write_jsonl,
 )
+from helpers.paths import MODEL
 
 
 def test_state_is_plain_and_small(docs_path):

@@ -19,7 +19,7 @@ from torchtitan.config.entries import parse_mix
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
-from conftest import CHARS, framed_documents, lane_streams, mixture_corpus
+from helpers.data import CHARS, framed_documents, lane_streams, mixture_corpus
 
 ALPHABETS = ("abcdefgh ", "KLMNOPQR ", "0123456789 ")
 

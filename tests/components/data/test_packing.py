@@ -14,7 +14,8 @@ from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
-from conftest import CHARS, MODEL, expected_stream, expected_windows, lane_position, make_loader, take, write_jsonl
+from helpers.data import CHARS, expected_stream, expected_windows, lane_position, make_loader, take, write_jsonl
+from helpers.paths import MODEL
 
 
 def test_packing_frames_documents_and_cuts_consecutive_windows(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from torchtitan.components.data.shuffle import Permutation
 from torchtitan.config.errors import UserError
 
-from conftest import (
+from helpers.data import (
     LAYOUTS,
     json_round_trip,
     lane_documents,

@@ -15,9 +15,8 @@ from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
-from conftest import (
+from helpers.data import (
     CHARS,
-    MODEL,
     document_units,
     expected_windows,
     json_round_trip,
@@ -32,6 +31,7 @@ from conftest import (
     write_jsonl,
     write_parquet,
 )
+from helpers.paths import MODEL
 
 
 def test_python_stdlib_files_are_sorted_and_exclude_tests():

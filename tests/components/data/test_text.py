@@ -26,7 +26,8 @@ from torchtitan.components.data import build_dataloader, compression, sources as
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training, Validation
 
-from conftest import MODEL, CharTokenizer, make_loader, take, write_jsonl
+from helpers.data import CharTokenizer, make_loader, take, write_jsonl
+from helpers.paths import MODEL
 
 FIX = r"is it a binary file, or text in another encoding \(UTF-16, Latin-1\)\? convert it to UTF-8"
 

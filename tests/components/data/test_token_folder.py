@@ -28,7 +28,8 @@ from torchtitan.components.data.token_folder import pretokenize
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training
 
-from conftest import CHARS, MODEL, REPO, CharTokenizer, framed_documents, lane_streams, merged, random_docs
+from helpers.data import CHARS, CharTokenizer, framed_documents, lane_streams, merged, random_docs
+from helpers.paths import MODEL, REPO
 
 SCRIPT = REPO / "scripts" / "pretokenize.py"
 sys.path.insert(0, str(SCRIPT.parent))

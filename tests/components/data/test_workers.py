@@ -14,7 +14,7 @@ import pytest
 
 from torchtitan.config.errors import UserError
 
-from conftest import (
+from helpers.data import (
     CharTokenizer,
     json_round_trip,
     jsonl_pieces,
@@ -124,7 +124,7 @@ def test_workers_do_not_collect_an_abandoned_loader_they_inherit(tmp_path):
     script = f"""
 import sys
 sys.path[:0] = [{str(Path(__file__).parents[2])!r}]
-from conftest import make_loader, take
+from helpers.data import make_loader, take
 for _ in range(3):
     loader = make_loader({str(path)!r}, 31, 2, data_workers=2)
     it = iter(loader)

@@ -14,7 +14,8 @@ from torchtitan.models.common.chunked_loss import forward_loss_fn, linear_cross_
 from torchtitan.models.common.spec import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.models.registry import get_model_spec
 
-from conftest import losses, materialized, train_in_process
+from helpers.launch import losses, train_in_process
+from helpers.tiny_models import materialized
 
 
 def batch(vocab: int, seq: int = 24, rows: int = 2, seed: int = 0):
