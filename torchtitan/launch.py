@@ -19,9 +19,11 @@ runs it; so does scripts/multinode_trainer.slurm on every node).
    --rdzv-timeout seconds.
 """
 
+import io
 import os
 import signal
 import sys
+from typing import cast
 
 STOPPED_EARLY = "stopped: Ctrl-C before training started; no worker was launched"
 
@@ -203,7 +205,8 @@ def worker(*train_argv: str):
     torch.set_num_threads(int(threads) if threads and threads.isdigit() else (_default_threads or 1))
     for stream in (sys.stdout, sys.stderr):  # as `python -u`: lines reach the log as they are written
         try:
-            stream.reconfigure(line_buffering=True)
+            # A TextIOWrapper unless something replaced it (AttributeError).
+            cast(io.TextIOWrapper, stream).reconfigure(line_buffering=True)
         except (AttributeError, ValueError):
             pass
     try:  # `ps`/`top` show the rank instead of the launcher's name
@@ -290,7 +293,7 @@ def _let_finished_workers_exit_on_close():
             finished.set()
         return close(self, *args, **kwargs)
 
-    _close._releases_finished_workers = True
+    _close._releases_finished_workers = True  # pyrefly: ignore[missing-attribute]  # a marker on our own function
     api.MultiprocessContext._close = _close
 
 
@@ -459,6 +462,7 @@ def run(opts: argparse.Namespace, train_argv: list[str], cfg=None) -> int:
             if rank != first_rank and f.exitcode != -signal.SIGTERM
         ]
         also = f" (and {', '.join(others)})" if others else ""
+        assert config.logs_specs is not None  # config_from_args sets it
         where = log_path(config.logs_specs.root_log_dir, first.local_rank)
         logs = f"; its output: {where}" if where else ""
         print(f"error: training failed: {describe_failure(first_rank, first)}{also}{logs}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class Plan:
     global_batch_size: int
     grad_accum_steps: int
     spec: ModelSpec
-    model_args: object  # the args of the model this run builds (model_args_for_run)
+    model_args: Any  # the args of the model this run builds (model_args_for_run), typed Any as in ModelSpec
     tokenizer: Tokenizer
     attention: AttentionPlan
     loss_chunk_tokens: int  # training.loss_chunk_tokens as a number: "auto" resolved (0: the whole logits)
@@ -94,8 +95,10 @@ def model_args_for_run(spec, cfg: JobConfig, tokenizer_vocab: int):
         return args
     from torchtitan.components.checkpoint import HF_CONFIG, read_hf_config
 
-    where = os.path.join(cfg.checkpoint.initial_load_path, HF_CONFIG)
-    config = read_hf_config(cfg.checkpoint.initial_load_path)
+    folder = cfg.checkpoint.initial_load_path
+    assert folder is not None  # the config's rules require it with initial_load_in_hf
+    where = os.path.join(folder, HF_CONFIG)
+    config = read_hf_config(folder)
     # The language model's settings (a multimodal folder's text_config, a vision tower alone refused), as
     # check_hf_folder and the scripts read them: its vocabulary and the adopted fields below come from there.
     from torchtitan.models.common.hf_conversion import hf_text_config
@@ -241,6 +244,7 @@ def check_hf_export(cfg: JobConfig, spec: ModelSpec, model_args, tokenizer: Toke
     cannot express is refused now (the family's config.json of these args), not once the run is over, when the
     weights would be lost with checkpointing off. Where it goes is checked with the checkpoint folder
     (resume.preflight_checkpoint)."""
+    assert spec.hf is not None  # called for a family with a Hugging Face adapter only
     try:
         spec.hf.config(model_args, dist_utils.DTYPES[cfg.checkpoint.export_dtype], tokenizer.bos_id, tokenizer.eos_id)
     except UserError as e:
@@ -383,8 +387,10 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     if cfg.checkpoint.initial_load_in_hf and spec.hf is not None:
         from torchtitan.components.checkpoint import check_hf_folder, meta_shapes
 
+        folder = cfg.checkpoint.initial_load_path
+        assert folder is not None  # the config's rules require it with initial_load_in_hf
         # From the files' headers: the family, missing files or tensors, dtypes, shapes.
-        check_hf_folder(cfg.checkpoint.initial_load_path, spec.hf, meta_shapes(spec, model_args), model_args)
+        check_hf_folder(folder, spec.hf, meta_shapes(spec, model_args), model_args)
     if spec.validate is not None:
         spec.validate(model_args, dims)
     check_muon_supported(cfg.optimizer, spec.name, spec.adamw_params)

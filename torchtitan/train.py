@@ -45,6 +45,7 @@ from torchtitan.components.optimizer import OptimizerGroup
 from torchtitan.components.profiling import maybe_profile
 from torchtitan.components.run_lock import take_run_lock
 from torchtitan.components.stop_signals import StopSignals
+from torchtitan.components.validate import Validator
 from torchtitan.config import HelpRequested, JobConfig, UserError, config_to_toml, load_config
 from torchtitan.config.rules import validation_seq_len
 from torchtitan.distributed import utils as dist_utils
@@ -282,6 +283,7 @@ class Trainer:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         pipeline, parts = None, [model]
         if self.dims.pp_enabled:
+            assert self.mesh is not None  # pp > 1: more than one process
             parts, pipeline = split_for_rank(model, self.spec.pipeline, cfg.parallelism, self.mesh["pp"])
         self.set_attention(parts)
         expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.dims.ep_enabled else None
@@ -290,10 +292,9 @@ class Trainer:
         for part in parts:
             # With CPU offload, FSDP keeps the sharded parameters in host memory; buffers live on the device.
             part.to_empty(device="cpu" if t.enable_cpu_offload else self.device)
-            part.init_weights(seed=t.seed, buffer_device=self.device)
-            part.loss_chunk_tokens = (
-                self.plan.loss_chunk_tokens
-            )  # with labels, forward computes the loss (chunked_loss)
+            part.init_weights(seed=t.seed, buffer_device=self.device)  # pyrefly: ignore[not-callable]  # torch types Module.__getattr__'s result Tensor | Module; a method here
+            # With labels, forward computes the loss (chunked_loss).
+            part.loss_chunk_tokens = self.plan.loss_chunk_tokens  # pyrefly: ignore[bad-argument-type]  # torch types Module.__setattr__'s value Tensor | Module; it takes any
             part.train()
         if self.device.type == "cpu":
             dist_utils.release_host_memory()  # init drew each parameter whole, then kept its part
@@ -324,8 +325,10 @@ class Trainer:
             logger.info(f"attention: {attention.describe()}, the model's own kernel")
             return
         fn = attention_kernel(attention.kernel)
+        path = self.spec.cp_attention
+        assert path is not None  # a spec without it has the "own" kernel (preflight.resolve_attention)
         for part in parts:
-            set_attention_fn(part, self.spec.cp_attention, fn, self.spec.blocks(part))
+            set_attention_fn(part, path, fn, self.spec.blocks(part))
         ring = f"; context parallel: {describe_cp(self.cfg.parallelism)}" if self.dims.cp_enabled else ""
         logger.info(
             f"attention: {attention.describe()}, {attention.kernel} kernel "
@@ -373,7 +376,7 @@ class Trainer:
             self.device,
         )
 
-    def build_validator(self) -> "validate.Validator | None":
+    def build_validator(self) -> Validator | None:
         """[validation]: the held-out set (this rank's share of each global batch) and the runner, with
         training's own forward and loss."""
         v, t = self.cfg.validation, self.cfg.training
@@ -418,6 +421,7 @@ class Trainer:
         )
         self.cp_positions = None
         if self.dims.cp_enabled:
+            assert self.mesh is not None  # cp > 1: more than one process
             self.cp_positions = local_positions(t.seq_len, self.dims.cp, self.mesh["cp"].get_local_rank())
         prepare_window = self.spec.prepare_window
         self.batch_rule = BatchRule(
@@ -439,6 +443,7 @@ class Trainer:
             self.device, dist_utils.DTYPES[t.mixed_precision_param], self.cfg.metrics.device_peak_tflops
         )
         if self.pipeline is not None:
+            assert self.model.step_loss is not None  # built with the pipeline
             zeros = torch.zeros(t.local_batch_size * self.plan.grad_accum_steps, t.seq_len, dtype=torch.long)
             with loss_parallel_context(self.loss_parallel), self.amp:
                 warm_up_schedule(
@@ -571,13 +576,16 @@ class Trainer:
         with loss_parallel_context(self.loss_parallel):
             if self.pipeline is not None:
                 is_first, is_last = self.pipeline.is_first, self.pipeline.is_last
+                assert self.model.step_loss is not None  # built with the pipeline
                 self.model.step_loss.scale = scale
                 with self.amp:
                     loss = pipeline_step(self.pipeline.schedule, inputs, labels, is_first, is_last, kwargs)
                 if loss is None:
                     loss = torch.zeros((), device=self.device)
             else:
-                loss = self.forward_loss(inputs, labels, kwargs) * scale
+                loss = self.forward_loss(inputs, labels, kwargs)
+                assert loss is not None  # None only from a pipeline schedule
+                loss = loss * scale
                 loss.backward()
         loss = loss.detach()
         return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -590,6 +598,7 @@ class Trainer:
         the last stage's rank only (None elsewhere)."""
         with self.amp:
             if schedule is not None:
+                assert self.pipeline is not None  # the schedule runs its stages
                 return pipeline_step(
                     schedule, inputs, labels, self.pipeline.is_first, self.pipeline.is_last, kwargs, forward_only=True
                 )
@@ -649,6 +658,7 @@ class Trainer:
     def validate(self, step: int) -> dict:
         """Held-out loss and perplexity (after the step's update, before its checkpoint); one metrics record.
         Its time is left out of the next step line's throughput."""
+        assert self.validator is not None  # called when build_validator made one
         record = self.validator.run(step)
         self.metrics.log_validation(record)
         self.history.append(record)

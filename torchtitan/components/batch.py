@@ -24,8 +24,11 @@ so it does not depend on how the step's tokens are spread.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.errors import UserError
 from torchtitan.distributed.context_parallel import shard_sequence
@@ -51,14 +54,14 @@ class BatchRule:
         the batch's own document ids (None: from document_end_id)."""
         if self.ignore_cross_document:
             if doc_ids is None:
-                crossing = inputs == self.document_end_id
+                crossing = inputs == self._end_id()
             else:
                 crossing = torch.zeros_like(inputs, dtype=torch.bool)
                 crossing[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
             labels = labels.masked_fill(crossing, IGNORE_INDEX)
         extra = {}
         if self.block_causal:
-            extra["doc_ids"] = doc_ids if doc_ids is not None else document_ids(inputs, self.document_end_id)
+            extra["doc_ids"] = doc_ids if doc_ids is not None else document_ids(inputs, self._end_id())
         if self.prepare_window is not None:
             labels, family = self.prepare_window(inputs, labels)
             extra.update(family)
@@ -72,8 +75,14 @@ class BatchRule:
         if not self.block_causal:
             return [inputs.shape[1]] * inputs.shape[0]
         if doc_ids is None:
-            doc_ids = document_ids(inputs, self.document_end_id)
+            doc_ids = document_ids(inputs, self._end_id())
         return [n for row in document_lengths(doc_ids) for n in row]
+
+    def _end_id(self) -> int:
+        # A batch without its own document ids is split at document_end_id, which document_end_of
+        # always finds where the run needs document boundaries.
+        assert self.document_end_id is not None, "the data marks no document boundaries"
+        return self.document_end_id
 
 
 def valid_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -89,8 +98,8 @@ class LossRanks:
     """The ranks a step's loss is spread over: the data- and context-parallel ranks (`mesh`), which
     split its tokens, and under a pipeline the group (`pp_group`) whose rank `loss_src` holds it."""
 
-    mesh: object | None = None  # DeviceMesh
-    pp_group: object | None = None
+    mesh: DeviceMesh | None = None
+    pp_group: ProcessGroup | None = None
     loss_src: int = 0
 
     def scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
@@ -98,7 +107,8 @@ class LossRanks:
         the step's count of valid labels on all of them. Their gradients are averaged (FSDP/DDP), so
         the step's gradient is that of the sum of all token losses over that count. One scalar
         all-reduce; no host sync."""
-        count = sum(valid_labels(x) for x in labels)
+        # A step has at least one micro-batch, so the sum is a tensor (not sum's start, 0).
+        count = cast(torch.Tensor, sum(valid_labels(x) for x in labels))
         if self.mesh is None:
             return (1 / count.clamp(min=1)).float()
         torch.distributed.all_reduce(count, group=self.mesh.get_group())

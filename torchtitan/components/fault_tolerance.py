@@ -24,7 +24,9 @@ import os
 import re
 import time
 import urllib.request
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,6 +34,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import UserError
 from torchtitan.config.parallelism_sections import FaultTolerance
 from torchtitan.models.common.moe import moe_layers
+
+if TYPE_CHECKING:
+    import torchft
 
 logger = logging.getLogger("torchtitan")
 
@@ -179,7 +184,9 @@ class DiLoCo:
             self.reference, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov
         )
         ckpt = trainer.cfg.checkpoint
-        self.folder = os.path.join(trainer.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None
+        self.folder: str | None = (
+            os.path.join(trainer.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None
+        )
         if start_step > 0 and self.folder is not None:
             path = self._path(start_step)
             if os.path.isfile(path):
@@ -193,6 +200,7 @@ class DiLoCo:
                 )
 
     def _path(self, step: int) -> str:
+        assert self.folder is not None  # files are written and read only with the trainer's checkpoints
         return os.path.join(self.folder, f"step-{step}-rank-{self.trainer.rank}.pt")
 
     def deltas(self) -> list[torch.Tensor]:
@@ -238,6 +246,7 @@ class DiLoCo:
         self.prune(step)
 
     def prune(self, newest: int):
+        assert self.folder is not None  # files are written only with the trainer's checkpoints
         suffix = f"-rank-{self.trainer.rank}.pt"
         for name in os.listdir(self.folder):
             if name.startswith("step-") and name.endswith(suffix):
@@ -253,12 +262,14 @@ class ReplicaGroups:
     the end."""
 
     def __init__(self, cfg: FaultTolerance, start_step: int, trainer):
-        self.cfg, self.manager, self.store, self.trainer = cfg, None, None, trainer
+        self.cfg, self.store, self.trainer = cfg, None, trainer
+        self.manager: torchft.Manager | None = None
         self.participants, self.waiting = 1, start_step == 0
         self.last_step, self.healed_step, self.joined = start_step, None, False
-        self.diloco = None
+        self.diloco: DiLoCo | None = None
         # The last quorum whose group ids were checked, and whether this group's were once (_check_group_ids).
-        self.checked_quorum, self.ids_checked = None, False
+        self.checked_quorum: int | None = None
+        self.ids_checked = False
         if not cfg.enabled:
             return
         # torchft's own logs are off (a line per quorum and commit from its Rust server; a traceback for a peer's
@@ -419,29 +430,35 @@ class ReplicaGroups:
                 return
             self._quorum(step - 1)
 
+    def _live_manager(self) -> "torchft.Manager":
+        """The Manager, for the steps that only run with fault tolerance on (their callers checked it)."""
+        assert self.manager is not None
+        return self.manager
+
     def _quorum(self, done: int):
         """A quorum of the live groups, taken after step `done` (a group behind the others heals in it)."""
+        manager = self._live_manager()
         self.last_step = done
-        self.manager.start_quorum()
+        manager.start_quorum()
         deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
         need = self.cfg.group_count if self.waiting and self.healed_step is None else self.cfg.min_groups
-        while self.manager.num_participants() < need and time.monotonic() < deadline:
+        while manager.num_participants() < need and time.monotonic() < deadline:
             time.sleep(0.2)
-            self.manager.start_quorum()
+            manager.start_quorum()
         self.waiting = False
-        if self.manager.num_participants() < self.cfg.min_groups:
+        if manager.num_participants() < self.cfg.min_groups:
             raise UserError(
-                f"step {done + 1}: only {self.manager.num_participants()} replica group(s) alive for "
+                f"step {done + 1}: only {manager.num_participants()} replica group(s) alive for "
                 f"fault_tolerance.quorum_timeout_seconds = {self.cfg.quorum_timeout_seconds}, fewer than "
                 f"fault_tolerance.min_groups = {self.cfg.min_groups}; restart the lost groups (they heal from a "
                 f"live one) or lower min_groups"
             )
-        if self.manager.num_participants() != self.participants:
+        if manager.num_participants() != self.participants:
             logger.info(
-                f"fault tolerance: {self.manager.num_participants()} replica group(s) in this step's "
+                f"fault tolerance: {manager.num_participants()} replica group(s) in this step's "
                 f"quorum (was {self.participants})"
             )
-        self.participants = self.manager.num_participants()
+        self.participants = manager.num_participants()
         self._check_group_ids(done)
 
     def _check_group_ids(self, done: int):
@@ -452,7 +469,8 @@ class ReplicaGroups:
         that joins with an id a live group already has stops (exit 2), and the live group trains on (the step
         in flight is not committed, as when a group dies); two that start together with one id both stop.
         Every member of a quorum sees the same quorum id, so all of them (and only they) take part in the sum."""
-        quorum_id = self.manager._quorum_id  # torchft 0.2.0 has no public accessor for it
+        manager = self._live_manager()
+        quorum_id = manager._quorum_id  # torchft 0.2.0 has no public accessor for it
         if quorum_id == self.checked_quorum:
             return
         self.checked_quorum = quorum_id
@@ -463,8 +481,8 @@ class ReplicaGroups:
         ids[g + self.cfg.group_id] = 1 if joining else 0
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(ids, reduce_op=ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:  # a group lost during the sum: the next quorum (a new one) checks
+        manager.allreduce(ids, reduce_op=ReduceOp.SUM).wait()
+        if manager.errored() is not None:  # a group lost during the sum: the next quorum (a new one) checks
             return
         self.ids_checked = True
         holders, newcomers = int(ids[self.cfg.group_id]), int(ids[g + self.cfg.group_id])
@@ -478,7 +496,7 @@ class ReplicaGroups:
                 f"group with its own fault_tolerance.group_id, 0..{g - 1}"
             )
 
-    def average(self, params: list[torch.Tensor], loss_sum: torch.Tensor):
+    def average(self, params: Sequence[torch.Tensor], loss_sum: torch.Tensor):
         """Average this rank's gradients (local shards) and its summed loss over the live groups, in place: one
         flat all-reduce per dtype. A group lost during it leaves the step uncommitted (should_commit)."""
         if self.manager is None or self.diloco is not None:  # diloco: each group's own gradients
@@ -534,18 +552,21 @@ class ReplicaGroups:
         otherwise the local steps since the last sync are dropped. The weights are then the reference weights.
         A group that heals in the quorum takes part with the state it received, so that the sender's delta counts
         twice in that sync (as in torchft's DiLoCo, whose healed replicas take part too)."""
+        manager = self._live_manager()
+        diloco = self.diloco
+        assert diloco is not None  # a sync is DiLoCo's
         if quorum:
             # The Manager's step is the trainer's: a group that restarted behind the others (a lower step) heals.
-            self.manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.group_count})
+            manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.group_count})
             self._quorum(step)
-        deltas = self.diloco.deltas()
+        deltas = diloco.deltas()
         # An MoE model's expert biases (its balancing state, a buffer each group moves by its own loads between
         # syncs) become their mean, so that after a sync every group routes alike.
         biases = [m.expert_bias for part in self.trainer.parts for _, m in moe_layers(part)]
         mean_biases = [b.clone() for b in biases]
         self._allreduce(deltas + mean_biases)
-        committed = self.manager.should_commit()
-        self.diloco.outer_step(deltas if committed else None)
+        committed = manager.should_commit()
+        diloco.outer_step(deltas if committed else None)
         if committed:
             for b, mean in zip(biases, mean_biases):
                 b.copy_(mean)
@@ -559,10 +580,11 @@ class ReplicaGroups:
 
     def _allreduce(self, tensors: list[torch.Tensor]):
         """Average `tensors` in place over the live groups: one flat all-reduce per dtype."""
+        manager = self._live_manager()
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in same])
-            self.manager.allreduce(flat).wait()
+            manager.allreduce(flat).wait()
             offset = 0
             for t in same:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -570,7 +592,8 @@ class ReplicaGroups:
 
     def _why(self) -> str:
         """Why the step (or sync) is not committed, in a line."""
-        error = self.manager.errored()
+        manager = self._live_manager()
+        error = manager.errored()
         if error is None:
             return f"fewer than fault_tolerance.min_groups = {self.cfg.min_groups} groups took part"
         return f"a replica group failed during it: {collective_error(error.original_exception)}"

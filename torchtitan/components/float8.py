@@ -21,6 +21,7 @@ converted layers and `to_empty` + `init_weights` materialize them like any other
 
 import dataclasses
 import logging
+from typing import cast
 
 from torch import nn
 
@@ -86,7 +87,8 @@ def convert_to_float8(model: nn.Module, cfg: Float8, high_precision: tuple[str, 
     converted: list[str] = []
 
     def keep_or_convert(module: nn.Module, fqn: str) -> bool:
-        reason = high_precision_reason(fqn, module, cfg, high_precision)
+        # torchao asks only about nn.Linear modules (swap_linear_layers checks isinstance first).
+        reason = high_precision_reason(fqn, cast(nn.Linear, module), cfg, high_precision)
         if reason:
             logger.info(f"float8: keeping {fqn} in high precision ({reason})")
             return False

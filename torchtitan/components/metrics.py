@@ -17,6 +17,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from typing import Literal, cast
 
 import torch
 
@@ -177,7 +178,7 @@ class MfuPeak:
         mfu = 100 * achieved / self.tflops if self.tflops > 0 else 0.0
         if self.probe is not None:
             mfu = min(mfu, 100.0)  # the peak is at least the achieved rate: only rounding could pass 100
-        values = {"mfu": mfu, "peak_tflops": self.tflops}
+        values: dict[str, float | str] = {"mfu": mfu, "peak_tflops": self.tflops}
         if note is not None:
             values["mfu_note"] = note
         return values
@@ -255,9 +256,9 @@ def wandb_mode() -> str:
         return os.environ["WANDB_MODE"]
     has_key = bool(os.environ.get("WANDB_API_KEY"))
     if not has_key:
-        try:
-            import netrc
+        import netrc
 
+        try:
             has_key = netrc.netrc().authenticators("api.wandb.ai") is not None
         except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one wandb cannot read either: no key
             has_key = False
@@ -288,7 +289,7 @@ def start_wandb(dump_folder: str, run_config: dict | None, resume: bool):
         config=run_config,
         id=run_id,
         resume="allow" if run_id else None,
-        mode=mode,
+        mode=cast(Literal["online", "offline", "disabled", "shared"], mode),  # WANDB_MODE as set: wandb checks it
     )
     with open(id_file, "w") as f:
         f.write(run.id)

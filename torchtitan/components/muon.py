@@ -29,6 +29,8 @@ What is unusual here:
 """
 
 import math
+from collections.abc import Callable
+from typing import cast, overload
 
 import torch
 import torch.distributed as dist
@@ -77,7 +79,8 @@ def holds_whole_matrices(p: torch.Tensor) -> bool:
     """Whether this rank's shard of `p` is made of whole matrices (last two dims unsplit)."""
     if not isinstance(p, DTensor):
         return True
-    return all(not pl.is_shard() or pl.dim < p.ndim - 2 for pl in p.placements)
+    # is_shard() is no type guard: a placement that says it is a Shard is one.
+    return all(not pl.is_shard() or cast(Shard, pl).dim < p.ndim - 2 for pl in p.placements)
 
 
 def orthogonalize(
@@ -85,7 +88,7 @@ def orthogonalize(
 ) -> torch.Tensor:
     """Newton-Schulz of `update` (this rank's shard, laid out like `p`'s) in `dtype`, each matrix whole, on every
     rank alike; this rank's part."""
-    if holds_whole_matrices(p):
+    if not isinstance(p, DTensor) or holds_whole_matrices(p):
         return newton_schulz(update, steps, dtype)
     mesh, placements = p.device_mesh, p.placements
     full = DTensor.from_local(update, mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
@@ -101,7 +104,7 @@ def split_mesh_dim(p: torch.Tensor) -> int | None:
     (whole matrices, or matrices split over two mesh dims, e.g. FSDP over TP's rows)."""
     if not isinstance(p, DTensor):
         return None
-    splitting = [i for i, pl in enumerate(p.placements) if pl.is_shard() and pl.dim >= p.ndim - 2]
+    splitting = [i for i, pl in enumerate(p.placements) if pl.is_shard() and cast(Shard, pl).dim >= p.ndim - 2]
     if len(splitting) != 1 or type(p.placements[splitting[0]]) is not Shard:
         return None
     if any(type(pl) not in (Shard, Replicate) for pl in p.placements):
@@ -119,10 +122,10 @@ class SpreadOrthogonalization:
 
     def __init__(self, steps: int, dtype: torch.dtype = torch.bfloat16):
         self.steps, self.dtype = steps, dtype
-        self.jobs = []  # (p, update, mesh dim)
+        self.jobs: list[tuple[DTensor, torch.Tensor, int]] = []  # (p, update, mesh dim)
         self.loads: dict[tuple[int, ...], list[int]] = {}
 
-    def add(self, p: torch.Tensor, update: torch.Tensor, dim: int):
+    def add(self, p: DTensor, update: torch.Tensor, dim: int):
         self.jobs.append((p, update, dim))
 
     def run(self) -> list[torch.Tensor]:
@@ -135,12 +138,12 @@ class SpreadOrthogonalization:
             loads = self.loads.setdefault(ranks, [0] * len(ranks))
             owner = min(range(len(ranks)), key=lambda r: (loads[r], r))
             loads[owner] += p.numel()
-            split = p.placements[dim].dim
+            split = cast(Shard, p.placements[dim]).dim  # split_mesh_dim found a plain Shard there
             sizes = [len(c) for c in torch.arange(p.shape[split]).chunk(len(ranks))]
             sizes += [0] * (len(ranks) - len(sizes))
             piece = _pad(update.to(self.dtype), split, max(sizes))
             pieces = [torch.empty_like(piece) for _ in ranks] if me == owner else None
-            work = dist.gather(piece, pieces, group=group, group_dst=owner, async_op=True)
+            work = cast(dist.Work, dist.gather(piece, pieces, group=group, group_dst=owner, async_op=True))
             # The buffers stay referenced until the collective is waited on: gloo reads and writes
             # them from its own threads.
             plans.append((p, update, split, sizes, group, me, owner, pieces, work, piece))
@@ -149,7 +152,7 @@ class SpreadOrthogonalization:
             work.wait()
         scatters = []
         for _p, update, split, sizes, group, me, owner, pieces, _, _ in plans:
-            if me == owner:
+            if pieces is not None:  # this rank owns the matrix
                 full = torch.cat([x.narrow(split, 0, n) for x, n in zip(pieces, sizes)], dim=split)
                 ortho = newton_schulz(full, self.steps, self.dtype)
                 pieces = [_pad(x, split, max(sizes)) for x in ortho.split(sizes, dim=split)]
@@ -161,7 +164,7 @@ class SpreadOrthogonalization:
                     mine,
                     split,
                     sizes[me],
-                    dist.scatter(mine, pieces, group=group, group_src=owner, async_op=True),
+                    cast(dist.Work, dist.scatter(mine, pieces, group=group, group_src=owner, async_op=True)),
                     pieces,
                 )
             )
@@ -232,8 +235,14 @@ class MuonAdamW(torch.optim.Optimizer):
             if group["algorithm"] == "muon" and any(p.ndim < 2 for p in group["params"]):
                 raise ValueError("Muon takes matrices (or stacks of them): a 0-D or 1-D parameter belongs to AdamW")
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -264,20 +273,20 @@ class MuonAdamW(torch.optim.Optimizer):
         updates = []
         for p in params:
             (buf,) = self._state(p, "momentum_buffer")
-            grad, buf_local = local_part(p.grad), local_part(buf)
+            grad, buf_local = local_part(_grad(p)), local_part(buf)
             momentum = buf_local.float() if buf_local.dtype != torch.float32 else buf_local
             momentum.lerp_(grad.float(), 1 - mu)
             if momentum is not buf_local:
                 buf_local.copy_(momentum)
             updates.append(grad.float().lerp(momentum, mu) if group["nesterov"] else momentum)
         spread = SpreadOrthogonalization(group["ns_steps"], self.ns_dtype)
-        orthos = [None] * len(params)
+        orthos: list[torch.Tensor | None] = [None] * len(params)
         for i, (p, update) in enumerate(zip(params, updates)):
             dim = split_mesh_dim(p) if self.spread else None
             if dim is None:
                 orthos[i] = orthogonalize(update, p, group["ns_steps"], self.ns_dtype)
             else:
-                spread.add(p, update, dim)
+                spread.add(cast(DTensor, p), update, dim)  # split_mesh_dim finds a mesh dim of DTensors only
         spread_out = iter(spread.run())
         for p, ortho in zip(params, orthos):
             ortho = next(spread_out) if ortho is None else ortho
@@ -291,7 +300,7 @@ class MuonAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         torch_adamw(
             params,
-            [p.grad for p in params],
+            [_grad(p) for p in params],
             [s[0] for s in states],
             [s[1] for s in states],
             [],
@@ -316,7 +325,7 @@ class MuonAdamW(torch.optim.Optimizer):
             step_t = self.state[p]["step"]
             step_t += 1
             step = step_t.item()
-            grad = local_part(p.grad).float()
+            grad = local_part(_grad(p)).float()
             m, v = local_part(exp_avg).float(), local_part(exp_avg_sq).float()
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -326,6 +335,11 @@ class MuonAdamW(torch.optim.Optimizer):
             p_local.mul_(1 - lr * wd)
             denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
             p_local.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # step() passes on only the parameters with a gradient
+    return p.grad
 
 
 def state_bytes(optimizers) -> int:

@@ -290,5 +290,5 @@ class OptimizerGroup:
         groups = sched.optimizer.param_groups
         for lr, group in zip(sched.get_last_lr(), groups):
             if group.get("lr_mult", 1.0) == 1.0:
-                return lr
+                return float(lr)  # a float already: the groups' lr is a number, never a tensor
         return sched.get_last_lr()[0] / groups[0]["lr_mult"]

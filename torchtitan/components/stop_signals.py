@@ -12,8 +12,15 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# What signal.signal returns and takes back: a Python handler, SIG_DFL or SIG_IGN, or None (a handler
+# not installed from Python).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 # The exit status of a stop that ran past its grace period.
 GRACE_EXPIRED_EXIT = 1
@@ -23,7 +30,7 @@ class StopSignals:
     def __init__(self, names: list[str], grace_seconds: float):
         self.received: str | None = None
         self.grace_seconds = grace_seconds
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
         self._timer: threading.Timer | None = None
         if threading.current_thread() is not threading.main_thread():
             if names:

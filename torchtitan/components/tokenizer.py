@@ -436,7 +436,7 @@ def _add_config_tokens(tok, config: _SpecialConfig, path: Path) -> None:
     from tokenizers import AddedToken
 
     named = [text for text in (config.bos, config.eos) if isinstance(text, str)]
-    queued: list[tuple[object, int | None]] = []  # (AddedToken, id the config declares or None)
+    queued: list[tuple[AddedToken, int | None]] = []  # (token, id the config declares or None)
     # Every entry, even one tokenizer.json already has with the same flags: transformers means to skip
     # those but compares against the ids of its added tokens, so it re-adds them all (a no-op when the
     # flags agree; otherwise the entry's flags win, e.g. an entry without "special" is not special).
@@ -511,14 +511,15 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
                     problem = f"repeats the token of line {seen[ranks[token]]}"
                 elif rank in seen:
                     problem = f"repeats rank {rank} of line {seen[rank]}"
+                else:
+                    ranks[token] = rank
+                    seen[rank] = lineno
         if problem:
             shown = line[:60].decode("utf-8", "replace")
             raise UserError(
                 f"tiktoken BPE file {path}, line {lineno} {problem}: {shown!r}; every line must be a base64 token, a "
                 f"space and its rank: fix or delete the line, or fetch the file again"
             )
-        ranks[token] = rank
-        seen[rank] = lineno
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise UserError(

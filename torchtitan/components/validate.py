@@ -42,8 +42,9 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.entries import parse_mix, split_text_field
 from torchtitan.config.errors import UserError
 from torchtitan.config.rules import validation_seq_len
-from torchtitan.config.training_sections import Training, Validation
+from torchtitan.config.training_sections import Training, TrainingDataset, Validation
 
 # Tokens of validation batches a rank keeps in memory (int32) between runs: 256 MiB.
 CACHE_TOKENS = 2**26
@@ -134,13 +135,15 @@ def build_source(cfg: Validation, training: Training | None = None, tokenizer: T
         return _StdlibTestSource()
     if cfg.dataset == "python_stdlib":
         return sources.StdlibSource()
-    if cfg.dataset == "local" and not os.path.exists(cfg.dataset_path):
+    if cfg.dataset == "local" and (cfg.dataset_path is None or not os.path.exists(cfg.dataset_path)):
         raise UserError(
             f"validation.dataset_path {cfg.dataset_path} does not exist; set it to a data file or a folder of them "
             "(.jsonl, .json, .txt, optionally .gz/.zst; .parquet; .arrow)"
         )
+    # The config validator allows only VALIDATION_DATASETS, and python_stdlib_test is not read as training's.
+    dataset = cast(TrainingDataset, cfg.dataset)
     as_training = dataclasses.replace(
-        training or Training(), dataset=cfg.dataset, dataset_path=cfg.dataset_path, shuffle_documents=False
+        training or Training(), dataset=dataset, dataset_path=cfg.dataset_path, shuffle_documents=False
     )
     try:
         return sources.build_source(as_training)[0]
@@ -180,7 +183,7 @@ def _token_list(tokens) -> list[int]:
     return tokens.tolist()  # a token folder's memory-mapped slice, as Python ints
 
 
-def _windows(source, tokenizer: Tokenizer, length: int) -> Iterator[list[int]]:
+def _windows(source, tokenizer: Tokenizer, length: int) -> Generator[list[int], None, None]:
     """The packed stream's windows of `length` tokens, from the first document to the end (no wrap). A
     mixture's window k is the next window of the source its schedule picks; the set ends where the
     schedule first asks a source past its end."""

@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -266,7 +266,7 @@ _active: Watchdog | None = None
 
 
 @contextlib.contextmanager
-def phase(kind: str, what: str) -> Iterator[Phase]:
+def phase(kind: str, what: str) -> Generator[Phase, None, None]:
     """A phase of the calling thread, bounded by its kind's timeout; the yielded Phase gets its seconds."""
     watchdog = _active
     if watchdog is None:

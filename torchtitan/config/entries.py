@@ -36,7 +36,8 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
             problems.append(f"an entry is empty; write {PARAM_GROUP_SYNTAX}")
             continue
         pattern, *options = entry.split()
-        values: dict[str, float | bool] = {}
+        values: dict[str, float] = {}  # lr_mult, weight_decay
+        adamw = False
         bad = False
         for option in options:
             name, sep, text = option.partition("=")
@@ -45,14 +46,14 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
             except ValueError:
                 value = None
             if sep and name == "optimizer":
-                if text.lower() == "adamw" and "adamw" not in values:
-                    values["adamw"] = True
+                if text.lower() == "adamw" and not adamw:
+                    adamw = True
                     continue
                 problems.append(
                     f"{entry!r}: optimizer = {text!r} "
                     + (
                         "is given twice"
-                        if "adamw" in values
+                        if adamw
                         else "is not an option; optimizer=AdamW (with optimizer.name = 'Muon') gives the matched "
                         "parameters to AdamW"
                     )
@@ -80,7 +81,7 @@ def parse_param_groups(entries: list[str], key: str = "optimizer.param_groups") 
             problems.append(f"{entry!r}: {pattern!r} is not a regular expression ({e})")
             bad = True
         if not bad:
-            rules.append(ParamGroupRule(pattern, **values))
+            rules.append(ParamGroupRule(pattern, **values, adamw=adamw))
     patterns = [r.pattern for r in rules]
     duplicates = sorted({p for p in patterns if patterns.count(p) > 1})
     if duplicates:

@@ -72,7 +72,7 @@ def positive_int(text: str) -> int:
 
 
 def check_output_path(
-    path: "str | os.PathLike", what: str, *, existing: str = "refuse", create_parents: bool = True
+    path: "str | os.PathLike[str]", what: str, *, existing: str = "refuse", create_parents: bool = True
 ) -> None:
     """UserError unless `path` can be written, checked before the expensive work so that a bad output
     path costs nothing. `what` names it in the message (e.g. "--output", "OUTPUT").

@@ -3,10 +3,12 @@ sections' check()."""
 
 import dataclasses
 from dataclasses import field
+from typing import Any
 
 
-def opt(default, help: str):
-    """A config field with its documentation."""
+def opt(default: Any, help: str) -> Any:
+    """A config field with its documentation. Typed `Any`, as `dataclasses.field` is, so that the annotation of
+    the field it sets is the type the checker sees."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})

@@ -11,12 +11,12 @@ import os
 import sys
 import types
 import typing
-from typing import Literal
+from typing import Literal, cast
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the project runs on 3.11, tomli is the 3.10 fallback
-    import tomli as tomllib
+    import tomli as tomllib  # pyrefly: ignore[missing-import]  # tomli is installed on Python 3.10 only (pyproject)
 
 from torchtitan.config.errors import HelpRequested, UserError
 from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, JobConfig
@@ -33,7 +33,8 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 
 
 def _section_classes() -> dict[str, type]:
-    return {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+    # Every field of JobConfig is a section built by its class (default_factory=Section).
+    return {f.name: cast(type, f.default_factory) for f in dataclasses.fields(JobConfig)}
 
 
 def _field_types(section: str) -> dict[str, object]:
@@ -82,8 +83,11 @@ def _unwrap_optional(tp: object) -> tuple[object, bool]:
     args = typing.get_args(tp)
     if type(None) in args and typing.get_origin(tp) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
         # typing.Union: a union built at run time from a tuple has no `X | Y` spelling.
-        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007
+        union = typing.Union[tuple(rest)]  # noqa: UP007  # pyrefly: ignore[invalid-annotation]  # a value, not a hint
+        return union, True
     return tp, False
 
 
@@ -124,33 +128,36 @@ def _type_name(tp: object) -> str:
     if tp is ANY:
         return "any"
     inner, optional = _unwrap_optional(tp)
-    if _alternatives(inner):
-        name = "|".join(_type_name(a) for a in _alternatives(inner))
+    alternatives = _alternatives(inner)
+    if alternatives:
+        name = "|".join(_type_name(a) for a in alternatives)
     elif typing.get_origin(inner) is Literal:
         name = "|".join(str(c) for c in typing.get_args(inner))
     elif inner in (list[str], list[list[str]]):
         name = "list[str]" if inner == list[str] else "list[list[str]]"
     else:
-        name = inner.__name__
+        name = cast(type, inner).__name__  # what is left is a plain class: bool, int, float, str
     return name + "|none" if optional else name
 
 
 def _expected(tp: object, origin: str | None) -> str:
     """What a value of this type looks like, for error messages."""
     inner, optional = _unwrap_optional(tp)
-    if _alternatives(inner):
-        text = " or ".join(_expected(a, origin) for a in _alternatives(inner))
+    alternatives = _alternatives(inner)
+    if alternatives:
+        text = " or ".join(_expected(a, origin) for a in alternatives)
     elif typing.get_origin(inner) is Literal:
         text = "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
     else:
-        text = {
+        shapes: dict[object, str] = {
             bool: "a boolean (true or false)",
             int: "an integer",
             float: "a number",
             str: "a string",
             list[str]: "a list of strings",
             list[list[str]]: "a list of lists of strings (on the command line: 'a,b;c,d')",
-        }.get(inner, str(inner))
+        }
+        text = shapes.get(inner, str(inner))
     # Only the command line can spell "unset"; TOML has no null, a recipe just leaves the key out.
     if optional and origin is _CLI:
         text += " or none"
@@ -268,8 +275,9 @@ def _check_toml_value(section: str, key: str, value: object, tp: object, origin:
         return value
     inner, _ = _unwrap_optional(tp)
     ok = False
-    if _alternatives(inner):
-        for alternative in _alternatives(inner):
+    alternatives = _alternatives(inner)
+    if alternatives:
+        for alternative in alternatives:
             try:
                 return _check_toml_value(section, key, value, alternative, origin)
             except UserError:
@@ -344,7 +352,7 @@ def _load_recipe(path: str, what: str, chain: tuple[str, ...]) -> dict[tuple[str
     base = table.pop(("job", "base_config"), None)
     merged = {}
     if base is not None:
-        base_path = os.path.join(os.path.dirname(path), base)
+        base_path = os.path.join(os.path.dirname(path), cast(str, base))  # checked as job.base_config's type
         merged = _load_recipe(base_path, f"base_config {base!r} of {path}", (*chain, path))
         # The resolved base_config is this recipe's own, not the base's.
         merged[("job", "base_config")] = (base, path)
@@ -364,8 +372,9 @@ def _parse_cli_value(section: str, key: str, text: str, tp: object) -> object:
         return None
     value: object = text
     ok = True
-    if _alternatives(inner):
-        for alternative in _alternatives(inner):
+    alternatives = _alternatives(inner)
+    if alternatives:
+        for alternative in alternatives:
             try:
                 return _parse_cli_value(section, key, text, alternative)
             except UserError:
@@ -403,7 +412,7 @@ def _is_bool(tp: object) -> bool:
 
 def _parse_cli(argv: list[str]) -> dict[tuple[str, str], object]:
     """{(section, key): typed value} of the command-line overrides, last one winning."""
-    out = {}
+    out: dict[tuple[str, str], object] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -490,7 +499,7 @@ def load_config(argv: list[str]) -> JobConfig:
     if "--help" in argv or "-h" in argv:
         raise HelpRequested(help_text(*_values_for_help([a for a in argv if a not in ("--help", "-h")])))
     overrides = _parse_cli(list(argv))
-    recipe = overrides.pop(("job", "config_file"), None)
+    recipe = cast("str | None", overrides.pop(("job", "config_file"), None))  # parsed as job.config_file's type
     merged = {}
     if recipe is not None:
         merged = _load_recipe(recipe, "recipe file (--job.config_file)", ())
@@ -596,7 +605,7 @@ def _values_for_help(argv: list[str]) -> tuple[dict, str | None, str | None]:
     origin)}, the recipe's path, why they could not be read (help then shows the defaults alone))."""
     try:
         overrides = _parse_cli(argv)
-        recipe = overrides.pop(("job", "config_file"), None)
+        recipe = cast("str | None", overrides.pop(("job", "config_file"), None))  # parsed as job.config_file's type
         merged = _load_recipe(recipe, "recipe file (--job.config_file)", ()) if recipe is not None else {}
     except UserError as e:
         return {}, None, str(e)
@@ -630,7 +639,7 @@ def help_text(values: dict | None = None, recipe: str | None = None, unread: str
         lines += ["", f"[{section}]"]
         types = _field_types(section)
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             shown = f"default: {_help_default(default)}"
             if (section, f.name) in values and f.name != "base_config":
                 value, origin = values[(section, f.name)]

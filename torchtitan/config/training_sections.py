@@ -9,6 +9,9 @@ from torchtitan.config.entries import parse_mix, parse_param_groups
 from torchtitan.config.errors import UserError
 from torchtitan.config.fields import failed, opt, positive
 
+# The sources training.dataset names (a mixture's SOURCE and validation.dataset name them too).
+TrainingDataset = Literal["python_stdlib", "local", "huggingface", "c4", "c4_test", "tokens"]
+
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype", "muon_adjust_lr")
 
 
@@ -187,7 +190,7 @@ def _data_rules(section: str, values: "Training | Validation") -> list[str]:
 
 @dataclass(frozen=True)
 class Training:
-    dataset: Literal["python_stdlib", "local", "huggingface", "c4", "c4_test", "tokens"] = opt(
+    dataset: TrainingDataset = opt(
         "python_stdlib",
         "python_stdlib: the .py files of this interpreter's standard library (embedded, offline); "
         "local: the file or folder at dataset_path (.jsonl/.json/.txt, also .gz/.zst compressed, .parquet, .arrow, "

@@ -33,6 +33,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from torchtitan.distributed.utils import layers_of
+
 MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten
@@ -60,7 +62,7 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "") -> None
         every, context_fn = 1, None
     else:
         every, context_fn = _parse_selective_option(selective_ac_option)
-    for position, block in enumerate(model.layers.values()):
+    for position, block in enumerate(layers_of(model).values()):
         if position % every == 0:
             _checkpoint_block(block, context_fn)
 

@@ -12,7 +12,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(x, send, recv, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         # An all-to-all's transpose is the same exchange with the splits swapped.
         return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 

@@ -11,6 +11,8 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from torchtitan.distributed.utils import layers_of
+
 # Compiled variants of one code object before dynamo gives up and runs it eagerly (default 8).
 # Identical blocks share one graph (measured: 4 blocks, 1 graph), but every block class or shape
 # adds a variant: selective checkpointing makes two classes, and other techniques may add more.
@@ -21,5 +23,5 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile every block of `model.layers` in place; apply after activation checkpointing.
     fullgraph=False where a block deliberately runs a part eagerly (context-parallel attention)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    for block in model.layers.values():
+    for block in layers_of(model).values():
         block.compile(fullgraph=fullgraph)

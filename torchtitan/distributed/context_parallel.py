@@ -39,6 +39,7 @@ rotation is the opposite rotation. Document ids carry no gradient and travel by 
 """
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ from torch import nn
 
 from torchtitan.config import UserError
 from torchtitan.distributed.comms import all_to_all
-from torchtitan.models.common.attention import block_attention, visible
+from torchtitan.distributed.utils import layers_of
+from torchtitan.models.common.attention import AttentionFn, block_attention, visible
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -78,16 +80,16 @@ class _AllGather(torch.autograd.Function):
         return out.unflatten(0, (size, x.shape[0]))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         out = grad.new_empty(grad.shape[1:])
         dist.reduce_scatter_single(out, grad.contiguous().flatten(0, 1), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 
-def _shift(x: torch.Tensor, group, offset: int, async_op: bool = False):
-    """Send `x` to the rank `offset` ahead in the ring and return what the rank `offset` behind sent;
-    with `async_op`, (the receive buffer, the transfer's work handle) at once, the buffer filled when
-    the work is waited for."""
+def _shift(x: torch.Tensor, group, offset: int) -> tuple[torch.Tensor, dist.Work]:
+    """Send `x` to the rank `offset` ahead in the ring and receive what the rank `offset` behind sent:
+    (the receive buffer, the transfer's work handle) at once, the buffer filled when the work is
+    waited for."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = x.contiguous().view(-1)
     send, recv = [0] * size, [0] * size
@@ -95,19 +97,22 @@ def _shift(x: torch.Tensor, group, offset: int, async_op: bool = False):
     recv[(rank - offset) % size] = flat.numel()
     out = torch.empty_like(flat)
     work = dist.all_to_all_single(
-        out, flat, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=async_op
+        out, flat, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True
     )
-    return (out.view(x.shape), work) if async_op else out.view(x.shape)
+    # With async_op, torch returns the work handle (all_to_all_single's return is not annotated).
+    return out.view(x.shape), cast(dist.Work, work)
 
 
 class _Transfer:
-    """The work handle of a ring transfer in flight, shared by the pair of Functions below."""
+    """The work handle of a ring transfer in flight: a block's, shared by the pair of Functions below,
+    or its document ids'."""
 
     def __init__(self, group, overlap: bool):
-        self.group, self.overlap, self.work = group, overlap, None
+        self.group, self.overlap = group, overlap
+        self.work: dist.Work | None = None
 
     def post(self, x: torch.Tensor, offset: int) -> torch.Tensor:
-        out, self.work = _shift(x, self.group, offset, async_op=True)
+        out, self.work = _shift(x, self.group, offset)
         if not self.overlap:  # the non-overlapping ring: wait at once
             self.wait()
         return out
@@ -129,7 +134,7 @@ class _RotatePost(torch.autograd.Function):
         return transfer.post(x, 1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         ctx.transfer.wait()
         return grad, None
 
@@ -146,7 +151,7 @@ class _RotateWait(torch.autograd.Function):
         return buffer.view_as(buffer)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         return ctx.transfer.post(grad, -1), None
 
 
@@ -163,7 +168,7 @@ class _Tie(torch.autograd.Function):
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         return grad, grad.new_zeros(ctx.block_shape, dtype=ctx.block_dtype)
 
 
@@ -176,7 +181,8 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     log-sum-exp. Every query sees itself, so the merged log-sum-exp is finite and empty blocks (-inf)
     get weight 0."""
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
-    return sum(torch.exp(p_lse - lse).unsqueeze(-1) * out for out, p_lse in parts), lse
+    # parts is never empty (a query sees at least its own key): the sum is a tensor, not sum's start 0.
+    return cast(torch.Tensor, sum(torch.exp(p_lse - lse).unsqueeze(-1) * out for out, p_lse in parts)), lse
 
 
 def _chunk_positions(chunk_id: int, chunk: int, device) -> torch.Tensor:
@@ -233,7 +239,7 @@ class ContextParallelAttention:
         doc_ids: torch.Tensor | None = None,
         window: int | None = None,
         return_lse: bool = False,
-    ):
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         repeats = q.shape[1] // k.shape[1]
         if self.rotate_method == "allgather":
             return self._allgather(q, k, v, repeats, doc_ids, window, return_lse)
@@ -274,16 +280,16 @@ class ContextParallelAttention:
         kv = torch.cat([k, v], dim=-1)
         kv_docs = doc_ids
         for step in range(self.cp):
-            last = step == self.cp - 1
-            if not last:
+            rotation = None  # the next block in flight (every step but the last): buffers and transfers
+            if step < self.cp - 1:
                 # Post the next block's transfer before computing on this one (with overlap, the wait
                 # comes after the computation; without, at once). Its backward mirrors it.
                 transfer = _Transfer(self.group, self.overlap)
                 incoming = _RotatePost.apply(kv, transfer)
-                if kv_docs is not None:  # the block's document ids travel with it; no gradient
-                    docs_in, docs_work = _shift(kv_docs, self.group, 1, async_op=True)
-                    if not self.overlap:
-                        docs_work.wait()
+                # The block's document ids travel with it; no gradient.
+                docs_transfer = _Transfer(self.group, self.overlap)
+                docs_in = docs_transfer.post(kv_docs, 1) if kv_docs is not None else None
+                rotation = (incoming, transfer, docs_in, docs_transfer)
             source = (self.rank - step) % self.cp  # whose block this rank holds at this step
             k_block, v_block = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
             k_chunks = _repeat_kv(k_block, repeats).chunk(2, dim=-2)
@@ -303,11 +309,11 @@ class ContextParallelAttention:
                             window,
                         )
                     parts[qi].append(block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], mask))
-            if not last:
+            if rotation is not None:
+                incoming, transfer, docs_in, docs_transfer = rotation
                 kv = _RotateWait.apply(incoming, transfer)
-                if kv_docs is not None:
-                    docs_work.wait()
-                    kv_docs = docs_in
+                docs_transfer.wait()
+                kv_docs = docs_in
         outs, lses = zip(*(_merge(p) for p in parts))
         return _Tie.apply(torch.cat(outs, dim=-2), kv).to(q.dtype), torch.cat(lses, dim=-1)
 
@@ -399,10 +405,10 @@ class UlyssesAttention:
     tokens (as under the ring); their gradient is summed over the cp ranks with the other replicated
     parameters. The result is the same as applying head group j's sinks on rank j during attention."""
 
-    def __init__(self, cp_mesh, kernel, exchange: HeadExchange | None = None):
+    def __init__(self, cp_mesh, kernel: AttentionFn, exchange: HeadExchange | None = None):
         self.exchange = exchange or HeadExchange(cp_mesh)
         self.cp = self.exchange.cp
-        self.kernel = kernel
+        self.kernel: AttentionFn = kernel
 
     @torch._dynamo.disable  # collectives inside autograd Functions: run eagerly inside compiled blocks
     def __call__(
@@ -413,7 +419,7 @@ class UlyssesAttention:
         doc_ids: torch.Tensor | None = None,
         window: int | None = None,
         return_lse: bool = False,
-    ):
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads % self.cp:
             raise ValueError(
@@ -429,7 +435,7 @@ class UlyssesAttention:
         docs = ex.gathered_docs(doc_ids) if doc_ids is not None else None
         result = self.kernel(q_all, k_all, v_all, doc_ids=docs, window=window, return_lse=return_lse)
         if not return_lse:
-            return ex.to_tokens(result)
+            return ex.to_tokens(cast(torch.Tensor, result))
         out, lse = result
         return ex.to_tokens(out), ex.to_tokens(lse.unsqueeze(-1)).squeeze(-1)
 
@@ -463,19 +469,19 @@ def apply_cp(
     the rotating ring's transfers overlap its computation."""
     if method not in ("ring", "ulysses"):
         raise ValueError(f"unknown context_parallel_method {method!r}")
-    ring = ContextParallelAttention(cp_mesh, rotate_method, overlap) if method == "ring" else None
+    ring: AttentionFn | None = ContextParallelAttention(cp_mesh, rotate_method, overlap) if method == "ring" else None
     exchange = HeadExchange(cp_mesh)  # one, so that its per-batch document gather is shared
-    wrapped: dict = {}  # one Ulysses wrapper per kernel
-    for block in model.layers.values() if blocks is None else blocks:
+    wrapped: dict[int, AttentionFn] = {}  # one Ulysses wrapper per kernel
+    for block in layers_of(model).values() if blocks is None else blocks:
         module = block.get_submodule(attention_path)
         if hasattr(module, "set_head_exchange"):
             # A mixer that is not attention (gated DeltaNet) goes head-parallel by all-to-all itself.
-            module.set_head_exchange(exchange)
+            module.set_head_exchange(exchange)  # pyrefly: ignore[not-callable]  # torch types Module.__getattr__'s result Tensor | Module; a method here
         elif ring is not None:
-            module.attention_fn = ring
+            module.attention_fn = ring  # pyrefly: ignore[bad-argument-type]  # torch types Module.__setattr__'s value Tensor | Module; it takes any
         else:
-            kernel = module.attention_fn
+            kernel = cast(AttentionFn, module.attention_fn)  # torch types a submodule attribute Tensor | Module
             if id(kernel) not in wrapped:
                 wrapped[id(kernel)] = UlyssesAttention(cp_mesh, kernel, exchange)
-            module.attention_fn = wrapped[id(kernel)]
-    model.set_token_positions(local_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank()))
+            module.attention_fn = wrapped[id(kernel)]  # pyrefly: ignore[bad-argument-type]  # torch types Module.__setattr__'s value Tensor | Module; it takes any
+    model.set_token_positions(local_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank()))  # pyrefly: ignore[not-callable]  # torch types Module.__getattr__'s result Tensor | Module; a method here

@@ -22,6 +22,8 @@ gradients (FSDP), experts average only over the groups (FSDP over "expert_dp"), 
 gradients are scaled by 1 / ep to be the same average.
 """
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,7 +59,11 @@ def _regroup(counts: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder blocks laid out [source][expert] (sizes `counts`) into [expert][source]."""
     sources, experts = counts.shape
     starts = (torch.cumsum(counts.flatten(), 0) - counts.flatten()).view(sources, experts)
-    blocks = [torch.arange(starts[s, e], starts[s, e] + counts[s, e]) for e in range(experts) for s in range(sources)]
+    blocks = [
+        torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
+        for e in range(experts)
+        for s in range(sources)
+    ]
     return torch.cat(blocks).to(counts.device) if blocks else counts.new_zeros(0)
 
 
@@ -73,13 +79,14 @@ def apply_ep(moe_layers: list[nn.Module], expert_mesh, tp: int) -> list[nn.Modul
     dispatcher = ExpertParallel(ep_mesh)
     experts_modules = []
     for moe in moe_layers:
-        check_expert_layer(moe)
-        experts = moe.experts
-        if experts.num_experts % ep_mesh.size():
-            raise ValueError(f"{experts.num_experts} experts cannot be split over {ep_mesh.size()} ranks")
+        check_expert_layer(moe)  # experts: a module with an int num_experts
+        experts = cast(nn.Module, moe.experts)
+        num_experts = cast(int, experts.num_experts)
+        if num_experts % ep_mesh.size():
+            raise ValueError(f"{num_experts} experts cannot be split over {ep_mesh.size()} ranks")
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements)))
         experts.grad_scale = 1.0 / ep_mesh.size()
-        moe.dispatcher = dispatcher
+        moe.dispatcher = dispatcher  # pyrefly: ignore[bad-argument-type]  # torch types Module.__setattr__'s value Tensor | Module; it takes any
         experts_modules.append(experts)
     return experts_modules

@@ -4,7 +4,7 @@
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from torchtitan.distributed.utils import DTYPES
+from torchtitan.distributed.utils import DTYPES, layers_of
 
 
 def apply_fsdp(
@@ -25,7 +25,7 @@ def apply_fsdp(
     reshard_blocks = reshard_after_forward_policy != "never"
     for module in sharded_apart:
         fully_shard(module, mesh=apart_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks, offload_policy=offload)
-    for block in model.layers.values():
+    for block in layers_of(model).values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_blocks, offload_policy=offload)
     # The root holds the embedding, final norm and output layer; backward needs the output layer first,
     # so by default keep the root's parameters gathered instead of all-gathering them again at once.

@@ -3,6 +3,8 @@ then turned into a DeviceMesh with named dimensions."""
 
 from dataclasses import dataclass
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from torchtitan.config import Parallelism, UserError
 from torchtitan.models.common.spec import submesh  # noqa: F401  (the mesh's flattened dims: read here by the rest)
 
@@ -119,7 +121,7 @@ class ParallelDims:
             f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks{ep}"
         )
 
-    def build_expert_mesh(self, device_type: str):
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The experts' mesh over the same ranks (pp, dp_replicate, dp_shard_mod_ep, ep, tp): the
         dp_shard x cp ranks split into ep (inner: an expert group) and the rest, which shard each
         expert group's weights with FSDP. Flattened: 'expert_dp' (dp_replicate x dp_shard_mod_ep)."""
@@ -139,7 +141,7 @@ class ParallelDims:
             ("experts", device_type, self.pp, self.dp_replicate, self.dp_shard * self.cp, self.ep, self.tp), build
         )
 
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """A mesh with dims (pp, dp_replicate, dp_shard, cp, tp): tp innermost so tensor-parallel peers are
         neighbours (same node), pp outermost (point-to-point traffic crosses nodes best). Flattened:
         'dp' (data loading: ranks that read different batches), 'dp_shard_cp' (FSDP's shard dimension) and
@@ -157,7 +159,7 @@ class ParallelDims:
             )
             # torch deprecates slicing a flattened dim from the root mesh: the flattened meshes are kept on
             # it (submesh reads them), with HSDP's 2D (dp_replicate, dp_shard_cp) mesh unflattened from dp_cp.
-            flat = {
+            flat: dict[str | tuple[str, ...], DeviceMesh] = {
                 "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
                 "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
                 "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
@@ -167,7 +169,7 @@ class ParallelDims:
                 flat["dp_replicate", "dp_shard_cp"] = flat["dp_cp"]._unflatten(
                     0, (self.dp_replicate, self.dp_shard * self.cp), ("hsdp_replicate", "hsdp_shard")
                 )
-            mesh.titan_flattened = flat
+            mesh.titan_flattened = flat  # pyrefly: ignore[missing-attribute]  # our attribute on torch's mesh
             return mesh
 
         hsdp = self.dp_replicate > 1 and self.fsdp_enabled

@@ -10,6 +10,8 @@ the compiled graph includes the recomputation; FSDP goes last because it must wr
 of each block to shard its parameters.
 """
 
+from typing import cast
+
 from torch import nn
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -17,7 +19,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
-from torchtitan.distributed.parallel_dims import submesh
+from torchtitan.distributed.parallel_dims import ParallelDims, submesh
 from torchtitan.distributed.pipeline_parallel import apply_fsdp_to_stage
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.models.common.spec import ModelSpec, ParallelizeInputs
@@ -27,17 +29,22 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
     """Apply every enabled parallelism to `model` in place, as `spec` describes it."""
     if spec.pre_parallelize is not None:
         spec.pre_parallelize(model, inputs)
-    dims, mesh, parallelism, training = inputs.parallel_dims, inputs.mesh, inputs.parallelism, inputs.training
+    # The trainer hands over its ParallelDims; the spec types it by what the models read (ParallelDegrees).
+    dims = cast(ParallelDims, inputs.parallel_dims)
+    mesh, parallelism, training = inputs.mesh, inputs.parallelism, inputs.training
     experts, expert_dp_mesh = (), None
     if dims.ep_enabled:
         if spec.expert_layers is None:
             raise ValueError(f"model {spec.name} has no experts (its spec has no expert_layers)")
-        experts = tuple(apply_ep(spec.expert_layers(model), inputs.expert_mesh, dims.tp))
         em = inputs.expert_mesh
+        assert em is not None, "expert parallel needs ParallelDims.build_expert_mesh's mesh"
+        experts = tuple(apply_ep(spec.expert_layers(model), em, dims.tp))
         expert_dp_mesh = em["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else em["dp_shard_mod_ep"]
+    # A degree above 1 means more than one process, hence a mesh (the asserts below).
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise ValueError(f"model {spec.name} has no tensor-parallel plan in its spec")
+        assert mesh is not None
         apply_tp(
             model,
             mesh["tp"],
@@ -50,6 +57,7 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
     if dims.cp_enabled:
         if spec.cp_attention is None:
             raise ValueError(f"model {spec.name} does not support context parallel (its spec has no cp_attention)")
+        assert mesh is not None
         apply_cp(
             model,
             mesh["cp"],
@@ -95,13 +103,14 @@ def parallelize_model(model: nn.Module, inputs: ParallelizeInputs, spec: ModelSp
             apart_mesh=expert_dp_mesh,
         )
     elif dims.ddp_enabled:
+        assert mesh is not None
         apply_ddp(model, mesh["dp_replicate"])
     return model
 
 
 def _enable_async_tp(tp_mesh):
     """Let inductor fuse TP collectives with the matmuls around them (symmetric memory, CUDA only)."""
-    import torch
+    import torch._inductor.config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
     PipelineScheduleSingle,
     _PipelineScheduleRuntime,
     get_schedule_class,
@@ -41,7 +43,11 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.config.errors import UserError
 from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
+from torchtitan.distributed.utils import layers_of
 from torchtitan.models.common.spec import PipelineLayout
+
+# What build_pipeline_schedule returns (a CSV schedule is a PipelineScheduleMulti).
+PipelineSchedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 # Schedules that place two stages per rank in a "V": rank r holds stages r and 2*pp-1-r.
 V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
@@ -148,7 +154,7 @@ def check_placement(num_stages: int, pp_degree: int, schedule_name: str, source:
 def parts_from_split_points(layout: PipelineLayout, n_layers: int, split_points: list[str]) -> list[list[str]]:
     """Module names per stage when each name in `split_points` begins a new stage."""
     rank_of = _module_order(layout, n_layers)
-    order = sorted(rank_of, key=rank_of.get)
+    order = sorted(rank_of, key=rank_of.__getitem__)
     unknown = [name for name in split_points if name not in order]
     if unknown:
         raise UserError(
@@ -260,8 +266,8 @@ def _check_explicit_split(
     unknown = [n for n in flat if n not in order]
     if unknown:
         raise UserError(f"{key}: unknown module names {unknown} (model n_layers = {n_layers})")
-    missing = sorted(set(order) - set(flat), key=order.get)
-    dup = sorted({n for n in flat if flat.count(n) > 1}, key=order.get)
+    missing = sorted(set(order) - set(flat), key=order.__getitem__)
+    dup = sorted({n for n in flat if flat.count(n) > 1}, key=order.__getitem__)
     if missing or dup:
         raise UserError(f"{key} must name every module exactly once: missing {missing}, repeated {dup}")
     # Stages run one after another, so the parts must follow the model's forward order.
@@ -306,7 +312,8 @@ def build_stage_model(
     else:
         model = model_or_factory()
     keep = set(module_names)
-    known = {*layout.before, *layout.after} | {f"layers.{k}" for k in model.layers}
+    layers = layers_of(model)
+    known = {*layout.before, *layout.after} | {f"layers.{k}" for k in layers}
     if keep - known:
         raise UserError(f"model part names unknown modules {sorted(keep - known)}")
     borrowed = {
@@ -317,10 +324,10 @@ def build_stage_model(
     for name in (*layout.before, *layout.after):
         if name not in keep and name not in borrowed:
             setattr(model, name, None)
-    model.borrowed = frozenset(borrowed)
-    for k in list(model.layers):
+    model.borrowed = frozenset(borrowed)  # pyrefly: ignore[bad-argument-type]  # torch types Module.__setattr__'s value Tensor | Module; it takes any
+    for k in list(layers):
         if f"layers.{k}" not in keep:
-            del model.layers[k]
+            del layers[k]
     return model
 
 
@@ -374,7 +381,7 @@ def build_pipeline_schedule(
     n_microbatches: int,
     loss_fn: Callable,
     csv_path: str | None = None,
-):
+) -> PipelineSchedule:
     """A schedule by name (case-insensitive; GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), or the schedule in `csv_path`.
 
@@ -424,6 +431,7 @@ class StepLoss:
         self.scale: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self.scale is not None, "StepLoss.scale is set before the schedule runs"
         return self.loss_sum_fn(logits, labels) * self.scale
 
 
@@ -446,7 +454,7 @@ def pipeline_step(
     args = (inputs,) if is_first else ()
     run = schedule.eval if forward_only else schedule.step
     run(*args, target=target, losses=losses, return_outputs=False, **(kwargs or {}))
-    if not is_last:
+    if losses is None:  # not the last stage
         return None
     return torch.stack([loss.detach() for loss in losses]).sum()
 
@@ -558,9 +566,9 @@ class Pipeline:
     stage_ids: list[int]
     num_stages: int
     style: str
-    pp_mesh: object
+    pp_mesh: DeviceMesh
     ties: list[dict[int, str]] = field(default_factory=list)  # weights shared across stages (shared_weights)
-    schedule: object = None
+    schedule: PipelineSchedule | None = None
 
     @property
     def is_first(self) -> bool:  # holds stage 0: feeds the inputs
@@ -578,9 +586,11 @@ class Pipeline:
         return stage_rank(stage, self.pp_mesh.size(), self.style)
 
 
-def split_for_rank(whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh) -> tuple[list[nn.Module], Pipeline]:
+def split_for_rank(
+    whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh: DeviceMesh
+) -> tuple[list[nn.Module], Pipeline]:
     """This rank's stage models (still on the meta device, full-model FQNs) and their placement."""
-    parts = plan_split(layout, len(whole.layers), pp_mesh.size(), parallelism)
+    parts = plan_split(layout, len(layers_of(whole)), pp_mesh.size(), parallelism)
     num_stages = len(parts)
     style = schedule_style(parallelism.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)

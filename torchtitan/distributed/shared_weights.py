@@ -18,10 +18,12 @@ differ only in their pipeline coordinate; a process group per such set of ranks 
 """
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from torchtitan.models.common.init import local_part
 
@@ -34,7 +36,7 @@ class _Copies:
     canonical: str
     copies: list[tuple[int, str]]
     holds_canonical: bool
-    group: object = None
+    group: ProcessGroup | None = None
     canonical_group_rank: int = 0
 
 
@@ -58,6 +60,8 @@ class SharedWeights:
                 buf = local_part(params[0]).clone() if source is None else source.clone()
                 dist.broadcast(buf, group=w.group, group_src=w.canonical_group_rank)
                 source = buf
+            # Without a group every copy is on this rank, the canonical one included.
+            assert source is not None
             for p in params:
                 if local_part(p) is not source:
                     local_part(p).copy_(source)
@@ -69,10 +73,11 @@ class SharedWeights:
             params = [self._param(i, n) for i, n in w.copies]
             grads = [local_part(p.grad) for p in params if p.grad is not None]
             if len(grads) != len(params):  # a stage that did not use its copy this step
+                grads = []
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                grads = [local_part(p.grad) for p in params]
+                    grads.append(local_part(p.grad))
             total = grads[0].clone() if len(grads) > 1 else grads[0]
             for g in grads[1:]:
                 total.add_(g)
@@ -124,7 +129,9 @@ def build_shared_weights(
             # One group per coordinate outside pp; every rank takes part in creating all of them.
             members = ranks[pp_ranks].reshape(len(pp_ranks), -1).T.tolist()
             mine, _ = dist.new_subgroups_by_enumeration(members)
-            group = mine if my_pp in pp_ranks else None
+            # Every rank is in one of the groups: `mine` is a ProcessGroup (torch's type also allows
+            # the marker of a rank in none).
+            group = cast(ProcessGroup, mine) if my_pp in pp_ranks else None
             canonical_group_rank = pp_ranks.index(rank_of_stage(stages[0]))
         copies = [(stage_ids.index(s), tie[s]) for s in stages if s in stage_ids]
         if copies:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel, parallelize_module
 
 from torchtitan.config.errors import UserError
+from torchtitan.distributed.utils import layers_of
 from torchtitan.models.common.tp_plan import TensorParallelPlan
 
 
@@ -70,7 +71,7 @@ def apply_tp(model: nn.Module, tp_mesh, plan: TensorParallelPlan, loss_parallel:
     if top:
         parallelize_module(model, tp_mesh, top)
     done = set()
-    for block in model.layers.values() if blocks is None else blocks:
+    for block in layers_of(model).values() if blocks is None else blocks:
         if id(block) not in done:
             done.add(id(block))
             parallelize_module(block, tp_mesh, plan.block(block))

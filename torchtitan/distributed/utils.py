@@ -7,13 +7,21 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 # Dtype names as the config spells them.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def layers_of(model: nn.Module) -> nn.ModuleDict:
+    """`model.layers`: the blocks of a model or pipeline stage, an nn.ModuleDict keyed by layer id
+    (torchtitan.models.common.spec), which nn.Module's attribute lookup types as Tensor | Module."""
+    return cast(nn.ModuleDict, model.layers)
 
 
 def device_type() -> str:
@@ -162,7 +170,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, not_counted=()) 
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values():
-        counted = [p.grad for p in group if id(p) not in skip]
+        # Every p has a gradient (params); the test narrows the type.
+        counted = [p.grad for p in group if id(p) not in skip and p.grad is not None]
         if not counted:
             continue
         norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0)

@@ -184,9 +184,7 @@ def spec_for_hf_config(config: dict, where: str = "the Hugging Face config") -> 
         spec = get_model_spec(name)
         if spec.hf is not None and model_type in spec.hf.model_types:
             return spec
-    known = sorted(
-        t for n in model_names() if get_model_spec(n).hf is not None for t in get_model_spec(n).hf.model_types
-    )
+    known = sorted(t for n in model_names() if (hf := get_model_spec(n).hf) is not None for t in hf.model_types)
     field = (
         "model_type" if text is config else f"text_config.model_type (inside model_type {config.get('model_type')!r})"
     )
@@ -211,6 +209,7 @@ def import_custom_module(target: str) -> None:
         if name in sys.modules:
             return
         module_spec = importlib.util.spec_from_file_location(name, target)
+        assert module_spec is not None and module_spec.loader is not None  # a .py file gets a source loader
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
         try:

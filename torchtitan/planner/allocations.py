@@ -4,7 +4,7 @@ test_activation_counts.py). Events are matched by address: a free recorded on an
 come after that address's next allocation, which a running sum of sizes would count twice; a free of
 memory allocated before the profile is left out."""
 
-from torch._C._profiler import _EventType
+from torch._C._profiler import _ExtraFields_Allocation
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -16,12 +16,15 @@ def memory_profile() -> profile:
 def held_over_time(prof: profile, device: str = "cpu") -> list[int]:
     """Bytes held by what was allocated during the profile, after each of its allocation events in
     time order."""
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    assert results is not None, "the profile has not run"  # set when it exits
+    events, stack = [], list(results.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == device:
-            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        fields = e.extra_fields  # an allocation event's (and a free's: a negative size)
+        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == device:
+            events.append((e.start_time_ns, fields.ptr, fields.alloc_size))
     live: dict[int, int] = {}
     held, out = 0, []
     for _, ptr, size in sorted(events):

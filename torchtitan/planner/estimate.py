@@ -7,13 +7,17 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from torchtitan.config import UserError
+from torch import nn
+
+from torchtitan.config import JobConfig, UserError
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.common.spec import meta_model
+from torchtitan.models.common.spec import ModelSpec, meta_model
 from torchtitan.planner.memory import (
     GiB,
     MemoryEstimate,
+    Shard,
     estimate_memory,
     missing_counts,
     optimizer_states,
@@ -24,7 +28,7 @@ from torchtitan.planner.timing import Hardware, StepTime, step_time
 
 @dataclass(frozen=True)
 class Estimate:
-    cfg: object  # the JobConfig of this layout
+    cfg: JobConfig  # this layout's
     dims: ParallelDims
     memory: MemoryEstimate
     time: StepTime
@@ -106,13 +110,14 @@ class Planning:
     """What every layout of one recipe shares, computed once: the spec, the args, the meta model, the
     FLOPs per token, and the parameter shards of each (degrees, pipeline split) seen."""
 
-    spec: object
-    args: object
-    model: object
+    spec: ModelSpec
+    args: Any  # the family's args dataclass (typed Any as in ModelSpec)
+    model: nn.Module  # on the meta device
     flops_per_token: float
     moe_blocks: int  # blocks with routed experts
-    states: dict  # optimizer state tensors per parameter element, by name (memory.optimizer_states)
-    shards: dict = dataclasses.field(default_factory=dict)
+    states: dict[str, int]  # optimizer state tensors per parameter element, by name (memory.optimizer_states)
+    # param_shards' results by (degrees, the [parallelism] settings that decide the split)
+    shards: dict[tuple, dict[int, dict[str, Shard]]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, spec, args, cfg) -> "Planning":

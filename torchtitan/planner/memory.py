@@ -47,6 +47,7 @@ from torchtitan.distributed.pipeline_parallel import (
     splits_backward,
     stage_ids_for_rank,
 )
+from torchtitan.distributed.utils import layers_of
 from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
 
 GiB = 2**30
@@ -96,7 +97,7 @@ class MemoryEstimate:
     def largest(self) -> str:
         """The largest of the terms a layout can change (fragmentation and the reserve follow them)."""
         terms = {k: v for k, v in self.terms().items() if k not in ("fragmentation", "reserved")}
-        return max(terms, key=terms.get)
+        return max(terms, key=terms.__getitem__)
 
 
 def missing_counts(spec) -> None:
@@ -127,7 +128,7 @@ def _tp_shard_dims(model: nn.Module, plan, loss_parallel: bool) -> dict[str, int
                 dims[f"{prefix}{path}.{pname}"] = (1 if col else 0) if embedding else (0 if col else 1)
 
     visit("", model, {k: v for k, v in plan.top(loss_parallel).items() if getattr(model, k, None) is not None})
-    for lid, block in model.layers.items():
+    for lid, block in layers_of(model).items():
         visit(f"layers.{lid}.", block, plan.block(block))
     return dims
 
@@ -220,7 +221,7 @@ def _dedup_tied(table: list[ParamInfo], held: dict[str, Shard]) -> dict[str, Sha
 
 
 def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[int, list[str]]:
-    n_layers = len(model.layers)
+    n_layers = len(layers_of(model))
     if dims.pp == 1:
         return {0: spec.pipeline.module_names(n_layers) + _extra_top_modules(spec, model)}
     parts = plan_split(spec.pipeline, n_layers, dims.pp, parallelism)
@@ -271,7 +272,7 @@ def _extra_blocks(spec, model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _extra_top_modules(spec, model: nn.Module) -> list[str]:
     """Top-level modules with parameters that the pipeline layout does not list (e.g. multi-token
     prediction heads): one process holds them."""
-    listed = set(spec.pipeline.module_names(len(model.layers))) | {"layers"}
+    listed = set(spec.pipeline.module_names(len(layers_of(model)))) | {"layers"}
     return [n for n, m in model.named_children() if n not in listed and any(True for _ in m.parameters())]
 
 
@@ -566,6 +567,7 @@ def estimate_memory(
         )
         if best is None or estimate.total > best.total:
             best = estimate
+    assert best is not None  # every layout has a pipeline rank 0
     return best
 
 

@@ -307,7 +307,7 @@ def plan(
         (fits if est.memory.total <= memory_bytes else too_big).append(est)
     if not fits and not too_big:
         why = (
-            max(impossible, key=impossible.get)
+            max(impossible, key=impossible.__getitem__)
             if impossible
             else (
                 "no data-parallel degree that the other degrees leave divides the global batch of "

@@ -7,10 +7,14 @@ waits for the previous one, so saves never overlap.
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan.components import watchdog
 from torchtitan.components.checkpoint.folders import CheckpointFolder
@@ -23,12 +27,13 @@ class AsyncSaves:
     def __init__(self, async_mode: str, folder: CheckpointFolder, keep_latest_k: int):
         self.folder, self.keep_latest_k = folder, keep_latest_k
         self.pending: tuple[Future, int] | None = None  # an async save not yet published: (future, step)
-        self.executor = None  # background checksums
-        self.pg = None
-        self.stager = None
+        self.executor: ThreadPoolExecutor | None = None  # background checksums
+        self.pg: ProcessGroup | None = None
+        self.stager: AsyncStager | None = None
         if folder.peers.distributed:
             # Background writes use their own gloo group, so they never interleave with training collectives.
-            self.pg = dist.new_group(backend="gloo")
+            # Every rank is a member of a group of all ranks, so this is a ProcessGroup (not NON_GROUP_MEMBER).
+            self.pg = cast(ProcessGroup, dist.new_group(backend="gloo"))
         if async_mode == "async_with_pinned_mem":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -39,6 +44,7 @@ class AsyncSaves:
         `write_side_files` writes there now. Call wait() first: one save at a time."""
         partial = self.folder.partial(step)
         error = None
+        upload: Future | None = None
         try:
             result = dcp.async_save(
                 state,
@@ -47,18 +53,19 @@ class AsyncSaves:
                 async_stager=self.stager,
                 no_dist=not self.folder.peers.distributed,
             )
-            upload = getattr(result, "upload_completion", result)
+            upload = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
             write_side_files()
         except (OSError, CheckpointException) as e:
             error = describe_failure(e)
         self.folder.agree_or_abandon(error, step)
+        assert upload is not None  # agree_or_abandon returned: every rank's save started, this one's too
         # Checksums are computed in the background too, once this rank's files are written.
         self.executor = self.executor or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
         self.pending = (self.executor.submit(self._finish_writing, upload, partial), step)
         # The background writes are bounded by comm.checkpoint_timeout_seconds too (components/watchdog.py).
         watchdog.in_background("checkpoint", f"writing checkpoint step-{step} in the background", self.pending[0].done)
 
-    def _finish_writing(self, upload, partial: str):
+    def _finish_writing(self, upload: Future, partial: str):
         upload.result()
         write_checksums(partial, self.folder.peers.rank)
 
@@ -68,15 +75,15 @@ class AsyncSaves:
             return
         future, _ = self.pending
         if self.folder.peers.all_true(future.done()):
-            self._finish_pending()
+            self._finish_pending(self.pending)
 
     def wait(self):
         """Block until a pending save is written and published."""
         if self.pending is not None:
-            self._finish_pending()
+            self._finish_pending(self.pending)
 
-    def _finish_pending(self):
-        future, step = self.pending
+    def _finish_pending(self, pending: tuple[Future, int]):
+        future, step = pending
         self.pending = None
         error = None
         try:

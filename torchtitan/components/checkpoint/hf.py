@@ -12,6 +12,7 @@ from a pickle.
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ def save_hf(
     return Path(folder)
 
 
-def plan_files(items: list[tuple[str, int, object]], max_shard_bytes: int) -> list[list[str]]:
+def plan_files(items: Sequence[tuple[str, int, object]], max_shard_bytes: int) -> list[list[str]]:
     """Files of consecutive (name, bytes, group) items: at most max_shard_bytes each (a larger tensor
     gets a file of its own), and never two groups in one file (a group: a pipeline stage's tensors)."""
     shards, size, group = [[]], 0, None
@@ -184,6 +185,7 @@ class HFFolder:
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
             if offset is None:
                 return f.get_tensor(self.stored[name])
+            assert shape is not None, "a block is read by its offset and shape"
             return f.get_slice(self.stored[name])[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 

@@ -28,11 +28,13 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -85,12 +87,14 @@ def load_hf_into(
             if key in filled:
                 continue
             filled.add(key)
-            shape, offset = (local_block(target) if isinstance(target, DTensor) else None) or (None, None)
+            block = local_block(target) if isinstance(target, DTensor) else None
             piece = None
-            if shape is not None and len(sources) == 1 and _is_rename(adapter, name, sources[0], hf, args):
-                piece = read_block(sources[0], offset, shape)
-            elif shape is not None and sources and adapter.block_from_hf is not None:
-                piece = adapter.block_from_hf(name, read_block, args, present, offset, shape)
+            if block is not None:
+                shape, offset = block
+                if len(sources) == 1 and _is_rename(adapter, name, sources[0], hf, args):
+                    piece = read_block(sources[0], offset, shape)
+                elif sources and adapter.block_from_hf is not None:
+                    piece = adapter.block_from_hf(name, read_block, args, present, offset, shape)
             if piece is None:
                 inputs = {n: hf.read(n) for n in sources}
                 read += sum(t.numel() * t.element_size() for t in inputs.values())
@@ -133,14 +137,15 @@ def _is_rename(adapter: HFAdapter, name: str, source: str, hf: HFFolder, args) -
     return adapter.tensor_from_hf(name, {source: probe}, args) is probe
 
 
-def _stage_ranks(mesh) -> tuple[int, list[list[int]]]:
+def _stage_ranks(mesh: DeviceMesh | None) -> tuple[int, list[list[int]]]:
     """(this rank's pipeline-stage index, the global ranks of each stage). Without a mesh, one stage
     of rank 0; without PP, one stage of every rank."""
     if mesh is None:
         return 0, [[0]]
     ranks = mesh.mesh
-    if "pp" in (mesh.mesh_dim_names or ()):
-        pp_dim = mesh.mesh_dim_names.index("pp")
+    dim_names = mesh.mesh_dim_names or ()
+    if "pp" in dim_names:
+        pp_dim = dim_names.index("pp")
         ranks = ranks.movedim(pp_dim, 0)
         stages = [r.flatten().tolist() for r in ranks]
         mine = next(i for i, r in enumerate(stages) if dist.get_rank() in r)
@@ -155,7 +160,7 @@ def save_hf_sharded(
     args,
     model_shapes: dict[str, tuple],
     dtype: torch.dtype,
-    mesh=None,
+    mesh: DeviceMesh | None = None,
     max_shard_bytes: int = 5 * 2**30,
     bos_id: int | None = None,
     eos_id: int | None = None,
@@ -175,8 +180,10 @@ def save_hf_sharded(
     # Which stage holds each of our tensors: each stage says what it holds (names only).
     holdings = [sorted(held)]
     if len(stage_ranks) > 1:
-        holdings = [None] * len(stage_ranks)
-        dist.all_gather_object(holdings, sorted(held), group=mesh["pp"].get_group())
+        assert mesh is not None  # several stages come from the mesh's pp dimension
+        gathered: list = [None] * len(stage_ranks)  # all_gather_object fills in each stage's names
+        dist.all_gather_object(gathered, sorted(held), group=mesh["pp"].get_group())
+        holdings = gathered
     stage_of = {name: s for s, names in enumerate(holdings) for name in names}
 
     # The plan, identical on every rank: each of our tensors' Hugging Face tensors (meta), grouped into files.
@@ -208,6 +215,7 @@ def save_hf_sharded(
             for name in file_items:
                 whole = _whole_on(held[name], writer, dtype)
                 if rank == writer:
+                    assert whole is not None  # _whole_on gives the writer the whole tensor
                     tensors.update(
                         {k: v.to("cpu", dtype).contiguous() for k, v in adapter.tensor_to_hf(name, whole, args).items()}
                     )
@@ -249,7 +257,7 @@ def _whole_on(t: torch.Tensor, writer: int, dtype: torch.dtype) -> torch.Tensor 
     ranks = mesh.mesh.flatten().tolist()
     # Other ranks' blocks are computed from their coordinates, which needs plain placements.
     if not all(type(p) in (Shard, Replicate) for p in t.placements) or writer not in ranks:
-        whole = t.to(dtype).full_tensor()  # a collective over t's mesh
+        whole = cast(DTensor, t.to(dtype)).full_tensor()  # a collective over t's mesh (DTensor.to keeps a DTensor)
         return whole if rank == writer else None
     replicated = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]
     local = t.to_local().to(dtype)
@@ -264,10 +272,12 @@ def _whole_on(t: torch.Tensor, writer: int, dtype: torch.dtype) -> torch.Tensor 
         )
         if math.prod(shape) == 0 or rank not in (sender, writer):
             continue
+        if rank == sender and sender != writer:
+            dist.send(local.contiguous(), dst=writer)
+            continue
+        assert whole is not None  # this rank is the writer
         if sender == writer:
             whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(local)
-        elif rank == sender:
-            dist.send(local.contiguous(), dst=writer)
         else:
             block = torch.empty(shape, dtype=dtype, device=local.device)
             dist.recv(block, src=sender)

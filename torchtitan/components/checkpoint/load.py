@@ -56,6 +56,7 @@ def load_checkpoint(run: RunState, path: str, model_only: bool, resuming: bool, 
     if "model" not in excluded:
         to_load["model"] = model_sd
     load_optimizer = not model_only and "optimizer" not in excluded
+    optim_sds: list[dict] = []
     if load_optimizer:
         optim_sds = run.optim_sds()
         to_load["optimizer"] = {"state": run.optim_state_to_store(optim_sds)}

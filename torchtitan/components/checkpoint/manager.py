@@ -63,11 +63,11 @@ class CheckpointManager:
             if path is not None:
                 return self._load(path, model_only=False, resuming=True)
         if self.cfg.initial_load_path:
-            return self._load_initial()
+            return self._load_initial(self.cfg.initial_load_path)
         return 0, 0
 
-    def _load_initial(self) -> tuple[int, int]:
-        path = self.cfg.initial_load_path  # its existence was checked by preflight_checkpoint
+    def _load_initial(self, path: str) -> tuple[int, int]:
+        # The path's existence was checked by preflight_checkpoint.
         if self.cfg.initial_load_in_hf:
             self.hf_load_figures = load_hf_weights(self.run, path)
             return 0, 0

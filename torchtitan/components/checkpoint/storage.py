@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,7 @@ def train_state_record(
     """The train_state.json object (the one schema, for the trainer's saves and converted weights).
     `model` is {"name", "flavor", "args": dataclasses.asdict(args)}; the last three are absent from
     model-only checkpoints. `counters` are the run's running totals (e.g. skipped_steps)."""
-    record = {
+    record: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "tokens": tokens,
@@ -362,7 +362,7 @@ def open_to_readers(folder: Path) -> None:
 
 
 @contextmanager
-def staging(folder: str | os.PathLike) -> Iterator[Path]:
+def staging(folder: str | os.PathLike) -> Generator[Path, None, None]:
     """A fresh hidden sibling of `folder`, renamed to `folder` when the block succeeds, deleted if not:
     a crash never leaves a half-written folder under the final name."""
     folder = Path(folder).resolve()

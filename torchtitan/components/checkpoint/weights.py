@@ -41,7 +41,7 @@ from torchtitan.components.checkpoint.storage import (
     write_json,
 )
 from torchtitan.config.errors import UserError
-from torchtitan.models.common.spec import ModelSpec
+from torchtitan.models.common.spec import HFAdapter, ModelSpec
 
 
 def dcp_model_name(folder: str | os.PathLike) -> str:
@@ -84,6 +84,12 @@ def write_dcp_model(
     return Path(folder)
 
 
+def _hf_adapter(spec: ModelSpec) -> HFAdapter:
+    # The callers (scripts/convert_checkpoint.py) refuse a family without an adapter first.
+    assert spec.hf is not None, f"model '{spec.name}' has no Hugging Face adapter"
+    return spec.hf
+
+
 def dcp_to_hf(
     checkpoint_dir: str | os.PathLike,
     output: str | os.PathLike,
@@ -96,24 +102,25 @@ def dcp_to_hf(
     """Export the model part of a step-N checkpoint as a Hugging Face folder, one tensor at a time:
     each tensor is read from the checkpoint when its file is written, so the peak memory is about
     one file's tensors. Returns the checkpoint's train_state.json."""
+    adapter = _hf_adapter(spec)
     folder = str(existing_folder(checkpoint_dir, "checkpoint folder"))
     stored, args, train_state = _dcp_model_metadata(folder, spec)
     items, hf_names = [], {}
     for name, md in stored.items():
-        converted = spec.hf.tensor_to_hf(name, torch.empty(md.size, dtype=dtype, device="meta"), args)
+        converted = adapter.tensor_to_hf(name, torch.empty(md.size, dtype=dtype, device="meta"), args)
         if converted:
             hf_names[name] = list(converted)
             items.append((name, sum(t.numel() for t in converted.values()) * dtype.itemsize, 0))
     files = plan_files(items, max_shard_bytes)
     names = file_names(len(files))
     with staging(output) as tmp:
-        write_json(tmp / HF_CONFIG, spec.hf.config(args, dtype, bos_id, eos_id))
+        write_json(tmp / HF_CONFIG, adapter.config(args, dtype, bos_id, eos_id))
         for file, file_items in zip(names, files):
             tensors = {}
             for name in file_items:
                 whole = _read_dcp_tensor(folder, name, stored[name])
                 tensors.update(
-                    {k: v.to(dtype).contiguous() for k, v in spec.hf.tensor_to_hf(name, whole, args).items()}
+                    {k: v.to(dtype).contiguous() for k, v in adapter.tensor_to_hf(name, whole, args).items()}
                 )
                 del whole
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
@@ -130,14 +137,15 @@ def hf_to_dcp(hf_folder: str | os.PathLike, output: str | os.PathLike, spec: Mod
     """Write a Hugging Face folder as a model-only step-0 checkpoint, one tensor at a time: DCP asks
     for each tensor as it writes it (_StreamingSavePlanner), which is read and converted then. Returns
     (the number of tensors, the args)."""
-    args = check_hf_folder(hf_folder, spec.hf)
+    adapter = _hf_adapter(spec)
+    args = check_hf_folder(hf_folder, adapter)
     hf = HFFolder(hf_folder)
     present = frozenset(hf.shapes)
-    shapes = spec.hf.from_hf(hf.meta(), args)  # our names -> meta tensors of the right shape and dtype
+    shapes = adapter.from_hf(hf.meta(), args)  # our names -> meta tensors of the right shape and dtype
 
     def load(name: str) -> torch.Tensor:
-        sources = spec.hf.hf_names(name, args, present)
-        return spec.hf.tensor_from_hf(name, {n: hf.read(n) for n in sources}, args).contiguous()
+        sources = adapter.hf_names(name, args, present)
+        return adapter.tensor_from_hf(name, {n: hf.read(n) for n in sources}, args).contiguous()
 
     placeholders = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in shapes.items()}
     with staging(output) as tmp:

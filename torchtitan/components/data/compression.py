@@ -5,7 +5,7 @@ text that is not UTF-8 (a binary file, or text in another encoding), where it st
 import codecs
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 from torchtitan.config.errors import UserError
@@ -141,7 +141,7 @@ def _decoded_chunks(path: Path, compression: str, lines: Callable[[], int] | Non
 
 def byte_chunks(
     path: Path, compression: str | None, size: int = 1 << 20, lines: Callable[[], int] | None = None
-) -> Iterator[bytes]:
+) -> Generator[bytes, None, None]:
     """The (decompressed) bytes of a file, in chunks (of `size` bytes for an uncompressed file);
     decompression errors are UserErrors naming it and where it failed."""
     if compression is not None:
@@ -228,6 +228,7 @@ def decode(data: bytes, path: Path, compression: str | None, start: int = 0, lin
         text = None
     if text is None or "\0" in text:
         check_text(data, path, compression, start, line)
+    assert text is not None  # check_text refused the bytes that are not UTF-8
     return text
 
 

@@ -230,9 +230,10 @@ class FilesSource:
         return self._layout[1]
 
     def _size(self, i: int) -> int:
-        if self._sizes[i] is None:
-            self._sizes[i] = self.paths[i].stat().st_size
-        return self._sizes[i]
+        size = self._sizes[i]
+        if size is None:
+            size = self._sizes[i] = self.paths[i].stat().st_size
+        return size
 
     def load_layout(self, layout: dict):
         """Take the counts of a saved layout for the units of files still there with the same size."""
@@ -241,9 +242,11 @@ class FilesSource:
         for key, (n, size) in layout.get("unit_documents", {}).items():
             name, _, piece = key.rpartition("#")
             i = self._by_name.get(name)
+            if i is None:  # the file is gone
+                continue
             j, _, pieces = piece.partition("/")
-            unit = (i, int(j), int(pieces)) if i is not None else None
-            if unit is not None and unit not in self._learned and size == self._size(i):
+            unit = (i, int(j), int(pieces))
+            if unit not in self._learned and size == self._size(i):
                 self._learned[unit] = n
 
     def _unit_key(self, unit: tuple[int, int, int]) -> str:

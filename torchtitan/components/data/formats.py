@@ -377,12 +377,14 @@ class _ParquetFile:
         row = first  # the row of the file the next batch starts at
         while True:
             # Only the reading is guarded: the yields below hand control to the caller.
+            batch = None
             try:
                 batch = next(batches, None)
                 if batch is None:
                     return
                 values = batch.column(0).to_pylist()
             except UnicodeDecodeError:
+                assert batch is not None  # only a batch's values fail to decode (to_pylist)
                 raise _not_utf8_value(self.path, self.field, batch.column(0), row) from None
             except (OSError, self.pa.ArrowException) as e:
                 # Numbered from 0, as pyarrow's ParquetFile.read_row_group and metadata.row_group number them.

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Protocol
 
 import torch
 from torch.utils.data import IterableDataset
@@ -36,11 +37,23 @@ def _order_name(seed: int | None) -> str:
     return "stored order" if seed is None else f"the order shuffled with seed {seed}"
 
 
+class Source(Protocol):
+    """What the loader reads of a source (sources.py): its documents from an index on, and with
+    random_access their number."""
+
+    name: str
+    random_access: bool
+
+    def documents(self, start: int) -> Iterator: ...
+
+    def num_documents(self) -> int: ...
+
+
 @dataclass
 class Part:
     """One source of the packed stream, and what names it in a saved state."""
 
-    source: object  # documents: text (with a tokenizer), or token lists (a token folder)
+    source: Source  # documents: text (with a tokenizer), or token lists (a token folder)
     tokenizer: Tokenizer | None
     name: str  # training.dataset, or a mixture's SOURCE
     path: str
@@ -246,6 +259,7 @@ class PackedDataset(IterableDataset):
         epoch this rank's lanes are in at least, per source (data_epoch/I); nothing for one source."""
         if self.weights is None:
             return {}
+        assert self.pattern is not None  # a mixture's schedule
         counts = counts_at(self.weights, self.pattern, samples)
         metrics = {f"data_share/{i}": c / max(samples, 1) for i, c in enumerate(counts)}
         metrics.update(
@@ -273,6 +287,7 @@ class PackedDataset(IterableDataset):
         sources = [_part_state(part, layout) for part, layout in zip(self.parts, layouts)]
         if self.weights is None:
             return {**state, **sources[0]}
+        assert self.specs is not None  # a mixture names its sources
         mixture = [{"source": spec, "weight": w, **src} for spec, w, src in zip(self.specs, self.weights, sources)]
         return {**state, "mixture": mixture}
 
@@ -340,7 +355,10 @@ class PackedDataset(IterableDataset):
         self._stop_workers()
 
     def _describe_mixture(self) -> str:
-        return "one dataset" if self.weights is None else _mixture_name(list(zip(self.weights, self.specs)))
+        if self.weights is None:
+            return "one dataset"
+        assert self.specs is not None  # a mixture names its sources
+        return _mixture_name(list(zip(self.weights, self.specs)))
 
 
 def _ranges(indices: list[int]) -> str:

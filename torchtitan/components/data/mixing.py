@@ -28,8 +28,9 @@ from torchtitan.components.data.shuffle import derived_seed
 from torchtitan.components.data.token_folder import PROGRESS, TOKENS
 from torchtitan.config.entries import HF_PREFIX
 from torchtitan.config.errors import UserError
+from torchtitan.config.training_sections import TrainingDataset
 
-NAMED_SOURCES = ("python_stdlib", "c4", "c4_test")
+NAMED_SOURCES: tuple[TrainingDataset, ...] = ("python_stdlib", "c4", "c4_test")
 
 
 def integer_weights(weights: list[Fraction]) -> list[int]:
@@ -85,7 +86,7 @@ def counts_at(weights: list[int], pattern: array, samples: int) -> list[int]:
     return [blocks * w + head.count(i) for i, w in enumerate(weights)]
 
 
-def source_kind(spec: str) -> tuple[str, str | None]:
+def source_kind(spec: str) -> tuple[TrainingDataset, str | None]:
     """(training.dataset, dataset_path) that a mixture's SOURCE names: a dataset name, `hf:NAME`, a token
     folder (a folder with a meta.json) or local files. A path that does not exist is refused."""
     if spec.startswith(HF_PREFIX):

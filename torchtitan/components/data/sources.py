@@ -22,6 +22,7 @@ import sysconfig
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from torchtitan.components.data.compression import INSTALL_DATA, read_text
 from torchtitan.components.data.files import FilesSource
@@ -104,7 +105,7 @@ class HuggingFaceSource:
                 f"{INSTALL_DATA}), or use dataset = 'local' with your own files{hint}"
             ) from None
         self.path = path
-        kwargs = {"name": config_name} if config_name else {}
+        kwargs: dict[str, Any] = {"name": config_name} if config_name else {}
         what = f"{path!r}" + (f" (config {config_name!r})" if config_name else "")
         try:
             self.dataset = datasets.load_dataset(path, split="train", streaming=True, **kwargs)
@@ -142,7 +143,7 @@ class HuggingFaceSource:
         """Where datasets resumes each unit at its last document read, and the units' counts: saved with
         the data position, so that a resume starts there (datasets skips whole shards) instead of
         reading every document before it."""
-        layout = {}
+        layout: dict[str, dict] = {}
         if self._positions:
             layout["hf_states"] = {f"{i}/{n}": [index, state] for (i, n), (index, state) in self._positions.items()}
         if self._learned:
@@ -153,9 +154,9 @@ class HuggingFaceSource:
         # A loaded position replaces the one held: it is the newer (a data worker's, sent with its window).
         for key, (index, state) in layout.get("hf_states", {}).items():
             if self._resumable:
-                self._positions[tuple(int(x) for x in key.split("/"))] = (index, state)
+                self._positions[_unit(key)] = (index, state)
         for key, count in layout.get("unit_documents", {}).items():
-            self._learned.setdefault(tuple(int(x) for x in key.split("/")), count)
+            self._learned.setdefault(_unit(key), count)
 
     def documents(self, start: int) -> Iterator[str]:
         yield from self.unit_texts((0, 1), start)
@@ -207,6 +208,12 @@ class HuggingFaceSource:
 
 
 # --- the reference schema's names: c4, c4_test --------------------------------------------------
+
+
+def _unit(key: str) -> tuple[int, int]:
+    """The unit (i, n) that a layout's key "i/n" names."""
+    i, n = key.split("/")
+    return int(i), int(n)
 
 
 def _offline_alternatives() -> str:

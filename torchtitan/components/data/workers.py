@@ -146,7 +146,7 @@ class LaneWorkers:
         self._stop()
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [p.pid for p in self.processes if p.pid is not None]  # all started in __init__: none is None
 
 
 def _kill(processes):

@@ -26,8 +26,12 @@ test_activation_counts.py traces a real block's saved tensors and compares.
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
+
+from torchtitan.models.common.layers import Attention, FeedForward
+from torchtitan.models.common.moe import GroupedExperts, MoE
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class ActivationCounts:
     outputs: int = 0
 
 
-def standard_attention_counts(attention: nn.Module) -> ActivationCounts:
+def standard_attention_counts(attention: Attention) -> ActivationCounts:
     """Grouped-query attention with Meta's names (wq, wk, wv, wo), optionally q_norm / k_norm per head,
     called after a pre-norm. RMSNorm keeps its input and x * rsqrt in float32 whatever the compute
     dtype; the gathered norm output feeds the projections; attention reads q, k and v (k and v
@@ -64,7 +68,7 @@ def standard_attention_counts(attention: nn.Module) -> ActivationCounts:
     )
 
 
-def swiglu_counts(feed_forward: nn.Module) -> ActivationCounts:
+def swiglu_counts(feed_forward: FeedForward) -> ActivationCounts:
     """SwiGLU (w1, w2, w3) after a pre-norm (whose input the attention counts): the norm's rsqrt and
     x * rsqrt, its gathered output, w1's and w3's outputs, silu's output and the product w2 reads. The
     op policy keeps w1's and w2's outputs (5th and 7th matmul)."""
@@ -74,7 +78,7 @@ def swiglu_counts(feed_forward: nn.Module) -> ActivationCounts:
     )  # w1 and w3 each cast the norm output
 
 
-def moe_counts(moe: nn.Module) -> ActivationCounts:
+def moe_counts(moe: MoE) -> ActivationCounts:
     """torchtitan.models.common.moe.MoE after a pre-norm (token-local under TP: nothing gathered): the
     norm's rsqrt, x * rsqrt and output; the router's scores and routing weights (float32), top-k
     indices and sort orders; per routed assignment the gathered token, w1's, w3's and silu's outputs,
@@ -82,7 +86,7 @@ def moe_counts(moe: nn.Module) -> ActivationCounts:
     scales them (Qwen3.5-MoE) its sigmoid and the shared output it multiplies."""
     args = moe.args
     dim = moe.router.gate.in_features
-    k, hidden = args.top_k, moe.experts.w1.shape[1]
+    k, hidden = args.top_k, cast(GroupedExperts, moe.experts).w1.shape[1]
     split = dim + k * (dim + 4 * hidden)
     fp32 = 1 + dim + args.num_experts + 1 + 2 * k + k * dim  # w2's outputs are weighted in float32
     shared = getattr(moe, "shared_experts", None)
@@ -114,7 +118,9 @@ def add(*counts: ActivationCounts) -> ActivationCounts:
 
 def standard_block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
     """A pre-norm block: attention (standard_attention_counts) and a SwiGLU or MoE feed-forward."""
-    ffn = block.feed_forward
+    # decoder.Transformer.block's modules: layers.Attention, then FeedForward or MoE (the block types them nn.Module).
+    attention, ffn = cast(Attention, block.attention), block.feed_forward
     return add(
-        standard_attention_counts(block.attention), moe_counts(ffn) if hasattr(ffn, "router") else swiglu_counts(ffn)
+        standard_attention_counts(attention),
+        moe_counts(cast(MoE, ffn)) if hasattr(ffn, "router") else swiglu_counts(cast(FeedForward, ffn)),
     )

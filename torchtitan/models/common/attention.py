@@ -5,15 +5,11 @@ every token sees all earlier tokens of the window; under "block_causal" only the
 its own document. Documents are numbered per window by `document_ids` from the EOS the packer writes
 after every document, so a token after an EOS starts the next document.
 
-A family's attention module calls `attention_fn(q, k, v, doc_ids=None, window=None, return_lse=False)`:
-q [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] (grouped-query attention:
-each KV head serves heads / kv_heads query heads); `doc_ids` [batch, seq] (None: one document per
-window); `window` the layer's sliding window (None: unlimited): query i sees key j when
-j <= i, i - j < window and both are in the same document. It returns the output [batch, heads, seq,
-v_head_dim], or with `return_lse` (output, lse): lse [batch, heads, seq] in float32 is the
-log-sum-exp of each query's scaled scores over the keys it sees, differentiable like the output.
-With it a family applies its own transform inside its folder: attention sinks, for example, are a
-softmax over the keys plus one learned logit s per head, which is out * sigmoid(lse - s).
+A family's attention module calls `attention_fn(q, k, v, doc_ids=None, window=None, return_lse=False)`,
+an `AttentionFn` (its docstring is the contract: shapes, documents, window, and what it returns). With
+`return_lse` it also returns the log-sum-exp of each query's scores, with which a family applies its
+own transform inside its folder: attention sinks, for example, are a softmax over the keys plus one
+learned logit s per head, which is out * sigmoid(lse - s).
 Every kernel gives the same outputs and lse within round-off:
 - `sdpa_attention`: PyTorch's scaled_dot_product_attention, causal, or with a boolean mask built
   from the document ids and the window. Every device; the default. With `return_lse`, the same
@@ -27,15 +23,43 @@ decoding calls the layer's KV cache (layers.KVCache.attend) with the same contra
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
 MASK_TYPES = ("causal", "block_causal")
 BACKENDS = ("auto", "sdpa", "split", "flex")
+
+
+class AttentionFn(Protocol):
+    """The attention contract: the type of an attention module's `attention_fn` and of every kernel
+    (sdpa_attention, split_attention, flex_attention_fn()'s; context parallel's ring and Ulysses).
+
+    - q [batch, heads, seq, head_dim]; k [batch, kv_heads, seq, head_dim] and v [batch, kv_heads, seq,
+      v_head_dim] (grouped-query attention: each KV head serves heads / kv_heads query heads; MLA's
+      v_head_dim differs from its head_dim);
+    - `doc_ids` [batch, seq]: each token's document within its window (document_ids); None: one
+      document per window;
+    - `window`: the layer's sliding window; None: unlimited. Query i sees key j when j <= i,
+      i - j < window and both are in the same document;
+    - returns the output [batch, heads, seq, v_head_dim], or with `return_lse` (output, lse): lse
+      [batch, heads, seq] in float32 is the log-sum-exp of each query's scaled scores over the keys it
+      sees, differentiable like the output."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        window: int | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -55,6 +79,7 @@ def visible(
         mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
     mask = mask[None, None]
     if q_doc is not None:
+        assert k_doc is not None, "documents are given for both the queries and the keys, or for neither"
         mask = mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
     return mask
 
@@ -149,7 +174,7 @@ class _BlockAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         q, k, v, out, lse, *saved_mask = ctx.saved_tensors
         mask = saved_mask[0] if saved_mask else ctx.mask
         with torch.autocast(q.device.type, enabled=False):
@@ -200,7 +225,7 @@ def sdpa_attention(
     doc_ids: torch.Tensor | None = None,
     window: int | None = None,
     return_lse: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SDPA: with is_causal when every key before a query counts, else with a boolean mask."""
     k, v = repeat_kv(q, k, v)
     pos = torch.arange(q.shape[2], device=q.device)
@@ -219,7 +244,7 @@ def split_attention(
     doc_ids: torch.Tensor | None = None,
     window: int | None = None,
     return_lse: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One SDPA call per document: each document's queries see only its own keys, causally."""
     if doc_ids is None:
         return sdpa_attention(q, k, v, None, window, return_lse)
@@ -253,7 +278,7 @@ def document_lengths(doc_ids: torch.Tensor) -> list[list[int]]:
     return lengths
 
 
-def flex_attention_fn(compiled: bool = True) -> Callable:
+def flex_attention_fn(compiled: bool = True) -> AttentionFn:
     """FlexAttention with a block mask from the document ids and the window. The block mask is built
     once per batch (every layer of a forward gets the same doc_ids tensor) and per window size, outside
     any compiled region (a model compiled block by block calls it from its compiled forwards)."""
@@ -274,13 +299,21 @@ def flex_attention_fn(compiled: bool = True) -> Callable:
             )
         return cache[key]
 
-    def attention(q, k, v, doc_ids=None, window=None, return_lse=False):
+    def attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        window: int | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         mask = block_mask(doc_ids, window, q.shape[0], q.shape[2], k.shape[2], q.device)
         if not return_lse:
             return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         out, aux = kernel(
             q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True)
         )
+        assert aux.lse is not None  # requested by AuxRequest(lse=True)
         return out, aux.lse.float()
 
     return attention
@@ -319,19 +352,19 @@ def choose_attention_kernel(
     return "sdpa"
 
 
-def attention_kernel(name: str) -> Callable:
+def attention_kernel(name: str) -> AttentionFn:
     """The attention_fn of a chosen kernel ("sdpa", "split" or "flex")."""
     if name == "flex":
         return flex_attention_fn()
     return {"sdpa": sdpa_attention, "split": split_attention}[name]
 
 
-def set_attention_fn(model: torch.nn.Module, path: str, fn: Callable, blocks=None) -> None:
+def set_attention_fn(model: nn.Module, path: str, fn: AttentionFn, blocks: Iterable[nn.Module] | None = None) -> None:
     """Make every block of `model` (a decoder or a pipeline stage of one) attend with `fn`: the
     `attention_fn` of the submodule at `path` (the spec's cp_attention) in each block (`blocks`,
     default the model's layers; spec.blocks(model) adds the others)."""
-    for block in model.layers.values() if blocks is None else blocks:
-        block.get_submodule(path).attention_fn = fn
+    for block in cast(nn.ModuleDict, model.layers).values() if blocks is None else blocks:
+        block.get_submodule(path).attention_fn = fn  # pyrefly: ignore[bad-argument-type]  # torch types Module.__setattr__'s value Tensor | Module; it takes any
 
 
 def attended_pairs(lengths: list[int], window: int | None) -> int:

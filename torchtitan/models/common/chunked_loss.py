@@ -165,7 +165,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None  # once: the stored gradients are scaled in place
         if grad_hidden is not None:

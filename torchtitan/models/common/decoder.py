@@ -15,7 +15,7 @@ initialization (`init_for(name)`). The rest is the same for every family:
   the embedding, and a pipeline stage holding only the output layer draws its copy the same way.
 """
 
-from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from torchtitan.models.common import moe
 from torchtitan.models.common.activations import standard_block_counts
 from torchtitan.models.common.chunked_loss import linear_cross_entropy_sum
-from torchtitan.models.common.init import normal, ones, seeded_init_, trunc_normal, zeros
+from torchtitan.models.common.init import Init, normal, ones, seeded_init_, trunc_normal, zeros
 from torchtitan.models.common.layers import Attention, FeedForward, KVCache, TransformerBlock, rotary_rows
 from torchtitan.models.common.rotary import PAIRS, Rotary
 from torchtitan.models.common.spec import (
@@ -36,7 +36,6 @@ from torchtitan.models.common.spec import (
 )
 
 EMBEDDING = "tok_embeddings.weight"
-Init = Callable[[torch.Tensor, torch.Generator], None]  # (full tensor, generator) -> fills it
 
 
 class Decoder(nn.Module):
@@ -218,7 +217,7 @@ class Transformer(Decoder):
         for _, layer in moe.moe_layers(self):  # the balancing bias and token counts start at zero
             layer.reset_buffers(buffer_device)
 
-    def init_for(self, name: str):
+    def init_for(self, name: str) -> Init:
         if name.endswith("norm.weight"):  # also the per-head q/k norms
             return ones()
         if name.endswith(".bias"):
@@ -230,7 +229,7 @@ class Transformer(Decoder):
         # The projection's own name, also for the experts' 3-D weights (feed_forward.experts.w1).
         if name.removesuffix(".weight").rsplit(".", 1)[-1] in self.input_projections:
             return trunc_normal(0.02)
-        return trunc_normal(self._block_of(name).out_init_std)
+        return trunc_normal(cast(float, self._block_of(name).out_init_std))
 
     def _block_of(self, name: str) -> nn.Module:
         """The block that holds parameter `name`: its nearest enclosing module with an out_init_std."""
@@ -264,22 +263,22 @@ def decoder_spec(model_cls: type[Transformer], **fields) -> ModelSpec:
     block's activation counts, each block's `attention` for the kernel and context parallel, KV-cache
     decoding, document masks, the output layer left to AdamW under Muon. `fields` give the rest
     (name, args_cls, flavors, tp_plan, tp_sizes, hf, ...) and may replace any of these."""
-    return ModelSpec(
-        **{
-            "model_cls": model_cls,
-            "size": model_cls.model_size,
-            "flops_per_token": model_cls.flops_per_token,
-            "activation_counts": standard_block_counts,  # what a block keeps for backward (the layout planner)
-            "cp_attention": "attention",
-            "kv_cache": True,
-            "document_masks": True,
-            "adamw_params": (r"^output\.",),  # Muon leaves the output layer to AdamW
-            # Decoder.forward(tokens, labels=...) computes the family's loss chunk by chunk (a family whose
-            # loss differs overrides forward to match it, as deepseek_v3 does for multi-token prediction).
-            "chunked_loss": fields.get("loss_sum_fn", cross_entropy_sum),
-            **fields,
-        }
-    )
+    # One value type per ModelSpec field: the dict holds them all.
+    spec_fields: dict[str, Any] = {
+        "model_cls": model_cls,
+        "size": model_cls.model_size,
+        "flops_per_token": model_cls.flops_per_token,
+        "activation_counts": standard_block_counts,  # what a block keeps for backward (the layout planner)
+        "cp_attention": "attention",
+        "kv_cache": True,
+        "document_masks": True,
+        "adamw_params": (r"^output\.",),  # Muon leaves the output layer to AdamW
+        # Decoder.forward(tokens, labels=...) computes the family's loss chunk by chunk (a family whose
+        # loss differs overrides forward to match it, as deepseek_v3 does for multi-token prediction).
+        "chunked_loss": fields.get("loss_sum_fn", cross_entropy_sum),
+        **fields,
+    }
+    return ModelSpec(**spec_fields)
 
 
 def moe_hooks() -> MoEHooks:

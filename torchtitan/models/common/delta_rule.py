@@ -108,7 +108,7 @@ def fla_chunked(q, k, v, g, beta, doc_ids=None):
     varlen form takes one row of concatenated sequences with their boundaries (cu_seqlens): the batch's rows
     are joined, cut at every row start and, under block-causal masks, at every document start, which
     restarts the state as the project's kernel does. Returns (o in v's dtype, None: no final state)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pyrefly: ignore[missing-import]  # optional, CUDA only (FLA_INSTALL)
 
     b, t = k.shape[:2]
     starts = torch.zeros(b, t, dtype=torch.bool, device=k.device)

@@ -4,7 +4,7 @@ fields, the whole-dict conversions built from the per-tensor ones)."""
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -120,6 +120,19 @@ def _rope_fields(config: dict) -> dict:
 _SCALING_NAMES = {"llama3": "Llama 3.1's scaling (rope_type 'llama3')", "yarn": "YaRN (rope_type 'yarn')"}
 
 
+# The scaling returned is one of `kinds`: a family that implements one kind gets that kind's type.
+@overload
+def rope_from_config(
+    config: dict, default_theta: float, family: str, kinds: tuple[Literal["llama3"]]
+) -> tuple[float, RopeScaling | None]: ...
+@overload
+def rope_from_config(
+    config: dict, default_theta: float, family: str, kinds: tuple[Literal["yarn"]]
+) -> tuple[float, YarnScaling | None]: ...
+@overload
+def rope_from_config(
+    config: dict, default_theta: float, family: str, kinds: tuple[str, ...] = ()
+) -> tuple[float, RopeScaling | YarnScaling | None]: ...
 def rope_from_config(
     config: dict, default_theta: float, family: str, kinds: tuple[str, ...] = ()
 ) -> tuple[float, RopeScaling | YarnScaling | None]:

@@ -15,6 +15,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+# How a parameter is drawn: fill(full tensor, generator) fills the tensor in place. What it returns is
+# not used (torch.nn.init's functions return the tensor).
+Init = Callable[[torch.Tensor, torch.Generator], object]
+
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a view: in-place updates write through; gradients flow to this
@@ -50,7 +54,7 @@ def local_block(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 @torch.no_grad()
-def seeded_init_(param: torch.Tensor, key: str, seed: int, fill: Callable[[torch.Tensor, torch.Generator], None]):
+def seeded_init_(param: torch.Tensor, key: str, seed: int, fill: Init):
     """Fill `param` with `fill(full_tensor, generator)`, keeping only this rank's part of it."""
     if isinstance(param, DTensor):
         full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
@@ -67,17 +71,17 @@ def seeded_init_(param: torch.Tensor, key: str, seed: int, fill: Callable[[torch
         fill(param, torch.Generator(device=param.device).manual_seed(stable_seed(seed, key)))
 
 
-def trunc_normal(std: float, cutoff: float = 2.0):
+def trunc_normal(std: float, cutoff: float = 2.0) -> Init:
     return lambda t, g: torch.nn.init.trunc_normal_(t, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std, generator=g)
 
 
-def normal(std: float):
+def normal(std: float) -> Init:
     return lambda t, g: torch.nn.init.normal_(t, mean=0.0, std=std, generator=g)
 
 
-def ones():
+def ones() -> Init:
     return lambda t, g: torch.nn.init.ones_(t)
 
 
-def zeros():
+def zeros() -> Init:
     return lambda t, g: torch.nn.init.zeros_(t)

@@ -1,11 +1,13 @@
 """Building blocks shared by the model families: the KV cache, SwiGLU, the configurable attention
 module and the pre-norm transformer block that every family's blocks are."""
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import math_attention, repeat_kv, sdpa_attention
+from torchtitan.models.common.attention import AttentionFn, math_attention, repeat_kv, sdpa_attention
 from torchtitan.models.common.rotary import Rotary
 
 
@@ -33,7 +35,7 @@ class KVCache:
         start_pos: int,
         window: int | None = None,
         return_lse: bool = False,
-    ):
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (after the rotary embedding) at positions start_pos, ... and return q's causal
         attention over every cached position up to its own (the last `window` of them with a sliding
         window); shapes, and (output, lse) with `return_lse`, as attention.sdpa_attention's."""
@@ -41,7 +43,7 @@ class KVCache:
         end = start_pos + seq
         if end > self.max_len:
             raise ValueError(f"positions {start_pos}..{end - 1} do not fit a KV cache of {self.max_len} positions")
-        if self.k is None:
+        if self.k is None or self.v is None:  # the first write (they are allocated together)
             self.k = k.new_zeros(*k.shape[:2], self.max_len, k.shape[-1])
             self.v = v.new_zeros(*v.shape[:2], self.max_len, v.shape[-1])
         self.k[:, :, start_pos:end] = k
@@ -63,7 +65,7 @@ class KVCache:
 
 def kv_caches(model: nn.Module, max_len: int) -> dict[str, KVCache]:
     """An empty cache for each block of `model.layers` (keyed by layer id), for up to max_len positions."""
-    return {layer_id: KVCache(max_len) for layer_id in model.layers}
+    return {layer_id: KVCache(max_len) for layer_id in cast(nn.ModuleDict, model.layers)}
 
 
 def rotary_rows(table: torch.Tensor, start_pos: int, seq: int) -> torch.Tensor:
@@ -95,7 +97,7 @@ class AttentionBase(nn.Module):
 
     def __init__(self, window: int | None = None):
         super().__init__()
-        self.attention_fn = sdpa_attention
+        self.attention_fn: AttentionFn = sdpa_attention
         self.window = window
 
     def attend(
@@ -115,7 +117,8 @@ class AttentionBase(nn.Module):
             out = self.attention_fn(q, k, v, doc_ids=doc_ids, window=self.window)
         else:
             out = cache.attend(q, k, v, start_pos, self.window)
-        return out.transpose(1, 2).flatten(2)
+        # Without return_lse both return the output alone.
+        return cast(torch.Tensor, out).transpose(1, 2).flatten(2)
 
 
 def rms_norm_as_weight(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
@@ -175,7 +178,7 @@ class Attention(AttentionBase):
     ) -> torch.Tensor:
         bs, seq, _ = x.shape
         q, k, v = (w(x).view(bs, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm_eps)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         return self.wo(self.attend(q, k, v, cache, start_pos, doc_ids))
@@ -223,7 +226,7 @@ class _ScaleGradient(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         return grad * ctx.factor, None
 
 

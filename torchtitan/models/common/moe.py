@@ -81,7 +81,7 @@ class MoEArgs:
             problems.append(f"score_func = {self.score_func!r} must be 'softmax' or 'sigmoid'")
         if (self.num_expert_groups is None) != (self.num_limited_groups is None):
             problems.append("num_expert_groups and num_limited_groups go together: set both or neither")
-        elif self.num_expert_groups is not None:
+        elif self.num_expert_groups is not None and self.num_limited_groups is not None:
             g, limit = self.num_expert_groups, self.num_limited_groups
             if self.num_experts % g:
                 problems.append(f"num_expert_groups = {g} does not divide num_experts = {self.num_experts}")
@@ -150,7 +150,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         fast_grads = torch.autograd.grad(fast, (x, w), up)
         slow = _looped(x, w, counts)
         slow_grads = torch.autograd.grad(slow, (x, w), up)
-    except (RuntimeError, NotImplementedError):
+    except RuntimeError:  # NotImplementedError too, a subclass
         return False
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     return all(
@@ -257,7 +257,7 @@ class Router(nn.Module):
         logits = F.linear(x, local_tensor(self.gate.weight)).float()
         scores = torch.softmax(logits, dim=-1) if a.score_func == "softmax" else torch.sigmoid(logits)
         choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias
-        if a.num_expert_groups is not None:
+        if a.num_expert_groups is not None and a.num_limited_groups is not None:  # both or neither (check)
             choice = _limit_to_best_groups(choice, a.num_expert_groups, a.num_limited_groups)
         ids = torch.topk(choice, a.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, ids)
@@ -286,7 +286,7 @@ class _AddAuxiliaryGradient(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); one per output
         (aux_loss,) = ctx.saved_tensors
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
@@ -301,13 +301,16 @@ class MoE(nn.Module):
             raise ValueError("; ".join(problems))
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        # Any module with the expert-parallel interface (the module docstring); gpt-oss has its own.
+        self.experts: nn.Module = GroupedExperts(dim, args.hidden_dim, args.num_experts)
         self.shared_experts = FeedForward(dim, args.shared_width) if args.num_shared_experts else None
         # Qwen3.5-MoE's shared_expert_gate: one logit per token, whose sigmoid scales the shared output.
         self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate else None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         # Assignments per expert since the last optimizer step (for the bias update and metrics).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # The last step's counts, summed over the ranks (update_expert_bias), for the metrics.
+        self.last_tokens_per_expert: torch.Tensor | None = None
         # Set by the family's parallelize: the gradient scale of the auxiliary losses (1 / the number
         # of equal shares whose gradients are summed, not averaged: accumulation steps, TP ranks),
         # and the expert-parallel dispatch (None: all experts are local).
@@ -456,8 +459,9 @@ def check_expert_layer(block: nn.Module) -> None:
         )
 
 
-def expert_layers(model: nn.Module) -> list[MoE]:
-    """A family's spec.expert_layers when its experts are this module's MoE blocks."""
+def expert_layers(model: nn.Module) -> list[nn.Module]:
+    """A family's spec.expert_layers when its experts are this module's MoE blocks (typed as the spec's
+    field, which any family's blocks fill)."""
     return [m for _, m in moe_layers(model)]
 
 
@@ -519,7 +523,7 @@ def expert_load_metrics(model_parts: list[nn.Module], inputs) -> dict[str, float
     for part in model_parts:
         for name, m in moe_layers(part):
             layer = name.split(".")[1] if name.startswith("layers.") else name
-            counts = getattr(m, "last_tokens_per_expert", None)
+            counts = m.last_tokens_per_expert
             if counts is None:
                 continue
             stats = {k: v.float().reshape(()) for k, v in m.stats.items()}

@@ -16,8 +16,8 @@ The model built by `spec.model_cls(args)` (on the meta device) must have:
   values that depend only on `seed` and the parameter's name (see `torchtitan.models.common.init`), so
   that every parallel layout starts from the same weights;
 - where `spec.cp_attention` is set: in each block, the submodule at that path has an
-  `attention_fn(q, k, v, doc_ids=None, window=None)` attribute (torchtitan.models.common.attention) that the
-  trainer sets to the chosen kernel and context parallel replaces, and the model has
+  `attention_fn` attribute (an AttentionFn, torchtitan.models.common.attention) that the trainer sets
+  to the chosen kernel and context parallel replaces, and the model has
   `set_token_positions(positions)` for rotary embeddings at global positions;
 - where `spec.document_masks` is set: `forward(tokens, doc_ids=ids)` ([batch, seq] document index
   of each token, attention.document_ids) attends within documents only; a pipeline stage's forward
@@ -33,12 +33,14 @@ import typing
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.config import ActivationCheckpoint, Parallelism, Training
 from torchtitan.models.common.attention import attended_pairs
 
 # A label that does not count: no loss, no gradient, not in the token count that normalizes the loss.
@@ -112,18 +114,38 @@ def submesh(mesh, *names: str):
     return kept[key] if key in kept else mesh[key]
 
 
+class ParallelDegrees(Protocol):
+    """What the models read of the parallel degrees (torchtitan.distributed.parallel_dims.ParallelDims,
+    which has this shape): a family's hooks and checks get the degrees without importing the layer
+    above them."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def cp(self) -> int: ...
+
+    @property
+    def ep(self) -> int: ...
+
+    @property
+    def pp_enabled(self) -> bool: ...
+
+    def batch(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]: ...
+
+
 @dataclass(frozen=True)
 class ParallelizeInputs:
     """What the parallelization of a model (and a family's hooks) gets besides the model: the
     degrees, the mesh and the config sections that decide how to apply each technique (handed over
     by the trainer)."""
 
-    parallel_dims: Any  # torchtitan.distributed.parallel_dims.ParallelDims
-    mesh: Any  # DeviceMesh with dims (pp, dp_replicate, dp_shard, cp, tp), or None for one process
-    parallelism: Any  # config section [parallelism]
-    training: Any  # config section [training]
-    activation_checkpoint: Any  # config section [activation_checkpoint]
-    expert_mesh: Any = None  # with expert parallel: ParallelDims.build_expert_mesh's mesh
+    parallel_dims: ParallelDegrees  # a torchtitan.distributed.parallel_dims.ParallelDims
+    mesh: DeviceMesh | None  # dims (pp, dp_replicate, dp_shard, cp, tp); None for one process
+    parallelism: Parallelism
+    training: Training
+    activation_checkpoint: ActivationCheckpoint
+    expert_mesh: DeviceMesh | None = None  # with expert parallel: ParallelDims.build_expert_mesh's mesh
 
 
 @dataclass(frozen=True)
@@ -265,7 +287,8 @@ class ModelSpec:
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """Every block of a model or pipeline stage: those of `layers`, then `extra_blocks`'."""
-        return [*model.layers.values(), *(self.extra_blocks(model) if self.extra_blocks is not None else ())]
+        layers = cast(nn.ModuleDict, model.layers)
+        return [*layers.values(), *(self.extra_blocks(model) if self.extra_blocks is not None else ())]
 
     def has_experts(self, args) -> bool:
         """Whether a model with `args` has routed experts (built on the meta device: costs nothing)."""
@@ -358,7 +381,7 @@ def count_parameters(model_cls: Callable[[Any], nn.Module], args) -> tuple[int, 
 
 
 def transformer_flops_per_token(
-    matmul_params: int, attention_width: int, windows: list[int | None], doc_lengths: int | list[int]
+    matmul_params: int, attention_width: float, windows: list[int | None], doc_lengths: int | list[int]
 ) -> float:
     """Training FLOPs per token of a decoder: 6 per parameter used in a matmul (2 forward, 4
     backward), plus, per (query, key) pair that a layer's mask lets through, 12 x attention_width

@@ -87,7 +87,7 @@ class TokenLocal(ParallelStyle):
         def local_tokens(_module, inputs, _mesh):
             return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
 
-        return distribute_module(module, device_mesh, replicate_parameters, input_fn=local_tokens)
+        return distribute_module(module, device_mesh, replicate_parameters, input_fn=local_tokens)  # pyrefly: ignore[bad-argument-type]  # torch types input_fn -> None; a pre-hook's result replaces the inputs
 
 
 @dataclass(frozen=True)

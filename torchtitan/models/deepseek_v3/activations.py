@@ -2,13 +2,17 @@
 multi-head latent attention, then SwiGLU or the MoE."""
 
 import dataclasses
+from typing import cast
 
 from torch import nn
 
 from torchtitan.models.common.activations import ActivationCounts, add, moe_counts, swiglu_counts
+from torchtitan.models.common.layers import FeedForward
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.deepseek_v3.model import MLA
 
 
-def mla_counts(attention: nn.Module, seq_len: int) -> ActivationCounts:
+def mla_counts(attention: MLA, seq_len: int) -> ActivationCounts:
     """MLA after a pre-norm: the norm's input, rsqrt and x * rsqrt (float32) and its output; each
     low-rank projection's norm the same (computed whole on every TP rank: `gathered`); the q, k, v and
     probabilities of the math attention kernel (q/k and v head sizes differ, which the CPU flash kernel
@@ -43,10 +47,12 @@ def mtp_counts(dim: int) -> ActivationCounts:
 
 
 def block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
-    ffn, attention = block.feed_forward, block.attention
+    # Transformer.block's modules: MLA, then FeedForward or MoE (the block types them nn.Module).
+    ffn, attention = block.feed_forward, cast(MLA, block.attention)
     if hasattr(ffn, "router"):
-        counts = moe_counts(ffn)
+        counts = moe_counts(cast(MoE, ffn))
     else:
+        ffn = cast(FeedForward, ffn)
         counts = swiglu_counts(ffn)
         if not hasattr(attention, "wq_a"):  # five matmuls before it: SwiGLU's w3 is the odd one kept, alone
             counts = dataclasses.replace(counts, op_kept=ffn.w3.out_features)

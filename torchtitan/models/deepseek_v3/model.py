@@ -12,6 +12,9 @@ head dims differ. The rotary parts rotate adjacent feature pairs (DeepSeek's int
 queries (the kernels' own scale stays 1/sqrt(qk_head_dim)).
 """
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,7 +126,7 @@ class Transformer(decoder.Transformer):
             else None
         )
 
-    def block(self, layer_id: int) -> nn.Module:
+    def block(self, layer_id: int) -> TransformerBlock:
         a = self.args
         ffn = FeedForward(a.dim, a.inter_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)
         return TransformerBlock(layer_id, a, MLA(a), ffn)
@@ -131,12 +134,12 @@ class Transformer(decoder.Transformer):
     def forward(
         self,
         tokens: torch.Tensor,
-        cache=None,
+        cache: dict[str, KVCache] | None = None,
         start_pos: int = 0,
         doc_ids: torch.Tensor | None = None,
-        future_tokens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-    ):
+        future_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As the decoder's; in training with multi-token prediction, the logits of the main output and
         of each MTP depth stacked on dim 2: [batch, seq, 1 + mtp_depth, vocab] (mtp_loss_sum reads
         them). Depth k's logits at position i predict token i + k + 1; their gradient is scaled by
@@ -157,7 +160,7 @@ class Transformer(decoder.Transformer):
         scale = self.args.mtp_loss_weight / self.args.mtp_depth
         if future_tokens is None:
             future_tokens = _ahead(tokens, self.args.mtp_depth)
-        for k, module in enumerate(self.mtp.values(), start=1):
+        for k, module in enumerate(cast(Iterable[MTPModule], self.mtp.values()), start=1):
             h = module(h, self.tok_embeddings(future_tokens[..., k - 1]), self.rope, doc_ids)
             # Scaling a depth's loss scales its logits' gradient alike.
             outs.append(scale_gradient(head(module.norm(h), k), scale))
@@ -186,7 +189,10 @@ flops_per_token = Transformer.flops_per_token
 def mtp_blocks(model: nn.Module) -> list[nn.Module]:
     """The spec's extra_blocks: the multi-token-prediction modules' blocks (none on a pipeline stage
     without them)."""
-    return [module.block for module in model.mtp.values()] if getattr(model, "mtp", None) is not None else []
+    mtp = getattr(model, "mtp", None)  # Transformer.mtp: None, or absent, on a stage without them
+    if not isinstance(mtp, nn.ModuleDict):
+        return []
+    return [module.block for module in cast(Iterable[MTPModule], mtp.values())]
 
 
 def _shifted(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:

@@ -68,6 +68,12 @@ def _describe(args: ModelArgs) -> str:
     )
 
 
+def _moe_args(args: ModelArgs) -> MoEArgs:
+    """The MoE settings, which a flavor with expert layers has (args.validate)."""
+    assert args.moe is not None, f"{_describe(args)} has expert layers but no moe settings"
+    return args.moe
+
+
 def _layer_renames(layer: int, args: ModelArgs) -> dict[str, str]:
     """Our layer-local name -> HF layer-local name of the renamed tensors of `layer`."""
     queries = ("wq_a", "q_norm", "wq_b") if args.q_lora_rank else ("wq",)
@@ -79,7 +85,7 @@ def _layer_renames(layer: int, args: ModelArgs) -> dict[str, str]:
     ffn = (
         HF_FEED_FORWARD
         if layer < args.n_dense_layers
-        else {k: v for k, v in _MOE.items() if "shared_experts" not in k or args.moe.num_shared_experts}
+        else {k: v for k, v in _MOE.items() if "shared_experts" not in k or _moe_args(args).num_shared_experts}
     )
     mtp = {f"mtp.{k}": v for k, v in _MTP.items()} if layer >= args.n_layers else {}
     return {**attention, **ffn, **mtp}
@@ -130,14 +136,14 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
     if layer is None:
         return [HF_TOP_LEVEL[ours]]
     if local in EXPERT_PROJECTIONS and layer >= args.n_dense_layers:
-        return expert_hf_names(layer, local, args.moe.num_experts, present)
+        return expert_hf_names(layer, local, _moe_args(args).num_experts, present)
     return [f"model.layers.{layer}.{_layer_renames(layer, args)[local]}"]
 
 
 def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
     layer, local = _split(ours, args)
     if layer is not None and local in EXPERT_PROJECTIONS:
-        return expert_from_hf(layer, local, tensors, args.moe.num_experts, args.moe.hidden_dim)
+        return expert_from_hf(layer, local, tensors, _moe_args(args).num_experts, _moe_args(args).hidden_dim)
     ((_, w),) = tensors.items()
     return w.float() if local == "feed_forward.expert_bias" else w  # our bias buffer is float32
 
@@ -148,7 +154,7 @@ def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], off
     layer, local = _split(ours, args)
     if layer is None or local not in EXPERT_PROJECTIONS or layer < args.n_dense_layers:
         return None
-    return expert_block_from_hf(layer, local, read, present, args.moe.hidden_dim, offset, shape)
+    return expert_block_from_hf(layer, local, read, present, _moe_args(args).hidden_dim, offset, shape)
 
 
 def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -206,8 +212,9 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     return convert_from_hf(_our_names(args), hf_sd, args, hf_names, tensor_from_hf)
 
 
-def _check_exportable(args: ModelArgs):
-    """UserError for what DeepseekV3ForCausalLM cannot compute: softmax routing, a capacity limit."""
+def _check_exportable(args: ModelArgs) -> MoEArgs:
+    """UserError for what DeepseekV3ForCausalLM cannot compute: no experts, softmax routing, a capacity
+    limit; else the flavor's MoE settings."""
     m = args.moe
     if m is None:
         raise UserError(
@@ -220,14 +227,14 @@ def _check_exportable(args: ModelArgs):
         )
     if m.capacity_factor is not None:
         raise UserError("DeepseekV3ForCausalLM drops no token: train without moe.capacity_factor for an export")
+    return m
 
 
 def hf_config(
     args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
 ) -> dict:
     """A config.json for DeepseekV3ForCausalLM describing a model with `args`, stored in `dtype`."""
-    _check_exportable(args)
-    m = args.moe
+    m = _check_exportable(args)
     dtype_name = str(dtype).removeprefix("torch.")
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],

@@ -2,12 +2,15 @@
 with sinks through the math kernel (the one that returns the log-sum-exp on every device but
 FlexAttention's), then the biased router and the clamped SwiGLU experts."""
 
+from typing import cast
+
 from torch import nn
 
 from torchtitan.models.common.activations import ActivationCounts, add
+from torchtitan.models.gpt_oss.model import ClampedSwiGLUExperts, GptOssMoE, SinkAttention
 
 
-def sink_attention_counts(attention: nn.Module, seq_len: int) -> ActivationCounts:
+def sink_attention_counts(attention: SinkAttention, seq_len: int) -> ActivationCounts:
     """After a pre-norm (its input, rsqrt and x * rsqrt in float32; its gathered output, which wq, wk
     and wv read): math_attention in float32 keeps q, k and v repeated to every query head, the scores
     and their exponentials ([heads, seq] per token), the unnormalized output and five per-head values
@@ -24,7 +27,7 @@ def sink_attention_counts(attention: nn.Module, seq_len: int) -> ActivationCount
     )
 
 
-def clamped_moe_counts(moe: nn.Module) -> ActivationCounts:
+def clamped_moe_counts(moe: GptOssMoE) -> ActivationCounts:
     """The MoE after a pre-norm (token-local under TP, nothing gathered): the norm's rsqrt and
     x * rsqrt (float32) and output, which the biased router reads; the router's logits and softmax
     scores (float32, per expert), the top-k ids, the chosen weights and their sorted copy; per routed
@@ -35,11 +38,13 @@ def clamped_moe_counts(moe: nn.Module) -> ActivationCounts:
     are grouped matmuls, recomputed)."""
     args = moe.args
     dim = moe.router.gate.in_features
-    k, hidden = args.top_k, moe.experts.down_proj.shape[1]
+    k, hidden = args.top_k, cast(ClampedSwiGLUExperts, moe.experts).down_proj.shape[1]
     split = dim + k * (dim + 7 * hidden)
     fp32 = 1 + dim + 2 * args.num_experts + 2 * k + k * dim
     return ActivationCounts(split=split, gathered=0, fp32=fp32, int64=4 * k, op_kept=args.num_experts)
 
 
 def block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
-    return add(sink_attention_counts(block.attention, seq_len), clamped_moe_counts(block.feed_forward))
+    # Transformer.block's modules (the block types them nn.Module).
+    attention, moe = cast(SinkAttention, block.attention), cast(GptOssMoE, block.feed_forward)
+    return add(sink_attention_counts(attention, seq_len), clamped_moe_counts(moe))

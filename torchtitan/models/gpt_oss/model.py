@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common import decoder, moe
-from torchtitan.models.common.init import local_part, normal, trunc_normal, zeros
+from torchtitan.models.common.init import Init, local_part, normal, trunc_normal, zeros
 from torchtitan.models.common.layers import Attention, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import ModelSize, count_parameters
@@ -138,7 +138,7 @@ class Transformer(decoder.Transformer):
         a = self.args
         return TransformerBlock(layer_id, a, SinkAttention(a, a.layer_window(layer_id)), GptOssMoE(a.dim, a))
 
-    def init_for(self, name: str):
+    def init_for(self, name: str) -> Init:
         local = name.rsplit(".", 1)[-1]
         if name.endswith("attention.sinks.weight") or name.endswith("router.gate.bias"):
             return normal(0.02)

@@ -6,6 +6,9 @@ column-parallel, so rank r holds the query heads r * n_heads / tp, ... and the s
 those heads. Each rank trains its heads' sinks (their gradients are local to the heads).
 """
 
+from typing import cast
+
+import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -17,7 +20,8 @@ class SplitByHead(ParallelStyle):
     """A module whose `weight` has one entry per attention head: shard it on dim 0 over the TP ranks."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        module.weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh, [Shard(0)]))
+        weight = cast(torch.Tensor, module.weight)
+        module.weight = nn.Parameter(distribute_tensor(weight.data, device_mesh, [Shard(0)]))
         return module
 
 

@@ -17,6 +17,8 @@ j <= i and i - j < window: the same set, so the window converts as it is, with n
   write, and we refuse the rest.
 """
 
+from typing import Any
+
 import torch
 
 from torchtitan.config.errors import UserError
@@ -108,7 +110,7 @@ def _hf_window_fields(args: ModelArgs) -> dict:
     written as none: Qwen3-MoE would otherwise apply it to every layer."""
     windows = layer_windows(args)
     sliding = any(w is not None for w in windows)
-    fields = {
+    fields: dict[str, Any] = {
         "use_sliding_window": sliding,
         "sliding_window": args.sliding_window if sliding else None,
         # No window: every layer full, as the published configs write it. A window: its first layer (0
@@ -169,8 +171,8 @@ def _moe_args_from_hf_config(config: dict) -> MoEArgs:
             raise _unsupported(field, config[field], "Qwen3-MoE has no shared experts and we convert none", family)
     moe = MoEArgs(
         num_experts=num_experts,
-        top_k=fields["num_experts_per_tok"],
-        hidden_dim=fields["moe_intermediate_size"],
+        top_k=config["num_experts_per_tok"],
+        hidden_dim=config["moe_intermediate_size"],
         route_norm=bool(config.get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
         score_func="softmax",
     )

@@ -105,12 +105,12 @@ def _check_keys(found, expected, optional: tuple[str, ...], what: str, args: Mod
     check_keys(found, expected, what, _describe(args), optional=optional)
 
 
-def _our_shapes(args: ModelArgs) -> dict[str, tuple]:
+def _our_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our name -> shape of every tensor in the state dict of a model with `args`."""
     hd, dim = args.head_dim, args.dim
     vocab = (args.vocab_size, dim)
-    shapes = {"tok_embeddings.weight": vocab, "norm.weight": (dim,), "output.weight": vocab}
-    per_layer = {
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": vocab, "norm.weight": (dim,), "output.weight": vocab}
+    per_layer: dict[str, tuple[int, ...]] = {
         "attention.wq.weight": (args.n_heads * hd, dim),
         "attention.wk.weight": (args.kv_heads * hd, dim),
         "attention.wv.weight": (args.kv_heads * hd, dim),
@@ -200,7 +200,7 @@ def hf_names(ours: str, args: ModelArgs, present: frozenset[str]) -> list[str]:
         return tied_output_hf_names(present)
     if args.moe is not None and local == _EXPERT_BIAS:
         return []
-    if args.moe is not None and local in _EXPERTS:
+    if args.moe is not None and layer is not None and local in _EXPERTS:
         return expert_hf_names(layer, local, args.moe.num_experts, present)
     return [_hf_name(ours, args)]
 
@@ -216,7 +216,7 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     if args.moe is not None and local == _EXPERT_BIAS:
         # No Hugging Face counterpart: a fresh balancing state, float32 like the model's own buffer.
         return torch.zeros(args.moe.num_experts)
-    if args.moe is not None and local in _EXPERTS:
+    if args.moe is not None and layer is not None and local in _EXPERTS:
         return expert_from_hf(layer, local, tensors, args.moe.num_experts, args.moe.hidden_dim)
     return tensors[_hf_name(ours, args)]
 
@@ -225,7 +225,7 @@ def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], off
     """A block of the experts read from only its experts' bytes (HFAdapter.block_from_hf); None for
     the rest (renames, which the loader reads by block anyway)."""
     layer, local = _split(ours, args)
-    if args.moe is None or local not in _EXPERTS:
+    if args.moe is None or layer is None or local not in _EXPERTS:
         return None
     return expert_block_from_hf(layer, local, read, present, args.moe.hidden_dim, offset, shape)
 
@@ -237,7 +237,7 @@ def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch
     layer, local = _split(ours, args)
     if (args.tie_word_embeddings and ours == _OURS_TIED) or (args.moe is not None and local == _EXPERT_BIAS):
         return {}
-    if args.moe is not None and local in _EXPERTS:
+    if args.moe is not None and layer is not None and local in _EXPERTS:
         return expert_to_hf(layer, local, w)
     return {_hf_name(ours, args): w}
 

@@ -15,9 +15,14 @@ compute dtype keeps and another does not:
   (elements kept in bf16 instead of float32), plus the states' two casts each.
 """
 
+from typing import cast
+
 from torch import nn
 
 from torchtitan.models.common.activations import ActivationCounts, add, moe_counts, swiglu_counts
+from torchtitan.models.common.layers import FeedForward
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.qwen3_5.model import GatedAttention, GatedDeltaNet
 
 
 def delta_rule_counts(heads: int, dk: int, dv: int, chunk: int, seq_len: int) -> tuple[float, float]:
@@ -62,7 +67,7 @@ def delta_rule_counts(heads: int, dk: int, dv: int, chunk: int, seq_len: int) ->
     return fp32, moved
 
 
-def gated_deltanet_counts(mixer: nn.Module, seq_len: int) -> ActivationCounts:
+def gated_deltanet_counts(mixer: GatedDeltaNet, seq_len: int) -> ActivationCounts:
     """A GatedDeltaNet after a pre-norm (its input, rsqrt and x * rsqrt in float32; its gathered
     output, which in_proj_qkv, in_proj_z, in_proj_a and in_proj_b read):
     - the causal conv keeps its input and its kernel - 1 shifted copies (channels each: every key
@@ -109,7 +114,7 @@ def gated_deltanet_counts(mixer: nn.Module, seq_len: int) -> ActivationCounts:
     )
 
 
-def gated_attention_counts(attention: nn.Module) -> ActivationCounts:
+def gated_attention_counts(attention: GatedAttention) -> ActivationCounts:
     """A GatedAttention after a pre-norm (its input, rsqrt and x * rsqrt in float32; its gathered
     output, which wq, wk and wv read): q_norm and k_norm keep their inputs, rsqrt per head and
     x * rsqrt in float32 (the float32 forward keeps the whole of wq's output as q_norm's input: its
@@ -134,18 +139,22 @@ def block_counts(args, block: nn.Module, seq_len: int) -> ActivationCounts:
     experts' (moe_counts, its sigmoid-gated shared expert included). After a DeltaNet mixer's five
     matmuls the op policy keeps SwiGLU's w3 output (the 7th) where after attention's four it keeps w1's
     and w2's."""
-    mixer = block.attention
-    if hasattr(block.feed_forward, "router"):
-        ffn = moe_counts(block.feed_forward)
-        shared = block.feed_forward.shared_experts
+    # Transformer.block's modules: GatedDeltaNet or GatedAttention, then FeedForward or MoE (the block
+    # types them nn.Module).
+    mixer, feed_forward = block.attention, block.feed_forward
+    if hasattr(feed_forward, "router"):
+        moe = cast(MoE, feed_forward)
+        ffn = moe_counts(moe)
+        shared = moe.shared_experts
         if hasattr(mixer, "in_proj_qkv") and shared is not None:
             # After five matmuls the router's is the 6th (recomputed); the routed experts' grouped
             # matmuls are not counted; the shared expert's w1 (7th) and w2 (9th) outputs are kept.
             ffn = ActivationCounts(**{**ffn.__dict__, "op_kept": shared.w1.out_features + shared.w2.out_features})
     else:
-        ffn = swiglu_counts(block.feed_forward)
+        swiglu = cast(FeedForward, feed_forward)
+        ffn = swiglu_counts(swiglu)
         if hasattr(mixer, "in_proj_qkv"):
-            ffn = ActivationCounts(**{**ffn.__dict__, "op_kept": block.feed_forward.w3.out_features})
+            ffn = ActivationCounts(**{**ffn.__dict__, "op_kept": swiglu.w3.out_features})
     if hasattr(mixer, "in_proj_qkv"):
-        return add(gated_deltanet_counts(mixer, seq_len), ffn)
-    return add(gated_attention_counts(mixer), ffn)
+        return add(gated_deltanet_counts(cast(GatedDeltaNet, mixer), seq_len), ffn)
+    return add(gated_attention_counts(cast(GatedAttention, mixer)), ffn)

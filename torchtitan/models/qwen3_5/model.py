@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common import decoder, delta_rule
-from torchtitan.models.common.init import local_part
+from torchtitan.models.common.attention import AttentionFn
+from torchtitan.models.common.init import Init, local_part
 from torchtitan.models.common.layers import Attention, TransformerBlock
 from torchtitan.models.common.rotary import HALVES
 from torchtitan.models.common.spec import transformer_flops_per_token
@@ -63,6 +64,7 @@ class GatedAttention(Attention):
         q, gate = self.wq(x).view(bs, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        assert self.q_norm is not None and self.k_norm is not None  # built with qk_norm_eps
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate_part(q, rope), self.rotate_part(k, rope)
         out = self.attend(q, k, v, cache, start_pos, doc_ids)
@@ -106,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(nv * self.dv, args.dim, bias=False)
         # The trainer sets every block's attention kernel at the spec's cp_attention path; the recurrence
         # uses none. Under context parallel it goes head-parallel instead (set_head_exchange).
-        self.attention_fn = None
+        self.attention_fn: AttentionFn | None = None
         self.exchange = None
 
     def set_head_exchange(self, exchange) -> None:
@@ -177,11 +179,11 @@ def _to_heads(exchange, x: torch.Tensor, heads: int) -> torch.Tensor:
     return exchange.to_heads(x.view(bs, seq, heads, -1).transpose(1, 2)).transpose(1, 2).flatten(2)
 
 
-def _uniform(low: float, high: float):
+def _uniform(low: float, high: float) -> Init:
     return lambda t, g: torch.nn.init.uniform_(t, low, high, generator=g)
 
 
-def _log_uniform(low: float, high: float):
+def _log_uniform(low: float, high: float) -> Init:
     def fill(t, g):
         torch.nn.init.uniform_(t, low, high, generator=g)
         t.log_()
@@ -203,7 +205,7 @@ class Transformer(decoder.Transformer):
         a = self.args
         return self.rotary.table(a.rotary_dim, a.max_seq_len, a.rope_theta)
 
-    def init_for(self, name: str):
+    def init_for(self, name: str) -> Init:
         if name.endswith(".A_log"):  # A uniform in [0.01, 16], as Hugging Face draws it
             return _log_uniform(0.01, 16.0)
         if name.endswith(".dt_bias"):
@@ -218,7 +220,7 @@ class Transformer(decoder.Transformer):
         """6 per matmul parameter, attention pairs of the full-attention layers only, and per DeltaNet
         layer the recurrence: per value head and token, reading the state (k^T S), writing it (k w^T)
         and the output (S^T q), 2 dk dv FLOPs each forward, twice that backward: 18 dk dv."""
-        full = [None] * sum(args.is_full_attention(i) for i in range(args.n_layers))
+        full: list[int | None] = [None] * sum(args.is_full_attention(i) for i in range(args.n_layers))
         size = cls.model_size(args)
         base = transformer_flops_per_token(
             decoder.matmul_parameters(size, args), args.n_heads * args.head_dim, full, doc_lengths

@@ -175,7 +175,7 @@ def tensor_from_hf(ours: str, tensors: dict[str, torch.Tensor], args: ModelArgs)
     layer, local = split_layer_name(ours, args.n_layers, _describe(args))
     if args.moe is not None and local == _EXPERT_BIAS:
         return torch.zeros(args.moe.num_experts)  # a fresh balancing state, float32 as the model's buffer
-    if args.moe is not None and local in EXPERT_PROJECTIONS:
+    if args.moe is not None and layer is not None and local in EXPERT_PROJECTIONS:
         return expert_from_hf(layer, local, tensors, args.moe.num_experts, args.moe.hidden_dim)
     (name,) = hf_names(ours, args)
     t = tensors[name]
@@ -191,7 +191,7 @@ def block_from_hf(ours: str, read, args: ModelArgs, present: frozenset[str], off
     """A block of the routed experts read from only its experts' bytes (HFAdapter.block_from_hf); None
     for every other tensor (the loader reads its sources whole)."""
     layer, local = split_layer_name(ours, args.n_layers, _describe(args))
-    if args.moe is None or local not in EXPERT_PROJECTIONS:
+    if args.moe is None or layer is None or local not in EXPERT_PROJECTIONS:
         return None
     return expert_block_from_hf(layer, local, read, present, args.moe.hidden_dim, offset, shape)
 
@@ -200,7 +200,7 @@ def tensor_to_hf(ours: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch
     layer, local = split_layer_name(ours, args.n_layers, _describe(args))
     if (ours == "output.weight" and args.tie_word_embeddings) or (args.moe is not None and local == _EXPERT_BIAS):
         return {}
-    if args.moe is not None and local in EXPERT_PROJECTIONS:
+    if args.moe is not None and layer is not None and local in EXPERT_PROJECTIONS:
         return expert_to_hf(layer, local, w)
     (name,) = hf_names(ours, args)
     if local in _PERMUTED:
@@ -250,7 +250,7 @@ def from_hf(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
 def hf_config(
     args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
 ) -> dict:
-    dtype = str(dtype).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.")
     check_exportable(args)
     config = {
         "architectures": [ARCHITECTURE],
@@ -279,8 +279,8 @@ def hf_config(
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "dtype": dtype,
-        "torch_dtype": dtype,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
     }
     if args.moe is not None:  # Qwen3_5MoeTextConfig: no dense intermediate_size
         del config["intermediate_size"]
