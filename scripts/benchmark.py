@@ -3,7 +3,7 @@ or (--attention 1) of the trainer's attention masks and kernels against each oth
 of the trainer with AdamW against the trainer with Muon.
 
     python scripts/benchmark.py [--nproc N] [--steps S] [--warmup W] [--threads T] [--repeat R] \\
-        [--attention 1 | --optimizers 1] --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
+        [--attention 1 | --optimizers 1] [--markdown] --job.config_file RECIPE [overrides as for run_train.sh, e.g. --training.compile]
 
 Two measurements, each in its own process (or torchrun launch when N > 1), so that the peak
 resident memory of one does not hide that of the other (RSS maxima only grow):
@@ -46,11 +46,15 @@ threads, on CUDA the table of GPU peaks. The last line printed is `ratio framewo
 ratio of tokens/s.
 
 Allocator: on CPU both processes apply the trainer's glibc settings (tune_host_allocator in
-torchtitan/distributed/utils.py), so the ratio compares the loops, not malloc configurations.
+torchtitan/distributed/host_memory.py), so the ratio compares the loops, not malloc configurations.
 
 Threads: a single process uses torch's default (all cores) unless --threads is given; torchrun sets
 OMP_NUM_THREADS=1 per process unless --threads (or OMP_NUM_THREADS) says otherwise. Both
 measurements always run with the same setting.
+
+--markdown: after the usual output, the results as rows of docs/benchmarks.md's table of the mode (framework
+against a bare loop, attention masks and kernels, Muon against AdamW), with the command, commit, machine
+and date (scripts/benchmark_table.py).
 """  # noqa: E501 (printed as the --help text: its usage line stays one line)
 
 import json
@@ -89,6 +93,7 @@ DEFAULTS = {
     "result": None,
     "attention": 0,
     "optimizers": 0,
+    "markdown": False,
 }
 PARTS = ("framework", "bare")
 
@@ -99,6 +104,9 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     opts, rest = dict(DEFAULTS), []
     i = 0
     while i < len(argv):
+        if argv[i] == "--markdown":  # a flag: no value
+            opts["markdown"], i = True, i + 1
+            continue
         name, eq, inline = argv[i].partition("=")
         if name not in OWN_OPTIONS:
             rest.append(argv[i])
@@ -238,8 +246,9 @@ def run_bare(cfg, steps: int) -> dict:
 
     from torchtitan.components.metrics import device_peak_tflops, peak_memory_gib
     from torchtitan.components.tokenizer import Tokenizer
+    from torchtitan.distributed.dtypes import DTYPES
+    from torchtitan.distributed.host_memory import tune_host_allocator
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.distributed.utils import DTYPES, tune_host_allocator
     from torchtitan.models.common.moe import overrides_from_config as moe_overrides
     from torchtitan.models.common.spec import ParallelizeInputs
     from torchtitan.models.registry import get_model_spec, import_custom_module
@@ -359,7 +368,7 @@ def run_moe_layer(cfg, repeats: int = 20) -> dict:
     routes: that work is its overhead, so its FLOPs count only the experts'."""
     import torch
 
-    from torchtitan.distributed.utils import DTYPES
+    from torchtitan.distributed.dtypes import DTYPES
     from torchtitan.models.common.layers import FeedForward
     from torchtitan.models.common.moe import MoE, grouped_mm_works, overrides_from_config as moe_overrides
     from torchtitan.models.registry import get_model_spec, import_custom_module
@@ -475,6 +484,38 @@ def format_table(fw: dict, bare: dict) -> list[str]:
     return lines
 
 
+def layout_label(cfg, opts: dict, global_batch: int) -> str:
+    """The first cell of a docs/benchmarks.md row: model, processes, threads, dtype, sequence, batch."""
+    t = cfg.training
+    processes = f"{opts['nproc']} processes FSDP" if opts["nproc"] > 1 else "1 process"
+    threads = f", {opts['threads']} thread{'s' * (opts['threads'] != 1)}" if opts["threads"] else ""
+    return (
+        f"{cfg.model.name} {cfg.model.flavor}, {processes}{threads}, {t.mixed_precision_param}, seq {t.seq_len}, "
+        f"global batch {global_batch}"
+    )
+
+
+def print_markdown(columns: list[str], rows: list[list], argv: list[str]) -> None:
+    """--markdown: the rows of docs/benchmarks.md (scripts/benchmark_table.py, beside this script)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchmark_table
+
+    benchmark_table.print_rows(columns, rows, argv, __file__)
+
+
+# The columns of docs/benchmarks.md's tables, before command, commit, machine and date.
+BARE_COLUMNS = ["model and layout", "framework tokens/s", "bare tokens/s", "ratio", "MoE block / dense"]
+ATTENTION_COLUMNS = [
+    "model, seq x local batch",
+    "causal (sdpa)",
+    "block_causal sdpa",
+    "block_causal split",
+    "block_causal flex",
+    "first step s (each column)",
+]
+OPTIMIZER_COLUMNS = ["model and layout", "AdamW step ms (tokens/s)", "Muon step ms (tokens/s)", "Muon/AdamW"]
+
+
 def attention_variants(cfg, device_type: str) -> list[tuple[str, list[str]]]:
     """(label, extra overrides): causal, then block_causal with each kernel that trains here."""
     kernels = ["sdpa", "split"] + (["flex"] if device_type == "cuda" else [])
@@ -537,6 +578,21 @@ def run_attention(opts: dict, overrides: list[str], cfg, env: dict, tmp: Path) -
             f"{label:<22}{r['kernel']:>7}{r['tps']:>11,.0f}{r['tps'] / causal:>10.2f}{r['tflops']:>10.4f}"
             f"{r['mfu']:>7.1f}{r['first_step_s']:>10.1f}{r['first_loss']:>9.4f}"
         )
+    if opts["markdown"]:
+        t = cfg.training
+        autocast = opts["nproc"] == 1 and t.mixed_precision_param != "float32"
+        dtype = f"{t.mixed_precision_param}{' autocast' * autocast}"
+        got = dict(rows)
+        cells = [f"{cfg.model.name} {cfg.model.flavor}, {dtype}, {t.seq_len} x {t.local_batch_size}"]
+        for label in ("causal", "block_causal sdpa", "block_causal split", "block_causal flex"):
+            if label not in got:
+                cells.append(f"refused on {device_type.upper()}")
+            elif label == "causal":
+                cells.append(f"{got[label]['tps']:,.0f}")
+            else:
+                cells.append(f"{got[label]['tps']:,.0f} ({got[label]['tps'] / causal:.2f})")
+        cells.append(" / ".join(f"{r['first_step_s']:.1f}" for _, r in rows))
+        print_markdown(ATTENTION_COLUMNS, [cells], opts["argv"])
     return 0
 
 
@@ -553,7 +609,7 @@ def without_muon_keys(overrides: list[str]) -> list[str]:
     return out
 
 
-def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path) -> int:
+def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path, layout: str) -> int:
     variants = [
         ("AdamW", without_muon_keys(overrides) + ["--optimizer.name", "AdamW"]),
         ("Muon", overrides + ["--optimizer.name", "Muon"]),
@@ -588,6 +644,10 @@ def run_optimizers(opts: dict, overrides: list[str], env: dict, tmp: Path) -> in
     for label, r in rows.items():
         print(f"{label:<12}{r['step_ms']:>10.1f}{r['tps']:>11,.0f}{r['memory_gib']:>10.3f}{r['first_loss']:>9.4f}")
     print(f"step time Muon/AdamW: {rows['Muon']['step_ms'] / rows['AdamW']['step_ms']:.2f}")
+    if opts["markdown"]:
+        cells = [layout] + [f"{rows[o]['step_ms']:,.0f} ({rows[o]['tps']:,.0f})" for o in ("AdamW", "Muon")]
+        cells.append(f"{rows['Muon']['step_ms'] / rows['AdamW']['step_ms']:.2f}")
+        print_markdown(OPTIMIZER_COLUMNS, [cells], opts["argv"])
     return 0
 
 
@@ -645,7 +705,7 @@ def launch(opts: dict, overrides: list[str]) -> int:
     if opts["attention"]:
         return run_attention(opts, overrides, cfg, env, tmp)
     if opts["optimizers"]:
-        return run_optimizers(opts, overrides, env, tmp)
+        return run_optimizers(opts, overrides, env, tmp, layout_label(cfg, opts, global_batch))
     runs = {part: [] for part in PARTS}
     for repeat in range(opts["repeat"]):
         # Alternating the order spreads a drift in background load evenly over the two.
@@ -684,6 +744,7 @@ def launch(opts: dict, overrides: list[str]) -> int:
             "the two loops do not train the same model on the same data",
             flush=True,
         )
+    moe_share = ""
     if getattr(_flavor_args(cfg), "moe", None) is not None:
         result = tmp / "moe_layer.json"
         layer_opts = dict(opts, nproc=1)
@@ -701,8 +762,15 @@ def launch(opts: dict, overrides: list[str]) -> int:
             f"{layer['moe_tflops']:.4f} vs {layer['dense_tflops']:.4f} TFLOP/s, "
             f"share {layer['moe_tflops'] / layer['dense_tflops']:.2f}"
         )
+        moe_share = (
+            f"{layer['moe_tflops'] / layer['dense_tflops']:.2f} ({layer['moe_tflops']:.4f} against "
+            f"{layer['dense_tflops']:.4f} TFLOP/s, {'grouped matmul' if layer['grouped_mm'] else 'per-expert matmuls'})"
+        )
     print("\n".join(format_table(fw, bare)))
     print(f"ratio framework/bare: {fw['tps'] / bare['tps']:.2f}")
+    if opts["markdown"]:
+        cells = [layout_label(cfg, opts, global_batch), f"{fw['tps']:,.0f}", f"{bare['tps']:,.0f}"]
+        print_markdown(BARE_COLUMNS, [[*cells, f"{fw['tps'] / bare['tps']:.2f}", moe_share]], opts["argv"])
     return 0
 
 
@@ -720,6 +788,7 @@ def _main(argv: list[str]) -> int:
         raise UserError(str(e)) from None
     if opts["worker"] is not None:
         return worker(opts, overrides)
+    opts["argv"] = list(argv)  # the command of --markdown's rows
     return launch(opts, overrides)
 
 

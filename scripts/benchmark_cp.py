@@ -3,7 +3,7 @@ values; rotating, with and without overlapped transfers) and with Ulysses (all-t
 sequence lengths, each variant its own torchrun launch (run_train.sh).
 
     python scripts/benchmark_cp.py [--nproc 2] [--seq 4096,16384] [--steps 6] [--warmup 2] [--repeat 1] \\
-        [--variants allgather,alltoall,alltoall_no_overlap,ulysses] [overrides as for run_train.sh]
+        [--variants allgather,alltoall,alltoall_no_overlap,ulysses] [--markdown] [overrides as for run_train.sh]
 
 Every launch trains the recipe (default train_configs/debug_model.toml) for S steps with one sequence of
 seq tokens per step (local and global batch 1: every rank holds seq / N tokens of it), fp32, logging
@@ -13,7 +13,8 @@ of its step time, and the largest peak memory rank 0 reported (max RSS on CPU, m
 CUDA), and the CPU seconds the launch used over all its processes (user + system, start-up included:
 on a shared host wall time moves with the other jobs' load, CPU time much less). --repeat R runs the
 variants R times in rotating order, so that a drift of the machine's load falls on all of them. A launch
-that fails (e.g. out of memory) is reported as such, and the others go on.
+that fails (e.g. out of memory) is reported as such, and the others go on. --markdown also prints the
+results as rows of docs/benchmarks.md's table, with the command, commit, machine and date.
 """
 
 import json
@@ -36,6 +37,17 @@ VARIANTS = {
     ],
     "ulysses": ["--parallelism.context_parallel_method", "ulysses"],
 }
+# docs/benchmarks.md's columns, before command, commit, machine and date.
+COLUMNS = [
+    "model",
+    "seq",
+    "CP",
+    "method",
+    "tokens/s per rank",
+    "step time (s)",
+    "peak memory (GiB)",
+    "CPU s per launch",
+]
 LABELS = {
     "allgather": "ring, gathered (allgather)",
     "alltoall": "ring, rotating, overlapped",
@@ -106,6 +118,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeat", type=positive_int, default=1)
     parser.add_argument("--timeout", type=positive_int, default=900)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--markdown", action="store_true", help="also print the rows of docs/benchmarks.md")
     opts, overrides = parser.parse_known_args(argv)
     variants = opts.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
@@ -178,6 +191,25 @@ def main(argv: list[str]) -> int:
         else:
             print(f"| {seq} | {opts.nproc} | {LABELS[variant]} | {tps:,.0f} | {step:.2f} | {mem:.2f} | {cpu_s:,.0f} |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+    if opts.markdown:
+        from torchtitan.config import load_config
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import benchmark_table
+
+        cfg = load_config(overrides)
+        model = f"{cfg.model.name} {cfg.model.flavor}" + (
+            f", {cfg.model.attn_mask_type}" if cfg.model.attn_mask_type != "causal" else ""
+        )
+        cells = []
+        for seq, variant, tps, step, mem, cpu_s, note in rows:
+            method = LABELS[variant] if opts.nproc > 1 else "(CP 1)"
+            if tps is None:
+                figures = [note, "", "", ""]
+            else:
+                figures = [f"{tps:,.0f}", f"{step:.2f}", f"{mem:.2f}", f"{cpu_s:,.0f}"]
+            cells.append([model, seq, opts.nproc, method, *figures])
+        benchmark_table.print_rows(COLUMNS, cells, argv, __file__)
     return 0
 
 

@@ -4,6 +4,7 @@
     python scripts/benchmark_data.py --text-workers 0,1,2 --dp 1 --size-mb 64
     python scripts/benchmark_data.py --mix-mb 16 [--dp 1,8,64] [--mix-workers 0,1,2]
     python scripts/benchmark_data.py --resume
+    (each with --markdown: also the rows of docs/benchmarks.md's tables, with the command, commit, machine and date)
 
 Every source is split into lanes (torchtitan/components/data/lanes.py): global sample k is lane k % G's
 sample k // G, G being the global batch size in samples (here local batch x D), and data-parallel rank
@@ -64,7 +65,7 @@ size; a resume skips those shards without reading them) and without (the resume 
 N to count their documents). Also checks that the first window starts with document N and that both
 give the same first batch, and prints the ratio of the start-ups at the two positions.
 
-For scale: the debug model trains at about 2,150 tokens/s on CPU (docs/performance.md, scripts/benchmark.py), so
+For scale: the debug model trains at about 2,150 tokens/s on CPU (docs/benchmarks.md, scripts/benchmark.py), so
 the target is at least 100x that, 215,400 tokens/s per rank. Not a test: it prints figures.
 """
 
@@ -89,7 +90,7 @@ from torchtitan.config.errors import ArgumentParser, check_output_path, positive
 from torchtitan.config.training_sections import Training  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "python_stdlib_4k.model"
-DEBUG_MODEL_TOKENS_PER_S = 2_154  # docs/performance.md: the debug model on CPU
+DEBUG_MODEL_TOKENS_PER_S = 2_154  # docs/benchmarks.md: the debug model on CPU
 MIX_DOC_CHARS = 4096  # characters per document of the mixture's corpus
 MIX_ROW_GROUPS = 8  # row groups per parquet file of the mixture's corpus
 
@@ -157,6 +158,7 @@ def token_benchmark(args, tokenizer):
         "rank D - 1 of D (every rank reads only its lanes)"
     )
     target = 100 * DEBUG_MODEL_TOKENS_PER_S
+    rows = []
     for dp in _ints(args.dp):
         rank = dp - 1
         cfg = Training(
@@ -194,10 +196,13 @@ def token_benchmark(args, tokenizer):
             f"({rate / DEBUG_MODEL_TOKENS_PER_S:,.0f}x the debug model's ~{DEBUG_MODEL_TOKENS_PER_S:,} tokens/s; "
             f"target {target:,}: {'met' if rate >= target else 'NOT met'})"
         )
+        rows.append([dp, f"{startup * 1000:.1f}", f"{resumed_startup * 1000:.1f}", f"{rate:,.0f}"])
         del it, loader, resumed
+    markdown(args, ["dp", "start-up ms", "resumed start-up ms", "tokens/s delivered"], rows)
 
 
 def text_benchmark(args, tokenizer):
+    rows = []
     for workers in _ints(args.text_workers):
         cfg = Training(
             dataset="python_stdlib", seq_len=args.seq_len, local_batch_size=args.local_batch, data_workers=workers
@@ -214,8 +219,11 @@ def text_benchmark(args, tokenizer):
             f"text pipeline (python_stdlib, dp 1, {args.local_batch} lanes), data_workers {workers}: "
             f"{rate:12,.0f} tokens/s delivered"
         )
+        rows.append([workers, f"{rate:,.0f}"])
         del it, loader
         gc.collect()  # the workers stop with their loader
+    if rows:
+        markdown(args, ["data workers", "tokens/s delivered"], rows)
 
 
 # --- the mixture -----------------------------------------------------------------------------------
@@ -320,6 +328,7 @@ def mixture_benchmark(args, tokenizer):
     warm = build_dataloader(config(0), tokenizer, max(dps) - 1, max(dps), lanes)
     next(iter(warm))
     del warm
+    rows = []
     for dp in dps:
         gb = args.local_batch * dp
         share = 2 * meta["tokens_per_source"] / dp  # framed tokens of one pass over both sources, / D
@@ -349,10 +358,14 @@ def mixture_benchmark(args, tokenizer):
                 f"opening {100 * opening / corpus:5.2f}% ({opening / files / 1024:4.1f} KiB a file), reading "
                 f"{100 * reading / corpus:6.2f}%"
             )
+            read = f"{100 * opening / corpus:.1f}% + {100 * reading / corpus:.1f}%"
+            rows.append([dp, workers, f"{rate:,.0f}", f"{(first - start) * 1000:.0f}", read, f"{100 / dp:.1f}%"])
             del it, loader
             gc.collect()  # the workers stop with their loader
             if any(Path(f"/proc/{p}").exists() for p in pids):
                 raise SystemExit(f"data workers {pids} still run after their loader was collected")
+    columns = ["dp", "data workers", "tokens/s delivered", "start-up ms"]
+    markdown(args, [*columns, "read, % of the corpus: opening + reading", "the rank's share"], rows)
 
 
 # --- resuming streamed shards ------------------------------------------------------------------------
@@ -415,6 +428,7 @@ def resume_benchmark(args, tokenizer):
             f"  at document {n:6,}: the first window starts with document {n:,}: {'yes' if starts else 'NO'}; "
             f"the same first batch with and without: {'yes' if same else 'NO'}"
         )
+    rows = [[f"{n:,}", f"{times[n, True] * 1000:.1f}", f"{times[n, False] * 1000:.1f}"] for n in (1_000, 99_500)]
     for with_layout in (True, False):
         ratio = times[99_500, with_layout] / times[1_000, with_layout]
         print(
@@ -422,6 +436,17 @@ def resume_benchmark(args, tokenizer):
             f"documents per shard: {ratio:5.2f}x"
             + (f" ({'under' if ratio < 1.5 else 'NOT under'} 1.5x)" if with_layout else "")
         )
+    markdown(args, ["resumed at document", "with the saved counts, ms", "without them, ms"], rows)
+
+
+def markdown(args, columns: list[str], rows: list[list]) -> None:
+    """--markdown: the rows of docs/benchmarks.md (scripts/benchmark_table.py, beside this script)."""
+    if not args.markdown:
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchmark_table
+
+    benchmark_table.print_rows(columns, rows, args.argv, __file__)
 
 
 def _quiet_epochs():
@@ -479,7 +504,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", action="store_true", help="start-up of resumed loaders on jsonl.zst shards")
     parser.add_argument("--resume-folder", default="/tmp/bench_resume")
     parser.add_argument("--repeats", type=positive_int, default=3, help="--resume: the best of this many start-ups")
+    parser.add_argument("--markdown", action="store_true", help="also print the rows of docs/benchmarks.md")
     args = parser.parse_args(argv)
+    args.argv = argv  # the command of --markdown's rows
     if args.mix_mb < 0:
         parser.error(f"argument --mix-mb: must be 0 (no mixture) or more, got {args.mix_mb}")
     # The folder this run writes (generated data, reused by the next run), before minutes of generating.

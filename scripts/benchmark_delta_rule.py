@@ -3,8 +3,8 @@ attention of the same heads and head size, forward and backward, at several sequ
 time and peak allocated memory, and the chunked kernel's agreement with the token-by-token one.
 
     python scripts/benchmark_delta_rule.py [--lengths 1024,4096,16384] [--heads 4] [--head-dim 64]
-        [--chunk 64] [--repeat 3] [--check-lengths 1024,4096,16384]
-    python scripts/benchmark_delta_rule.py --layers [--flavor debugmodel] [--lengths ...] [--repeat 3]
+        [--chunk 64] [--repeat 3] [--check-lengths 1024,4096,16384] [--markdown]
+    python scripts/benchmark_delta_rule.py --layers [--flavor debugmodel] [--lengths ...] [--repeat 3] [--markdown]
 
 Per length, one sequence (batch 1), float32 on the CPU: q, k, v [1, seq, heads, head_dim] (q and k
 L2-normalized, as gated DeltaNet feeds the rule), g and beta [1, seq, heads]; the attention case runs
@@ -17,6 +17,8 @@ prints the largest difference of the outputs.
 --layers instead times whole Qwen3.5 blocks of one flavor (the same width): a gated DeltaNet block
 (projections, conv, the chunked rule, gated norm, SwiGLU) against a gated full-attention block (SDPA,
 the default kernel), forward and backward of one sequence, float32, parameters' gradients included.
+
+--markdown: after the table, its rows for docs/benchmarks.md, with the command, commit, machine and date.
 """
 
 import argparse
@@ -31,6 +33,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa: E402
+
+
+def print_markdown(header: str, rows: list[str], argv: list[str]) -> None:
+    """--markdown: the printed table's rows (`header`'s columns) for docs/benchmarks.md, through
+    scripts/benchmark_table.py (beside this script)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchmark_table
+
+    split = [[c.strip() for c in line.strip()[1:-1].split("|")] for line in [header, *rows]]
+    benchmark_table.print_rows(split[0], split[1:], argv, __file__)
 
 
 def numbers(text: str, what: str) -> list[int]:
@@ -89,7 +101,9 @@ def benchmark(argv: list[str]) -> None:
     )
     p.add_argument("--layers", action="store_true", help="whole Qwen3.5 blocks instead of the bare kernels")
     p.add_argument("--flavor", default="debugmodel", help="--layers: the qwen3_5 flavor whose blocks are timed")
+    p.add_argument("--markdown", action="store_true", help="also print the rows of docs/benchmarks.md")
     opts = p.parse_args(argv)
+    opts.argv = argv  # the command of --markdown's rows
     lengths = numbers(opts.lengths, "--lengths")
     if opts.layers:
         return layer_rows(opts, lengths)
@@ -104,11 +118,13 @@ def benchmark(argv: list[str]) -> None:
         f"heads {opts.heads}, head_dim {opts.head_dim}, chunk {opts.chunk}, float32, batch 1, "
         f"{torch.get_num_threads()} threads; forward+backward, median of {opts.repeat}"
     )
-    print(
+    header = (
         "| tokens | delta rule s (CPU s) | delta rule MiB | attention s (CPU s) | attention MiB | "
         "delta rule / attention CPU time | max diff to token by token |"
     )
+    print(header)
     print("|---|---|---|---|---|---|---|")
+    rows = []
     for seq in lengths:
         q, k, v, g, beta = x = inputs(seq, opts.heads, opts.head_dim)
         # measure() calls each function in this iteration; the default arguments bind this length's tensors.
@@ -129,11 +145,13 @@ def benchmark(argv: list[str]) -> None:
                 ref, _ = delta_rule.recurrent(q, k, v, g, beta)
                 got, _ = delta_rule.chunked(q, k, v, g, beta, chunk=opts.chunk)
             diff = f"{(ref - got).abs().max().item():.1e}"
-        print(
+        rows.append(
             f"| {seq} | {rule_s:.3f} ({rule_cpu:.3f}) | {rule_b / 2**20:.1f} | {attn_s:.3f} ({attn_cpu:.3f}) | "
-            f"{attn_b / 2**20:.1f} | {rule_cpu / attn_cpu:.2f} | {diff} |",
-            flush=True,
+            f"{attn_b / 2**20:.1f} | {rule_cpu / attn_cpu:.2f} | {diff} |"
         )
+        print(rows[-1], flush=True)
+    if opts.markdown:
+        print_markdown(header, rows, opts.argv)
 
 
 def layer_rows(opts, lengths: list[int]) -> None:
@@ -155,11 +173,13 @@ def layer_rows(opts, lengths: list[int]) -> None:
         f"chunk {args.delta_chunk}; attention {args.n_heads} / {args.n_kv_heads} heads of {args.head_dim}; float32, "
         f"batch 1, {torch.get_num_threads()} threads; forward+backward of one block, median of {opts.repeat}"
     )
-    print(
+    header = (
         "| tokens | DeltaNet block s (CPU s) | DeltaNet block MiB | attention block s (CPU s) | attention block MiB "
         "| DeltaNet / attention CPU time |"
     )
+    print(header)
     print("|---|---|---|---|---|---|")
+    rows = []
     for seq in lengths:
         row = []
         for layer in kinds.values():
@@ -172,11 +192,13 @@ def layer_rows(opts, lengths: list[int]) -> None:
                 )
             )
         (d_s, d_cpu, d_b), (a_s, a_cpu, a_b) = row
-        print(
+        rows.append(
             f"| {seq} | {d_s:.3f} ({d_cpu:.3f}) | {d_b / 2**20:.1f} | {a_s:.3f} ({a_cpu:.3f}) | {a_b / 2**20:.1f} "
-            f"| {d_cpu / a_cpu:.2f} |",
-            flush=True,
+            f"| {d_cpu / a_cpu:.2f} |"
         )
+        print(rows[-1], flush=True)
+    if opts.markdown:
+        print_markdown(header, rows, opts.argv)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Peak memory and time of the forward and backward of the output layer plus the loss, with the whole
 logits (today's path: F.linear, then the spec's cross_entropy_sum) and chunk by chunk
-(training.loss_chunk_tokens: models.common.chunked_loss), for docs/performance.md.
+(training.loss_chunk_tokens: models.common.chunked_loss); how to read it: docs/performance.md.
 
     python scripts/benchmark_loss.py [--tokens 4096] [--dim 1024] [--vocab 151936,248320] \\
-        [--dtype float32,bfloat16] [--chunks 0,256,1024,2048] [--recompute 1024] [--repeat 1]
+        [--dtype float32,bfloat16] [--chunks 0,256,1024,2048] [--recompute 1024] [--repeat 1] [--markdown]
 
 Each (vocabulary, dtype, chunk size) runs in its own process, so that one's peak does not hide
 another's (RSS maxima only grow). The process builds the hidden states [tokens, dim] (requiring a
@@ -29,7 +29,8 @@ whole and in each chunk size: peak RSS (or CUDA peak allocated) of the process a
 median step after the first).
 
 The last column is the ratio of each case's peak memory and time to the whole-logits case of its
-vocabulary and dtype.
+vocabulary and dtype. --markdown also prints the rows of docs/benchmarks.md's table (with a tokens
+column first, or the model for --step), with the command, commit, machine and date.
 """
 
 import argparse
@@ -40,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +197,37 @@ def one_step_case(flavor: str, tokens: int, batch: int, vocab: int, dtype: str, 
     }
 
 
+# docs/benchmarks.md's columns, before command, commit, machine and date.
+PASS_COLUMNS = [
+    "tokens",
+    "vocab",
+    "dtype",
+    "chunk tokens",
+    "peak GiB",
+    "of which not gradients",
+    "time s",
+    "CPU s",
+    "peak, CPU s vs whole",
+]
+STEP_COLUMNS = [
+    "model, tokens x batch",
+    "dtype",
+    "chunk tokens",
+    "peak GiB (process)",
+    "tokens/s",
+    "last step's loss",
+    "peak, tokens/s vs whole",
+]
+
+
+def print_markdown(columns: list[str], rows: list[list], argv: list[str]) -> None:
+    """--markdown: the rows of docs/benchmarks.md (scripts/benchmark_table.py, beside this script)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchmark_table
+
+    benchmark_table.print_rows(columns, rows, argv, __file__)
+
+
 def whole_steps(args) -> int:
     vocab = int(args.vocab.split(",")[0])
     print(
@@ -203,6 +236,7 @@ def whole_steps(args) -> int:
     )
     print("| dtype | chunk tokens | peak GiB (process) | tokens/s | last step's loss | peak, tokens/s vs whole |")
     print("|---|---|---|---|---|---|")
+    model, rows = f"qwen3 {args.step}, {args.tokens} x {args.batch}", []
     for dtype in args.dtype.split(","):
         whole = None
         for chunk in map(int, args.chunks.split(",")):
@@ -220,6 +254,7 @@ def whole_steps(args) -> int:
             )
             if out.returncode != 0:
                 print(f"| {dtype} | {chunk} | failed: {out.stderr.strip().splitlines()[-1]} | | | |")
+                rows.append([model, dtype, chunk, f"failed: {out.stderr.strip().splitlines()[-1]}", "", "", ""])
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             whole = r if chunk == 0 else whole
@@ -229,6 +264,10 @@ def whole_steps(args) -> int:
                 f"{r['loss']:.4f} | {ratio} |",
                 flush=True,
             )
+            name = "whole logits" if chunk == 0 else chunk
+            rows.append([model, dtype, name, f"{r['peak_gib']:.2f}", f"{r['tps']:,.0f}", f"{r['loss']:.4f}", ratio])
+    if args.markdown:
+        print_markdown(STEP_COLUMNS, rows, args.argv)
     return 0
 
 
@@ -246,9 +285,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step", help="whole training steps of this Qwen3 flavor instead (e.g. debugmodel)")
     p.add_argument("--batch", type=int, default=1, help="--step: sequences per step")
     p.add_argument("--steps", type=int, default=3, help="--step: steps per case")
+    p.add_argument("--markdown", action="store_true", help="also print the rows of docs/benchmarks.md")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case as JSON, in this process
     p.add_argument("--step-case", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.argv = argv  # the command of --markdown's rows
     if args.case:
         print(json.dumps(one_case(**json.loads(args.case))), flush=True)
         return 0
@@ -266,6 +307,7 @@ def main(argv: list[str]) -> int:
         "| vocab | dtype | chunk tokens | peak GiB | of which not gradients | time s | CPU s | peak, CPU s vs whole |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for vocab in map(int, args.vocab.split(",")):
         for dtype in args.dtype.split(","):
             cases = [(int(c), False) for c in args.chunks.split(",")] + (
@@ -286,7 +328,9 @@ def main(argv: list[str]) -> int:
                     [sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True
                 )
                 if out.returncode != 0:
-                    print(f"| {vocab:,} | {dtype} | {chunk} | failed: {out.stderr.strip().splitlines()[-1]} | | | | |")
+                    failed = f"failed: {out.stderr.strip().splitlines()[-1]}"
+                    print(f"| {vocab:,} | {dtype} | {chunk} | {failed} | | | | |")
+                    rows.append([args.tokens, f"{vocab:,}", dtype, chunk, failed, "", "", "", ""])
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 if chunk == 0:
@@ -298,6 +342,15 @@ def main(argv: list[str]) -> int:
                     f"{r['time_s']:.2f} | {r['cpu_s']:.1f} | {ratio} |",
                     flush=True,
                 )
+                figures = [
+                    f"{r['peak_gib']:.2f}",
+                    f"{r['activations_gib']:.2f}",
+                    f"{r['time_s']:.2f}",
+                    f"{r['cpu_s']:.1f}",
+                ]
+                rows.append([args.tokens, f"{vocab:,}", dtype, name, *figures, ratio])
+    if args.markdown:
+        print_markdown(PASS_COLUMNS, rows, argv)
     return 0
 
 

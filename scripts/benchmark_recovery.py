@@ -1,6 +1,6 @@
 """What a lost process costs: replica groups (fault tolerance) against a checkpoint restart.
 
-    python scripts/benchmark_recovery.py [--kill-after K] [overrides]
+    python scripts/benchmark_recovery.py [--kill-after K] [--markdown] [overrides]
 
 Both runs train the debug recipe for 100 steps at seq 64, batch 4 per group, one process each, in a temporary
 folder, and SIGKILL a whole launch (launcher and worker) once it has logged step K (default 25):
@@ -10,6 +10,8 @@ folder, and SIGKILL a whole launch (launcher and worker) once it has logged step
   to group 1's first step back (after its start-up and healing from group 0).
 - checkpoint restart: one run with checkpoints every 10 steps, killed and restarted with the same command.
   Printed: seconds from the kill to its first step after the checkpoint and to step K + 1, and the steps redone.
+--markdown also prints the four figures as rows of docs/benchmarks.md's table, with the command, commit, machine
+and date.
 """
 
 import json
@@ -120,11 +122,20 @@ def replica_groups(root: Path, kill_after: int, overrides: list[str]):
         survivor = time.monotonic() - killed
         _wait(lambda: len(_steps(folders[1])) > logged, "group 1's first step back")
         back = time.monotonic() - killed
+        group1, group0 = _steps(folders[1])[-1], _steps(folders[0])[-1]
         print(
             f"replica groups: group 1 killed after step {kill_after} (group 0 at step {at_kill}); group 0 logged its "
             f"next step {survivor:.1f}s after the kill; group 1, restarted at once, logged step "
-            f"{_steps(folders[1])[-1]} {back:.1f}s after the kill, group 0 then at step {_steps(folders[0])[-1]}"
+            f"{group1} {back:.1f}s after the kill, group 0 then at step {group0}"
         )
+        return [
+            [f"replica groups: group 0's next logged step (group 0 at step {at_kill} at the kill)", f"{survivor:.1f}"],
+            [
+                f"replica groups: group 1, restarted at once, logs its first step back (step {group1}; group 0 then "
+                f"at step {group0})",
+                f"{back:.1f}",
+            ],
+        ]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -160,6 +171,13 @@ def checkpoint_restart(root: Path, kill_after: int, overrides: list[str]):
             f"{first:.1f}s after the kill and step {kill_after + 1} {back:.1f}s after it "
             f"({kill_after - resumed + 1} steps trained twice)"
         )
+        return [
+            [
+                f"checkpoint restart: the restarted run's first step ({resumed}, after its checkpoint)",
+                f"{first:.1f}",
+            ],
+            [f"checkpoint restart: step {kill_after + 1} (steps {resumed}-{kill_after} trained twice)", f"{back:.1f}"],
+        ]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -167,9 +185,9 @@ def checkpoint_restart(root: Path, kill_after: int, overrides: list[str]):
 
 def main(argv: list[str]) -> int:
     from torchtitan.config import load_config
-    from torchtitan.config.errors import UserError
+    from torchtitan.config.errors import HelpRequested, UserError
 
-    kill_after, overrides = 25, list(argv)
+    kill_after, overrides = 25, [a for a in argv if a != "--markdown"]
     if "--kill-after" in overrides:
         i = overrides.index("--kill-after")
         value = overrides[i + 1] if i + 1 < len(overrides) else ""
@@ -178,10 +196,18 @@ def main(argv: list[str]) -> int:
         kill_after = int(value)
         del overrides[i : i + 2]
     # A mistake in the overrides is found here, not by the first launch.
-    load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides])
+    try:
+        load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides])
+    except HelpRequested as h:  # this script's options first, then the trainer's
+        raise HelpRequested(f"{__doc__}\nTrainer overrides, as for run_train.sh:\n\n{h.text}") from None
     with tempfile.TemporaryDirectory() as tmp:
-        replica_groups(Path(tmp), kill_after, overrides)
-        checkpoint_restart(Path(tmp), kill_after, overrides)
+        rows = replica_groups(Path(tmp), kill_after, overrides)
+        rows += checkpoint_restart(Path(tmp), kill_after, overrides)
+    if "--markdown" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark_table.py
+        import benchmark_table
+
+        benchmark_table.print_rows(["event", "seconds after the SIGKILL"], rows, argv, __file__)
     return 0
 
 

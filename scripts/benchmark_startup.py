@@ -1,6 +1,6 @@
 """Start-up cost of a launch: seconds from running the command to each phase of rank 0.
 
-    python scripts/benchmark_startup.py [--nproc N] [--repeat R] [--modes before,exec,fork] [overrides]
+    python scripts/benchmark_startup.py [--nproc N] [--repeat R] [--modes before,exec,fork] [--markdown] [overrides]
 
 Each repeat runs every mode once (the order rotates between repeats, since the load of a shared
 machine drifts) with the debug recipe, `--training.steps 1` and the overrides given, in a fresh
@@ -27,6 +27,9 @@ by this script into a temporary folder) wraps torchtitan.preflight.check, loggin
 (train.main calls it first), torch.distributed.init_process_group and the log record factory, and
 appends one JSON line per event to a file. It runs in every Python process of the launch; forked
 workers inherit it from the launcher.
+
+--markdown: after the table, one row per mode for docs/benchmarks.md, with the command, commit, machine and
+date.
 """
 
 import json
@@ -180,12 +183,14 @@ def run_once(mode: str, nproc: int, overrides: list[str], workdir: Path, index: 
 
 def main(argv: list[str]) -> int:
     from torchtitan.config import load_config
-    from torchtitan.config.errors import UserError
+    from torchtitan.config.errors import HelpRequested, UserError
 
-    nproc, repeat, modes, overrides = 2, 3, ["before", "exec", "fork"], []
+    nproc, repeat, modes, overrides, markdown = 2, 3, ["before", "exec", "fork"], [], False
     i = 0
     while i < len(argv):
-        if argv[i] in ("--nproc", "--repeat", "--modes"):
+        if argv[i] == "--markdown":
+            markdown, i = True, i + 1
+        elif argv[i] in ("--nproc", "--repeat", "--modes"):
             if i + 1 == len(argv):
                 raise UserError(f"{argv[i]} needs a value")
             value = argv[i + 1]
@@ -205,7 +210,10 @@ def main(argv: list[str]) -> int:
     if unknown or not modes:
         raise UserError(f"--modes: unknown modes {sorted(unknown)}; choose from before, exec, fork")
     # A mistake in the overrides is found here, not by the first launch.
-    load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides])
+    try:
+        load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *overrides])
+    except HelpRequested as h:  # this script's options first, then the trainer's
+        raise HelpRequested(f"{__doc__}\nTrainer overrides, as for run_train.sh:\n\n{h.text}") from None
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -221,6 +229,12 @@ def main(argv: list[str]) -> int:
     print(f"{'phase':18s}" + "".join(f"{m:>9s}" for m in modes))
     for p in PHASES:
         print(f"{p:18s}" + "".join(f"{statistics.median(t[p] for t in results[m]):9.2f}" for m in modes))
+    if markdown:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark_table.py
+        import benchmark_table
+
+        rows = [[m] + [f"{statistics.median(t[p] for t in results[m]):.2f}" for p in PHASES] for m in modes]
+        benchmark_table.print_rows(["mode", *PHASES], rows, argv, __file__)
     return 0
 
 

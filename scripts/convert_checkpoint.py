@@ -34,7 +34,7 @@ from torchtitan.components.checkpoint import (  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.components.tokenizer_export import export_tokenizer  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, UserError, check_output_path, run_main  # noqa: E402
-from torchtitan.distributed.utils import DTYPES  # noqa: E402
+from torchtitan.distributed.dtypes import DTYPES  # noqa: E402
 from torchtitan.models.registry import get_model_spec, import_custom_module, spec_for_hf_config  # noqa: E402
 
 

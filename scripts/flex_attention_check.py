@@ -1,7 +1,10 @@
 """FlexAttention where it trains (CUDA): numerics against SDPA with the same mask, and the same
 under torch.compile of the model. Prints one line per check and exits 1 if one fails.
 
-    python scripts/flex_attention_check.py
+    python scripts/flex_attention_check.py [--markdown]
+
+--markdown also prints the checks as rows of docs/benchmarks.md's table, with the command, commit, machine
+and date.
 
 Speed is measured by scripts/benchmark.py --attention 1 (tokens/s of causal against block_causal
 with each kernel, and the first step's time, which on CUDA is mostly compilation), e.g.
@@ -75,7 +78,16 @@ def model_diff(device, compile_model: bool) -> float:
     return max((a - b).abs().max().item() for a, b in zip(*grads))
 
 
-def main() -> int:
+COLUMNS = ["check", "max difference", "largest value", "result"]  # docs/benchmarks.md's, before the provenance
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if set(argv) - {"--markdown"}:
+        raise UserError(f"unknown arguments {sorted(set(argv) - {'--markdown'})}; the only option is --markdown")
+    rows = []
     if not torch.cuda.is_available():
         raise UserError("FlexAttention trains on CUDA only; this machine has no GPU")
     device = torch.device("cuda")
@@ -92,6 +104,9 @@ def main() -> int:
                 f"[{time.perf_counter() - start:.1f}s with compilation]",
                 flush=True,
             )
+            name = str(dtype).split(".")[-1]
+            check = f"FlexAttention (compiled) against SDPA, {name}, window {window}: forward and q/k/v gradients"
+            rows.append([check, f"{diff:.1e}", f"{scale:.1f}", "ok" if ok else "FAILED"])
     for compile_model in (False, True):
         start = time.perf_counter()
         diff = model_diff(device, compile_model)
@@ -102,8 +117,15 @@ def main() -> int:
             f"sdpa| {diff:.2e} {'ok' if ok else 'FAILED'} [{time.perf_counter() - start:.1f}s]",
             flush=True,
         )
+        check = f"qwen3 debug, window 128, block_causal, compile {compile_model}: loss and gradients"
+        rows.append([check, f"{diff:.1e}", "", "ok" if ok else "FAILED"])
+    if "--markdown" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark_table.py
+        import benchmark_table
+
+        benchmark_table.print_rows(COLUMNS, rows, argv, __file__)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -49,7 +49,8 @@ from torchtitan.components.checkpoint import (  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.config import load_config  # noqa: E402
 from torchtitan.config.errors import ArgumentParser, UserError, run_main  # noqa: E402
-from torchtitan.distributed.utils import DTYPES, device_type  # noqa: E402
+from torchtitan.distributed.dtypes import DTYPES  # noqa: E402
+from torchtitan.distributed.process_group import device_type  # noqa: E402
 from torchtitan.models.common.layers import kv_caches  # noqa: E402
 from torchtitan.models.common.moe import overrides_from_config as moe_overrides  # noqa: E402
 from torchtitan.models.common.spec import ModelSpec  # noqa: E402

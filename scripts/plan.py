@@ -3,7 +3,7 @@ memory per rank and estimated step time, ranked; the best written as a recipe.
 
     python scripts/plan.py --job.config_file RECIPE --ngpu 512 --gpus_per_node 8 --gpu_memory_gib 80 \\
         [--output best.toml] [--top 20] [--no-simulate] [--peak_tflops T] [--efficiency E] \\
-        [--intra_node_gbps B] [--inter_node_gbps B] [--device cuda|cpu] [any --section.key override]
+        [--intra_node_gbps B] [--inter_node_gbps B] [--device cuda|cpu] [--markdown] [any --section.key override]
 
 Prints a table of the layouts that fit (fastest first): layout, activation checkpointing, micro-batch,
 the memory terms per rank in GiB, step time, tokens/s per device and MFU. Every layout in it (and the
@@ -15,7 +15,8 @@ parameter counts must equal the estimate's. --output writes it as a recipe run_t
 (a new file in an existing folder, checked before planning). When nothing fits, it says what the
 smallest layout needs and exits 2. --device cpu plans for CPU processes on this machine (gloo), where
 --gpu_memory_gib is the host memory per process. --ngpu is a whole number of nodes of
---gpus_per_node (or part of one node). Mistakes: one line on stderr, exit status 2.
+--gpus_per_node (or part of one node). Mistakes: one line on stderr, exit status 2. --markdown also
+prints the planner's run as a row of docs/benchmarks.md's table, with the command, commit, machine and date.
 """
 
 import math
@@ -47,6 +48,7 @@ def parse(argv: list[str]):
     )
     p.add_argument("--intra_node_gbps", type=float, default=0, help="GB/s per device within a node (default 450)")
     p.add_argument("--inter_node_gbps", type=float, default=0, help="GB/s per device across nodes (default 50)")
+    p.add_argument("--markdown", action="store_true", help="also print the run as a row of docs/benchmarks.md")
     opts, rest = p.parse_known_args(argv)
     check_options(opts)
     return opts, rest
@@ -70,7 +72,7 @@ def check_options(opts) -> None:
         )
     if opts.output:
         check_output_path(opts.output, "--output", create_parents=False)
-    from torchtitan.planner.plan import check_world  # imports torch: after the checks that need nothing
+    from torchtitan.planner.search import check_world  # imports torch: after the checks that need nothing
 
     check_world(opts.ngpu, opts.gpus_per_node)
 
@@ -81,7 +83,7 @@ def run(argv: list[str]) -> int:
 
     from torchtitan.config import load_config
     from torchtitan.planner.memory import GiB
-    from torchtitan.planner.plan import default_hardware, explain, plan, refusals, table, write_recipe
+    from torchtitan.planner.search import default_hardware, explain, rank_layouts, refusals, table, write_recipe
 
     start = time.perf_counter()
     cfg = load_config(rest)
@@ -100,7 +102,7 @@ def run(argv: list[str]) -> int:
         },
     )
     memory = opts.gpu_memory_gib * GiB
-    ranking = plan(cfg, opts.ngpu, opts.gpus_per_node, memory, opts.device, hw, keep=opts.top)
+    ranking = rank_layouts(cfg, opts.ngpu, opts.gpus_per_node, memory, opts.device, hw, keep=opts.top)
     fits, smallest = ranking.fits, ranking.smallest
     # A CPU peak measured now moves with the host's load: the times built on it only rank the layouts.
     measured = opts.device == "cpu" and not opts.peak_tflops and not cfg.metrics.device_peak_tflops
@@ -145,10 +147,12 @@ def run(argv: list[str]) -> int:
             else f"(the fastest layouts fit; {ranking.searched - ranking.fitting} others do not)"
         )
     best = fits[0]
+    simulated = "none"
     if opts.simulate:
-        from torchtitan.planner.plan import check_by_simulation
+        from torchtitan.planner.search import check_by_simulation
 
         took, ranks = check_by_simulation(best)
+        simulated = f"{ranks} of {best.dims.pp}"
         print(
             f"simulated {best.layout()} on a fake process group of {opts.ngpu} ranks ({ranks} of its {best.dims.pp} "
             f"pipeline rank(s): one per distinct stage, {took:.1f} s): every parameter shard equals the estimate's"
@@ -158,7 +162,22 @@ def run(argv: list[str]) -> int:
         nodes = opts.ngpu // opts.gpus_per_node
         where = f" on each of the {nodes} nodes (NNODES={nodes}, RDZV_ENDPOINT: docs/launching.md)" if nodes > 1 else ""
         print(f"wrote {opts.output}: NGPU={opts.gpus_per_node} CONFIG_FILE={opts.output} ./run_train.sh{where}")
-    print(f"planned in {time.perf_counter() - start:.1f} s")
+    elapsed = time.perf_counter() - start
+    print(f"planned in {elapsed:.1f} s")
+    if opts.markdown:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/benchmark_table.py
+        import benchmark_table
+
+        columns = ["model", "devices", "layouts searched", "pipeline ranks simulated", "planned in s"]
+        model = f"{cfg.model.name} {cfg.model.flavor}, seq {cfg.training.seq_len}"
+        cells = [
+            model,
+            f"{opts.ngpu} x {opts.gpu_memory_gib:g} GiB",
+            f"{ranking.searched:,}",
+            simulated,
+            f"{elapsed:.1f}",
+        ]
+        benchmark_table.print_rows(columns, [cells], argv, __file__)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The planner's memory and step-time estimates against measured runs on this machine.
 
-    python scripts/validate_memory_estimate.py [--only NAME,...] [--terms] [--allocated-only] [--section.key value ...]
+    python scripts/validate_memory_estimate.py [--only NAME,...] [--terms] [--allocated-only] [--markdown]
+        [--section.key value ...]
 
 (--section.key value: a training option for every layout, after the layout's own; e.g.
 --training.mixed_precision_param float32 runs every row in float32, for a CPU without native bf16.)
@@ -12,7 +13,8 @@ For each layout of LAYOUTS (small flavors, up to 4 processes) it trains 6 steps 
   model (the kernel's VmHWM, restarted there) and the median step time after the first two steps.
 It prints, per layout, the planner's estimate for the same config (torchtitan.planner; its terms
 before the allocator's fragmentation factor) against the largest rank's allocated peak, the error,
-the resident peak, and the estimated step time against the measured one.
+the resident peak, and the estimated step time against the measured one. --markdown also prints the rows
+of docs/benchmarks.md's table (the model first), with the command, commit, machine and date.
 """
 
 import json
@@ -177,7 +179,7 @@ def estimate(nproc: int, args: list[str]):
     """The planner's estimate for `nproc` processes on this host (its CPU hardware: one device per
     process)."""
     from torchtitan.config import load_config
-    from torchtitan.planner.plan import default_hardware, estimate_config
+    from torchtitan.planner.search import default_hardware, estimate_config
 
     cfg = load_config(args)
     return estimate_config(cfg, nproc, "cpu", default_hardware("cpu", nproc, cfg))
@@ -195,6 +197,7 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="only the profiled run: no resident peak or step time (their columns are left empty)",
     )
+    p.add_argument("--markdown", action="store_true", help="also print the rows of docs/benchmarks.md")
     opts, extra = p.parse_known_args(argv)
     only = set(filter(None, opts.only.split(",")))
     unknown = sorted(only - {name for name, _, _ in LAYOUTS})
@@ -204,14 +207,17 @@ def main(argv: list[str]) -> int:
         )
     from torchtitan.config import load_config
 
+    models = {}  # layout -> "model flavor", for --markdown
     for name, _, overrides in LAYOUTS:  # the overrides load with every layout before any run
         if not only or name in only:
-            load_config(BASE + overrides + extra)
+            cfg = load_config(BASE + overrides + extra)
+            models[name] = f"{cfg.model.name} {cfg.model.flavor}"
     print(
         "| layout | processes | estimated MiB | allocated MiB (largest rank) | error | resident MiB | est. step s | "
         "measured step s | error |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for name, nproc, overrides in LAYOUTS:
         if only and name not in only:
             continue
@@ -220,18 +226,32 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as folder:
             got = measure(nproc, args, folder, profiling=True)
         err = est.memory.subtotal / got["allocated"] - 1
-        row = f"| {name} | {nproc} | {est.memory.subtotal / 2**20:.0f} | {got['allocated'] / 2**20:.0f} | {err:+.1%} | "
+        cells = [name, nproc, f"{est.memory.subtotal / 2**20:.0f}", f"{got['allocated'] / 2**20:.0f}", f"{err:+.1%}"]
+        row = "| " + " | ".join(map(str, cells)) + " | "
         if opts.allocated_only or "--float8.emulate" in overrides:
             row += " | | | |"
+            cells += ["", "", "", ""]
         else:
             with tempfile.TemporaryDirectory() as folder:
                 got |= measure(nproc, args, folder, profiling=False)
-            row += (
-                f"{got['resident'] / 2**20:.0f} | {est.step_time:.3f} | {got['step_time']:.3f} | "
-                f"{est.step_time / got['step_time'] - 1:+.0%} |"
-            )
+            timing = [
+                f"{got['resident'] / 2**20:.0f}",
+                f"{est.step_time:.3f}",
+                f"{got['step_time']:.3f}",
+                f"{est.step_time / got['step_time'] - 1:+.0%}",
+            ]
+            row += " | ".join(timing) + " |"
+            cells += timing
+        rows.append([models[name], *cells])
         terms = " ".join(f"{k} {v / 2**20:.0f}" for k, v in est.memory.terms().items() if v)
         print(row + (f" {terms}" if opts.terms else ""), flush=True)
+    if opts.markdown:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/benchmark_table.py
+        import benchmark_table
+
+        columns = ["model", "layout", "processes", "estimated MiB", "allocated MiB (largest rank)", "error"]
+        columns += ["resident MiB", "est. step s", "measured step s", "error"]
+        benchmark_table.print_rows(columns, rows, argv, __file__)
     return 0
 
 

@@ -130,12 +130,12 @@ def isinstance_on_model_classes(path: Path) -> list[str]:
 def test_the_scanners_find_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from torchtitan.models.common.moe import MoE as M\nimport torchtitan.distributed.utils\n"
+        "from torchtitan.models.common.moe import MoE as M\nimport torchtitan.distributed.grad_norm\n"
         "def f(x):\n    from torchtitan.models.fam import model\n    return isinstance(x, (int, M))\n"
     )
     assert {
         "torchtitan.models.common.moe.MoE",
-        "torchtitan.distributed.utils",
+        "torchtitan.distributed.grad_norm",
         "torchtitan.models.fam.model",
     } <= imported_modules(probe)
     assert len(isinstance_on_model_classes(probe)) == 1

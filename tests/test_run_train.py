@@ -436,16 +436,3 @@ def test_a_stopped_rank_ends_the_job_within_the_train_timeout(tmp_path):
     # Rank 0's collective gives up after the 5 s train timeout (the 300 s init timeout would keep it waiting).
     assert "Timed out waiting 5000ms" in err
     assert elapsed < 5 + 10, elapsed
-
-
-def test_the_readme_quick_check_names_real_test_files_and_leaves_out_slow_tests():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("# A quick check", 1)[1].split("\n\n", 1)[0]
-    command = " ".join(line.strip().rstrip("\\") for line in block.splitlines() if not line.startswith("#"))
-    import shlex
-
-    words = shlex.split(command.split("python -m pytest -q", 1)[1])
-    assert words[:2] == ["-m", "not slow"], command
-    paths = words[2:]
-    assert paths and all((REPO / path).exists() for path in paths), paths
-    assert "leaves out" in block  # it says what it does not run

@@ -122,7 +122,7 @@ def test_a_fork_replaces_one_step_by_subclassing(tmp_path):
         """Skips the optimizer: the model never changes, so every step sees the initial weights."""
 
         def optimizer_step(self):
-            calls.append(self.plan.grad_accum_steps)
+            calls.append(self.preflight_result.grad_accum_steps)
 
     same = ["--training.steps", "3", "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32"]
     frozen = train(short_config(tmp_path, *same), FrozenTrainer)
@@ -181,7 +181,7 @@ def test_console_keys_of_the_reference_schema_act(tmp_path, caplog):
 
 
 def test_flight_recorder_size_reaches_the_environment(monkeypatch):
-    from torchtitan.distributed.utils import init_distributed
+    from torchtitan.distributed.process_group import init_distributed
 
     for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -210,7 +210,7 @@ class PoisonedSteps:
     def forward_backward(self, inputs, labels, doc_ids, scale):
         loss = super().forward_backward(inputs, labels, doc_ids, scale)
         if self.step_now in self.poisoned:
-            for part in self.parts:
+            for part in self.ctx.parts:
                 for p in part.parameters():
                     p.grad.fill_(float("nan"))
         return loss

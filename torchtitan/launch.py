@@ -216,7 +216,7 @@ def worker(*train_argv: str):
         pass
 
     from torchtitan import train
-    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.process_group import exit_process
 
     try:
         code = train.main(list(train_argv))
@@ -228,8 +228,8 @@ def worker(*train_argv: str):
         traceback.print_exc()  # a bug: the traceback belongs in the worker's log
         code = 1
     if code:
-        # Without interpreter finalization, as the exec form does (see dist_utils.exit_process).
-        dist_utils.exit_process(code)
+        # Without interpreter finalization, as the exec form does (see distributed.process_group.exit_process).
+        exit_process(code)
     # Success returns to torchrun's process wrapper, which reports it and exits without finalization.
 
 

@@ -1,5 +1,5 @@
 """Preflight: everything decided about a job before any process group exists, and every check that
-needs no collective. `preflight(cfg, world_size)` returns the run's `Plan` (parallel degrees, batch
+needs no collective. `preflight(cfg, world_size)` returns the run's `PreflightResult` (parallel degrees, batch
 arithmetic, the model spec and args, the tokenizer, the attention mask and kernel) or raises
 UserError. The trainer runs it on every rank; the launcher (torchtitan/launch.py, which run_train.sh
 runs) calls `check` in its own process before starting any worker, so that a mistake is reported in
@@ -22,16 +22,17 @@ from typing import Any
 
 import torch
 
-from torchtitan.components import fault_tolerance, validate
+from torchtitan.components import fault_tolerance, validation
 from torchtitan.components.checkpoint import check_writable, preflight_checkpoint
 from torchtitan.components.optimizer import check_muon_supported, check_param_groups
 from torchtitan.components.tokenizer import Tokenizer, detect as detect_tokenizer
 from torchtitan.config import HelpRequested, JobConfig, UserError, load_config
 from torchtitan.config.errors import run_main
-from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed import process_group
 from torchtitan.distributed.context_parallel import check_ulysses_degree
+from torchtitan.distributed.dtypes import DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import plan_split, splits_backward
+from torchtitan.distributed.pipeline_parallel import splits_backward, stage_modules
 from torchtitan.distributed.tensor_parallel import check_tp_divisibility
 from torchtitan.models.common.attention import choose_attention_kernel
 from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
@@ -43,7 +44,7 @@ logger = logging.getLogger("torchtitan")
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
+class ResolvedAttention:
     """The run's attention, resolved once from [model]: what the mask lets through and the kernel that
     computes it. The trainer sets the kernel, the batch preparation and the FLOPs count read `documents`."""
 
@@ -57,7 +58,7 @@ class AttentionPlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PreflightResult:
     """Everything decided before any process group exists."""
 
     parallel_dims: ParallelDims
@@ -66,7 +67,7 @@ class Plan:
     spec: ModelSpec
     model_args: Any  # the args of the model this run builds (model_args_for_run), typed Any as in ModelSpec
     tokenizer: Tokenizer
-    attention: AttentionPlan
+    attention: ResolvedAttention
     loss_chunk_tokens: int  # training.loss_chunk_tokens as a number: "auto" resolved (0: the whole logits)
     memory_estimate: str | None = None  # [memory_estimation]: the estimate of this layout, one line
 
@@ -163,10 +164,10 @@ def check_attention(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None
     """[model] attention options against the device and the family (before any model is built)."""
     m = cfg.model
     backend = "flex" if m.use_flex_attn else m.attn_backend
-    if backend == "flex" and dist_utils.device_type() != "cuda":
+    if backend == "flex" and process_group.device_type() != "cuda":
         raise UserError(
             f"model.{'use_flex_attn = true' if m.use_flex_attn else 'attn_backend = flex'} asks for FlexAttention, "
-            f"which cannot train on {dist_utils.device_type()}: FlexAttention does not support backward on CPU "
+            f"which cannot train on {process_group.device_type()}: FlexAttention does not support backward on CPU "
             f"(torch {torch.__version__.split('+')[0]}); use model.attn_backend = 'sdpa' or 'split' (or 'auto')"
         )
     if backend != "auto" and spec.cp_attention is None:
@@ -227,10 +228,10 @@ def check_delta_rule_kernel(model_args) -> None:
         return
     from torchtitan.models.common.delta_rule import FLA_INSTALL
 
-    if dist_utils.device_type() != "cuda":
+    if process_group.device_type() != "cuda":
         raise UserError(
             f"model.delta_rule_kernel = 'fla' runs flash-linear-attention's Triton kernel, which needs "
-            f"CUDA (this is {dist_utils.device_type()}); use model.delta_rule_kernel = 'torch'"
+            f"CUDA (this is {process_group.device_type()}); use model.delta_rule_kernel = 'torch'"
         )
     if importlib.util.find_spec("fla") is None:
         raise UserError(
@@ -246,7 +247,7 @@ def check_hf_export(cfg: JobConfig, spec: ModelSpec, model_args, tokenizer: Toke
     (resume.preflight_checkpoint)."""
     assert spec.hf is not None  # called for a family with a Hugging Face adapter only
     try:
-        spec.hf.config(model_args, dist_utils.DTYPES[cfg.checkpoint.export_dtype], tokenizer.bos_id, tokenizer.eos_id)
+        spec.hf.config(model_args, DTYPES[cfg.checkpoint.export_dtype], tokenizer.bos_id, tokenizer.eos_id)
     except UserError as e:
         raise UserError(
             f"checkpoint.last_save_in_hf exports the model as a Hugging Face folder after the last step, "
@@ -264,7 +265,7 @@ def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDim
             f"{cfg.model.flavor} yet (they fail to trace at the first step); turn training.compile off, or "
             "choose a dense flavor"
         )
-    if dims.tp_enabled and dist_utils.device_type() == "cpu":
+    if dims.tp_enabled and process_group.device_type() == "cpu":
         # DTensor's redistribute backward fails inside compiled blocks ("'Tensor' object has no attribute
         # '_local_tensor'"), for every family; on CUDA, where async TP needs both, it is untested here.
         raise UserError(
@@ -273,7 +274,7 @@ def check_compile(cfg: JobConfig, spec: ModelSpec, model_args, dims: ParallelDim
         )
 
 
-def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
+def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> PreflightResult:
     """Checks that need no collectives: degrees against the world size, batch arithmetic, the model
     name and flavor against the parallelisms, the tokenizer file, the dump and checkpoint folders.
     Raises UserError; run identically on every rank (and once by run_train.sh before launch).
@@ -288,7 +289,7 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     t = cfg.training
     global_batch, accum = dims.batch(t.local_batch_size, t.global_batch_size)
     if t.enable_cpu_offload:
-        if dist_utils.device_type() != "cuda":
+        if process_group.device_type() != "cuda":
             raise UserError(
                 "training.enable_cpu_offload moves parameters, gradients and optimizer state from GPU memory to "
                 "host memory; this job runs on the CPU, where they already are: remove the option"
@@ -327,7 +328,7 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
                 f"model '{spec.name}' has no tensor-parallel plan in its spec; "
                 "set parallelism.tensor_parallel_degree = 1"
             )
-        if cfg.parallelism.enable_async_tensor_parallel and dist_utils.device_type() != "cuda":
+        if cfg.parallelism.enable_async_tensor_parallel and process_group.device_type() != "cuda":
             raise UserError(
                 "parallelism.enable_async_tensor_parallel uses CUDA symmetric memory; this job runs on the CPU: "
                 "turn it off"
@@ -342,7 +343,7 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
     if dims.cp_enabled and cfg.parallelism.context_parallel_method == "ulysses" and heads is not None:
         check_ulysses_degree(heads, dims.tp, dims.cp)
     if dims.pp_enabled:
-        plan_split(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
+        stage_modules(spec.pipeline, model_args.n_layers, dims.pp, cfg.parallelism)
         schedule = (
             f"pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} (its I and W actions)"
             if p.pipeline_parallel_schedule_csv
@@ -404,44 +405,44 @@ def preflight(cfg: JobConfig, world_size: int, services: bool = True) -> Plan:
         cfg.checkpoint,
         cfg.job.dump_folder,
         world_size,
-        dist_utils.device_type(),
+        process_group.device_type(),
         t.seq_len,
         fault_tolerance.data_lanes(cfg.fault_tolerance, 0, 1, global_batch)[2],
         t.steps,
     )
     # The validation set holds a global batch.
-    validate.preflight_validation(cfg.validation, t, tokenizer, dims.dp_degree)
+    validation.preflight_validation(cfg.validation, t, tokenizer, dims.dp_degree)
     attention = resolve_attention(cfg, spec, model_args)
     memory = None
     if cfg.memory_estimation.enabled:
-        from torchtitan.planner.estimate import Planning, check_memory
+        from torchtitan.planner.estimate import RecipeFacts, check_memory
 
         memory = check_memory(
             cfg,
             world_size,
-            dist_utils.device_type(),
+            process_group.device_type(),
             int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-            Planning.build(spec, model_args, cfg),
+            RecipeFacts.build(spec, model_args, cfg),
         )
-    return Plan(dims, global_batch, accum, spec, model_args, tokenizer, attention, loss_chunk_tokens, memory)
+    return PreflightResult(dims, global_batch, accum, spec, model_args, tokenizer, attention, loss_chunk_tokens, memory)
 
 
-def resolve_attention(cfg: JobConfig, spec: ModelSpec, model_args) -> AttentionPlan:
+def resolve_attention(cfg: JobConfig, spec: ModelSpec, model_args) -> ResolvedAttention:
     """model.attn_mask_type and model.attn_backend (checked by check_attention) with the model's
     window, as one value, with the kernel chosen for this device."""
     m = cfg.model
     documents = m.attn_mask_type == "block_causal"
     window = getattr(model_args, "sliding_window", None)
     if spec.cp_attention is None:
-        return AttentionPlan(documents, window, "own")
+        return ResolvedAttention(documents, window, "own")
     kernel = choose_attention_kernel(
         "flex" if m.use_flex_attn else m.attn_backend,
-        dist_utils.device_type(),
+        process_group.device_type(),
         documents or window is not None,
         documents,
         cfg.training.seq_len,
     )
-    return AttentionPlan(documents, window, kernel)
+    return ResolvedAttention(documents, window, kernel)
 
 
 def warn_tokenizerless_export(tokenizer_path: str) -> None:
@@ -493,15 +494,15 @@ def check(argv: list[str], world_size: int, check_lock: bool = True, services: b
     from torchtitan.components.data import build_dataloader
     from torchtitan.components.run_lock import refuse_if_locked
 
-    plan = preflight(cfg, world_size, services)
-    if plan.memory_estimate:
-        print(plan.memory_estimate, flush=True)
+    result = preflight(cfg, world_size, services)
+    if result.memory_estimate:
+        print(result.memory_estimate, flush=True)
     if cfg.checkpoint.last_save_in_hf:
         warn_tokenizerless_export(cfg.model.tokenizer_path)
     if check_lock:
         refuse_if_locked(cfg.job.dump_folder)
     # Opening the data source as rank 0 finds a missing path or an empty dataset.
-    build_dataloader(cfg.training, plan.tokenizer, 0, plan.parallel_dims.dp_degree, plan.global_batch_size)
+    build_dataloader(cfg.training, result.tokenizer, 0, result.parallel_dims.dp_degree, result.global_batch_size)
     return cfg
 
 

@@ -582,7 +582,7 @@ class Recording(Trainer):
         self.calls += 1
         die("start", self.calls)
         if self.calls == 1:
-            average, should_commit = self.replicas.average, self.replicas.should_commit
+            average, should_commit = self.ctx.replicas.average, self.ctx.replicas.should_commit
 
             def averaged(*args):
                 die("average", self.calls)
@@ -594,14 +594,14 @@ class Recording(Trainer):
                 die("update", self.calls)
                 return committed
 
-            self.replicas.average, self.replicas.should_commit = averaged, vote
-        lanes = self.dataloader.dataset.lanes
+            self.ctx.replicas.average, self.ctx.replicas.should_commit = averaged, vote
+        lanes = self.ctx.dataloader.dataset.lanes
         before = {lane.index: lane.next_sample for lane in lanes}
-        taken, lr = self.optim.steps_taken, self.optim.lr
+        taken, lr = self.ctx.optim.steps_taken, self.ctx.optim.lr
         result = super().train_step(step, data_iter)
         samples = [[i, s] for lane in lanes for i in [lane.index] for s in range(before[i], lane.next_sample)]
         with open(RECORD, "a") as f:
-            f.write(json.dumps({"step": step, "samples": samples, "taken": self.optim.steps_taken > taken,
+            f.write(json.dumps({"step": step, "samples": samples, "taken": self.ctx.optim.steps_taken > taken,
                                 "lr": lr, "pid": os.getpid()}) + "\\n")
         return result
 

@@ -16,7 +16,7 @@ from torchtitan.config import (
     load_config,
     validate,
 )
-from torchtitan.config.job_config import PLANNED_KEYS
+from torchtitan.config.job_config import NOT_IMPLEMENTED_KEYS
 
 
 def write(path, text):
@@ -263,7 +263,7 @@ def test_unknown_section_on_cli():
     assert "'trainig'" in msg and "did you mean '--training.steps'" in msg
 
 
-def test_unknown_planned_section_key_suggests_planned_key(tmp_path):
+def test_unknown_checkpoint_key_suggests_the_known_key(tmp_path):
     path = write(tmp_path / "recipe.toml", "[checkpoint]\nenable_checkpointt = false\n")
     with pytest.raises(UserError, match=r"did you mean 'checkpoint\.enable_checkpoint'"):
         load_recipe(path)
@@ -318,10 +318,10 @@ def test_wrong_type_on_cli(argv, expected):
     assert expected in error_of(argv)
 
 
-# --- planned keys ----------------------------------------------------------------------------
+# --- not-implemented keys ----------------------------------------------------------------------------
 
 
-def test_planned_keys_inert_accepted(tmp_path):
+def test_not_implemented_keys_inert_accepted(tmp_path):
     path = write(
         tmp_path / "recipe.toml",
         """
@@ -338,11 +338,11 @@ def test_planned_keys_inert_accepted(tmp_path):
         """,
     )
     cfg = load_recipe(path, "--training.compile", "false", "--job.no-print_args")
-    assert not hasattr(cfg.metrics, "save_for_all_ranks")  # planned values are validated, not stored
+    assert not hasattr(cfg.metrics, "save_for_all_ranks")  # not-implemented values are validated, not stored
     assert cfg == dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
 
 
-def test_planned_key_active_rejected_in_toml(tmp_path):
+def test_not_implemented_key_active_rejected_in_toml(tmp_path):
     path = write(tmp_path / "recipe.toml", "[memory_estimation]\nenabled = true\ndisable_fake_mode = true\n")
     msg = str(pytest.raises(UserError, load_recipe, path).value)
     assert msg.startswith("memory_estimation.disable_fake_mode = true")
@@ -433,7 +433,7 @@ def test_validation_values_are_checked_when_enabled(argv, expected):
     load_config(["--training.seq_len", "2048", *argv])  # disabled: not checked
 
 
-def test_planned_key_specific_reason():
+def test_not_implemented_key_specific_reason():
     msg = error_of(["--parallelism.enable_compiled_autograd"])
     assert "compiled autograd is not supported" in msg
 
@@ -462,12 +462,12 @@ def test_nested_list_from_recipe_and_command_line(tmp_path):
         load_recipe(bad)
 
 
-def test_planned_key_str_rejected():
+def test_not_implemented_key_str_rejected():
     msg = error_of(["--experimental.custom_args_module", "my.module"])
     assert 'experimental.custom_args_module = "my.module"' in msg and 'set it to ""' in msg
 
 
-def test_planned_key_cli_can_switch_off_recipe_value(tmp_path):
+def test_not_implemented_key_cli_can_switch_off_recipe_value(tmp_path):
     path = write(tmp_path / "recipe.toml", "[training]\ngc_debug = true\n")
     with pytest.raises(UserError, match="training.gc_debug"):
         load_recipe(path)
@@ -598,7 +598,7 @@ def test_help_lists_every_field_with_default(flag):
             assert f"default: {_shown(getattr(obj, f.name))})" in line
     planned = info.value.text.split("Planned keys")[1]
     assert "inert value" in planned
-    for section, keys in PLANNED_KEYS.items():
+    for section, keys in NOT_IMPLEMENTED_KEYS.items():
         for key in keys:
             assert f"--{section}.{key} = " in planned
 
@@ -685,9 +685,11 @@ def test_hf_assets_path_is_the_initial_hf_weights_folder_or_refused(tmp_path):
 def test_only_switched_off_sections_accept_any_value():
     from torchtitan.config.job_config import ANY
 
-    for section, keys in PLANNED_KEYS.items():
+    for section, keys in NOT_IMPLEMENTED_KEYS.items():
         if any(v is ANY for v in keys.values()):
-            assert keys.get("enabled") is False, f"[{section}] accepts any value but has no planned enabled = false"
+            assert keys.get("enabled") is False, (
+                f"[{section}] accepts any value but has no not-implemented enabled = false"
+            )
 
 
 def test_a_mixture_whose_schedule_would_not_repeat_soon_is_refused():

@@ -28,7 +28,7 @@ from torchtitan.distributed.context_parallel import (
     local_positions,
     shard_sequence,
 )
-from torchtitan.distributed.utils import exit_process
+from torchtitan.distributed.process_group import exit_process
 from torchtitan.models.common import attention
 from torchtitan.models.common.attention import sdpa_attention, split_attention, visible
 

@@ -26,7 +26,7 @@ from torchtitan.components.checkpoint import HFFolder, load_hf, load_hf_into, me
 from torchtitan.config import load_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_model
-from torchtitan.distributed.utils import destroy_distributed, exit_process
+from torchtitan.distributed.process_group import destroy_distributed, exit_process
 from torchtitan.models.common.spec import ParallelizeInputs
 from torchtitan.models.registry import get_model_spec
 

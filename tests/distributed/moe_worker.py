@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.metrics import setup_logging
 from torchtitan.config import load_config
-from torchtitan.distributed.utils import exit_process
+from torchtitan.distributed.process_group import exit_process
 from torchtitan.train import Trainer, train
 
 
@@ -42,7 +42,7 @@ class Probe(Trainer):
             # full_tensor is a collective: every rank walks the same parameters in the same order.
             self.first_grads = {
                 n: full(p.grad).detach().clone()
-                for part in self.parts
+                for part in self.ctx.parts
                 for n, p in part.named_parameters()
                 if ("experts" in n or "router" in n) and p.grad is not None
             }
@@ -54,13 +54,13 @@ class Probe(Trainer):
         if step < self.cfg.training.steps:
             return
         routers = {}
-        for part in self.parts:
+        for part in self.ctx.parts:
             for n, p in part.named_parameters():
                 if "router" not in n:
                     continue
                 local = p.to_local() if isinstance(p, DTensor) else p
                 if self.dims.tp_enabled:
-                    tp = self.mesh["tp"]
+                    tp = self.ctx.mesh["tp"]
                     copies = [torch.empty_like(local) for _ in range(tp.size())]
                     dist.all_gather(copies, local.detach().contiguous(), group=tp.get_group())
                     routers[n] = max((c - copies[0]).abs().max().item() for c in copies)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import torchtitan.components.muon as muon
-from torchtitan.distributed.utils import destroy_distributed, exit_process
+from torchtitan.distributed.process_group import destroy_distributed, exit_process
 
 # name: (mesh shape, placements, parameter shapes)
 CASES = {

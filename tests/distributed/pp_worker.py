@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.pipeline_parallel import (
     StepLoss,
     apply_fsdp_to_stage,
@@ -34,7 +35,7 @@ from torchtitan.distributed.pipeline_parallel import (
     split_module_names,
     stage_ids_for_rank,
 )
-from torchtitan.distributed.utils import clip_grad_norm_, exit_process
+from torchtitan.distributed.process_group import exit_process
 from torchtitan.models.registry import get_model_spec
 
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from torchtitan.components.metrics import setup_logging
 from torchtitan.config import load_config
-from torchtitan.distributed.utils import destroy_distributed, exit_process, init_distributed
+from torchtitan.distributed.process_group import destroy_distributed, exit_process, init_distributed
 from torchtitan.train import train
 
 # Warnings the trainer's own code caused once in every run of some families: each fails the launch (and with it the

@@ -11,11 +11,11 @@ from torchtitan.distributed.pipeline_parallel import (
     last_stage_rank,
     num_microbatches,
     parts_from_split_points,
-    plan_split,
     resolve_num_stages,
     schedule_style,
     split_module_names,
     stage_ids_for_rank,
+    stage_modules,
 )
 from torchtitan.models.common.spec import PipelineLayout
 from torchtitan.models.registry import get_model_spec
@@ -249,17 +249,17 @@ def test_split_points_become_model_parts():
         parts_from_split_points(LAYOUT, 4, ["tok_embeddings"])
 
 
-def test_plan_split_from_config():
-    def plan(*argv):
+def test_stage_modules_from_config():
+    def stages(*argv):
         cfg = load_config(["--parallelism.pipeline_parallel_degree", "2", *argv])
-        return plan_split(LAYOUT, 6, 2, cfg.parallelism)
+        return stage_modules(LAYOUT, 6, 2, cfg.parallelism)
 
-    explicit = plan(
+    explicit = stages(
         "--parallelism.module_fqns_per_model_part",
         "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output",
     )
     assert [len(p) for p in explicit] == [2, 7]
-    assert plan("--parallelism.pipeline_parallel_split_points", "layers.4")[1] == [
+    assert stages("--parallelism.pipeline_parallel_split_points", "layers.4")[1] == [
         "layers.4",
         "layers.5",
         "norm",
@@ -268,7 +268,7 @@ def test_plan_split_from_config():
     # Four parts for a schedule with two stages per rank; two parts for 1F1B.
     assert (
         len(
-            plan(
+            stages(
                 "--parallelism.pipeline_parallel_split_points",
                 "layers.1,layers.3,layers.5",
                 "--parallelism.pipeline_parallel_schedule",
@@ -278,9 +278,9 @@ def test_plan_split_from_config():
         == 4
     )
     with pytest.raises(UserError, match=r"pipeline_parallel_split_points gives 3 stages, which schedule '1F1B'"):
-        plan("--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
+        stages("--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
     # The default: layers spread over one stage per rank.
-    assert [len(p) for p in plan()] == [4, 5]
+    assert [len(p) for p in stages()] == [4, 5]
     with pytest.raises(UserError, match=r"both split the pipeline"):
         load_config(
             [

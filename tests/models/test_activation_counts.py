@@ -106,7 +106,7 @@ def test_float8_blocks_keep_what_bfloat16_ones_do():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_multi_token_prediction_module_keeps_its_block_and_glue(dtype):
     """DeepSeek-V3's MTP module: its block's counts plus its input norms and their concatenation
-    (deepseek_v3.activations.mtp_counts), against the whole module's saved tensors; and it counts one
+    (deepseek_v3.activation_memory.mtp_counts), against the whole module's saved tensors; and it counts one
     more pass through the output layer."""
     model, args, _ = block_and_counts("deepseek_v3", "debugmodel", "0", dtype, mtp_depth=1)
     module = model.mtp["0"]

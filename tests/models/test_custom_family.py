@@ -29,7 +29,7 @@ from torchtitan.models.common.spec import (
     count_parameters,
     transformer_flops_per_token,
 )
-from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_top_plan, gather_sequence_input
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_top_tp_plan, gather_sequence_input
 from torchtitan.models.registry import register_model
 
 # ---- the family ----------------------------------------------------------------------------
@@ -105,12 +105,12 @@ class TinyDecoder(nn.Module):
             seeded_init_(param, name, seed, fill)
 
 
-def top_plan(loss_parallel: bool) -> dict:
-    standard = decoder_top_plan(loss_parallel)
+def top_tp_plan(loss_parallel: bool) -> dict:
+    standard = decoder_top_tp_plan(loss_parallel)
     return {"wte": standard["tok_embeddings"], "ln_f": standard["norm"], "lm_head": standard["output"]}
 
 
-def block_plan(block) -> dict:
+def block_tp_plan(block) -> dict:
     return {
         "ln_1": SequenceParallel(),
         "attn": gather_sequence_input(),
@@ -125,7 +125,7 @@ def block_plan(block) -> dict:
     }
 
 
-TP_PLAN = TensorParallelPlan(top=top_plan, block=block_plan)
+TP_PLAN = TensorParallelPlan(top=top_tp_plan, block=block_tp_plan)
 
 
 def size(args: TinyArgs) -> ModelSize:

@@ -133,7 +133,7 @@ class WideVMoE(Decoder):
         )
         return torch.cat([angles, angles], dim=-1)
 
-    def init_for(self, name):
+    def initializer_for(self, name):
         if name.endswith("norm.weight"):
             return ones()
         return normal(0.02)

@@ -229,7 +229,7 @@ def test_context_parallel_that_splits_a_deltanet_head_is_refused_before_launch_w
 
 
 def test_the_planner_and_memory_estimation_estimate_the_family():
-    """The spec has activation counts for both block kinds (qwen3_5/activations.py, checked against
+    """The spec has activation counts for both block kinds (qwen3_5/activation_memory.py, checked against
     traced blocks in tests/models/test_activation_counts.py): [memory_estimation] prints an estimate
     before launch and scripts/plan.py ranks layouts, where both refused the family before."""
     import os

@@ -63,8 +63,8 @@ def test_a_registered_flavor_is_found_wherever_flavors_are_looked_up():
         assert spec.flavors["debugmodel"].dim == 256  # the family's own flavors are still there
     assert spec.args_for_training("tiny", 4096, 64).n_layers == 2
     assert "tiny" not in registry._own_spec("llama3").flavors  # the family's table is not edited
-    plan = preflight(debug_config("--model.flavor", "tiny"), world_size=1)
-    assert plan.spec.flavors["tiny"] == tiny_args()
+    result = preflight(debug_config("--model.flavor", "tiny"), world_size=1)
+    assert result.spec.flavors["tiny"] == tiny_args()
 
 
 def test_the_same_flavor_again_is_fine_a_different_one_is_refused(tmp_path):

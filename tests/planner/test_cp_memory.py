@@ -8,7 +8,7 @@ import pytest
 
 from torchtitan.config import load_config
 from torchtitan.planner.memory import GiB, cp_attention_bytes
-from torchtitan.planner.plan import candidates, estimate_config, plan, planning_of
+from torchtitan.planner.search import candidates, estimate_config, rank_layouts, recipe_facts
 
 from helpers.paths import REPO
 
@@ -35,7 +35,7 @@ def test_counts_what_one_attention_call_keeps(act_bytes, measured):
     # of SDPA on the local q, k and v, in units of one q-sized tensor. The gathered ring: 2 for the other
     # rank's keys and values and 8 for the [1,024 x 2,048] mask in the compute dtype; the rotating ring:
     # 2 for the received block, 5 chunk pairs' float32 outputs and log-sum-exps, less SDPA's output.
-    p = planning_of(config())
+    p = recipe_facts(config())
     tokens, seq, unit = 1024, 2048, 1024 * 256 * act_bytes
     for method, got in measured.items():
         par = config(
@@ -67,7 +67,7 @@ def test_the_estimate_follows_the_method():
     # Ulysses < the rotating ring < the gathered ring, whose mask of 4,096 x 8,192 float32 (128 MiB a
     # block, 6 blocks without checkpointing) outweighs the rotating ring's pair outputs.
     assert act["ulysses"] < act["rotating"] < act["gathered"]
-    p = planning_of(config(*long))
+    p = recipe_facts(config(*long))
     for name, extra in (("gathered", GATHERED), ("rotating", ROTATING)):
         par = config(*long, *extra).parallelism
         per_block = cp_attention_bytes(p.args, par, 2, 1, 4096, 8192, 4, documents=False)
@@ -92,7 +92,7 @@ def test_the_plan_picks_the_method_that_fits():
         "1",
     ]
     cfg = config(*args)
-    p = planning_of(cfg)
+    p = recipe_facts(cfg)
     methods = [
         (c.parallelism.context_parallel_method, c.parallelism.context_parallel_rotate_method)
         for c in candidates(cfg, 2, 2, p.spec, p.args)
@@ -107,7 +107,7 @@ def test_the_plan_picks_the_method_that_fits():
     }
     assert need["cp2u"] < need["cp2r"] < need["cp2"]
     budget = (need["cp2u"] + need["cp2r"]) / 2
-    ranking = plan(cfg, 2, 2, budget, device_type="cpu")
+    ranking = rank_layouts(cfg, 2, 2, budget, device_type="cpu")
     chosen = {e.layout() for e in ranking.fits if e.ac() == "none"}
     assert chosen == {"cp2u"}, [(e.layout(), e.ac(), e.memory.total / GiB) for e in ranking.fits]
     # A recipe that sets the rotating ring keeps it.

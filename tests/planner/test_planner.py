@@ -25,7 +25,7 @@ import pytest
 from torchtitan.config import load_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.planner.memory import estimate_memory, param_shards
-from torchtitan.planner.plan import estimate_config, planning_of
+from torchtitan.planner.search import estimate_config, recipe_facts
 from torchtitan.planner.simulate import simulate
 
 from helpers.launch import load_script
@@ -72,7 +72,7 @@ def config(*args: str):
 
 def check_against_simulation(world: int, args: list[str]):
     cfg = config(*args)
-    p = planning_of(cfg)
+    p = recipe_facts(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world)
     analytic = param_shards(p.spec, p.model, dims, cfg.parallelism)
     simulated = simulate(p.spec, p.args, dims, cfg)
@@ -150,7 +150,7 @@ def test_memory_terms_follow_the_layout():
     offload = estimate_config(config("--training.enable_cpu_offload"), 4, "cuda")
     assert offload.memory.params == offload.memory.grads == offload.memory.optimizer == 0
     cfg = config(*PP2)
-    p = planning_of(cfg)
+    p = recipe_facts(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, 2)
     last = estimate_memory(p.spec, p.model, p.args, dims, cfg, "cpu")
     assert last.pp_rank in (0, 1) and (last.logits > 0) == (last.pp_rank == 1)
@@ -194,11 +194,11 @@ def test_the_logits_terms_follow_the_loss_chunk_size():
 
 
 def test_context_parallel_methods_are_searched_and_costed():
-    from torchtitan.planner.plan import candidates
+    from torchtitan.planner.search import candidates
     from torchtitan.planner.timing import cp_volume
 
     cfg = config("--training.seq_len", "4096", "--training.global_batch_size", "8")
-    p = planning_of(cfg)
+    p = recipe_facts(cfg)
     # llama3 debugmodel: 16 heads, no grouped-query attention. The ring sends its key/value block cp - 1
     # times (and the gradients back): 4 (cp - 1) hidden units; Ulysses 8 (cp - 1) / cp.
     assert [cp_volume("ring", p.args, cp, 1) for cp in (2, 4, 8)] == [4, 12, 28]
@@ -234,7 +234,7 @@ def test_context_parallel_methods_are_searched_and_costed():
         if c.parallelism.context_parallel_degree > 1
     } == {"ulysses"}
     qwen = config("--model.name", "qwen3", "--training.seq_len", "4096", "--training.global_batch_size", "8")
-    q = planning_of(qwen)  # 8 query heads: TP 4 leaves 2 per rank, so CP 4 and 8 are ring only
+    q = recipe_facts(qwen)  # 8 query heads: TP 4 leaves 2 per rank, so CP 4 and 8 are ring only
     methods = {
         (c.parallelism.context_parallel_degree, c.parallelism.context_parallel_method)
         for c in candidates(qwen, 16, 16, q.spec, q.args)
@@ -368,11 +368,11 @@ MTP_ZBV = DEBUG + DSV3 + ["--model.mtp_depth", "1", "--parallelism.pipeline_para
 def test_a_multi_token_prediction_plan_never_picks_a_zero_bubble_layout(plan_script, tmp_path, capsys):
     """On 8 GPUs the fastest estimate is a ZBV pipeline, which the trainer refuses with MTP: the planner
     leaves it out, says why, and writes a recipe that the trainer's preflight accepts."""
-    from torchtitan.planner.plan import plan, refusal
+    from torchtitan.planner.search import rank_layouts, refusal
     from torchtitan.preflight import preflight
 
     cfg = load_config(MTP_ZBV)
-    ranking = plan(cfg, 8, 8, 80 * 2**30, "cuda", keep=10)
+    ranking = rank_layouts(cfg, 8, 8, 80 * 2**30, "cuda", keep=10)
     assert ranking.fits and all(e.dims.pp == 1 for e in ranking.fits)
     assert all(refusal(e.cfg, 8, "cuda") is None for e in ranking.fits)
     assert any("ZBVZeroBubble splits each backward" in why for why in ranking.refused)
@@ -527,7 +527,7 @@ def test_a_replica_group_recipe_is_planned_without_asking_its_lighthouse():
     import socket
     import threading
 
-    from torchtitan.planner.plan import plan
+    from torchtitan.planner.search import rank_layouts
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -557,7 +557,7 @@ def test_a_replica_group_recipe_is_planned_without_asking_its_lighthouse():
                 "8",
             ]
         )
-        ranking = plan(cfg, 4, 4, 80 * 2**30, "cpu", keep=3)
+        ranking = rank_layouts(cfg, 4, 4, 80 * 2**30, "cpu", keep=3)
         assert ranking.fits and not accepted
     finally:
         silent.close()

@@ -37,7 +37,12 @@ from torchtitan.models.common.spec import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
-class BatchRule:
+class BatchPreparation:
+    """How the run turns a batch of packed windows into this rank's model inputs (the module's docstring
+    has the steps): where documents end, which labels count, the block-causal document ids, the family's
+    own inputs (prepare_window), and this rank's context-parallel positions. One per run, shared by
+    training and validation; `prepare` applies it to a batch."""
+
     document_end_id: int | None  # None: the data marks no document boundaries
     block_causal: bool = False
     ignore_cross_document: bool = False

@@ -177,7 +177,7 @@ class DiLoCo:
 
     def __init__(self, cfg: FaultTolerance, trainer, start_step: int):
         self.trainer = trainer
-        self.params = [p for part in trainer.parts for p in part.parameters()]
+        self.params = [p for part in trainer.ctx.parts for p in part.parameters()]
         with torch.no_grad():
             self.reference = [_local(p.detach()).clone() for p in self.params]
         self.outer = torch.optim.SGD(
@@ -185,7 +185,7 @@ class DiLoCo:
         )
         ckpt = trainer.cfg.checkpoint
         self.folder: str | None = (
-            os.path.join(trainer.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None
+            os.path.join(trainer.ctx.checkpointer.folder.path, "diloco") if ckpt.enable_checkpoint else None
         )
         if start_step > 0 and self.folder is not None:
             path = self._path(start_step)
@@ -219,10 +219,10 @@ class DiLoCo:
         with torch.no_grad():
             for r, p in zip(self.reference, self.params):
                 _local(p.detach()).copy_(r)
-        if getattr(self.trainer, "precompute_float8", False):  # the scales of the weights just written
+        if getattr(self.trainer.ctx, "precompute_float8", False):  # the scales of the weights just written
             from torchtitan.components.float8 import precompute_float8_scales
 
-            for part in self.trainer.parts:
+            for part in self.trainer.ctx.parts:
                 precompute_float8_scales(part)
 
     def state_dict(self) -> dict:
@@ -238,7 +238,7 @@ class DiLoCo:
         """With the trainer's checkpoint of this step (checkpoint.interval, the last step): this rank's reference
         weights and outer state; the files of checkpoints no longer kept are removed."""
         t = self.trainer
-        if self.folder is None or not t.checkpointer.should_save(step, t.cfg.training.steps):
+        if self.folder is None or not t.ctx.checkpointer.should_save(step, t.cfg.training.steps):
             return
         os.makedirs(self.folder, exist_ok=True)
         torch.save(self.state_dict(), self._path(step) + ".partial")
@@ -251,7 +251,7 @@ class DiLoCo:
         for name in os.listdir(self.folder):
             if name.startswith("step-") and name.endswith(suffix):
                 step = int(name[5 : -len(suffix)])
-                if step < newest and not os.path.isdir(self.trainer.checkpointer.folder.step(step)):
+                if step < newest and not os.path.isdir(self.trainer.ctx.checkpointer.folder.step(step)):
                     os.remove(os.path.join(self.folder, name))
 
 
@@ -352,10 +352,10 @@ class ReplicaGroups:
         """Read (and drop) this rank's batches of `steps` steps: its lanes then stand where a run of this layout
         stands after them."""
         t = self.trainer
-        batches = iter(t.dataloader)
-        for _ in range(steps * t.plan.grad_accum_steps):
+        batches = iter(t.ctx.dataloader)
+        for _ in range(steps * t.preflight_result.grad_accum_steps):
             next(batches)
-        t.dataloader.load_state_dict(t.dataloader.state_dict())
+        t.ctx.dataloader.load_state_dict(t.ctx.dataloader.state_dict())
 
     def continue_data(self, start_step: int):
         """The data position across layouts. A checkpoint's counters say how many replica groups wrote it
@@ -366,7 +366,7 @@ class ReplicaGroups:
         there, and no sample of its lanes twice. Within one layout, exclude_from_loading keeps its meaning (the
         data from the beginning)."""
         t, cfg = self.trainer, self.cfg
-        counters = t.checkpointer.counters
+        counters = t.ctx.checkpointer.counters
         wrote = counters.pop("replica_groups", 0)
         reads = cfg.group_count if cfg.enabled else 0
         if cfg.enabled:
@@ -386,11 +386,11 @@ class ReplicaGroups:
         t = self.trainer
         return {
             "step": self.last_step,
-            "steps_taken": t.optim.steps_taken,
-            "model": [_tree_local(part.state_dict()) for part in t.parts],
-            "optimizers": [_tree_local(opt.state_dict()) for opt in t.optim.optimizers],
-            "schedulers": [sched.state_dict() for sched in t.optim.schedulers],
-            "counters": dict(t.checkpointer.counters),
+            "steps_taken": t.ctx.optim.steps_taken,
+            "model": [_tree_local(part.state_dict()) for part in t.ctx.parts],
+            "optimizers": [_tree_local(opt.state_dict()) for opt in t.ctx.optim.optimizers],
+            "schedulers": [sched.state_dict() for sched in t.ctx.optim.schedulers],
+            "counters": dict(t.ctx.checkpointer.counters),
             **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {}),
         }
 
@@ -398,10 +398,10 @@ class ReplicaGroups:
         """Load a live group's state_dict (in start_quorum, before the step's forward)."""
         t = self.trainer
         with torch.no_grad():
-            for part, received in zip(t.parts, state["model"]):
+            for part, received in zip(t.ctx.parts, state["model"]):
                 for name, value in part.state_dict().items():
                     _local(value).copy_(received[name])
-        for opt, received in zip(t.optim.optimizers, state["optimizers"]):
+        for opt, received in zip(t.ctx.optim.optimizers, state["optimizers"]):
             params = [p for group in opt.param_groups for p in group["params"]]
             for index, values in received["state"].items():
                 p = params[index]
@@ -411,10 +411,10 @@ class ReplicaGroups:
                             v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
                         )
             opt.load_state_dict(received)
-        for sched, received in zip(t.optim.schedulers, state["schedulers"]):
+        for sched, received in zip(t.ctx.optim.schedulers, state["schedulers"]):
             sched.load_state_dict(received)
-        t.optim.steps_taken = state["steps_taken"]
-        t.checkpointer.counters.update(state["counters"])
+        t.ctx.optim.steps_taken = state["steps_taken"]
+        t.ctx.checkpointer.counters.update(state["counters"])
         if self.diloco is not None:
             self.diloco.load_state_dict(state["diloco"])
         self.healed_step = self.last_step = state["step"]
@@ -506,7 +506,7 @@ class ReplicaGroups:
         tensors = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum]
         # An MoE model's expert loads of the step are summed over the groups, as over the ranks of one run, so that
         # every group moves its expert bias alike (moe.update_expert_bias) and keeps the same routing.
-        counts = [m.tokens_per_expert for part in self.trainer.parts for _, m in moe_layers(part)]
+        counts = [m.tokens_per_expert for part in self.trainer.ctx.parts for _, m in moe_layers(part)]
         # One flat all-reduce per dtype, in the same order on every rank of every group.
         dtypes = sorted({t.dtype for t in tensors}, key=str)
         batches = [([t for t in tensors if t.dtype == dtype], ReduceOp.AVG) for dtype in dtypes]
@@ -528,10 +528,10 @@ class ReplicaGroups:
         if self.manager.should_commit():
             return True
         t = self.trainer
-        t.optim.zero_grad()
-        t.optim.step_schedulers()
-        t.checkpointer.counters["uncommitted_steps"] = t.checkpointer.counters.get("uncommitted_steps", 0) + 1
-        for part in self.trainer.parts:  # the dropped step's expert loads move no expert bias
+        t.ctx.optim.zero_grad()
+        t.ctx.optim.step_schedulers()
+        t.ctx.checkpointer.counters["uncommitted_steps"] = t.ctx.checkpointer.counters.get("uncommitted_steps", 0) + 1
+        for part in self.trainer.ctx.parts:  # the dropped step's expert loads move no expert bias
             for _, m in moe_layers(part):
                 m.tokens_per_expert.zero_()
         logger.warning(f"step {step}: not committed ({self._why()}); its update is dropped")
@@ -562,7 +562,7 @@ class ReplicaGroups:
         deltas = diloco.deltas()
         # An MoE model's expert biases (its balancing state, a buffer each group moves by its own loads between
         # syncs) become their mean, so that after a sync every group routes alike.
-        biases = [m.expert_bias for part in self.trainer.parts for _, m in moe_layers(part)]
+        biases = [m.expert_bias for part in self.trainer.ctx.parts for _, m in moe_layers(part)]
         mean_biases = [b.clone() for b in biases]
         self._allreduce(deltas + mean_biases)
         committed = manager.should_commit()
@@ -571,7 +571,7 @@ class ReplicaGroups:
             for b, mean in zip(biases, mean_biases):
                 b.copy_(mean)
         else:
-            counters = self.trainer.checkpointer.counters
+            counters = self.trainer.ctx.checkpointer.counters
             counters["uncommitted_syncs"] = counters.get("uncommitted_syncs", 0) + 1
             logger.warning(
                 f"step {step}: the DiLoCo sync is not committed ({self._why()}); the weights go back to "
@@ -603,7 +603,7 @@ class ReplicaGroups:
         diloco), and how many steps (syncs) were not committed so far."""
         if self.manager is None:
             return {}
-        counters = self.trainer.checkpointer.counters
+        counters = self.trainer.ctx.checkpointer.counters
         key = "uncommitted_syncs" if self.diloco is not None else "uncommitted_steps"
         return {"replica_groups": self.participants, key: counters.get(key, 0)}
 

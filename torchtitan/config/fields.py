@@ -1,12 +1,12 @@
-"""What every config section is written with: a field with its help text (`opt`), and the helpers of the
-sections' check()."""
+"""What every config section is written with: a documented field (`option`: its default and its help text),
+and the helpers of the sections' check() (`broken_rules`: the messages of the rules that do not hold)."""
 
 import dataclasses
 from dataclasses import field
 from typing import Any
 
 
-def opt(default: Any, help: str) -> Any:
+def option(default: Any, help: str) -> Any:
     """A config field with its documentation. Typed `Any`, as `dataclasses.field` is, so that the annotation of
     the field it sets is the type the checker sees."""
     if isinstance(default, list):
@@ -17,7 +17,8 @@ def opt(default: Any, help: str) -> Any:
 # Each section's check() returns every problem of its own values, as a message that names the keys and the fix;
 # rules that read two sections are in rules.py. Rules are written `ok, message` with ok as a comparison that holds
 # for good values, so that NaN fails it too.
-def failed(*rules: tuple[bool, str]) -> list[str]:
+def broken_rules(*rules: tuple[bool, str]) -> list[str]:
+    """The messages of the `(ok, message)` rules whose `ok` is false."""
     return [message for ok, message in rules if not ok]
 
 

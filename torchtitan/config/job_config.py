@@ -5,8 +5,8 @@ and its `help` doubles as the `--help` text: job_sections.py (job, metrics, prof
 memory_estimation, experimental), model_sections.py (model, activation_checkpoint, float8, moe),
 training_sections.py (optimizer, lr_scheduler, training, validation) and parallelism_sections.py (parallelism,
 comm, fault_tolerance). Key names follow torchtitan's mid-2025 TOML schema. Keys of that schema that this version
-does not implement yet live in `PLANNED_KEYS` below: they load while they hold a value that asks for nothing, and are
-rejected with a clear message otherwise, so a recipe never silently loses an option.
+does not implement yet live in `NOT_IMPLEMENTED_KEYS` below: they load while they hold a value that asks for nothing,
+and are rejected with a clear message otherwise, so a recipe never silently loses an option.
 """
 
 from dataclasses import dataclass, field
@@ -43,7 +43,7 @@ class JobConfig:
 # A recipe may carry these keys; a value other than the inert one is rejected with `why`.
 ANY = object()
 
-PLANNED_KEYS: dict[str, dict[str, object]] = {
+NOT_IMPLEMENTED_KEYS: dict[str, dict[str, object]] = {
     "training": {"gc_debug": False},
     "float8": {"moe_fqns_prototype": []},
     "parallelism": {
@@ -54,8 +54,8 @@ PLANNED_KEYS: dict[str, dict[str, object]] = {
     "experimental": {"custom_args_module": ""},
 }
 
-# What a user reads when a planned key asks for something.
-PLANNED_WHY: dict[str, str] = {
+# What a user reads when a not-implemented key asks for something.
+NOT_IMPLEMENTED_WHY: dict[str, str] = {
     "parallelism": "this parallelism option is not implemented",
     "metrics": "this metrics backend is not implemented",
     "memory_estimation": "the estimate is computed from the model spec and never runs the model in fake mode",
@@ -63,9 +63,11 @@ PLANNED_WHY: dict[str, str] = {
         "custom config sections are not supported; a custom model registers through experimental.custom_import"
     ),
 }
-PLANNED_WHY["parallelism.enable_compiled_autograd"] = "compiled autograd is not supported (it broke FSDP2 parity)"
-PLANNED_WHY["training.gc_debug"] = "gc_debug is not implemented"
-PLANNED_WHY["float8.moe_fqns_prototype"] = (
+NOT_IMPLEMENTED_WHY["parallelism.enable_compiled_autograd"] = (
+    "compiled autograd is not supported (it broke FSDP2 parity)"
+)
+NOT_IMPLEMENTED_WHY["training.gc_debug"] = "gc_debug is not implemented"
+NOT_IMPLEMENTED_WHY["float8.moe_fqns_prototype"] = (
     "float8 for the MoE experts' weights (their grouped matmuls) needs torchao's prototype scaled grouped GEMM, "
     "which runs on CUDA SM90+ only and is not wired here; the float8 converter keeps experts and routers in high "
     "precision"

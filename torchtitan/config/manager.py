@@ -19,7 +19,7 @@ else:  # pragma: no cover - the project runs on 3.11, tomli is the 3.10 fallback
     import tomli as tomllib  # pyrefly: ignore[missing-import]  # tomli is installed on Python 3.10 only (pyproject)
 
 from torchtitan.config.errors import HelpRequested, UserError
-from torchtitan.config.job_config import ANY, PLANNED_KEYS, PLANNED_WHY, JobConfig
+from torchtitan.config.job_config import ANY, NOT_IMPLEMENTED_KEYS, NOT_IMPLEMENTED_WHY, JobConfig
 from torchtitan.config.rules import check_rules
 
 # Origin of a value given on the command line (file values carry their path instead).
@@ -48,19 +48,19 @@ def _field_types(section: str) -> dict[str, object]:
 
 def _all_sections() -> list[str]:
     names = list(_section_classes())
-    return names + [s for s in PLANNED_KEYS if s not in names]
+    return names + [s for s in NOT_IMPLEMENTED_KEYS if s not in names]
 
 
 def _section_keys(section: str) -> list[str]:
-    return list(_field_types(section)) + list(PLANNED_KEYS.get(section, {}))
+    return list(_field_types(section)) + list(NOT_IMPLEMENTED_KEYS.get(section, {}))
 
 
 def _all_dotted_names() -> list[str]:
     return [f"{s}.{k}" for s in _all_sections() for k in _section_keys(s)]
 
 
-def _planned_type(inert: object) -> object:
-    """The type a planned key's value must have: that of its inert value (ANY: anything)."""
+def _not_implemented_type(inert: object) -> object:
+    """The type a not-implemented key's value must have: that of its inert value (ANY: anything)."""
     if inert is ANY:
         return ANY
     if isinstance(inert, list):
@@ -69,13 +69,13 @@ def _planned_type(inert: object) -> object:
 
 
 def _key_type(section: str, key: str) -> object | None:
-    """The type of a known key (ANY for an any-valued planned key), None if the key is unknown."""
+    """The type of a known key (ANY for an any-valued not-implemented key), None if the key is unknown."""
     types = _field_types(section)
     if key in types:
         return types[key]
-    planned = PLANNED_KEYS.get(section, {})
-    if key in planned:
-        return _planned_type(planned[key])
+    not_implemented = NOT_IMPLEMENTED_KEYS.get(section, {})
+    if key in not_implemented:
+        return _not_implemented_type(not_implemented[key])
     return None
 
 
@@ -457,7 +457,7 @@ def _parse_cli(argv: list[str]) -> dict[tuple[str, str], object]:
             text = argv[i]
             i += 1
         elif tp is ANY:
-            # Planned keys that take anything are mostly upstream flags: bare means true.
+            # Not-implemented keys that take anything are mostly upstream flags: bare means true.
             out[(section, key)] = True
             continue
         else:
@@ -470,13 +470,13 @@ def _parse_cli(argv: list[str]) -> dict[tuple[str, str], object]:
 # Loading
 
 
-def _check_planned(merged: dict[tuple[str, str], tuple]) -> None:
-    """Planned keys load only while they hold their inert value."""
+def _check_not_implemented(merged: dict[tuple[str, str], tuple]) -> None:
+    """Not-implemented keys load only while they hold their inert value."""
     for (section, key), (value, origin) in merged.items():
-        inert = PLANNED_KEYS.get(section, {}).get(key, ANY)
+        inert = NOT_IMPLEMENTED_KEYS.get(section, {}).get(key, ANY)
         if inert is ANY or (type(value) is type(inert) and value == inert):
             continue
-        why = PLANNED_WHY.get(f"{section}.{key}", PLANNED_WHY.get(section, ""))
+        why = NOT_IMPLEMENTED_WHY.get(f"{section}.{key}", NOT_IMPLEMENTED_WHY.get(section, ""))
         reason = f": {why}" if why else ""
         raise UserError(
             f"{section}.{key} = {_toml_value(value)} ({_from(origin)}) is not supported yet{reason}. "
@@ -504,7 +504,7 @@ def load_config(argv: list[str]) -> JobConfig:
     if recipe is not None:
         merged = _load_recipe(recipe, "recipe file (--job.config_file)", ())
     merged.update({k: (v, _CLI) for k, v in overrides.items()})
-    _check_planned(merged)
+    _check_not_implemented(merged)
     cfg = _build(merged, recipe)
     validate(cfg)
     return _resolve_hf_assets(cfg)
@@ -651,7 +651,7 @@ def help_text(values: dict | None = None, recipe: str | None = None, unread: str
         "Planned keys (not implemented yet): accepted only with their inert value shown here;",
         "'any': any value loads, since the section is off (its enabled key must stay false).",
     ]
-    for section, keys in PLANNED_KEYS.items():
+    for section, keys in NOT_IMPLEMENTED_KEYS.items():
         lines += ["", f"[{section}]"]
         for key, inert in keys.items():
             shown = "any" if inert is ANY else _toml_value(inert)

@@ -5,7 +5,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
 
-from torchtitan.config.fields import changed_keys, failed, opt
+from torchtitan.config.fields import broken_rules, changed_keys, option
 
 # Pipeline schedules (lower case) that split the backward into input-grad (B) and weight-grad (W)
 # steps; FSDP must keep their blocks gathered between forward and backward.
@@ -32,36 +32,38 @@ def _show(value) -> str:
 
 @dataclass(frozen=True)
 class Parallelism:
-    data_parallel_replicate_degree: int = opt(
+    data_parallel_replicate_degree: int = option(
         1, "Replicas (DDP, or HSDP's replicate dimension when data_parallel_shard_degree > 1)."
     )
-    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 fills the ranks left over by the other degrees.")
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+    data_parallel_shard_degree: int = option(
+        -1, "FSDP shard degree; -1 fills the ranks left over by the other degrees."
+    )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = option(
         "default",
         "Free gathered parameters after forward (always), keep them until backward (never), "
         "or default (always, except for the root module whose parameters backward needs first).",
     )
-    tensor_parallel_degree: int = opt(
+    tensor_parallel_degree: int = option(
         1, "Tensor + sequence parallel degree (innermost mesh dimension; divides heads, KV heads and seq_len)."
     )
-    disable_loss_parallel: bool = opt(
+    disable_loss_parallel: bool = option(
         False, "With tensor parallel: gather the logits instead of computing the loss on vocabulary shards."
     )
-    enable_async_tensor_parallel: bool = opt(
+    enable_async_tensor_parallel: bool = option(
         False, "Overlap tensor-parallel communication with matmuls (CUDA with training.compile only)."
     )
-    context_parallel_degree: int = opt(
+    context_parallel_degree: int = option(
         1,
         "Context parallel degree: each sequence is split over this many ranks (load-balanced chunks, ring "
         "attention); seq_len must be divisible by 2 x context_parallel_degree x tensor_parallel_degree.",
     )
-    expert_parallel_degree: int = opt(
+    expert_parallel_degree: int = option(
         1,
         "Expert parallel degree (models with a mixture of experts): the experts are split over this many ranks "
         "taken from data_parallel_shard_degree x context_parallel_degree, tokens travel to their experts by "
         "all-to-all; FSDP shards the experts over the ranks that remain. Must divide the number of experts.",
     )
-    context_parallel_method: Literal["ring", "ulysses"] = opt(
+    context_parallel_method: Literal["ring", "ulysses"] = option(
         "ring",
         "How context-parallel attention sees the whole sequence: ring (each rank keeps its queries and sees the "
         "other ranks' keys and values, as context_parallel_rotate_method says) or ulysses (an all-to-all gives "
@@ -69,44 +71,44 @@ class Parallelism:
         "kernel runs unchanged on it, a second all-to-all brings the outputs back; the degree must divide the "
         "query heads per tensor-parallel rank).",
     )
-    context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = option(
         "allgather",
         "How the ring (context_parallel_method = 'ring') sees the other ranks' keys and values: allgather (gather "
         "them all at once) or alltoall (pass them around the ring one block per step, merging partial softmaxes).",
     )
-    context_parallel_ring_overlap: bool = opt(
+    context_parallel_ring_overlap: bool = option(
         True,
         "The rotating ring (context_parallel_rotate_method = 'alltoall'): post the transfer of the next block of "
         "keys and values (in backward, of their gradient) before computing on the current one, so that the "
         "transfer overlaps the attention; off, each transfer is waited for at once. Results are bitwise the same.",
     )
-    pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (outermost mesh dimension).")
-    pipeline_parallel_schedule: str = opt(
+    pipeline_parallel_degree: int = option(1, "Pipeline stages' ranks (outermost mesh dimension).")
+    pipeline_parallel_schedule: str = option(
         "1F1B",
         "GPipe, 1F1B (one stage per rank), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (several stages "
         "per rank), ZBVZeroBubble, DualPipeV (two stages per rank in a V).",
     )
-    pipeline_parallel_schedule_csv: str | None = opt(
+    pipeline_parallel_schedule_csv: str | None = option(
         None, "A custom schedule: a CSV file with one row of compute actions (e.g. 0F0,0B0) per pipeline rank."
     )
-    pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch (divides local_batch_size).")
-    pipeline_parallel_layers_per_stage: int | None = opt(
+    pipeline_parallel_microbatch_size: int = option(1, "Sequences per pipeline microbatch (divides local_batch_size).")
+    pipeline_parallel_layers_per_stage: int | None = option(
         None, "Transformer layers per stage (unset: one stage per rank, or two for multi-stage schedules)."
     )
-    module_fqns_per_model_part: list[list[str]] = opt(
+    module_fqns_per_model_part: list[list[str]] = option(
         [],
         "An explicit pipeline split: the module names of each stage in model order, e.g. [['tok_embeddings', "
         "'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']] (on the command line: "
         "'tok_embeddings,layers.0,layers.1;layers.2,layers.3,norm,output'); replaces the split by layers.",
     )
-    pipeline_parallel_split_points: list[str] = opt(
+    pipeline_parallel_split_points: list[str] = option(
         [],
         "The older form of an explicit split: the modules at which a new stage begins, e.g. ['layers.2'].",
     )
-    pipeline_parallel_first_stage_less_layers: int = opt(
+    pipeline_parallel_first_stage_less_layers: int = option(
         1, "The first stage holds this many fewer layers (it also holds the embedding)."
     )
-    pipeline_parallel_last_stage_less_layers: int = opt(
+    pipeline_parallel_last_stage_less_layers: int = option(
         1, "The last stage holds this many fewer layers (it also holds the output layer and the loss)."
     )
 
@@ -152,14 +154,14 @@ class Parallelism:
             for k in splits
             if getattr(self, k) and not pp > 1
         ]
-        problems += failed(
+        problems += broken_rules(
             (
                 self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
                 f"parallelism.data_parallel_shard_degree must be -1 (use the ranks left over) or 1 or more, "
                 f"got {self.data_parallel_shard_degree}",
             )
         )
-        problems += failed(
+        problems += broken_rules(
             (
                 self.context_parallel_ring_overlap
                 or (self.context_parallel_method == "ring" and self.context_parallel_rotate_method == "alltoall"),
@@ -177,7 +179,7 @@ class Parallelism:
         if pp > 1:
             explicit = [k for k in splits if getattr(self, k)]
             csv = self.pipeline_parallel_schedule_csv
-            problems += failed(
+            problems += broken_rules(
                 (
                     len(explicit) < 2,
                     "parallelism.module_fqns_per_model_part and parallelism.pipeline_parallel_split_points both split "
@@ -195,24 +197,24 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class Comm:
-    init_timeout_seconds: int = opt(
+    init_timeout_seconds: int = option(
         300, "Timeout of process-group initialization and of every collective until the first step is done."
     )
-    train_timeout_seconds: int = opt(
+    train_timeout_seconds: int = option(
         100, "Timeout of every collective after the first step (which may compile, load and warm up)."
     )
-    trace_buf_size: int = opt(
+    trace_buf_size: int = option(
         20000,
         "Entries of the collectives' flight recorder (sets TORCH_FR_BUFFER_SIZE unless it or the older "
         "TORCH_NCCL_TRACE_BUFFER_SIZE is set in the environment); 0 turns it off.",
     )
-    data_timeout_seconds: int = opt(
+    data_timeout_seconds: int = option(
         600,
         "Longest a step may wait for its batches (a read that blocks: a network file system, a "
         "named pipe with no writer, a data worker that stopped); past it the rank ends the run with a line naming the "
         "step (exit 1) and the launcher stops the others (torchtitan/components/watchdog.py). 0: no limit.",
     )
-    checkpoint_timeout_seconds: int = opt(
+    checkpoint_timeout_seconds: int = option(
         1800,
         "Longest a checkpoint save may take after start-up: its writes, and with checkpoint.async_mode its background "
         "writes; past it the rank ends the run with a line naming the checkpoint (exit 1), leaving the checkpoints "
@@ -233,7 +235,7 @@ class Comm:
             for key in ("data_timeout_seconds", "checkpoint_timeout_seconds")
             if not getattr(self, key) >= 0
         ]
-        return problems + failed(
+        return problems + broken_rules(
             (
                 self.trace_buf_size >= 0,
                 f"comm.trace_buf_size must be 0 (flight recorder off) or more entries, got {self.trace_buf_size}",
@@ -246,51 +248,53 @@ class FaultTolerance:
     """Replica groups on torchft (torchtitan/components/fault_tolerance.py, docs/launching.md): each group is an
     ordinary run; across groups each rank's gradients are averaged over the groups alive at that step."""
 
-    enabled: bool = opt(
+    enabled: bool = option(
         False,
         "Train as one replica group of several (needs the torchft package: pip install torchft==0.2.0). Each group "
         "is an ordinary run with its own dump folder; a group that dies leaves the others training.",
     )
-    group_count: int = opt(1, "Replica groups of the job (the same in every group); each reads its own data lanes.")
-    group_id: int = opt(0, "This group's id, 0..group_count-1.")
-    min_groups: int = opt(
+    group_count: int = option(1, "Replica groups of the job (the same in every group); each reads its own data lanes.")
+    group_id: int = option(0, "This group's id, 0..group_count-1.")
+    min_groups: int = option(
         1,
         "Groups that must take part in a step for it to be committed; with fewer alive, a step waits up to "
         "quorum_timeout_seconds for more, then the run stops.",
     )
-    lighthouse: str = opt(
+    lighthouse: str = option(
         "",
         "Address of the torchft lighthouse that forms the groups' quorum, http://HOST:PORT (start one with "
         "torchft_lighthouse --min_replicas 1 --bind HOST:PORT, or run_train.sh with LIGHTHOUSE_PORT).",
     )
-    timeout_seconds: int = opt(
+    timeout_seconds: int = option(
         30,
         "Timeout of the groups' gradient average and commit vote, and of the lighthouse's first answer "
         "(checked before launch). A group that stops answering is dropped after it.",
     )
-    quorum_timeout_seconds: int = opt(
+    quorum_timeout_seconds: int = option(
         120,
         "How long a step waits for a quorum of at least min_groups groups (a fresh run's first step: of all "
         "group_count groups, then it starts with those present).",
     )
-    sync: Literal["every_step", "diloco"] = opt(
+    sync: Literal["every_step", "diloco"] = option(
         "every_step",
         "How the groups train as one: every_step averages the gradients over the live groups at every step; diloco "
         "(semi-synchronous) trains each group alone for sync_every steps, then averages the groups' weight deltas "
         "and applies them with an outer SGD optimizer (outer_lr, outer_momentum, outer_nesterov).",
     )
-    sync_every: int = opt(
+    sync_every: int = option(
         100,
         "diloco: local steps between two averages of the weight deltas (H); only read under "
         "sync = 'diloco' (another value is refused under every_step).",
     )
-    outer_lr: float = opt(
+    outer_lr: float = option(
         0.7,
         "diloco: the outer SGD's learning rate on the averaged weight delta (1 with no "
         "momentum: the groups' average weights); only read under sync = 'diloco'.",
     )
-    outer_momentum: float = opt(0.9, "diloco: the outer SGD's momentum, 0 <= m < 1; only read under sync = 'diloco'.")
-    outer_nesterov: bool = opt(
+    outer_momentum: float = option(
+        0.9, "diloco: the outer SGD's momentum, 0 <= m < 1; only read under sync = 'diloco'."
+    )
+    outer_nesterov: bool = option(
         True, "diloco: Nesterov momentum in the outer SGD (needs outer_momentum > 0); only read under sync = 'diloco'."
     )
 
@@ -316,7 +320,7 @@ class FaultTolerance:
                 for key in changed_keys(self, "sync_every", "outer_lr", "outer_momentum", "outer_nesterov")
             ]
         else:
-            problems += failed(
+            problems += broken_rules(
                 (
                     0 < self.outer_lr < float("inf"),
                     f"fault_tolerance.outer_lr must be a positive number, got {self.outer_lr}",
@@ -333,7 +337,7 @@ class FaultTolerance:
             )
         return (
             problems
-            + failed(
+            + broken_rules(
                 (
                     0 <= self.group_id < self.group_count,
                     f"fault_tolerance.group_id = {self.group_id} is outside 0..group_count-1 "

@@ -7,7 +7,7 @@ from typing import Literal
 
 from torchtitan.config.entries import parse_mix, parse_param_groups
 from torchtitan.config.errors import UserError
-from torchtitan.config.fields import failed, opt, positive
+from torchtitan.config.fields import broken_rules, option, positive
 
 # The sources training.dataset names (a mixture's SOURCE and validation.dataset name them too).
 TrainingDataset = Literal["python_stdlib", "local", "huggingface", "c4", "c4_test", "tokens"]
@@ -17,33 +17,33 @@ MUON_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon
 
 @dataclass(frozen=True)
 class Optimizer:
-    name: Literal["AdamW", "Adam", "Muon"] = opt(
+    name: Literal["AdamW", "Adam", "Muon"] = option(
         "AdamW",
         "Optimizer: AdamW (decoupled weight decay), Adam, or Muon (momentum orthogonalized by Newton-Schulz "
         "iterations) for the hidden matrices with AdamW for the rest: embeddings, norms, biases, and the "
         "parameters the model family names (the output layer, MoE routers). See docs/optimizers.md.",
     )
-    lr: float = opt(8e-4, "Peak learning rate.")
-    beta1: float = opt(0.9, "Adam beta1.")
-    beta2: float = opt(0.95, "Adam beta2.")
-    eps: float = opt(1e-8, "Adam epsilon.")
-    weight_decay: float = opt(
+    lr: float = option(8e-4, "Peak learning rate.")
+    beta1: float = option(0.9, "Adam beta1.")
+    beta2: float = option(0.95, "Adam beta2.")
+    eps: float = option(1e-8, "Adam epsilon.")
+    weight_decay: float = option(
         0.1,
         "Weight decay of the weight matrices (and embeddings, see weight_decay_embeddings); norm weights and "
         "biases get none unless weight_decay_norms_and_biases = true.",
     )
-    weight_decay_norms_and_biases: bool = opt(
+    weight_decay_norms_and_biases: bool = option(
         False,
         "Also decay norm weights (the parameters of normalization modules, and any 1-D or scalar parameter) and "
         "biases. false (the default) leaves them undecayed, as current pre-training recipes do; true decays every "
         "parameter, as this version did before.",
     )
-    weight_decay_embeddings: bool = opt(
+    weight_decay_embeddings: bool = option(
         True,
         "Decay the token embeddings (nn.Embedding weights; a tied output layer shares them); "
         "false leaves them undecayed.",
     )
-    param_groups: list[str] = opt(
+    param_groups: list[str] = option(
         [],
         "Groups of parameters with their own learning rate and weight decay: entries "
         "'PATTERN [lr_mult=X] [weight_decay=Y]', e.g. [\"tok_embeddings lr_mult=0.5 weight_decay=0\", "
@@ -55,30 +55,32 @@ class Optimizer:
         "optimizer.name = 'Muon') trains the matched parameters by AdamW where Muon would take them. Each "
         "pattern must match a parameter of the model (checked before launch).",
     )
-    implementation: Literal["fused", "foreach", "for-loop"] = opt(
+    implementation: Literal["fused", "foreach", "for-loop"] = option(
         "fused", "Kernel implementation of the optimizer step."
     )
-    state_dtype: Literal["float32", "bfloat16"] = opt(
+    state_dtype: Literal["float32", "bfloat16"] = option(
         "float32",
         "Dtype of the optimizer state (AdamW's moments, Muon's momentum). bfloat16 halves its memory; the "
         "update is still computed in float32 (AdamW and Muon only).",
     )
     # Muon's keys have no value of their own until set (None): set with another optimizer they are refused, so
     # a recipe never believes it tuned an optimizer it does not run. Unset with Muon: the default named.
-    muon_lr: float | None = opt(
+    muon_lr: float | None = option(
         None,
         "Muon's peak learning rate (the hidden matrices), scheduled like optimizer.lr; unset: optimizer.lr "
         "(with muon_adjust_lr = match_rms_adamw the update's RMS is AdamW's, so AdamW's rate serves).",
     )
-    muon_momentum: float | None = opt(None, "Muon's momentum, in [0, 1); unset: 0.95.")
-    muon_nesterov: bool | None = opt(None, "Muon's Nesterov momentum; unset: true.")
-    muon_ns_steps: int | None = opt(None, "Newton-Schulz iterations of Muon's orthogonalization (1 to 99); unset: 5.")
-    muon_ns_dtype: Literal["bfloat16", "float32"] | None = opt(
+    muon_momentum: float | None = option(None, "Muon's momentum, in [0, 1); unset: 0.95.")
+    muon_nesterov: bool | None = option(None, "Muon's Nesterov momentum; unset: true.")
+    muon_ns_steps: int | None = option(
+        None, "Newton-Schulz iterations of Muon's orthogonalization (1 to 99); unset: 5."
+    )
+    muon_ns_dtype: Literal["bfloat16", "float32"] | None = option(
         None,
         "Dtype of Muon's Newton-Schulz iterations; unset: bfloat16 (as torch.optim.Muon). float32 on a CPU without "
         "native bf16 arithmetic, where bf16 matmuls run tens of times slower.",
     )
-    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] | None = opt(
+    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] | None = option(
         None,
         "Muon's learning rate per A x B matrix: match_rms_adamw (lr x 0.2 x sqrt(max(A, B)), Moonlight: the "
         "update's RMS matches AdamW's), original (lr x sqrt(max(1, A / B)), Keller Jordan's) or none; unset: "
@@ -86,7 +88,7 @@ class Optimizer:
     )
 
     def check(self) -> list[str]:
-        problems = failed(
+        problems = broken_rules(
             (self.lr > 0, f"optimizer.lr must be greater than 0, got {self.lr}"),
             (not self.lr > 0 or self.lr < math.inf, f"optimizer.lr must be a finite number, got {self.lr}"),
             (self.eps > 0, f"optimizer.eps must be greater than 0, got {self.eps}"),
@@ -133,17 +135,17 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class LRScheduler:
-    warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak learning rate.")
-    decay_ratio: float | None = opt(
+    warmup_steps: int = option(200, "Steps of linear warmup from near zero to the peak learning rate.")
+    decay_ratio: float | None = option(
         None,
         "Fraction of the steps (after warmup) spent decaying; the steps between warmup and decay "
         "hold the peak (warmup-stable-decay). Unset: decay over all steps after warmup.",
     )
-    decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "Shape of the decay.")
-    min_lr_factor: float = opt(0.0, "Final learning rate as a fraction of the peak.")
+    decay_type: Literal["linear", "sqrt", "cosine"] = option("linear", "Shape of the decay.")
+    min_lr_factor: float = option(0.0, "Final learning rate as a fraction of the peak.")
 
     def check(self) -> list[str]:
-        return failed(
+        return broken_rules(
             (self.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be 0 or more, got {self.warmup_steps}"),
             (
                 self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
@@ -190,7 +192,7 @@ def _data_rules(section: str, values: "Training | Validation") -> list[str]:
 
 @dataclass(frozen=True)
 class Training:
-    dataset: TrainingDataset = opt(
+    dataset: TrainingDataset = option(
         "python_stdlib",
         "python_stdlib: the .py files of this interpreter's standard library (embedded, offline); "
         "local: the file or folder at dataset_path (.jsonl/.json/.txt, also .gz/.zst compressed, .parquet, .arrow, "
@@ -200,13 +202,13 @@ class Training:
         "token folder at dataset_path written by scripts/pretokenize.py "
         "(the same samples as its source, memory-mapped).",
     )
-    dataset_path: str | None = opt(
+    dataset_path: str | None = option(
         None,
         "File or folder (local), dataset name or path (huggingface); for c4 another hub name or a local copy "
         "(a clone's en/c4-train.*.json.gz shards are read), for c4_test where the sample is. Relative paths are "
         "relative to the working directory.",
     )
-    dataset_mix: list[str] = opt(
+    dataset_mix: list[str] = option(
         [],
         "A mixture of sources instead of dataset and dataset_path: WEIGHT:SOURCE entries, e.g. "
         '["0.6:data/web", "0.4:python_stdlib"] (on the command line 0.6:data/web,0.4:python_stdlib). A weight is '
@@ -216,12 +218,12 @@ class Training:
         "column (default: dataset_text_field). Each source is shuffled, repeats and resumes on its own, "
         "as training.dataset would; metrics.jsonl logs data_share/I and data_epoch/I per source.",
     )
-    dataset_text_field: str = opt(
+    dataset_text_field: str = option(
         "text",
         "The field of each JSON record, or the column of a parquet/Arrow/huggingface dataset, that holds the "
         "document text (.txt files are whole documents; python_stdlib ignores it).",
     )
-    shuffle_documents: bool | None = opt(
+    shuffle_documents: bool | None = option(
         None,
         "Shuffle the data each epoch, seeded by training.seed: the same on every rank and layout, restored exactly "
         "on resume. Each sample position of the global batch is a lane that reads its own share of every source "
@@ -231,40 +233,40 @@ class Training:
         "its shards). Unset: shuffle, except datasets streams (huggingface, c4 from the Hub), read in the order "
         "datasets gives. false: stored order.",
     )
-    shuffle_buffer: int = opt(
+    shuffle_buffer: int = option(
         10_000,
         "Shuffled sources read as streams (JSON lines, parquet, datasets streams): each lane shuffles its "
         "documents within consecutive blocks of this many, held in memory per lane and source (read again on "
         "resume).",
     )
-    skip_corrupt_files: bool = opt(
+    skip_corrupt_files: bool = option(
         False,
         "Local files: a file that fails to read past its start (corrupt compression, an invalid JSON line, a "
         "failing parquet row group) is read no further, and a document read by index from it is taken as empty, "
         "each with a warning naming the file and a running count, instead of stopping the run. The same on every "
         "rank and layout, and on resume. A file unreadable from its start is still refused before launch.",
     )
-    data_workers: int = opt(
+    data_workers: int = option(
         0,
         "Processes per rank that read, tokenize and pack this rank's lanes ahead of training (each worker some of "
         "the lanes; at most one per lane). The samples, their order and the resumable state are the same for "
         "every count. 0: in the trainer process. A token folder alone (tokens) has nothing to tokenize and is "
         "read in the trainer process (memory-mapped).",
     )
-    local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch.")
-    global_batch_size: int = opt(
+    local_batch_size: int = option(8, "Sequences per data-parallel rank per micro-batch.")
+    global_batch_size: int = option(
         -1,
         "Sequences per optimizer step over all ranks; a multiple of local_batch_size x data-parallel "
         "degree, the quotient being the gradient-accumulation steps. -1: local_batch_size x dp degree.",
     )
-    seq_len: int = opt(2048, "Tokens per training sequence.")
-    ignore_cross_document_labels: bool = opt(
+    seq_len: int = option(2048, "Tokens per training sequence.")
+    ignore_cross_document_labels: bool = option(
         False,
         "Leave out of the loss the prediction of each document's first token from the previous document's last "
         "(label -100). The loss is the sum over the labels that count divided by their number in the whole "
         "optimizer step, over all ranks and micro-batches.",
     )
-    loss_chunk_tokens: int | Literal["auto"] = opt(
+    loss_chunk_tokens: int | Literal["auto"] = option(
         "auto",
         "Compute the output layer and the loss this many tokens at a time, in forward and backward, so that the "
         "[tokens, vocabulary] logits never exist whole: only one chunk's logits, each token's log-sum-exp and "
@@ -275,27 +277,27 @@ class Training:
         "(tokens x vocabulary shard x 4 bytes) would take 256 MiB or more, and where the model and layout can "
         "chunk; the whole logits otherwise.",
     )
-    max_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
-    steps: int = opt(10000, "Optimizer steps to train.")
-    mixed_precision_param: Literal["bfloat16", "float32"] = opt(
+    max_norm: float = option(1.0, "Clip the global gradient norm to this value (0 disables clipping).")
+    steps: int = option(10000, "Optimizer steps to train.")
+    mixed_precision_param: Literal["bfloat16", "float32"] = option(
         "bfloat16", "Dtype of parameters in forward/backward (FSDP mixed precision, or autocast without FSDP)."
     )
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Dtype of the FSDP gradient reduction.")
-    compile: bool = opt(False, "torch.compile each transformer block (after activation checkpointing, before FSDP).")
-    enable_cpu_offload: bool = opt(
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = option("float32", "Dtype of the FSDP gradient reduction.")
+    compile: bool = option(False, "torch.compile each transformer block (after activation checkpointing, before FSDP).")
+    enable_cpu_offload: bool = option(
         False,
         "Keep parameters, gradients and optimizer state in host memory between uses (FSDP2 offload; "
         "CUDA only: on a CPU device everything already lives in host memory).",
     )
-    gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic GC is off).")
-    seed: int = opt(0, "Seed for weight init and every random number generator.")
-    deterministic: bool = opt(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
-    skip_nonfinite_steps: bool = opt(
+    gc_freq: int = option(50, "Run Python's garbage collector every this many steps (automatic GC is off).")
+    seed: int = option(0, "Seed for weight init and every random number generator.")
+    deterministic: bool = option(False, "Use deterministic algorithms only (slower; bitwise-repeatable runs).")
+    skip_nonfinite_steps: bool = option(
         False,
         "On a non-finite loss or gradient norm, skip that optimizer step (weights, optimizer and expert "
         "statistics unchanged; counted as skipped_steps) instead of stopping the run.",
     )
-    max_skipped_steps_in_a_row: int = opt(
+    max_skipped_steps_in_a_row: int = option(
         10, "With skip_nonfinite_steps: stop the run when this many steps in a row are non-finite."
     )
 
@@ -303,7 +305,7 @@ class Training:
         return (
             _data_rules("training", self)
             + positive("training", self, "seq_len", "steps", "gc_freq", "max_skipped_steps_in_a_row")
-            + failed(
+            + broken_rules(
                 (
                     self.global_batch_size == -1 or self.global_batch_size > 0,
                     f"training.global_batch_size must be -1 (local_batch_size x data-parallel degree) or a positive "
@@ -342,32 +344,32 @@ VALIDATION_DATASETS = ("python_stdlib_test", "python_stdlib", "local", "huggingf
 
 @dataclass(frozen=True)
 class Validation:
-    enabled: bool = opt(
+    enabled: bool = option(
         False,
         "Compute the loss and perplexity on held-out data every freq steps and at the last step (logged as "
         "validation_loss and validation_perplexity).",
     )
     # A string, not a Literal: reference recipes name their own sets (c4_validation) while disabled.
-    dataset: str = opt(
+    dataset: str = option(
         "python_stdlib_test",
         "python_stdlib_test: the test files of this interpreter's standard library, which the python_stdlib "
         "training corpus leaves out (embedded, offline); python_stdlib, local, huggingface: as training.dataset.",
     )
-    dataset_path: str | None = opt(None, "File or folder (local) or dataset name/path (huggingface).")
-    dataset_mix: list[str] = opt(
+    dataset_path: str | None = option(None, "File or folder (local) or dataset name/path (huggingface).")
+    dataset_mix: list[str] = option(
         [],
         "A validation mixture instead of dataset and dataset_path: WEIGHT:SOURCE entries as training.dataset_mix "
         "takes them (paths, token folders, python_stdlib, python_stdlib_test, c4_test, hf:NAME). Each source is read "
         "in stored order from its first document; the set ends where the schedule first asks a source past its end.",
     )
-    local_batch_size: int = opt(8, "Validation sequences per data-parallel rank per batch.")
-    seq_len: int = opt(
+    local_batch_size: int = option(8, "Validation sequences per data-parallel rank per batch.")
+    seq_len: int = option(
         -1,
         "Tokens per validation sequence; at most training.seq_len (the model's positions), equal to it with "
         "context parallel. -1: training.seq_len.",
     )
-    freq: int = opt(500, "Validate every this many steps (and at the last step).")
-    steps: int = opt(
+    freq: int = option(500, "Validate every this many steps (and at the last step).")
+    steps: int = option(
         -1,
         "Global validation batches per run, always from the start of the set and never past its end; -1: every "
         "complete batch of one pass over the set.",
@@ -379,7 +381,7 @@ class Validation:
         return (
             _data_rules("validation", self)
             + positive("validation", self, "freq")
-            + failed(
+            + broken_rules(
                 (
                     self.steps == -1 or self.steps > 0,
                     "validation.steps must be -1 (one pass over the validation set) "

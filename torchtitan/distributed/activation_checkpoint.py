@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from torchtitan.distributed.utils import layers_of
+from torchtitan.models.common.spec import layers_of
 
 MODES = ("none", "selective", "full")
 

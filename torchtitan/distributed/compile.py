@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from torchtitan.distributed.utils import layers_of
+from torchtitan.models.common.spec import layers_of
 
 # Compiled variants of one code object before dynamo gives up and runs it eagerly (default 8).
 # Identical blocks share one graph (measured: 4 blocks, 1 graph), but every block class or shape

@@ -48,8 +48,8 @@ from torch import nn
 
 from torchtitan.config import UserError
 from torchtitan.distributed.comms import all_to_all
-from torchtitan.distributed.utils import layers_of
 from torchtitan.models.common.attention import AttentionFn, block_attention, visible
+from torchtitan.models.common.spec import layers_of
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:

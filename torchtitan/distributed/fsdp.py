@@ -4,7 +4,8 @@
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from torchtitan.distributed.utils import DTYPES, layers_of
+from torchtitan.distributed.dtypes import DTYPES
+from torchtitan.models.common.spec import layers_of
 
 
 def apply_fsdp(

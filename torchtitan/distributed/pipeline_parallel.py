@@ -13,10 +13,10 @@ What is unusual here:
   up, which is already the gradient of the step's loss: the schedules are built with
   `scale_grads=False` (torch 2.13 defaults to dividing by n_microbatches). `StepLoss` is the
   schedule's loss_fn and holds the scale; `pipeline_step` returns the sum of the microbatch losses.
-- Document ids (block-causal attention) and a family's own per-token inputs (batch.BatchRule) are
+- Document ids (block-causal attention) and a family's own per-token inputs (batch.BatchPreparation) are
   keyword inputs of every stage: the schedule cuts tensor kwargs into microbatches like the inputs
   and hands them to each stage's forward.
-- Gradient clipping must see every stage: `distributed.utils.clip_grad_norm_` with the pp group
+- Gradient clipping must see every stage: `distributed.grad_norm.clip_grad_norm_` with the pp group
   all-reduces the sum of squares over it (FSDP shards are already combined by DTensor).
 - Weights shared by modules on different stages (tied embeddings; a module another stage borrows,
   PipelineLayout.shared, e.g. the input embedding for multi-token prediction on the last stage):
@@ -43,8 +43,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.config.errors import UserError
 from torchtitan.config.parallelism_sections import ZERO_BUBBLE_SCHEDULES
-from torchtitan.distributed.utils import layers_of
-from torchtitan.models.common.spec import PipelineLayout
+from torchtitan.models.common.spec import PipelineLayout, layers_of
 
 # What build_pipeline_schedule returns (a CSV schedule is a PipelineScheduleMulti).
 PipelineSchedule = PipelineScheduleSingle | PipelineScheduleMulti
@@ -171,7 +170,7 @@ def parts_from_split_points(layout: PipelineLayout, n_layers: int, split_points:
     return [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def plan_split(layout: PipelineLayout, n_layers: int, pp_degree: int, parallelism) -> list[list[str]]:
+def stage_modules(layout: PipelineLayout, n_layers: int, pp_degree: int, parallelism) -> list[list[str]]:
     """The module names of every stage (all ranks), from the config; raises UserError when the
     split does not fit the model or the schedule. Runs in preflight, before any process starts."""
     p = parallelism
@@ -447,7 +446,7 @@ def pipeline_step(
     """One forward + backward of the local batch (`forward_only`: the forward, on a schedule from
     forward_only_schedule). Only the rank with the first stage needs `inputs` and only the rank with
     the last stage needs `labels` (other ranks may pass anything); every rank passes the keyword
-    inputs of forward (`kwargs`: document ids, the family's; batch.BatchRule). Returns the sum of the
+    inputs of forward (`kwargs`: document ids, the family's; batch.BatchPreparation). Returns the sum of the
     microbatch losses on the last-stage rank, None elsewhere."""
     losses: list[torch.Tensor] | None = [] if is_last else None
     target = labels if is_last else None
@@ -590,7 +589,7 @@ def split_for_rank(
     whole: nn.Module, layout: PipelineLayout, parallelism, pp_mesh: DeviceMesh
 ) -> tuple[list[nn.Module], Pipeline]:
     """This rank's stage models (still on the meta device, full-model FQNs) and their placement."""
-    parts = plan_split(layout, len(layers_of(whole)), pp_mesh.size(), parallelism)
+    parts = stage_modules(layout, len(layers_of(whole)), pp_mesh.size(), parallelism)
     num_stages = len(parts)
     style = schedule_style(parallelism.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp_mesh.size(), num_stages, style)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel, parallelize_module
 
 from torchtitan.config.errors import UserError
-from torchtitan.distributed.utils import layers_of
+from torchtitan.models.common.spec import layers_of
 from torchtitan.models.common.tp_plan import TensorParallelPlan
 
 

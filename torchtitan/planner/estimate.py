@@ -1,6 +1,6 @@
 """The estimate of one layout: its memory per rank (planner.memory) and step time (planner.timing),
-from what every layout of a recipe shares (`Planning`). The trainer's preflight checks
-[memory_estimation] with it; the layout planner (planner.plan) ranks layouts by it.
+from what every layout of a recipe shares (`RecipeFacts`). The trainer's preflight checks
+[memory_estimation] with it; the layout planner (planner.search) ranks layouts by it.
 """
 
 import dataclasses
@@ -106,7 +106,7 @@ CPU_BANDWIDTH = 1.0e9
 
 
 @dataclass
-class Planning:
+class RecipeFacts:
     """What every layout of one recipe shares, computed once: the spec, the args, the meta model, the
     FLOPs per token, and the parameter shards of each (degrees, pipeline split) seen."""
 
@@ -120,7 +120,7 @@ class Planning:
     shards: dict[tuple, dict[int, dict[str, Shard]]] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def build(cls, spec, args, cfg) -> "Planning":
+    def build(cls, spec, args, cfg) -> "RecipeFacts":
         """For the model `spec` builds from `args` (preflight.model_args_for_run) under `cfg`."""
         model = meta_model(spec, args)
         moe_blocks = len(spec.expert_layers(model)) if spec.expert_layers is not None else 0
@@ -149,7 +149,7 @@ class Planning:
         return self.shards[key]
 
 
-def estimate_layout(cfg, world_size: int, device_type: str, p: Planning, hw: Hardware | None = None) -> Estimate:
+def estimate_layout(cfg, world_size: int, device_type: str, p: RecipeFacts, hw: Hardware | None = None) -> Estimate:
     """Memory and step time of `cfg`'s own layout on `world_size` ranks."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     shards = p.param_shards(dims, cfg.parallelism)
@@ -188,7 +188,7 @@ def device_memory(device_type: str, processes_per_node: int) -> tuple[float, str
     return total / processes_per_node, f"the host's memory over its {processes_per_node} process(es)"
 
 
-def check_memory(cfg, world_size: int, device_type: str, processes_per_node: int, p: Planning) -> str:
+def check_memory(cfg, world_size: int, device_type: str, processes_per_node: int, p: RecipeFacts) -> str:
     """[memory_estimation]: the estimate of `cfg`'s own layout as one line; UserError when it cannot fit."""
     missing_counts(p.spec)
     # The step time is not reported here: no matmul peak is measured before launch.

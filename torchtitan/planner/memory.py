@@ -42,13 +42,13 @@ from torchtitan.config import UserError
 from torchtitan.distributed.pipeline_parallel import (
     is_single_stage_schedule,
     num_microbatches,
-    plan_split,
     schedule_style,
     splits_backward,
     stage_ids_for_rank,
+    stage_modules,
 )
-from torchtitan.distributed.utils import layers_of
 from torchtitan.models.common.chunked_loss import resolve_chunk_tokens
+from torchtitan.models.common.spec import layers_of
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -104,7 +104,7 @@ def missing_counts(spec) -> None:
     if spec.activation_counts is None:
         raise UserError(
             f"model '{spec.name}' cannot be planned: its spec has no activation_counts (what a block keeps for "
-            "backward per token, torchtitan.models.common.activations); add it to the family's ModelSpec"
+            "backward per token, torchtitan.models.common.activation_memory); add it to the family's ModelSpec"
         )
 
 
@@ -224,7 +224,7 @@ def _module_names_by_pp_rank(spec, model: nn.Module, dims, parallelism) -> dict[
     n_layers = len(layers_of(model))
     if dims.pp == 1:
         return {0: spec.pipeline.module_names(n_layers) + _extra_top_modules(spec, model)}
-    parts = plan_split(spec.pipeline, n_layers, dims.pp, parallelism)
+    parts = stage_modules(spec.pipeline, n_layers, dims.pp, parallelism)
     style = schedule_style(parallelism.pipeline_parallel_schedule)
     return {
         r: [

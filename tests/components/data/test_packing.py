@@ -149,7 +149,7 @@ def test_the_start_up_check_reads_one_sequence_of_a_large_source_and_counts_a_to
 
 
 def test_a_validation_mixture_source_without_one_sequence_is_refused_by_its_entry(tmp_path):
-    from torchtitan.components import validate
+    from torchtitan.components import validation
     from torchtitan.config.training_sections import Validation
 
     big = write_jsonl(tmp_path / "big.jsonl", [f"document {i} " + "abc" * 10 for i in range(200)])
@@ -162,7 +162,7 @@ def test_a_validation_mixture_source_without_one_sequence_is_refused_by_its_entr
         match=rf"^validation.dataset_mix source '{small}' is too small: its documents "
         r"tokenize to fewer than one sequence of validation.seq_len \+ 1 = 17 tokens",
     ):
-        validate.preflight_validation(cfg, Training(), CHARS, 1)
+        validation.preflight_validation(cfg, Training(), CHARS, 1)
     enough = write_jsonl(tmp_path / "enough.jsonl", ["abcdefgh", "ijklmn"])  # 18 tokens: one sequence
     cfg = Validation(enabled=True, dataset_mix=[f"0.9:{big}", f"0.1:{enough}"], local_batch_size=2, seq_len=16)
-    validate.preflight_validation(cfg, Training(), CHARS, 1)
+    validation.preflight_validation(cfg, Training(), CHARS, 1)

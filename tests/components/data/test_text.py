@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components import validate
+from torchtitan.components import validation
 from torchtitan.components.data import build_dataloader, compression, sources as data_sources
 from torchtitan.config.errors import UserError
 from torchtitan.config.training_sections import Training, Validation
@@ -50,7 +50,7 @@ def zst(data: bytes) -> bytes:
 
 def encoded_stdlib_modules() -> list[Path]:
     """Standard-library test modules that are not UTF-8 (written in ISO-8859-1 and KOI8-R)."""
-    return [p for p in validate._stdlib_test_files() if first_non_text(p.read_bytes()) >= 0]
+    return [p for p in validation._stdlib_test_files() if first_non_text(p.read_bytes()) >= 0]
 
 
 def binary(kind: str) -> bytes:
@@ -201,9 +201,9 @@ def test_validation_and_mixture_sources_are_checked_too(tmp_path):
     (tmp_path / "model.txt").write_bytes(MODEL.read_bytes())
     good = write_jsonl(tmp_path / "good.jsonl", ["some text " * 20])
     offset = first_non_text(MODEL.read_bytes())
-    validation = Validation(enabled=True, dataset="local", dataset_path=str(tmp_path / "model.txt"))
+    held_out = Validation(enabled=True, dataset="local", dataset_path=str(tmp_path / "model.txt"))
     with pytest.raises(UserError, match=rf"^validation: \S*model.txt is not UTF-8 text: at byte {offset} of the file"):
-        validate.preflight_validation(validation, Training(), CharTokenizer(), 1)
+        validation.preflight_validation(held_out, Training(), CharTokenizer(), 1)
     cfg = Training(dataset_mix=[f"0.5:{good}", f"0.5:{tmp_path / 'model.txt'}"], seq_len=8, local_batch_size=1)
     with pytest.raises(UserError, match=r"^training.dataset_mix source '\S*model.txt': \S*model.txt is not UTF-8"):
         build_dataloader(cfg, CharTokenizer(), 0, 1, 1)
@@ -236,7 +236,7 @@ def test_the_python_stdlib_corpora_keep_replacement_characters(monkeypatch):
     modules = encoded_stdlib_modules()
     if not modules:
         pytest.skip("this interpreter ships no standard-library modules in another encoding")
-    test_docs = dict(zip(validate._stdlib_test_files(), validate._StdlibTestSource().documents(0)))
+    test_docs = dict(zip(validation._stdlib_test_files(), validation._StdlibTestSource().documents(0)))
     for path in modules:
         assert test_docs[path] == path.read_text(encoding="utf-8", errors="replace")
         assert "\ufffd" in test_docs[path]

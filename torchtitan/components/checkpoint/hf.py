@@ -42,7 +42,7 @@ def save_hf(
 ) -> Path:
     """Write `sd` (our names) as a folder that `transformers` loads as the class its config names."""
     hf_sd = adapter.to_hf(sd, args)
-    shards = plan_files([(n, t.numel() * dtype.itemsize, 0) for n, t in hf_sd.items()], max_shard_bytes)
+    shards = group_into_files([(n, t.numel() * dtype.itemsize, 0) for n, t in hf_sd.items()], max_shard_bytes)
     with staging(folder) as tmp:
         write_json(tmp / HF_CONFIG, adapter.config(args, dtype, bos_id, eos_id))
         files = file_names(len(shards))
@@ -57,7 +57,7 @@ def save_hf(
     return Path(folder)
 
 
-def plan_files(items: Sequence[tuple[str, int, object]], max_shard_bytes: int) -> list[list[str]]:
+def group_into_files(items: Sequence[tuple[str, int, object]], max_shard_bytes: int) -> list[list[str]]:
     """Files of consecutive (name, bytes, group) items: at most max_shard_bytes each (a larger tensor
     gets a file of its own), and never two groups in one file (a group: a pipeline stage's tensors)."""
     shards, size, group = [[]], 0, None

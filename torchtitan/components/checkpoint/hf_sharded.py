@@ -38,7 +38,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from torchtitan.components.checkpoint.hf import HF_CONFIG, HF_INDEX, HFFolder, check_hf_folder, file_names, plan_files
+from torchtitan.components.checkpoint.hf import (
+    HF_CONFIG,
+    HF_INDEX,
+    HFFolder,
+    check_hf_folder,
+    file_names,
+    group_into_files,
+)
 from torchtitan.components.checkpoint.storage import check_output_folder, open_to_readers, write_json
 from torchtitan.components.tokenizer_export import export_tokenizer
 from torchtitan.config.errors import UserError
@@ -194,7 +201,7 @@ def save_hf_sharded(
         if converted:
             hf_shapes[name] = {k: tuple(v.shape) for k, v in converted.items()}
             items.append((name, sum(v.numel() for v in converted.values()) * dtype.itemsize, stage_of[name]))
-    files = plan_files(items, max_shard_bytes)
+    files = group_into_files(items, max_shard_bytes)
     names = file_names(len(files))
     writers = []
     for i, file_items in enumerate(files):

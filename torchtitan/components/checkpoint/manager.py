@@ -21,7 +21,7 @@ from torchtitan.components.checkpoint.resume import choose_checkpoint
 from torchtitan.components.checkpoint.state import RunState
 from torchtitan.components.checkpoint.storage import complete_checkpoints, describe_failure
 from torchtitan.config import Checkpoint as CheckpointConfig, UserError
-from torchtitan.distributed.utils import DTYPES
+from torchtitan.distributed.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 

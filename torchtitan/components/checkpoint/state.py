@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from torchtitan.components.checkpoint.folders import Peers
 from torchtitan.components.checkpoint.storage import train_state_record, write_checksums, write_rng, write_train_state
-from torchtitan.distributed.utils import DTYPES
+from torchtitan.distributed.dtypes import DTYPES
 
 
 @dataclass

@@ -26,8 +26,8 @@ from torchtitan.components.checkpoint.hf import (
     check_hf_folder,
     check_shapes,
     file_names,
+    group_into_files,
     meta_shapes,
-    plan_files,
 )
 from torchtitan.components.checkpoint.storage import (
     STATE_FILE,
@@ -111,7 +111,7 @@ def dcp_to_hf(
         if converted:
             hf_names[name] = list(converted)
             items.append((name, sum(t.numel() for t in converted.values()) * dtype.itemsize, 0))
-    files = plan_files(items, max_shard_bytes)
+    files = group_into_files(items, max_shard_bytes)
     names = file_names(len(files))
     with staging(output) as tmp:
         write_json(tmp / HF_CONFIG, adapter.config(args, dtype, bos_id, eos_id))

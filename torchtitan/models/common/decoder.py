@@ -5,7 +5,7 @@ family's class attributes; `decoder_spec`, its ModelSpec; `moe_hooks`, the spec'
 
 A family subclasses `Decoder` and gives its blocks (`block(layer_id)`), its rotary table
 (`rotary_table()`: one row per position, whatever layout its attention reads) and its
-initialization (`init_for(name)`). The rest is the same for every family:
+initialization (`initializer_for(name)`). The rest is the same for every family:
 - the layers live in a ModuleDict keyed by layer id, so that a pipeline stage can drop layers while
   names stay stable, and each top-level module may be None on a pipeline stage (forward skips it);
 - the rotary table is a non-persistent buffer, recomputed by init_weights and by
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.common import moe
-from torchtitan.models.common.activations import standard_block_counts
+from torchtitan.models.common.activation_memory import standard_block_counts
 from torchtitan.models.common.chunked_loss import linear_cross_entropy_sum
 from torchtitan.models.common.init import Init, normal, ones, seeded_init_, trunc_normal, zeros
 from torchtitan.models.common.layers import Attention, FeedForward, KVCache, TransformerBlock, rotary_rows
@@ -71,8 +71,9 @@ class Decoder(nn.Module):
         """The rotary table for positions 0 .. max_seq_len - 1, one row per position."""
         raise NotImplementedError
 
-    def init_for(self, name: str) -> Init:
-        """How parameter `name` is drawn (torchtitan.models.common.init); the tied embedding is drawn here."""
+    def initializer_for(self, name: str) -> Init:
+        """The initializer of parameter `name`: how it is drawn (torchtitan.models.common.init). A tied
+        embedding is drawn by the decoder instead (_initializer_with_tying)."""
         raise NotImplementedError
 
     # ---- shared ----
@@ -148,9 +149,11 @@ class Decoder(nn.Module):
         for name, param in self.named_parameters():
             if self.tied and name == "output.weight":  # a stage without the embedding: its copy
                 name = EMBEDDING
-            seeded_init_(param, name, seed, self._init_for(name))
+            seeded_init_(param, name, seed, self._initializer_with_tying(name))
 
-    def _init_for(self, name: str) -> Init:
+    def _initializer_with_tying(self, name: str) -> Init:
+        """The initializer init_weights draws parameter `name` with: the family's (initializer_for), but
+        for a tied embedding, which is the output layer too."""
         if name == EMBEDDING and self.tied:
             # Tied, it is the output layer too, reading the final norm's output, which at init is mostly
             # the input token's own normalized embedding: that token's logit starts at dim x std.
@@ -160,7 +163,7 @@ class Decoder(nn.Module):
             # 23) and std 1/dim (Adam moves each weight by 20% per step) both turned rounding
             # differences into loss differences of 1e-2..3e-1; std 0.02 kept them under 1e-5.
             return trunc_normal(0.02, cutoff=3.0)
-        return self.init_for(name)
+        return self.initializer_for(name)
 
 
 def matmul_parameters(size, args) -> int:
@@ -217,7 +220,7 @@ class Transformer(Decoder):
         for _, layer in moe.moe_layers(self):  # the balancing bias and token counts start at zero
             layer.reset_buffers(buffer_device)
 
-    def init_for(self, name: str) -> Init:
+    def initializer_for(self, name: str) -> Init:
         if name.endswith("norm.weight"):  # also the per-head q/k norms
             return ones()
         if name.endswith(".bias"):

@@ -182,7 +182,7 @@ class ModelSpec:
     tp_plan: Any
     tp_sizes: Callable[[Any], dict[str, tuple[int, str]]]
     pipeline: PipelineLayout = field(default_factory=PipelineLayout)
-    # (args, a block of the meta model, seq_len) -> torchtitan.models.common.activations.ActivationCounts:
+    # (args, a block of the meta model, seq_len) -> torchtitan.models.common.activation_memory.ActivationCounts:
     # what the block keeps for backward per token. None: the layout planner (torchtitan.planner) and
     # [memory_estimation] refuse the family.
     activation_counts: Callable[[Any, nn.Module, int], Any] | None = None
@@ -308,6 +308,12 @@ class ModelSpec:
 
 
 _META_MODEL: dict = {}
+
+
+def layers_of(model: nn.Module) -> nn.ModuleDict:
+    """`model.layers`: the blocks of a model or pipeline stage, an nn.ModuleDict keyed by layer id (the
+    contract above), which nn.Module's attribute lookup types as Tensor | Module."""
+    return cast(nn.ModuleDict, model.layers)
 
 
 def meta_model(spec: ModelSpec, args) -> nn.Module:

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torchtitan.models.common.moe import MoE
 
 
-def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
+def decoder_top_tp_plan(loss_parallel_enabled: bool) -> dict:
     """The plan of a decoder's top-level modules (tok_embeddings, norm, output)."""
     return {
         # Row-wise on the embedding splits the vocabulary; the partial sums are reduce-scattered
@@ -34,7 +34,7 @@ def decoder_top_plan(loss_parallel_enabled: bool) -> dict:
     }
 
 
-def decoder_block_plan(block: nn.Module | None = None) -> dict:
+def decoder_block_tp_plan(block: nn.Module | None = None) -> dict:
     """The plan of a pre-norm decoder block with Meta's module names: attention_norm, attention
     (wq, wk, wv, wo; called with the residual stream and a rotary table), ffn_norm, feed_forward
     (SwiGLU w1, w2, w3, or, in a `block` whose feed_forward is a mixture of experts, token-local).
@@ -95,8 +95,8 @@ class TensorParallelPlan:
     """A family's TP plan as data: styles keyed by module name, for the top-level modules (given
     whether loss parallel is on) and for a block (given the block; names relative to it)."""
 
-    top: Callable[[bool], dict] = decoder_top_plan
-    block: Callable[[nn.Module], dict] = decoder_block_plan
+    top: Callable[[bool], dict] = decoder_top_tp_plan
+    block: Callable[[nn.Module], dict] = decoder_block_tp_plan
 
 
 class ReplicatedParams(ParallelStyle):

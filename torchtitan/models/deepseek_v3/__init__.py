@@ -5,7 +5,7 @@ from torchtitan.models.common.spec import ModelSpec, PipelineLayout
 
 def build_spec() -> ModelSpec:
     from torchtitan.models.common.decoder import decoder_spec, moe_hooks
-    from torchtitan.models.deepseek_v3 import activations, args, model, parallelize, state_dict_adapter
+    from torchtitan.models.deepseek_v3 import activation_memory, args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
         model.Transformer,
@@ -17,7 +17,7 @@ def build_spec() -> ModelSpec:
         hf=state_dict_adapter.ADAPTER,
         validate=args.validate,
         moe=moe_hooks(),
-        activation_counts=activations.block_counts,  # MLA's, and multi-token prediction's
+        activation_counts=activation_memory.block_counts,  # MLA's, and multi-token prediction's
         # Multi-token prediction: more blocks, more outputs and labels, and (on the last pipeline
         # stage) the input embedding for further tokens.
         extra_blocks=model.mtp_blocks,

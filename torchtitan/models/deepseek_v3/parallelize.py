@@ -17,27 +17,34 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
-from torchtitan.models.common.tp_plan import ReplicatedParams, TensorParallelPlan, decoder_block_plan, decoder_top_plan
+from torchtitan.models.common.tp_plan import (
+    ReplicatedParams,
+    TensorParallelPlan,
+    decoder_block_tp_plan,
+    decoder_top_tp_plan,
+)
 
 
-def block_plan(block: nn.Module) -> dict:
+def block_tp_plan(block: nn.Module) -> dict:
     attention = block.attention
     # The standard block's, its MoE feed-forward token-local; MLA's per-head projections split as wq.
     plan = {
-        k: v for k, v in decoder_block_plan(block).items() if k not in ("attention.wq", "attention.wk", "attention.wv")
+        k: v
+        for k, v in decoder_block_tp_plan(block).items()
+        if k not in ("attention.wq", "attention.wk", "attention.wv")
     }
     query = "attention.wq_b" if hasattr(attention, "wq_a") else "attention.wq"
-    plan[query] = decoder_block_plan(block)["attention.wq"]
-    plan["attention.wkv_b"] = decoder_block_plan(block)["attention.wq"]
+    plan[query] = decoder_block_tp_plan(block)["attention.wq"]
+    plan["attention.wkv_b"] = decoder_block_tp_plan(block)["attention.wq"]
     for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
         if hasattr(attention, name):
             plan[f"attention.{name}"] = ReplicatedParams()
     return plan
 
 
-def top_plan(loss_parallel: bool) -> dict:
+def top_tp_plan(loss_parallel: bool) -> dict:
     return {
-        **decoder_top_plan(loss_parallel),
+        **decoder_top_tp_plan(loss_parallel),
         "mtp.*.enorm": SequenceParallel(),
         "mtp.*.hnorm": SequenceParallel(),
         "mtp.*.eh_proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
@@ -45,7 +52,7 @@ def top_plan(loss_parallel: bool) -> dict:
     }
 
 
-TP_PLAN = TensorParallelPlan(top=top_plan, block=block_plan)
+TP_PLAN = TensorParallelPlan(top=top_tp_plan, block=block_tp_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:

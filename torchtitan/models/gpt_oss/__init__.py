@@ -5,7 +5,7 @@ from torchtitan.models.common.spec import ModelSpec
 
 def build_spec() -> ModelSpec:
     from torchtitan.models.common.decoder import decoder_spec, moe_hooks
-    from torchtitan.models.gpt_oss import activations, args, model, parallelize, state_dict_adapter
+    from torchtitan.models.gpt_oss import activation_memory, args, model, parallelize, state_dict_adapter
 
     return decoder_spec(
         model.Transformer,
@@ -17,5 +17,5 @@ def build_spec() -> ModelSpec:
         validate=args.validate,
         moe=moe_hooks(),
         hf=state_dict_adapter.ADAPTER,
-        activation_counts=activations.block_counts,  # sinks through the math kernel, the clamped experts
+        activation_counts=activation_memory.block_counts,  # sinks through the math kernel, the clamped experts
     )

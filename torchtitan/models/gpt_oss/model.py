@@ -138,7 +138,7 @@ class Transformer(decoder.Transformer):
         a = self.args
         return TransformerBlock(layer_id, a, SinkAttention(a, a.layer_window(layer_id)), GptOssMoE(a.dim, a))
 
-    def init_for(self, name: str) -> Init:
+    def initializer_for(self, name: str) -> Init:
         local = name.rsplit(".", 1)[-1]
         if name.endswith("attention.sinks.weight") or name.endswith("router.gate.bias"):
             return normal(0.02)
@@ -146,7 +146,7 @@ class Transformer(decoder.Transformer):
             return zeros()
         if local == "gate_up_proj":  # an input projection, as the other families' w1 and w3
             return trunc_normal(0.02)
-        return super().init_for(name)  # down_proj: the block's out_init_std, as w2
+        return super().initializer_for(name)  # down_proj: the block's out_init_std, as w2
 
     @classmethod
     def model_size(cls, args) -> ModelSize:

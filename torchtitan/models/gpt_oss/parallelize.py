@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_plan, decoder_top_plan
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_tp_plan, decoder_top_tp_plan
 
 
 class SplitByHead(ParallelStyle):
@@ -25,11 +25,11 @@ class SplitByHead(ParallelStyle):
         return module
 
 
-def block_plan(block: nn.Module) -> dict:
-    return {**decoder_block_plan(block), "attention.sinks": SplitByHead()}
+def block_tp_plan(block: nn.Module) -> dict:
+    return {**decoder_block_tp_plan(block), "attention.sinks": SplitByHead()}
 
 
-TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+TP_PLAN = TensorParallelPlan(top=decoder_top_tp_plan, block=block_tp_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:

@@ -1,10 +1,10 @@
 """Llama 3's tensor-parallel plan (as data) and the sizes it splits. The trainer applies the
 parallelisms from the spec (torchtitan.distributed.parallelize.parallelize_model)."""
 
-from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_plan, decoder_top_plan
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_tp_plan, decoder_top_tp_plan
 
 # Llama's blocks are the standard decoder block (attention with a rotary table).
-TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=decoder_block_plan)
+TP_PLAN = TensorParallelPlan(top=decoder_top_tp_plan, block=decoder_block_tp_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:

@@ -12,12 +12,12 @@ DTensor on the tp mesh, as gradient clipping and FSDP on top expect.
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_plan, decoder_top_plan
+from torchtitan.models.common.tp_plan import TensorParallelPlan, decoder_block_tp_plan, decoder_top_tp_plan
 
 
-def block_plan(block: nn.Module) -> dict:
+def block_tp_plan(block: nn.Module) -> dict:
     return {
-        **decoder_block_plan(block),  # its MoE feed-forward (Qwen3-MoE) token-local
+        **decoder_block_tp_plan(block),  # its MoE feed-forward (Qwen3-MoE) token-local
         # Sharded on the heads (dim 2), not the sequence: SequenceParallel only marks the input's
         # sharded dim and replicates the weight, which is what a norm over head_dim needs.
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
@@ -25,7 +25,7 @@ def block_plan(block: nn.Module) -> dict:
     }
 
 
-TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+TP_PLAN = TensorParallelPlan(top=decoder_top_tp_plan, block=block_tp_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:
@@ -35,6 +35,6 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
-    if args.moe is not None:  # experts are not split by tensor parallel (tp_plan.decoder_block_plan)
+    if args.moe is not None:  # experts are not split by tensor parallel (tp_plan.decoder_block_tp_plan)
         del sizes["ffn hidden dim"]
     return sizes

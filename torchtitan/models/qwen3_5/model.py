@@ -205,7 +205,7 @@ class Transformer(decoder.Transformer):
         a = self.args
         return self.rotary.table(a.rotary_dim, a.max_seq_len, a.rope_theta)
 
-    def init_for(self, name: str) -> Init:
+    def initializer_for(self, name: str) -> Init:
         if name.endswith(".A_log"):  # A uniform in [0.01, 16], as Hugging Face draws it
             return _log_uniform(0.01, 16.0)
         if name.endswith(".dt_bias"):
@@ -213,7 +213,7 @@ class Transformer(decoder.Transformer):
         if name.endswith(".conv1d.weight"):
             bound = self.args.conv_kernel**-0.5  # nn.Conv1d's default for a depthwise conv: 1/sqrt(fan_in)
             return _uniform(-bound, bound)
-        return super().init_for(name)
+        return super().initializer_for(name)
 
     @classmethod
     def flops_per_token(cls, args, doc_lengths: int | list[int]) -> float:

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchtitan.models.common.tp_plan import (
     TensorParallelPlan,
-    decoder_block_plan,
-    decoder_top_plan,
+    decoder_block_tp_plan,
+    decoder_top_tp_plan,
     gather_sequence_input,
 )
 
@@ -41,10 +41,10 @@ def _head_norm() -> SequenceParallel:
     return SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
-def block_plan(block: nn.Module) -> dict:
+def block_tp_plan(block: nn.Module) -> dict:
     if not hasattr(block.attention, "in_proj_qkv"):  # full attention
-        return {**decoder_block_plan(block), "attention.q_norm": _head_norm(), "attention.k_norm": _head_norm()}
-    plan = {name: style for name, style in decoder_block_plan(block).items() if not name.startswith("attention.")}
+        return {**decoder_block_tp_plan(block), "attention.q_norm": _head_norm(), "attention.k_norm": _head_norm()}
+    plan = {name: style for name, style in decoder_block_tp_plan(block).items() if not name.startswith("attention.")}
     plan["attention"] = gather_sequence_input(n_inputs=2)
     for proj in ("qkv", "z", "a", "b"):
         plan[f"attention.in_proj_{proj}"] = ColwiseParallel()
@@ -55,7 +55,7 @@ def block_plan(block: nn.Module) -> dict:
     return plan
 
 
-TP_PLAN = TensorParallelPlan(top=decoder_top_plan, block=block_plan)
+TP_PLAN = TensorParallelPlan(top=decoder_top_tp_plan, block=block_tp_plan)
 
 
 def tp_sizes(args) -> dict[str, tuple[int, str]]:
@@ -67,6 +67,6 @@ def tp_sizes(args) -> dict[str, tuple[int, str]]:
         "ffn hidden dim": (args.ffn_hidden_dim, "w1/w3 outputs and w2 inputs are split across ranks"),
         "vocab_size": (args.vocab_size, "embedding rows and output logits are split across ranks"),
     }
-    if args.moe is not None:  # Qwen3.5-MoE: experts are token-local under TP, not split (tp_plan.decoder_block_plan)
+    if args.moe is not None:  # Qwen3.5-MoE: experts are token-local under TP, not split (tp_plan.decoder_block_tp_plan)
         del sizes["ffn hidden dim"]
     return sizes

@@ -1,4 +1,4 @@
-"""What a gpt-oss block keeps for backward per token (torchtitan.models.common.activations): attention
+"""What a gpt-oss block keeps for backward per token (torchtitan.models.common.activation_memory): attention
 with sinks through the math kernel (the one that returns the log-sum-exp on every device but
 FlexAttention's), then the biased router and the clamped SwiGLU experts."""
 
@@ -6,7 +6,7 @@ from typing import cast
 
 from torch import nn
 
-from torchtitan.models.common.activations import ActivationCounts, add
+from torchtitan.models.common.activation_memory import ActivationCounts, add
 from torchtitan.models.gpt_oss.model import ClampedSwiGLUExperts, GptOssMoE, SinkAttention
 
 

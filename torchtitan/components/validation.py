@@ -17,7 +17,7 @@ What it computes:
 - The loss is the mean over every validation label that counts: training's summed token loss (the
   model spec's `loss_sum_fn`) over this rank's share of the tokens of every batch, summed over the
   data- and context-parallel ranks (the same mesh as the training loss), over the number of labels
-  that count on all of them. Batches are prepared as in training (batch.BatchRule: the same
+  that count on all of them. Batches are prepared as in training (batch.BatchPreparation: the same
   attention mask, the same ignored labels, the same context-parallel positions). Perplexity =
   exp(loss).
 - The model runs in eval mode under no_grad, with the training step's mixed precision and loss-parallel
@@ -325,12 +325,13 @@ class Validator:
         data: ValidationData,
         parts: list[nn.Module],
         loss_fn,
-        batch_rule,
+        batch_preparation,
         sum_over_ranks,
         device: torch.device,
     ):
         self.cfg, self.training_steps, self.data, self.parts = cfg, training_steps, data, parts
-        self.loss_fn, self.batch_rule, self.sum_over_ranks, self.device = loss_fn, batch_rule, sum_over_ranks, device
+        self.loss_fn, self.batch_preparation = loss_fn, batch_preparation
+        self.sum_over_ranks, self.device = sum_over_ranks, device
 
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0 or step == self.training_steps
@@ -355,7 +356,7 @@ class Validator:
             with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
                 for inputs, labels in self.data.batches():
                     # With context parallel, this rank's positions of each sequence (as in training).
-                    inputs, labels, kwargs = self.batch_rule.prepare(inputs, labels, self.device)
+                    inputs, labels, kwargs = self.batch_preparation.prepare(inputs, labels, self.device)
                     total += self._batch_loss(inputs, labels, kwargs)
                     count += valid_labels(labels)
                     batches += 1

@@ -14,7 +14,7 @@ x the data-parallel degree of the recipe's own layout at this world size.
 
 A layout is shown, explained or written only if the trainer would start it: its config passes the
 rules load_config applies and torchtitan.preflight (refusal()). The estimates are cheap and
-ranked first; preflight then runs on the fastest, in order, until enough are accepted (plan()'s
+ranked first; preflight then runs on the fastest, in order, until enough are accepted (rank_layouts()'s
 `keep`), since it reads files and builds the meta model, and a large MoE flavor has thousands of
 layouts. The validation set (when enabled) is read for the best layout only.
 """
@@ -34,7 +34,7 @@ from torchtitan.config.parallelism_sections import (
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.spec import meta_model
-from torchtitan.planner.estimate import FIXES, Estimate, Planning, default_hardware, estimate_layout
+from torchtitan.planner.estimate import FIXES, Estimate, RecipeFacts, default_hardware, estimate_layout
 from torchtitan.planner.memory import GiB, param_shards, replace
 from torchtitan.planner.timing import Hardware
 from torchtitan.preflight import check_attention, load_tokenizer, model_args_for_run, preflight
@@ -53,7 +53,7 @@ def check_model_options(spec, cfg) -> None:
     check_attention(cfg, spec, ParallelDims.from_config(Parallelism(), 1))
 
 
-def planning_args(spec, cfg):
+def recipe_model_args(spec, cfg):
     """The model args the job would build: the tokenizer's vocabulary when its file is there (as the
     trainer does), else the flavor's."""
     path = cfg.model.tokenizer_path
@@ -63,21 +63,21 @@ def planning_args(spec, cfg):
     return spec.args_for_training(cfg.model.flavor, flavor.vocab_size, cfg.training.seq_len)
 
 
-def planning_of(cfg) -> Planning:
+def recipe_facts(cfg) -> RecipeFacts:
     """What every layout of `cfg`'s recipe shares, with the model args the trainer would build."""
     from torchtitan.models.registry import get_model_spec, import_custom_module
 
     import_custom_module(cfg.experimental.custom_import)
     spec = get_model_spec(cfg.model.name)
     check_model_options(spec, cfg)
-    return Planning.build(spec, planning_args(spec, cfg), cfg)
+    return RecipeFacts.build(spec, recipe_model_args(spec, cfg), cfg)
 
 
 def estimate_config(
-    cfg, world_size: int, device_type: str, hw: Hardware | None = None, planning: Planning | None = None
+    cfg, world_size: int, device_type: str, hw: Hardware | None = None, facts: RecipeFacts | None = None
 ) -> Estimate:
     """Memory and step time of `cfg`'s own layout on `world_size` ranks."""
-    return estimate_layout(cfg, world_size, device_type, planning or planning_of(cfg), hw)
+    return estimate_layout(cfg, world_size, device_type, facts or recipe_facts(cfg), hw)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -163,7 +163,7 @@ def _global_batch(cfg, world_size: int) -> int:
 
 def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
     """Every layout config of the search (see the module docstring)."""
-    from torchtitan.distributed.pipeline_parallel import plan_split
+    from torchtitan.distributed.pipeline_parallel import stage_modules
     from torchtitan.distributed.tensor_parallel import check_tp_divisibility
 
     fixed = _fixed(cfg)
@@ -205,7 +205,7 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
         ):
             if pp > 1:
                 try:
-                    plan_split(spec.pipeline, args.n_layers, pp, cfg.parallelism)
+                    stage_modules(spec.pipeline, args.n_layers, pp, cfg.parallelism)
                 except UserError as e:
                     if "pipeline_parallel_degree" in fixed:
                         raise UserError(f"the recipe fixes pipeline_parallel_degree = {pp}: {e}") from None
@@ -256,7 +256,7 @@ def candidates(cfg, world_size: int, gpus_per_node: int, spec, args):
 
 @dataclass
 class Ranking:
-    """What plan() found. Only layouts the trainer accepts are in `fits` and `smallest`."""
+    """What rank_layouts() found. Only layouts the trainer accepts are in `fits` and `smallest`."""
 
     fits: list[Estimate]  # layouts that fit the memory and that the trainer accepts, fastest first
     smallest: Estimate | None  # the smallest layout the trainer accepts among those that do not fit
@@ -277,7 +277,7 @@ def check_world(world_size: int, gpus_per_node: int) -> None:
         )
 
 
-def plan(
+def rank_layouts(
     cfg,
     world_size: int,
     gpus_per_node: int,
@@ -294,7 +294,7 @@ def plan(
 
     check_world(world_size, gpus_per_node)
     with _judged_on(device_type):
-        p = planning_of(cfg)
+        p = recipe_facts(cfg)
     missing_counts(p.spec)
     hw = hw or default_hardware(device_type, gpus_per_node, cfg)
     fits, too_big, impossible = [], [], {}
@@ -337,7 +337,7 @@ def refusal(cfg, world_size: int, device_type: str, read_data: bool = True) -> s
     config rules load_config applies to a recipe, then the trainer's own preflight (no process group).
     [memory_estimation] is left out: the planner's fit against the memory it was given replaces it.
     Without `read_data`, the validation set is not read: that check tokenizes it (seconds to minutes)
-    and depends on the layout only through the data-parallel degree; plan() runs it on the best."""
+    and depends on the layout only through the data-parallel degree; rank_layouts() runs it on the best."""
     from torchtitan.config.manager import validate
 
     checked = replace(cfg, memory_estimation={"enabled": False})
@@ -371,17 +371,17 @@ def _accepted(
 
 @contextmanager
 def _judged_on(device_type: str):
-    """Preflight asks torchtitan.distributed.utils.device_type() where the job runs (CPU offload, FlexAttention,
+    """Preflight asks torchtitan.distributed.process_group.device_type() where the job runs (CPU offload, FlexAttention,
     async TP and pinned-memory checkpoints need CUDA); the planner judges a layout for the device it
     plans for, whatever this host has."""
-    from torchtitan.distributed import utils
+    from torchtitan.distributed import process_group
 
-    real = utils.device_type
-    utils.device_type = lambda: device_type
+    real = process_group.device_type
+    process_group.device_type = lambda: device_type
     try:
         yield
     finally:
-        utils.device_type = real
+        process_group.device_type = real
 
 
 def refusals(refused: dict[str, list[str]]) -> str:
@@ -462,7 +462,7 @@ def check_by_simulation(e: Estimate) -> tuple[float, int]:
 
     start = time.perf_counter()
     spec = get_model_spec(e.cfg.model.name)
-    args = planning_args(spec, e.cfg)
+    args = recipe_model_args(spec, e.cfg)
     cfg = replace(e.cfg, training={"compile": False})
     expected = param_shards(spec, meta_model(spec, args), e.dims, cfg.parallelism)
     # One rank per distinct stage shape: pipeline ranks whose blocks differ only in their layer ids hold

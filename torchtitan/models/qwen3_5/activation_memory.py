@@ -1,4 +1,4 @@
-"""What a Qwen3.5 block keeps for backward per token (torchtitan.models.common.activations): a gated
+"""What a Qwen3.5 block keeps for backward per token (torchtitan.models.common.activation_memory): a gated
 DeltaNet block (the chunked gated delta rule, torchtitan.models.common.delta_rule) or a gated
 full-attention block, each followed by SwiGLU. Derived from the eager forward on CPU and checked
 against a real block's saved tensors in float32, bfloat16 and bf16 autocast, and against what the
@@ -19,7 +19,7 @@ from typing import cast
 
 from torch import nn
 
-from torchtitan.models.common.activations import ActivationCounts, add, moe_counts, swiglu_counts
+from torchtitan.models.common.activation_memory import ActivationCounts, add, moe_counts, swiglu_counts
 from torchtitan.models.common.layers import FeedForward
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.qwen3_5.model import GatedAttention, GatedDeltaNet

@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from torchtitan.components import validate
-from torchtitan.components.batch import BatchRule
+from torchtitan.components import validation
+from torchtitan.components.batch import BatchPreparation
 from torchtitan.components.data import stdlib_files
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.training_sections import Validation
@@ -39,13 +39,13 @@ def read_all(data):
 
 
 def local_data(path, seq_len, lb, dp, rank, steps, tok=None):
-    source = validate.build_source(Validation(enabled=True, dataset="local", dataset_path=path))
-    return validate.ValidationData(source, tok or CharTokenizer(), seq_len, lb, rank, dp, steps)
+    source = validation.build_source(Validation(enabled=True, dataset="local", dataset_path=path))
+    return validation.ValidationData(source, tok or CharTokenizer(), seq_len, lb, rank, dp, steps)
 
 
-@pytest.mark.parametrize("cache_tokens", [validate.CACHE_TOKENS, 10])
+@pytest.mark.parametrize("cache_tokens", [validation.CACHE_TOKENS, 10])
 def test_global_batches_are_split_over_ranks_like_training_batches(tmp_path, monkeypatch, cache_tokens):
-    monkeypatch.setattr(validate, "CACHE_TOKENS", cache_tokens)  # 10: too small, every run reads again
+    monkeypatch.setattr(validation, "CACHE_TOKENS", cache_tokens)  # 10: too small, every run reads again
     path = write_jsonl(tmp_path / "val.jsonl", DOCS + [""])
     windows = expected_windows(DOCS, 16)
     full = len(windows) // 8  # complete global batches of 8; the rest of the set is left out
@@ -63,12 +63,12 @@ def test_global_batches_are_split_over_ranks_like_training_batches(tmp_path, mon
 
 
 def test_python_stdlib_test_is_held_out_from_the_training_corpus():
-    held_out = validate._stdlib_test_files()
+    held_out = validation._stdlib_test_files()
     if not held_out:
         pytest.skip("this interpreter ships no standard-library tests")
     training = set(stdlib_files())
     assert not training & set(held_out)
-    root = validate.sources.stdlib_root()
+    root = validation.sources.stdlib_root()
     for path in held_out:
         rel = path.relative_to(root).as_posix()
         assert "/test/" in f"/{rel}" or "/tests/" in f"/{rel}" or rel.startswith("idlelib/idle_test/")
@@ -118,8 +118,8 @@ def test_a_mixture_takes_each_window_from_the_source_its_schedule_picks(tmp_path
     assert full >= 2 and counts[1] > 0
     for dp in (1, 2):
         ranks = [
-            validate.ValidationData(
-                validate.build_source(cfg, None, CharTokenizer()), CharTokenizer(), 15, 8 // dp, r, dp, -1
+            validation.ValidationData(
+                validation.build_source(cfg, None, CharTokenizer()), CharTokenizer(), 15, 8 // dp, r, dp, -1
             )
             for r in range(dp)
         ]
@@ -175,8 +175,8 @@ def make_validator(spec, model, data, cfg, training_steps=7):
     def loss_fn(inputs, labels, kwargs):  # the trainer's forward_loss of one process
         return spec.loss_sum_fn(model(inputs, **kwargs), labels)
 
-    return validate.Validator(
-        cfg, training_steps, data, [model], loss_fn, BatchRule(None), lambda sums: sums, torch.device("cpu")
+    return validation.Validator(
+        cfg, training_steps, data, [model], loss_fn, BatchPreparation(None), lambda sums: sums, torch.device("cpu")
     )
 
 
@@ -209,8 +209,8 @@ def test_a_run_leaves_the_expert_statistics_alone():
         m.tokens_per_expert += torch.arange(m.tokens_per_expert.numel()).float()
         m.expert_bias += 0.5
     before = [(m.tokens_per_expert.clone(), m.expert_bias.clone()) for m in moe]
-    source = validate.build_source(Validation(enabled=True, dataset="python_stdlib"))
-    data = validate.ValidationData(source, Tokenizer(str(MODEL)), 32, 2, 0, 1, 1)
+    source = validation.build_source(Validation(enabled=True, dataset="python_stdlib"))
+    data = validation.ValidationData(source, Tokenizer(str(MODEL)), 32, 2, 0, 1, 1)
     record = make_validator(spec, model, data, Validation(enabled=True, steps=1)).run(1)
     assert math.isfinite(record["validation_loss"])
     for m, (counts, bias) in zip(moe, before):

@@ -1,4 +1,4 @@
-"""What a DeepSeek-V3 block keeps for backward per token (torchtitan.models.common.activations):
+"""What a DeepSeek-V3 block keeps for backward per token (torchtitan.models.common.activation_memory):
 multi-head latent attention, then SwiGLU or the MoE."""
 
 import dataclasses
@@ -6,7 +6,7 @@ from typing import cast
 
 from torch import nn
 
-from torchtitan.models.common.activations import ActivationCounts, add, moe_counts, swiglu_counts
+from torchtitan.models.common.activation_memory import ActivationCounts, add, moe_counts, swiglu_counts
 from torchtitan.models.common.layers import FeedForward
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.deepseek_v3.model import MLA

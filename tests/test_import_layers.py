@@ -165,12 +165,12 @@ def planted(tmp_path):
 
 
 def test_a_planted_upward_import_is_found(planted):
-    path = planted / "distributed" / "utils.py"
+    path = planted / "distributed" / "grad_norm.py"
     path.write_text(path.read_text() + "\n\ndef late():\n    from torchtitan.train import Trainer  # noqa\n")
     problems = sorted(set(upward_imports(graph(planted))) - set(upward_imports(graph(PACKAGE))))
     assert (
         len(problems) == 1
-        and problems[0].startswith("torchtitan.distributed.utils:")
+        and problems[0].startswith("torchtitan.distributed.grad_norm:")
         and "torchtitan.train" in problems[0]
     )
 

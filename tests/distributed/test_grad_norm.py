@@ -1,6 +1,6 @@
 import torch
 
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 
 
 def params_with_grads(*grads):
