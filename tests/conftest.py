@@ -1,6 +1,7 @@
 """The tests' pytest fixtures, each a thin function over the shared helpers of tests/helpers/ (paths, launches,
 tiny models, checkpoint runs, data, Hugging Face folders, tokenizer files), which the tests import directly:
-`from helpers.launch import launch, losses`."""
+`from helpers.launch import launch, losses`. The markers, and the check that each test carries the markers
+of what it does, are in tests/helpers/markers.py."""
 
 from pathlib import Path
 
@@ -9,7 +10,46 @@ import pytest
 from helpers.checkpoints import checkpoint_run
 from helpers.data import sharded_docs
 from helpers.launch import drop_closed_log_handlers
+from helpers.markers import MARKERS, checked, fixture_watched
 from helpers.tokenizer_files import write_hf_folder, write_tiktoken_file
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--network", action="store_true", help="also run the tests marked network (they reach the internet)"
+    )
+
+
+def pytest_configure(config):
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--network"):
+        return
+    skip = pytest.mark.skip(reason="reaches the internet: run with --network")
+    for item in items:
+        if "network" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    with fixture_watched(fixturedef):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with checked(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with checked(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

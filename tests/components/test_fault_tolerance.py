@@ -46,6 +46,8 @@ def refused(*args: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bad_input_is_refused_before_launch(tmp_path):
     from torchtitan.config import UserError, load_config
 
@@ -82,6 +84,8 @@ def test_bad_input_is_refused_before_launch(tmp_path):
     assert not load_config(TINY).fault_tolerance.enabled
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_diloco_keys_are_checked_before_launch(tmp_path):
     """fault_tolerance.sync and DiLoCo's keys: bad values end the job before launch (exit 2, one line); DiLoCo's
     keys set under sync = 'every_step' or without fault_tolerance.enabled, where nothing reads them, are refused
@@ -161,6 +165,8 @@ def test_a_malformed_lighthouse_address_is_one_line_before_launch(address, why):
     assert "fault_tolerance.lighthouse" in str(e.value) and why in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_lighthouse_port_without_fault_tolerance_starts_nothing(tmp_path):
     """LIGHTHOUSE_PORT for a job that is not a replica group (or that names another lighthouse) is refused before
     anything starts: no lighthouse is left running, and the job does not train as a plain run."""
@@ -237,6 +243,7 @@ def test_data_lanes_make_each_group_a_data_parallel_replica():
     assert data_lanes(load_config(TINY).fault_tolerance, 1, 2, 8) == (1, 2, 8)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_fewer_live_groups_than_min_groups_stop_the_run_within_the_quorum_timeout(tmp_path):
     lighthouse, address = start_lighthouse()
@@ -361,6 +368,7 @@ def two_groups(tmp_path_factory):
         _stop(procs, folders, lighthouse)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_groups_train_as_one_data_parallel_run(two_groups, tmp_path):
     """Each group reads its own lanes of a data-parallel degree 2; averaged over the groups, their gradients and
@@ -376,6 +384,7 @@ def test_two_groups_train_as_one_data_parallel_run(two_groups, tmp_path):
         assert all(r["replica_groups"] == 2 for r in read_metrics(folder)[:KILL_AFTER])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_killed_group_leaves_the_other_training_to_the_end(two_groups):
     folders, returncode, out = two_groups
@@ -398,6 +407,7 @@ def _weights(checkpoint: Path, tmp: Path) -> dict:
     return state["model"] if "model" in state else {k: v for k, v in state.items() if k.startswith("model")}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_restarted_group_heals_from_the_live_one_and_holds_its_weights(tmp_path):
     """Group 1 is SIGKILLed after step 3 and restarted with the same command: it heals from group 0 over the
@@ -518,6 +528,7 @@ def _start_group(g: int, folder: Path, address: str, *args: str, log: Path | Non
         )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_diloco_with_h1_outer_sgd_lr1_and_no_momentum_is_synchronous_training(tmp_path):
     """Two DiLoCo groups (sync_every 1, outer SGD lr 1, no momentum) against one synchronous run of both groups'
@@ -708,6 +719,7 @@ def kill_points(tmp_path_factory):
 KILL_STEPS = 24
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_group_killed_at_many_points_of_a_step_leaves_the_other_training_to_the_end(kill_points):
     """At every kill point the survivor neither crashes nor stops: it ends at the last step with steps 1..N logged
@@ -733,6 +745,7 @@ def test_a_group_killed_at_many_points_of_a_step_leaves_the_other_training_to_th
     assert records[-1]["replica_groups"] == 2
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_no_sample_is_trained_twice_when_a_group_dies_and_comes_back(kill_points):
     """Every sample (lane, sample number) that a committed update of either group trained was read once: neither
@@ -761,6 +774,7 @@ def test_no_sample_is_trained_twice_when_a_group_dies_and_comes_back(kill_points
 # --- DiLoCo: a lost group, checkpoints ------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_after_a_diloco_sync_moe_groups_hold_the_same_weights_and_expert_biases(tmp_path):
     """Qwen3-MoE, sync_every 2: between syncs each group moves its expert biases by its own loads; a sync makes them
@@ -805,6 +819,7 @@ def test_after_a_diloco_sync_moe_groups_hold_the_same_weights_and_expert_biases(
 DILOCO = ["--fault_tolerance.sync", "diloco", "--fault_tolerance.sync_every", "3"]  # outer SGD 0.7, Nesterov 0.9
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_under_diloco_a_killed_group_leaves_the_other_training_to_the_end(tmp_path):
     """sync_every 3: group 1 is SIGKILLed between two syncs (after its step 4 is logged); group 0's next sync
@@ -831,6 +846,7 @@ def test_under_diloco_a_killed_group_leaves_the_other_training_to_the_end(tmp_pa
     assert "training done" in out and "Traceback" not in out, out[-5000:]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_resumed_diloco_run_continues_exactly(tmp_path):
     """A DiLoCo group (sync_every 2, outer Nesterov momentum) saves at step 3, between two syncs: the checkpoint
@@ -890,6 +906,7 @@ def _lanes_at(checkpoint: Path) -> dict[int, int]:
     return {lane: sum(s["next_sample"] for s in position) for lane, position in state["lanes"]}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
     """A group's checkpoint (group 0 of 2: lanes 0-3 of 8) resumes as a normal run (lanes 0-3 of 4), and a normal
@@ -962,6 +979,7 @@ def test_checkpoints_cross_between_fault_tolerant_and_normal_runs(tmp_path):
     assert _lanes_at(tmp_path / "to_ft" / "checkpoint" / "step-5") == {lane: 5 for lane in range(4)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_under_diloco_a_restarted_group_heals_in_a_sync_and_holds_the_same_weights(tmp_path):
     """sync_every 2, min_groups 2 (group 0 waits at its sync instead of syncing alone): group 1 is SIGKILLed after
@@ -1046,6 +1064,7 @@ def _stop_all(procs: list[subprocess.Popen], tmp: Path, port: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_groups_started_with_one_id_both_stop(tmp_path):
     """Two groups launched together with fault_tolerance.group_id 0 would each read group 0's lanes: the job would
@@ -1068,6 +1087,7 @@ def test_two_groups_started_with_one_id_both_stop(tmp_path):
         _stop_all(procs, tmp_path, port)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_group_that_joins_with_a_live_groups_id_stops_and_the_live_groups_train_on(tmp_path):
     """Groups 0 and 1 train; a third launch with group_id 1 heals into their quorum, finds the id taken and stops

@@ -14,6 +14,8 @@ import pytest
 from helpers.launch import launch, processes_naming, read_metrics, start_lighthouse
 from helpers.paths import PYTHON_DIR, REPO, TINY
 
+pytestmark = [pytest.mark.multiprocess]
+
 STEPS = 4
 FT = ["--fault_tolerance.enabled", "--fault_tolerance.group_count", "2"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]

@@ -126,6 +126,8 @@ def test_a_cpu_without_native_bfloat16_is_named_with_the_fix():
         assert warning is None, (ratio, warning)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_peak_memory_is_resident_set_on_cpu():
     """Against the kernel's own high-water mark (VmHWM), in a fresh process after touching 1 GiB: right
     source and units (KiB -> GiB), and it grows with the allocation."""
@@ -152,6 +154,8 @@ def wandb_values(data: bytes, key: str) -> list[float]:
     return [float(data[m.end() + 1 : m.end() + 1 + data[m.end()]]) for m in re.finditer(pattern, data)]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_wandb_offline_run_and_resume(tmp_path, monkeypatch):
     """Without an API key the run is written offline into the dump folder; a resumed job continues the
     same wandb run."""
@@ -297,6 +301,8 @@ def test_the_note_follows_mfu_in_the_console_line_and_reaches_metrics_jsonl(tmp_
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu_note"] == "peak re-measured: 0.3 TFLOP/s"
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_start_up_measurement_on_a_busy_cpu_does_not_put_mfu_above_100():
     """Real contention: the peak is measured at start-up while busy processes (4 per core) share the
     CPU, as on a machine running other jobs; then they stop, and the achieved rate of quiet work (the

@@ -356,6 +356,8 @@ def test_muon_keys_with_muon_load():
     assert (cfg.muon_lr, cfg.muon_nesterov, cfg.muon_adjust_lr, cfg.muon_momentum) == (0.02, False, "original", None)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_muon_options_with_adamw_exit_2_before_launch(tmp_path):
     proc = subprocess.run(
         [
@@ -384,6 +386,7 @@ def test_a_copy_keeps_muon_state_keys():
     copy.deepcopy(opt.state_dict())  # plain tensors and numbers: what DCP flattens by parameter name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_spread_orthogonalization_equals_one_process_and_shares_the_work(tmp_path):
     """tests/distributed/muon_worker.py on 4 processes: 3 Muon steps of sharded parameters (FSDP's rows,

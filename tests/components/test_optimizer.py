@@ -226,6 +226,8 @@ def test_a_pattern_that_matches_nothing_is_an_error_naming_it():
     check_param_groups(Tiny(), Optimizer(param_groups=["proj"]))  # matches
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_pattern_that_matches_nothing_is_refused_before_launch(tmp_path):
     proc = subprocess.run(
         [

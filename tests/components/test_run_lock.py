@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from torchtitan.components import run_lock
 from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
 
@@ -44,6 +46,8 @@ def write_lock(folder, **record):
     (folder / run_lock.LOCK_FILE).write_text(json.dumps(record))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_live_run_is_refused_and_the_first_is_untouched(tmp_path):
     first = subprocess.Popen(
         [*TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "2000"],
@@ -88,6 +92,8 @@ def test_a_second_live_run_is_refused_and_the_first_is_untouched(tmp_path):
     assert not (tmp_path / run_lock.LOCK_FILE).exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_lock_liveness_rules(tmp_path):
     host = socket.gethostname()
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -123,6 +129,8 @@ def test_heartbeat_keeps_the_lock_fresh(tmp_path, monkeypatch):
     assert not os.path.exists(lock.path)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_new_run_keeps_the_earlier_runs_metrics_and_config(tmp_path):
     assert train(tmp_path, "--training.steps", "2", "--checkpoint.no-enable_checkpoint").returncode == 0
     first_metrics = (tmp_path / "metrics.jsonl").read_text()

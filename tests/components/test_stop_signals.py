@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from torchtitan.components.stop_signals import GRACE_EXPIRED_EXIT, StopSignals
 
 STUCK = """
@@ -17,6 +19,8 @@ time.sleep(60)  # a step or save that never finishes
 """
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_stop_that_cannot_finish_ends_at_the_grace_period():
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=60)
@@ -54,6 +58,8 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_ctrl_c_ends_the_stop_at_once():
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", CTRL_C_TWICE], capture_output=True, text=True, timeout=60)

@@ -285,6 +285,7 @@ def test_folder_whose_files_agree_loads_without_warning(hf_folder, tmp_path, cap
     assert tok.special_tokens == {t: BPE_SIZE + i for i, t in enumerate(SPECIALS)}
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("case", list(AS_TRANSFORMERS))
 def test_disagreeing_config_loads_as_transformers_loads_it(case, hf_folder, tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -529,6 +530,20 @@ def test_fetch_writes_a_loadable_folder(fetch, hf_folder, tiktoken_file, tmp_pat
         "tokenizer_config.json",
     ]
     assert Tokenizer(out / "original" / "tokenizer.model").kind == TIKTOKEN
+
+
+@pytest.mark.network
+def test_fetch_from_the_hub_writes_a_folder_that_trains(fetch, tmp_path, capsys):
+    """The real hub: Qwen3's tokenizer (not gated) is fetched, checked and loaded as training would; its
+    byte-level BPE round-trips text, and its end-of-text token is one id."""
+    out = tmp_path / "Qwen3-0.6B"
+    assert fetch.main(["Qwen/Qwen3-0.6B", "--out", str(out)]) == 0
+    assert f'model.tokenizer_path = "{out}"' in capsys.readouterr().out
+    tok = Tokenizer(out)
+    assert tok.kind == HF
+    text = "def f(x):\n    return x ** 2  # ü"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.token_to_id("<|endoftext|>") is not None
 
 
 # ---- end to end ----------------------------------------------------------------------------------

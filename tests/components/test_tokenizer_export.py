@@ -15,6 +15,8 @@ from helpers.launch import load_script
 from helpers.paths import MODEL, REPO
 from helpers.tokenizer_files import stdlib_texts
 
+pytestmark = [pytest.mark.hf]
+
 transformers = pytest.importorskip("transformers")
 
 # Source files, then what a byte-level or a sentencepiece split can get wrong: runs of spaces and tabs,

@@ -113,6 +113,7 @@ def test_defaults_and_off():
 # --- an async checkpoint's background write that never returns, in one process --------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_background_checkpoint_write_that_never_returns_ends_the_run(tmp_path):
     cmd = [
@@ -222,6 +223,7 @@ def _finish(folder: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
     return (folder / "output.log").read_text()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_rank_stopped_in_bursts_is_named(tmp_path):
     # The defaults' factor (1.5) over 3 windows of 2 steps: rank 1 runs 0.2 s of every 0.7 s. (The bad values'
@@ -248,6 +250,7 @@ def test_a_rank_stopped_in_bursts_is_named(tmp_path):
     assert "straggler: rank 0" not in out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_no_straggler_without_one_and_a_checkpoint_write_that_never_returns_ends_the_run(tmp_path):
     proc = _start(
@@ -290,6 +293,7 @@ def test_no_straggler_without_one_and_a_checkpoint_write_that_never_returns_ends
     assert not (tmp_path / "checkpoint" / "step-8").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_data_read_that_blocks_ends_the_run_naming_the_step(tmp_path):
     proc = _start(

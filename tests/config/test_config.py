@@ -658,6 +658,7 @@ def test_dataclasses_are_frozen():
         cfg.training = None
 
 
+@pytest.mark.multiprocess
 def test_import_does_not_import_torch():
     code = "import sys, torchtitan.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
@@ -722,6 +723,7 @@ def test_comm_trace_buf_size_is_0_or_more():
     assert load_config(["--comm.trace_buf_size", "0"]).comm.trace_buf_size == 0
 
 
+@pytest.mark.multiprocess
 def test_a_negative_comm_timeout_is_refused_before_launch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan.preflight", "--comm.train_timeout_seconds", "-5"],

@@ -110,6 +110,7 @@ def test_one_process_trains_in_bf16_under_autocast(singles, family):
     assert_trains(run, family)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_layouts_without_fsdp_train_in_bf16(singles, tmp_path_factory):
     runs = launch(two_process_jobs(), 2, tmp_path_factory.mktemp("bf16_layouts"))

@@ -17,7 +17,7 @@ import torch
 from helpers.launch import launch
 from helpers.paths import REPO, TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 STEPS, SAVED = 10, 5  # each run saves at SAVED; resumed runs continue from there to STEPS
 CKPT = [

@@ -24,7 +24,7 @@ from helpers.tiny_models import llama3_and_batch, materialized
 SPEC = get_model_spec("llama3")  # the family these tests exercise the components with
 Transformer = SPEC.model_cls
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.compile]
 
 ARGS, TOKENS = llama3_and_batch()
 TOL = 1e-5

@@ -122,6 +122,7 @@ def test_ulysses_degree_must_divide_heads_per_tp_rank():
         check_ulysses_degree(8, 1, 3)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cp_attention_matches_single_process_attention(tmp_path):
     out = tmp_path / "results.json"

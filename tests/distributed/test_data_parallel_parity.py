@@ -67,7 +67,7 @@ from helpers.data import mixture_corpus, short_documents_corpus
 from helpers.launch import FP32_TOL, PP2, SAVE3, launch, losses
 from helpers.paths import REPO, TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.compile]
 
 # bf16 parameters/compute against fp32: measured differences on this tiny model stay below 5e-3
 # over 6 steps (2.4e-3 at most, FSDP2 and HSDP); the tolerance leaves headroom while still catching a

@@ -26,7 +26,7 @@ from torchtitan.components.checkpoint import complete_checkpoints, verify_checkp
 from helpers.launch import processes_naming, read_metrics, worker_pids
 from helpers.paths import REPO, TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 TRIALS = 12
 REFERENCE_STEPS = 80

@@ -138,6 +138,8 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, baseline",
     [

@@ -43,7 +43,7 @@ from torchtitan.models.registry import get_model_spec
 from helpers.launch import launch, run_script
 from helpers.paths import MODEL, REPO, TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 transformers = pytest.importorskip("transformers")
 

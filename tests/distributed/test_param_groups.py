@@ -14,7 +14,7 @@ import pytest
 
 from helpers.launch import FP32_TOL, PP2, SAVE3, launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 GROUPS = ["--optimizer.param_groups", "tok_embeddings lr_mult=0.5,layers\\.1\\. lr_mult=2 weight_decay=0"]
 # The tied flavor at half the learning rate, as in test_data_parallel_parity (its gradient norm swings at 2e-3).

@@ -18,7 +18,7 @@ import pytest
 
 from helpers.launch import FP32_TOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 WORKER = Path(__file__).resolve().parent / "pp_worker.py"
 GRAD_NORM_RTOL = 1e-4

@@ -189,6 +189,8 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "cp2"])
 def test_parallel_layouts_match_one_process(runs, layout):
     from helpers.launch import losses
@@ -198,6 +200,7 @@ def test_parallel_layouts_match_one_process(runs, layout):
     assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-5, (ref, got)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_sinks_are_trained_and_change_the_losses(runs):
     from helpers.launch import losses

@@ -165,7 +165,7 @@ register_model(SPEC)
 
 # ---- the tests ------------------------------------------------------------------------------
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 THIS_FILE = str(Path(__file__).resolve())
 BASE = ["--experimental.custom_import", THIS_FILE, "--model.name", "tiny_nope", "--model.flavor", "debug"]

@@ -173,7 +173,7 @@ register_model(SPEC)
 
 # ---- the tests ------------------------------------------------------------------------------
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 BASE = [
     "--experimental.custom_import",

@@ -59,6 +59,8 @@ def test_partial_folders_are_never_loaded_and_are_cleared(straight, tmp_path):
     assert not (tmp_path / "checkpoint" / ".step-6.partial").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_write_errors_below_dcp_stop_the_run_with_a_message(tmp_path):
     """A real write error from the kernel inside DCP's writer (the file-size limit: EFBIG), in a
     subprocess: exit 2, one message, no traceback, no half-written folder left."""

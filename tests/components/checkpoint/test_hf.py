@@ -24,6 +24,7 @@ def tokens(args: ModelArgs) -> torch.Tensor:
     return torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("n_kv_heads", [2, None], ids=["gqa", "mha"])
 def test_export_matches_transformers_logits(tmp_path, n_kv_heads):
     transformers = pytest.importorskip("transformers")

@@ -37,6 +37,7 @@ def test_seed_checkpoint_starts_every_run(tmp_path):
     assert losses(from_seed)[0] == losses(plain_seed7)[0]
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize(
     "model, flavor, hf_class, extra",
     [

@@ -111,6 +111,8 @@ def test_datasetdict_without_a_train_split(tmp_path):
 # --- resume of streamed shards without reading them again ----------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("data_workers", [0, 2])
 def test_a_resume_skips_the_shards_it_has_read_without_reading_them(tmp_path, data_workers):
     """Compressed JSON lines have no document count until read. The state saves the counts learned by

@@ -128,6 +128,8 @@ def read_as_rank(mix, rank, dp, global_batch, steps, seq_len):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     pa = pytest.importorskip("pyarrow")
@@ -169,6 +171,8 @@ def test_at_dp_4_each_rank_reads_at_most_30_percent_of_the_corpus(tmp_path):
         assert rank["windows"] == whole["windows"][r::gb]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_token_folder_ranks_read_disjoint_document_ranges(tmp_path, monkeypatch):
     from torchtitan.components.data import token_folder
     from torchtitan.components.data.files import FilesSource as Files
@@ -245,6 +249,8 @@ def test_rank_0_checks_every_file_and_other_ranks_open_only_the_files_of_their_l
     assert opened == [0, 2, 3]  # the first file is checked by every rank
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_more_data_workers_than_lanes_start_one_per_lane_and_say_so(tmp_path, caplog):
     import logging
 
@@ -353,6 +359,7 @@ def test_an_epoch_covers_a_single_document_once(tmp_path, kind, shuffle):
     _covers_once(tmp_path, kind, shuffle)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("kind", ["arrow", "tokens", "datasets"])
 def test_other_readers_give_distinct_rows_and_cover_a_single_document_once(tmp_path, kind):
     for global_batch, dp in [(8, 2), (64, 1)]:

@@ -165,6 +165,8 @@ def test_a_source_that_runs_out_starts_its_next_epoch_in_a_new_order(corpus):
 # --- layouts, workers, resume ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_same_samples_under_every_layout_and_worker_count(corpus):
     reference = global_samples(mix_cfg(corpus, local_batch=8), 1, 6, 8)
     assert global_samples(mix_cfg(corpus, local_batch=4), 2, 6, 8) == reference

@@ -92,6 +92,8 @@ def test_shuffled_step_boundary_state_loads_under_other_dp_degrees(shuffled_docs
         assert shuffled_steps_from(state, path, dp, lb, gb, after) == steps_of(reference, gb, before, after), dp
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_shuffled_streams_permute_files_and_blocks_and_resume_exactly(tmp_path):
     files_docs = [random_docs(9 + k, seed=20 + k) for k in range(4)]
     folder = tmp_path / "gz"

@@ -117,6 +117,9 @@ def test_huggingface_without_datasets_installed(monkeypatch):
         make_loader("org/corpus", 8, 2, dataset="huggingface")
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.hf
 @pytest.mark.parametrize("data_workers", [0, 2])
 def test_a_resumed_datasets_stream_starts_at_its_saved_position_without_reading_before_it(tmp_path, data_workers):
     """datasets' own position (IterableDataset.state_dict) is saved with the data state: the resume starts

@@ -109,6 +109,8 @@ def lane_documents(docs, lanes, seed):
 # --- the same samples as the text pipeline ---------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("shuffle", [True, None])
 def test_same_samples_as_the_text_pipeline(corpus, dp, shuffle):
@@ -160,6 +162,8 @@ def test_the_token_folder_deals_each_document_to_one_lane_per_epoch_under_every_
     assert sorted(first_epoch) == sorted(d for d in corpus.docs if d)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_corpus_smaller_than_a_step_wraps_as_in_the_text_pipeline(tmp_path):
     """8 lanes (dp 4 x 2) on 4 documents, one unit each: the 2 lanes on a unit each read half of its
     tokens, so a lane's first window spans several epochs. The text pipeline on the same documents with
@@ -200,6 +204,8 @@ def test_a_corpus_smaller_than_a_step_wraps_as_in_the_text_pipeline(tmp_path):
         next(iter(loader("tokens", tmp_path / "small", 16, 4, 3)))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_streamed_source_in_stored_order_gives_the_same_samples_and_both_shuffle_by_default(tmp_path):
     """A compressed JSON lines source is a stream; its token folder has random access. In stored order
     one lane reads both alike. By default both are shuffled (every local file is): the first epoch is
@@ -221,6 +227,8 @@ def test_a_streamed_source_in_stored_order_gives_the_same_samples_and_both_shuff
         assert sorted(first) == sorted(framed) and first != framed, dataset
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_same_samples_with_the_real_tokenizer(tmp_path):
     from torchtitan.components.tokenizer import Tokenizer
 
@@ -354,6 +362,8 @@ def test_another_tokenizer_is_refused(corpus):
         loader("tokens", corpus.tokens, 16, tok=Other())
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_large_vocabulary_is_written_as_uint32(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(10, seed=3, lo=5))
     big = CharTokenizer(vocab_size=100_000)
@@ -373,6 +383,8 @@ def _files(folder):
     return {n: (folder / n).read_bytes() for n in ("tokens.bin", "docs.idx", "meta.json")}
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_stopped_pretokenize_resumes_to_the_same_output(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(50, seed=4, lo=0))
     assert tokenize(src, tmp_path / "part", max_chunks=3) is None
@@ -391,6 +403,8 @@ def test_stopped_pretokenize_resumes_to_the_same_output(tmp_path):
         tokenize(src, tmp_path / "other", tok=CharTokenizer(vocab_size=999))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_killed_pretokenize_script_resumes_to_the_same_output(tmp_path):
     """SIGKILL the real script mid-way: no meta.json; the same command finishes it, identical to a clean run."""
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(6000, seed=5, lo=100, hi=400))
@@ -487,6 +501,9 @@ def _write_docs(folder, docs, fmt):
     return folder
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.hf
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_a_datasets_stream_writes_the_tokens_of_the_same_files_read_locally(tmp_path, capsys, fmt):
     """--dataset huggingface on a local folder (datasets.load_dataset(folder, split="train", streaming=True),
@@ -615,6 +632,8 @@ def test_an_output_folder_that_cannot_be_created_is_refused_first(tmp_path, caps
         assert "give OUTPUT as a new folder in a place you can write to" in err
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_script_reports_a_bad_output_folder_without_a_traceback(tmp_path):
     (tmp_path / "file").write_text("x")
     src = write_jsonl(tmp_path / "d.jsonl", random_docs(5, seed=10, lo=1))
@@ -632,6 +651,8 @@ def test_the_script_reports_a_bad_output_folder_without_a_traceback(tmp_path):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_write_error_is_one_line_and_the_rerun_finishes(tmp_path, capsys):
     """A file size limit (EFBIG, as a full disk's ENOSPC) stops the run mid-way with one line; the same
     command then continues after the last complete chunk, to the bytes of a clean run."""

@@ -42,6 +42,8 @@ class PidRecordingTokenizer(CharTokenizer):
         return super().encode(text, bos, eos)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_path, shuffle):
     # The empty document keeps its index. Four lanes (four byte ranges of the file), three workers.
@@ -73,6 +75,8 @@ def test_data_workers_tokenize_in_other_processes_and_give_the_same_samples(tmp_
     assert all(lane_position(loader.state_dict(), p)["epoch"] == 2 for p in range(4))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_with_data_workers_the_state_is_the_streams_and_loads_under_any_worker_count(shuffled_docs):
     units, path = shuffled_docs
     gb, before, after = 8, 5, 4  # 72 windows of 17 tokens: an epoch boundary after the resume
@@ -90,6 +94,8 @@ def test_with_data_workers_the_state_is_the_streams_and_loads_under_any_worker_c
         assert got == steps_of(reference, gb, before, after), (dp, workers)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_bad_document_read_by_a_worker_fails_with_the_same_message_as_in_the_trainer(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = "".join(json.dumps({"text": d}) + "\n" for d in random_docs(60, seed=2))
@@ -113,6 +119,8 @@ def test_data_workers_are_refused_for_a_token_folder(tmp_path):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_workers_do_not_collect_an_abandoned_loader_they_inherit(tmp_path):
     """A loader dropped without being closed is garbage that the workers of the next one inherit by fork;
     had they collected it, its reader would run its shutdown in their process ("can only test a child
