@@ -1,5 +1,5 @@
 """scripts/validate_memory_estimate.py: the planner's memory estimate against the CPU allocator's
-measured peak, for a few rows of its table (the whole table is the script's to print: docs/planning.md).
+measured peak, for a few rows of its table (the whole table is the script's to print: docs/benchmarks.md).
 Within 10% for each: one process in float32, FSDP with the op checkpointing policy, a 1F1B pipeline
 over FSDP (whose stage keeps its unsharded gradients over the micro-batches), DeepSeek-V3 with
 multi-token prediction under FSDP, gpt-oss under FSDP, and the gathered ring of context parallel on one

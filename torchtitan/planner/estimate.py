@@ -98,9 +98,9 @@ def _cpu_matmul_peak(dtype: str, threads: int) -> float:
 
 
 # The fraction of the measured matmul peak a training step reaches on a CPU, by training dtype,
-# calibrated by scripts/validate_memory_estimate.py (its single-process float32 and FSDP 2 rows;
-# docs/planning.md has the figures). In bfloat16 the CPU's matrix units make matmuls fast and the rest of the step
-# (elementwise, norms, attention) dominates.
+# calibrated by scripts/validate_memory_estimate.py (its single-process float32 and FSDP 2 rows; the
+# figures are in docs/benchmarks.md#memory-and-step-time-estimates). In bfloat16 the CPU's matrix units make
+# matmuls fast and the rest of the step (elementwise, norms, attention) dominates.
 CPU_EFFICIENCY = {"float32": 0.44, "bfloat16": 0.061, "float16": 0.061}
 CPU_BANDWIDTH = 1.0e9
 

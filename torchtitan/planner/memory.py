@@ -57,7 +57,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # torch.cuda.max_memory_allocated, but on the device). CPU: a process's resident memory over the CPU
 # allocator's peak (glibc's heap, gloo, the interpreter) is 1.2x to 3.1x that peak for the debug
 # models, the most for DeepSeek-V3's many small routing tensors; 2x and 0.75 GiB bound every row of
-# scripts/validate_memory_estimate.py (docs/planning.md).
+# scripts/validate_memory_estimate.py (docs/benchmarks.md#memory-and-step-time-estimates).
 FRAGMENTATION = {"cuda": 1.10, "cpu": 2.0}
 RESERVED = {"cuda": 2 * GiB, "cpu": 3 * GiB // 4}
 
