@@ -25,6 +25,7 @@ def run_train(*args, env=None, timeout=300):
     return proc, time.monotonic() - start
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_process_run_with_inherited_recipe(tmp_path):
     recipe = tmp_path / "short.toml"
@@ -67,6 +68,7 @@ def test_two_process_run_with_inherited_recipe(tmp_path):
     )
 
 
+@pytest.mark.multiprocess
 def test_outside_the_projects_environment_the_launcher_says_how_to_enter_it(tmp_path):
     """run_train.sh without the venv active: a Python without the project's packages (here a bare venv), or no
     `python` at all, is one line saying how to activate the environment (before: an 18-line ModuleNotFoundError)."""
@@ -84,6 +86,7 @@ def test_outside_the_projects_environment_the_launcher_says_how_to_enter_it(tmp_
         assert "source .venv/bin/activate" in lines[0] and "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_before_training_starts_is_one_line(tmp_path):
     """Ctrl-C (SIGINT to the process group) while the launcher imports torch, and while its preflight waits on the
     data (a named pipe nobody writes: the launcher blocks opening it): exit status 130 and one line, no
@@ -123,6 +126,7 @@ def test_ctrl_c_before_training_starts_is_one_line(tmp_path):
         assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+@pytest.mark.multiprocess
 def test_help_lists_options():
     """--help shows what the job would run with (the recipe's and the command line's values beside the schema's
     defaults), the launch variables and every family's flavors."""
@@ -146,6 +150,7 @@ def test_help_lists_options():
 EMPTY = "empty.jsonl"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args, env, message",
     [
@@ -260,6 +265,7 @@ def test_data_that_cannot_train_is_refused_by_the_launcher_before_any_worker_sta
     assert "Traceback" not in err
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_every_rank_reports_an_error_under_plain_torchrun(tmp_path):
     # Without run_train.sh's pre-launch check, each rank finds the problem itself and exits non-zero.
@@ -375,6 +381,7 @@ def _wait_for_checkpoint(folder: Path, proc: subprocess.Popen, timeout: float = 
         time.sleep(0.2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     from torchtitan.components.checkpoint import complete_checkpoints, verify_checkpoint
@@ -412,6 +419,7 @@ def _worker_of_rank(folder: Path, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_train_timeout(tmp_path):
     """comm.train_timeout_seconds bounds every collective after the first step."""

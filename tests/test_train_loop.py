@@ -297,6 +297,7 @@ def test_skip_nonfinite_steps_drops_the_bad_step_only(tmp_path):
         )
 
 
+@pytest.mark.multiprocess
 def test_data_wait_is_measured_per_step(tmp_path):
     import time
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from helpers.launch import run_script
 from helpers.paths import TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 WORKER = Path(__file__).resolve().parent / "moe_worker.py"
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
