@@ -296,7 +296,8 @@ def test_a_diloco_sync_recomputes_the_precomputed_float8_scales(tmp_path):
 
         # The trainer's attributes that DiLoCo reads; no checkpoint, so it keeps no diloco/ files.
         no_checkpoint = types.SimpleNamespace(checkpoint=types.SimpleNamespace(enable_checkpoint=False))
-        trainer = types.SimpleNamespace(parts=[model], precompute_float8=True, rank=0, cfg=no_checkpoint)
+        run = types.SimpleNamespace(parts=[model], precompute_float8=True)  # the Trainer's RunContext
+        trainer = types.SimpleNamespace(ctx=run, rank=0, cfg=no_checkpoint)
         diloco = DiLoCo(FaultTolerance(enabled=True, group_count=2, sync="diloco", sync_every=2), trainer, 0)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():  # this group's inner steps since the last sync
